@@ -1,0 +1,1 @@
+"""Benchmarks: onceflow beside its peers, measured in the same run."""

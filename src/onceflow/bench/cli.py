@@ -1,0 +1,26 @@
+"""``onceflow bench ...`` sub-commands."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["add_bench_parser"]
+
+
+def add_bench_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmarks against the peers (not tests)")
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    a = bsub.add_parser("append", help="single-message appends at concurrency N: onceflow vs the Durable Streams reference server")
+    a.add_argument("--seconds", type=float, default=10.0, help="duration of each measurement (default: 10)")
+    a.add_argument("--concurrency", type=int, default=75, help="concurrent requests (default: 75)")
+    a.add_argument("--skip-reference", action="store_true", help="measure onceflow only")
+    a.add_argument("--recovery-gib", type=float, default=1.0, help="size of the log for the recovery-time measurement (0 to skip)")
+    a.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    a.set_defaults(func=_bench_append)
+
+
+def _bench_append(args: argparse.Namespace) -> int:
+    from .append import run
+
+    return run(args)

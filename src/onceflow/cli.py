@@ -1,0 +1,84 @@
+"""The ``onceflow`` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("ib")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def _run(coro: object) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)  # type: ignore[arg-type]
+    except ImportError:
+        asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server.run import serve
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.data.mkdir(parents=True, exist_ok=True)
+    try:
+        _run(
+            serve(
+                data=args.data,
+                host=args.host,
+                port=args.port,
+                fsync=args.fsync,
+                long_poll_timeout=args.long_poll_timeout,
+                max_body_bytes=args.max_body,
+                log_level=args.log_level,
+            )
+        )
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="onceflow", description="A durable stream log with exactly-once semantics.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the server (Durable Streams protocol over a local segment log)",
+                       description="Serve streams at http://HOST:PORT/v1/stream/<name>, stored crash-safely under --data.")
+    s.add_argument("--data", type=Path, default=Path("./onceflow-data"), help="data directory (default: ./onceflow-data)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=4437, help="port (default: 4437, the protocol's port; 0 picks a free one)")
+    s.add_argument("--fsync", choices=["always", "interval", "never"], default="always",
+                   help="always: acknowledge appends only after fsync, one fsync shared by concurrent appends (default); "
+                        "interval: fsync every second; never: leave it to the OS")
+    s.add_argument("--long-poll-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="how long a long-poll or idle SSE read waits for data (default: 20)")
+    s.add_argument("--max-body", type=_size, default=64 << 20, metavar="BYTES",
+                   help="largest request body accepted, e.g. 64MiB (default); larger bodies get 413")
+    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=cmd_serve)
+
+    from .bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,727 @@
+"""Streams, idempotent producers, forks and expiry over the storage layer.
+
+The broker knows the protocol's semantics but not HTTP: every operation returns an
+:class:`Outcome` whose ``kind`` names what happened, and ``onceflow.server`` maps kinds to status
+codes and headers in one table.
+
+Concurrency: everything runs on one event loop. An append validates and stages its batch without
+awaiting in between, so validation + append is serialised per stream (and therefore per
+``(stream, producer)``, as the protocol requires). It then awaits durability.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+
+from ..storage.batch import FLAG_CLOSE, FLAG_JSON, CorruptBatch
+from ..storage.log import FsyncPolicy, InvalidPosition, ReadBatch, StreamLog
+from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
+from ..storage.position import Position, parse_token
+from .jsonmode import JsonError, encode_messages, split_messages
+
+__all__ = [
+    "MAX_NAME_BYTES",
+    "Broker",
+    "Outcome",
+    "ProducerHeaders",
+    "ReadResult",
+    "Stream",
+    "normalize_content_type",
+    "validate_name",
+]
+
+log = logging.getLogger("onceflow.broker")
+
+MAX_NAME_BYTES = 1024
+MAX_SAFE_INT = 2**53 - 1
+_CONTENT_TYPE = re.compile(r"^[\w.+-]+/[\w.+-]+")
+_TTL = re.compile(r"^(0|[1-9][0-9]*)$")
+ZERO = Position(0, 0)
+
+
+def normalize_content_type(ct: str | None) -> str:
+    """The media type alone, lower-cased: ``Application/JSON; charset=utf-8`` → ``application/json``."""
+    if not ct:
+        return ""
+    return ct.split(";", 1)[0].strip().lower()
+
+
+def validate_name(name: str) -> str | None:
+    """None when ``name`` is an acceptable stream name, else what is wrong with it.
+
+    Names are paths of ``/``-separated segments. They never reach the file system (a stream's
+    directory is named by a hash of its name), but names that look like escapes are refused anyway
+    so that no client can be confused about what they address.
+    """
+    if not name:
+        return "stream name is empty"
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        return f"stream name is longer than {MAX_NAME_BYTES} bytes"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        return "stream name contains a NUL or control character"
+    if name.startswith("/") or name.endswith("/"):
+        return "stream name must not start or end with '/'"
+    for seg in name.split("/"):
+        if seg in ("", ".", ".."):
+            return "stream name has an empty, '.' or '..' segment"
+    if "\\" in name:
+        return "stream name must not contain a backslash"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerHeaders:
+    producer_id: str
+    epoch: int
+    seq: int
+
+
+OutcomeKind = Literal[
+    "created",
+    "exists",
+    "appended",
+    "duplicate",
+    "closed_now",
+    "already_closed",
+    "stream_closed",
+    "stale_epoch",
+    "invalid_epoch_seq",
+    "sequence_gap",
+    "content_type_mismatch",
+    "stream_seq_conflict",
+    "tail_mismatch",
+    "config_conflict",
+    "bad_request",
+    "not_found",
+    "gone",
+    "deleted",
+    "unavailable",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What an operation did, in the broker's words. ``detail`` is a sentence for the client."""
+
+    kind: OutcomeKind
+    stream: Stream | None = None
+    next: Position | None = None
+    closed: bool = False
+    epoch: int | None = None
+    seq: int | None = None
+    expected_seq: int | None = None
+    received_seq: int | None = None
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class ReadResult:
+    batches: list[ReadBatch]
+    next: Position
+    up_to_date: bool
+    closed: bool  # closed and the reader has reached the final offset
+
+
+@dataclass(eq=False)
+class Stream:
+    """One live stream: its metadata, its own log and, for a fork, its parent."""
+
+    meta: StreamMeta
+    directory: Path
+    log: StreamLog
+    parent: Stream | None = None
+    forks: int = 0
+    last_access: float = field(default_factory=time.monotonic)
+    waiters: set[asyncio.Future[None]] = field(default_factory=set)
+    deleted: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.meta.name
+
+    @property
+    def is_json(self) -> bool:
+        return normalize_content_type(self.meta.content_type) == "application/json"
+
+    @property
+    def tail(self) -> Position:
+        return self.log.durable.end
+
+    @property
+    def closed(self) -> bool:
+        return self.log.durable.closed
+
+    def touch(self) -> None:
+        self.last_access = time.monotonic()
+
+    def expired(self) -> bool:
+        if self.meta.expires_at_epoch is not None and time.time() >= self.meta.expires_at_epoch:
+            return True
+        ttl = self.meta.ttl_seconds
+        return ttl is not None and time.monotonic() >= self.last_access + ttl
+
+    def notify(self) -> None:
+        for fut in self.waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self.waiters.clear()
+
+    # -- reads across the fork chain
+
+    def check_position(self, at: Position) -> None:
+        if at.pos < self.log.base.pos:
+            if self.parent is None:
+                raise InvalidPosition(f"offset {at.token()} is outside this stream")
+            if at.offset > self.log.base.offset:
+                raise InvalidPosition(f"offset {at.token()} is not a record boundary of this stream")
+            self.parent.check_position(at)
+        else:
+            self.log.check_position(at)
+
+    def read_range(self, at: Position, max_bytes: int, limit: Position | None = None) -> list[ReadBatch]:
+        if at.pos < self.log.base.pos and self.parent is not None:
+            cap = self.log.base if limit is None or limit.pos > self.log.base.pos else limit
+            batches = self.parent.read_range(at, max_bytes, cap)
+            used = sum(b.end.pos - b.start.pos for b in batches)
+            if batches and batches[-1].end.pos >= self.log.base.pos and used < max_bytes and (limit is None or limit.pos > self.log.base.pos):
+                batches += self.log.read(self.log.base, max_bytes - used, limit)
+            return batches
+        return self.log.read(at, max_bytes, limit)
+
+
+class Broker:
+    """All streams under one data directory."""
+
+    def __init__(
+        self,
+        data_dir: Path | str,
+        *,
+        fsync: FsyncPolicy = "always",
+        segment_bytes: int = 64 << 20,
+        max_read_bytes: int = 4 << 20,
+        fsync_interval: float = 1.0,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.streams_dir = self.data_dir / "streams"
+        self.trash_dir = self.data_dir / "trash"
+        self.fsync: FsyncPolicy = fsync
+        self.segment_bytes = segment_bytes
+        self.max_read_bytes = max_read_bytes
+        self.fsync_interval = fsync_interval
+        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="onceflow-io")
+        self.streams: dict[str, Stream] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def open(self) -> None:
+        """Recover every stream from disk. Call before serving; blocking."""
+        self.streams_dir.mkdir(parents=True, exist_ok=True)
+        self.trash_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in self.trash_dir.iterdir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        metas: list[tuple[StreamMeta, Path]] = []
+        for d in sorted(self.streams_dir.iterdir()):
+            if not (d / META_NAME).exists():
+                log.warning("removing %s: its creation never completed", d)
+                shutil.rmtree(d, ignore_errors=True)
+                continue
+            try:
+                metas.append((read_meta(d), d))
+            except (OSError, ValueError, TypeError) as exc:
+                log.error("skipping stream directory %s: unreadable metadata: %s", d, exc)
+        for meta, d in metas:
+            slog = StreamLog.open(
+                d, meta.base, policy=self.fsync, segment_bytes=self.segment_bytes, executor=self.executor
+            )
+            self._register(Stream(meta, d, slog))
+        for s in self.streams.values():
+            if s.meta.fork_parent is not None:
+                s.parent = self.streams.get(s.meta.fork_parent)
+                if s.parent is None:
+                    log.error("fork %r lost its parent %r", s.name, s.meta.fork_parent)
+                else:
+                    s.parent.forks += 1
+
+    def start_background(self) -> None:
+        """Start the expiry sweeper (and the sync timer for the ``interval`` policy)."""
+        self._spawn(self._sweep_loop())
+        if self.fsync == "interval":
+            self._spawn(self._sync_loop())
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        self._closing = True
+        for t in list(self._tasks):
+            t.cancel()
+        for s in self.streams.values():
+            s.notify()
+            await s.log.close()
+        self.executor.shutdown(wait=True)
+
+    def _register(self, s: Stream) -> None:
+        self.streams[s.name] = s
+        s.log.add_listener(s.notify)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            for s in list(self.streams.values()):
+                if not s.meta.soft_deleted and s.expired():
+                    self._expire(s)
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.fsync_interval)
+            for s in list(self.streams.values()):
+                with contextlib.suppress(OSError):
+                    await s.log.sync()
+
+    # ------------------------------------------------------------------ lookup
+
+    def get(self, name: str) -> Stream | None:
+        """The stream at ``name`` (soft-deleted ones included), or None; expires lazily."""
+        s = self.streams.get(name)
+        if s is not None and not s.meta.soft_deleted and s.expired():
+            self._expire(s)
+            s = self.streams.get(name)
+        return s
+
+    def list(self, prefix: str = "") -> Iterator[Stream]:
+        for name in sorted(self.streams):
+            s = self.streams[name]
+            if name.startswith(prefix) and not s.meta.soft_deleted:
+                yield s
+
+    def _dir_for(self, name: str) -> Path:
+        return self.streams_dir / hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+    # ------------------------------------------------------------------ create
+
+    def create(
+        self,
+        name: str,
+        *,
+        content_type: str | None,
+        ttl: str | None = None,
+        expires_at: str | None = None,
+        closed: bool = False,
+        body: bytes = b"",
+        fork_from: str | None = None,
+        fork_offset: str | None = None,
+        fork_sub_offset: str | None = None,
+    ) -> Outcome:
+        """Create a stream, or confirm an identical one exists (PUT semantics)."""
+        problem = validate_name(name)
+        if problem:
+            return Outcome("bad_request", detail=problem)
+        if ttl is not None and expires_at is not None:
+            return Outcome("bad_request", detail="give Stream-TTL or Stream-Expires-At, not both")
+        ttl_seconds: int | None = None
+        if ttl is not None:
+            if not _TTL.match(ttl) or int(ttl) > MAX_SAFE_INT:
+                return Outcome("bad_request", detail=f"Stream-TTL must be a non-negative integer of seconds, got {ttl!r}")
+            ttl_seconds = int(ttl)
+        expires_epoch: float | None = None
+        if expires_at is not None:
+            expires_epoch = _parse_rfc3339(expires_at)
+            if expires_epoch is None:
+                return Outcome("bad_request", detail=f"Stream-Expires-At is not an RFC 3339 timestamp: {expires_at!r}")
+        sub_offset = 0
+        if fork_sub_offset is not None:
+            if fork_from is None:
+                return Outcome("bad_request", detail="Stream-Fork-Sub-Offset requires Stream-Forked-From")
+            if not _TTL.match(fork_sub_offset) or int(fork_sub_offset) > MAX_SAFE_INT:
+                return Outcome("bad_request", detail="Stream-Fork-Sub-Offset must be a non-negative integer")
+            sub_offset = int(fork_sub_offset)
+        fork_pos: Position | None = None
+        if fork_offset is not None:
+            if fork_from is None:
+                return Outcome("bad_request", detail="Stream-Fork-Offset requires Stream-Forked-From")
+            fork_pos = parse_token(fork_offset)
+            if fork_pos is None:
+                return Outcome("bad_request", detail=f"Stream-Fork-Offset is not a valid offset: {fork_offset!r}")
+        if content_type is not None and not _CONTENT_TYPE.match(content_type.strip()):
+            content_type = None
+
+        existing = self.get(name)
+        if existing is not None:
+            if existing.meta.soft_deleted:
+                return Outcome(
+                    "config_conflict",
+                    detail="a deleted stream with live forks still holds this name; delete its forks first",
+                )
+            m = existing.meta
+            want_ct = content_type or (m.content_type if fork_from else "application/octet-stream")
+            expiry_same = (ttl_seconds, expires_at) == (m.ttl_seconds, m.expires_at) or (
+                m.expiry_inherited and ttl_seconds is None and expires_at is None
+            )
+            same = (
+                normalize_content_type(want_ct) == normalize_content_type(m.content_type)
+                and expiry_same
+                and closed == existing.closed
+                and fork_from == m.fork_parent
+                and (fork_pos is None or fork_pos == m.base)
+                and sub_offset == m.fork_sub_offset
+            )
+            if same:
+                return Outcome("exists", stream=existing, next=existing.tail, closed=existing.closed)
+            return Outcome("config_conflict", stream=existing, detail="a stream with a different configuration exists at this name")
+
+        parent: Stream | None = None
+        inherited = False
+        base = ZERO
+        prefix: tuple[bytes, int] | None = None
+        if fork_from is not None:
+            parent = self.get(fork_from)
+            if parent is None:
+                return Outcome("not_found", detail=f"the stream to fork, {fork_from!r}, does not exist")
+            if parent.meta.soft_deleted:
+                return Outcome("config_conflict", detail=f"the stream to fork, {fork_from!r}, was deleted")
+            if content_type is not None and normalize_content_type(content_type) != normalize_content_type(parent.meta.content_type):
+                return Outcome("config_conflict", detail="a fork's content type must match its source's")
+            content_type = parent.meta.content_type
+            base = fork_pos if fork_pos is not None else parent.tail
+            if base > parent.tail or base.pos > parent.tail.pos:
+                return Outcome("bad_request", detail="Stream-Fork-Offset is beyond the end of the source stream")
+            try:
+                parent.check_position(base)
+            except InvalidPosition as exc:
+                return Outcome("bad_request", detail=f"Stream-Fork-Offset: {exc}")
+            if sub_offset:
+                prefix_or_error = self._fork_prefix(parent, base, sub_offset)
+                if isinstance(prefix_or_error, str):
+                    return Outcome("bad_request", detail=prefix_or_error)
+                prefix = prefix_or_error
+            if ttl_seconds is None and expires_at is None:
+                inherited = True
+                ttl_seconds = parent.meta.ttl_seconds
+                expires_at, expires_epoch = parent.meta.expires_at, parent.meta.expires_at_epoch
+        content_type = content_type or "application/octet-stream"
+        is_json = normalize_content_type(content_type) == "application/json"
+
+        payload, count = body, 1
+        if is_json and body:
+            try:
+                payload, count = encode_messages(body, allow_empty=True)
+            except JsonError as exc:
+                return Outcome("bad_request", detail=str(exc))
+        elif not body:
+            count = 0
+
+        meta = StreamMeta(
+            name=name,
+            content_type=content_type,
+            created_ms=int(time.time() * 1000),
+            ttl_seconds=ttl_seconds,
+            expires_at=expires_at,
+            expires_at_epoch=expires_epoch,
+            fork_parent=fork_from,
+            fork_offset=(base.offset, base.pos) if fork_from is not None else None,
+            fork_sub_offset=sub_offset,
+            expiry_inherited=inherited,
+        )
+        directory = self._dir_for(name)
+        if directory.exists():  # debris of an expired or unfinished stream
+            self._trash(directory)
+        flags = FLAG_JSON if is_json else 0
+        try:
+            slog = StreamLog.open(
+                directory, base, policy=self.fsync, segment_bytes=self.segment_bytes, executor=self.executor
+            )
+            initial = [(p, c, flags) for p, c in ([prefix] if prefix else []) if c or p]
+            if count:
+                initial.append((payload, count, flags))
+            if closed:
+                if initial:
+                    p, c, f = initial[-1]
+                    initial[-1] = (p, c, f | FLAG_CLOSE)
+                else:
+                    initial.append((b"", 0, flags | FLAG_CLOSE))
+            slog.write_initial(initial)
+            write_meta(directory, meta)
+        except OSError as exc:
+            shutil.rmtree(directory, ignore_errors=True)
+            return Outcome("unavailable", detail=f"could not create the stream on disk: {exc.strerror}")
+        stream = Stream(meta, directory, slog, parent=parent)
+        if parent is not None:
+            parent.forks += 1
+        self._register(stream)
+        return Outcome("created", stream=stream, next=stream.tail, closed=stream.closed)
+
+    def _fork_prefix(self, parent: Stream, base: Position, sub: int) -> tuple[bytes, int] | str:
+        batches = parent.read_range(base, 1) if base != parent.tail else []
+        if not batches:
+            return "Stream-Fork-Sub-Offset points past the end of the source stream"
+        payload = batches[0].payload
+        if parent.is_json:
+            msgs = split_messages(payload)
+            if sub > len(msgs):
+                return "Stream-Fork-Sub-Offset is past the next message boundary"
+            return b"".join(m + b"," for m in msgs[:sub]), sub
+        if sub > len(payload):
+            return "Stream-Fork-Sub-Offset is past the next data boundary"
+        return payload[:sub], 1
+
+    # ------------------------------------------------------------------ append / close
+
+    def _live(self, name: str) -> Stream | Outcome:
+        s = self.get(name)
+        if s is None:
+            return Outcome("not_found", detail=f"no stream named {name!r}")
+        if s.meta.soft_deleted:
+            return Outcome("gone", detail=f"stream {name!r} was deleted")
+        return s
+
+    async def append(
+        self,
+        name: str,
+        body: bytes,
+        *,
+        content_type: str | None,
+        close: bool = False,
+        producer: ProducerHeaders | None = None,
+        stream_seq: str | None = None,
+        if_match: Position | None = None,
+    ) -> Outcome:
+        """Append ``body`` (and/or close the stream). Resolves once the batch is durable."""
+        found = self._live(name)
+        if isinstance(found, Outcome):
+            return found
+        s = found
+        s.touch()
+        log_ = s.log
+        pending = log_.pending
+
+        # Step 1: a closed stream accepts only a retry of the request that closed it.
+        if pending.closed:
+            if producer is not None and pending.closed_by == (producer.producer_id, producer.epoch, producer.seq):
+                return await self._settle_duplicate(s, producer, closed=True)
+            if close and not body and producer is None:
+                await self._await_end(s, pending.end)
+                return Outcome("already_closed", stream=s, next=pending.end, closed=True)
+            return Outcome("stream_closed", stream=s, next=pending.end, closed=True, detail="the stream is closed")
+
+        # Step 2: the content type must match (not checked for close-only requests).
+        if body and normalize_content_type(content_type) != normalize_content_type(s.meta.content_type):
+            return Outcome(
+                "content_type_mismatch",
+                stream=s,
+                detail=f"this stream holds {s.meta.content_type}, the request sent {content_type}",
+            )
+
+        # Step 3: idempotent producer validation (client-declared epoch, server-validated).
+        if producer is not None:
+            state = log_.producer(producer.producer_id)
+            if state is not None:
+                if producer.epoch < state.epoch:
+                    return Outcome("stale_epoch", stream=s, epoch=state.epoch, detail="stale producer epoch: a newer epoch has claimed this producer id")
+                if producer.epoch == state.epoch and producer.seq <= state.last_seq:
+                    return await self._settle_duplicate(s, producer, closed=False)
+                if producer.epoch == state.epoch and producer.seq > state.last_seq + 1:
+                    return Outcome(
+                        "sequence_gap", stream=s, expected_seq=state.last_seq + 1, received_seq=producer.seq,
+                        detail=f"producer sequence gap: expected {state.last_seq + 1}, got {producer.seq}",
+                    )
+            if (state is None or producer.epoch > state.epoch) and producer.seq != 0:
+                if state is None:
+                    return Outcome(
+                        "sequence_gap", stream=s, expected_seq=0, received_seq=producer.seq,
+                        detail=f"producer sequence gap: a new producer starts at 0, got {producer.seq}",
+                    )
+                return Outcome("invalid_epoch_seq", stream=s, detail="a new producer epoch must start at sequence 0")
+
+        # Step 4: optimistic concurrency (If-Match names the tail the writer expects).
+        if if_match is not None and if_match != pending.end:
+            return Outcome("tail_mismatch", stream=s, next=pending.end, detail="the stream's tail is not the one given in If-Match")
+
+        # Step 5: Stream-Seq must grow strictly (byte-wise).
+        sseq = stream_seq.encode() if stream_seq is not None else None
+        if sseq is not None and pending.stream_seq is not None and sseq <= pending.stream_seq:
+            return Outcome("stream_seq_conflict", stream=s, detail=f"Stream-Seq {stream_seq!r} is not greater than the last one")
+
+        # Step 6: frame the payload.
+        payload, count, flags = body, (1 if body else 0), 0
+        if s.is_json:
+            flags |= FLAG_JSON
+            if body:
+                try:
+                    payload, count = encode_messages(body, allow_empty=False)
+                except JsonError as exc:
+                    return Outcome("bad_request", stream=s, detail=str(exc))
+        if close:
+            flags |= FLAG_CLOSE
+
+        # Step 7: stage at the pending tail, then wait for durability.
+        staged = log_.stage(
+            count=count,
+            payload=payload,
+            flags=flags,
+            producer_id=producer.producer_id if producer else None,
+            epoch=producer.epoch if producer else -1,
+            first_seq=producer.seq if producer else -1,
+            last_seq=producer.seq if producer else -1,
+            stream_seq=sseq,
+        )
+        try:
+            await staged.done
+        except OSError as exc:
+            return Outcome("unavailable", stream=s, detail=f"the append was not stored: {exc.strerror or exc}")
+        kind: OutcomeKind = "closed_now" if close and not body else "appended"
+        return Outcome(
+            kind,
+            stream=s,
+            next=staged.end,
+            closed=close,
+            epoch=producer.epoch if producer else None,
+            seq=producer.seq if producer else None,
+        )
+
+    async def _await_end(self, s: Stream, end: Position) -> None:
+        """Wait until ``end`` is durable (a retry may overtake the original's fsync)."""
+        while s.log.durable.end.pos < end.pos and s.log.pending.end.pos >= end.pos and not s.deleted:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            s.waiters.add(fut)
+            await fut
+
+    async def _settle_duplicate(self, s: Stream, producer: ProducerHeaders, *, closed: bool) -> Outcome:
+        """Answer a retry with the original's result, once the original is durable."""
+        state = s.log.producer(producer.producer_id)
+        assert state is not None
+        entry = state.find(producer.seq)
+        end = entry.end if entry is not None else s.log.pending.end
+        await self._await_end(s, end)
+        durable = s.log.durable_producer(producer.producer_id)
+        if durable is None or (durable.epoch, durable.last_seq) < (producer.epoch, producer.seq):
+            return Outcome("unavailable", stream=s, detail="the original append failed; retry it")
+        return Outcome(
+            "duplicate",
+            stream=s,
+            next=entry.end if entry is not None else s.tail,
+            closed=closed or s.closed,
+            epoch=producer.epoch,
+            seq=durable.last_seq if durable.epoch == producer.epoch else producer.seq,
+        )
+
+    # ------------------------------------------------------------------ delete
+
+    def delete(self, name: str) -> Outcome:
+        found = self._live(name)
+        if isinstance(found, Outcome):
+            return found
+        self._delete(found)
+        return Outcome("deleted")
+
+    def _delete(self, s: Stream) -> None:
+        if s.forks > 0:
+            s.meta.soft_deleted = True
+            try:
+                write_meta(s.directory, s.meta)
+            except OSError as exc:
+                log.error("could not persist soft delete of %r: %s", s.name, exc)
+            s.notify()
+            return
+        self.streams.pop(s.name, None)
+        s.deleted = True
+        s.log.close_files()
+        s.notify()
+        self._trash(s.directory)
+        parent = s.parent
+        if parent is not None:
+            parent.forks -= 1
+            if parent.forks == 0 and parent.meta.soft_deleted:
+                self._delete(parent)
+
+    def _expire(self, s: Stream) -> None:
+        log.info("stream %r expired", s.name)
+        self._delete(s)
+
+    def _trash(self, directory: Path) -> None:
+        target = self.trash_dir / f"{directory.name}-{uuid.uuid4().hex}"
+        try:
+            os.replace(directory, target)
+        except OSError as exc:
+            log.error("could not move %s to the trash: %s", directory, exc)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            shutil.rmtree(target, ignore_errors=True)
+            return
+        loop.run_in_executor(self.executor, shutil.rmtree, target, True)
+
+    # ------------------------------------------------------------------ reads
+
+    def resolve_start(self, s: Stream, offset: str | None) -> Position | str:
+        """The position a read's ``offset`` parameter names, or what is wrong with it."""
+        if offset is None or offset == "-1":
+            return ZERO if s.parent is not None or s.log.base == ZERO else s.log.base
+        if offset == "now":
+            return s.tail
+        at = parse_token(offset)
+        if at is None:
+            return f"offset {offset!r} is not an offset this server issued"
+        if at.pos > s.tail.pos or at.offset > s.tail.offset:
+            return f"offset {offset!r} is beyond the end of the stream"
+        try:
+            s.check_position(at)
+        except InvalidPosition as exc:
+            return str(exc)
+        return at
+
+    def read(self, s: Stream, at: Position, max_bytes: int | None = None) -> ReadResult:
+        """Durable data from ``at``: at most about ``max_bytes`` (server default otherwise)."""
+        tail = s.tail
+        batches: list[ReadBatch] = []
+        if at.pos < tail.pos:
+            try:
+                batches = s.read_range(at, max_bytes or self.max_read_bytes)
+            except CorruptBatch as exc:  # only reachable through a forged offset
+                log.warning("read of %r at %s: %s", s.name, at.token(), exc)
+                raise InvalidPosition(f"offset {at.token()} is not a record boundary of this stream") from None
+        nxt = batches[-1].end if batches else at
+        up_to_date = nxt == tail
+        return ReadResult(batches, nxt, up_to_date, up_to_date and s.closed)
+
+    async def wait(self, s: Stream, after: Position, timeout: float) -> bool:
+        """Wait until the stream has data past ``after``, closes or goes away. False on timeout."""
+        if s.tail != after or s.closed or s.deleted or s.meta.soft_deleted or self._closing:
+            return True
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        s.waiters.add(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            s.waiters.discard(fut)
+
+
+def _parse_rfc3339(text: str) -> float | None:
+    if not re.match(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$", text):
+        return None
+    try:
+        dt = datetime.fromisoformat(text.replace("z", "Z").replace("t", "T"))
+    except ValueError:
+        return None
+    return dt.timestamp()

@@ -1,0 +1,57 @@
+"""JSON-mode framing: validate an append, flatten one array level, store compact texts."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["JsonError", "encode_messages", "wrap_payloads"]
+
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+class JsonError(ValueError):
+    """The body is not acceptable JSON for this operation; the message says why."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise JsonError(f"{name} is not valid JSON")
+
+
+def encode_messages(body: bytes, *, allow_empty: bool) -> tuple[bytes, int]:
+    """Stored payload and message count for a JSON body.
+
+    A top-level array is flattened one level (each element is a message); any other value is one
+    message. ``[]`` is an error for appends and an empty stream for creates (``allow_empty``).
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise JsonError(f"body is not UTF-8: {exc}") from None
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except JsonError:
+        raise
+    except ValueError as exc:
+        raise JsonError(f"invalid JSON: {exc}") from None
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        if allow_empty:
+            return b"", 0
+        raise JsonError("an empty JSON array appends nothing; send at least one message")
+    return "".join(_dumps(item) + "," for item in items).encode(), len(items)
+
+
+def wrap_payloads(payloads: list[bytes]) -> bytes:
+    """Join stored JSON payloads into one JSON array."""
+    joined = b"".join(payloads)
+    if not joined:
+        return b"[]"
+    return b"[" + joined[:-1] + b"]"
+
+
+def split_messages(payload: bytes) -> list[bytes]:
+    """The individual message texts of one stored JSON payload."""
+    if not payload:
+        return []
+    return [_dumps(v).encode() for v in json.loads(b"[" + payload[:-1] + b"]")]

@@ -1,0 +1,549 @@
+"""The Durable Streams protocol over HTTP, as an ASGI application.
+
+Streams live at ``/v1/stream/<name>``. This module parses requests, calls the broker and turns its
+:class:`~onceflow.core.broker.Outcome` into a response in one place (:func:`_outcome_response`).
+It knows nothing of files. Extensions beyond the protocol are documented in ``docs/protocol.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import math
+import random
+import re
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs
+
+from ..core.broker import Broker, Outcome, ProducerHeaders, ReadResult, Stream
+from ..core.jsonmode import wrap_payloads
+from ..storage.log import InvalidPosition
+from ..storage.position import Position, parse_token
+
+__all__ = ["App", "AppConfig"]
+
+log = logging.getLogger("onceflow.server")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+PREFIX = "/v1/stream/"
+MAX_SAFE_INT = 2**53 - 1
+_DIGITS = re.compile(r"^[0-9]+$")
+_LINES = re.compile(r"\r\n|\r|\n")
+CURSOR_EPOCH = 1728432000.0  # 2024-10-09T00:00:00Z, the protocol's default cursor epoch
+CURSOR_INTERVAL = 20
+
+_EXPOSE = (
+    "Stream-Next-Offset, Stream-Cursor, Stream-Up-To-Date, Stream-Closed, Stream-TTL, Stream-Expires-At, "
+    "Producer-Epoch, Producer-Seq, Producer-Expected-Seq, Producer-Received-Seq, Stream-SSE-Data-Encoding, "
+    "ETag, Content-Type, Location"
+)
+_ALLOW_HEADERS = (
+    "Content-Type, Authorization, Stream-Seq, Stream-TTL, Stream-Expires-At, Stream-Closed, Producer-Id, "
+    "Producer-Epoch, Producer-Seq, Stream-Forked-From, Stream-Fork-Offset, Stream-Fork-Sub-Offset, "
+    "If-None-Match, If-Match, Cache-Control"
+)
+COMMON = [
+    (b"access-control-allow-origin", b"*"),
+    (b"access-control-expose-headers", _EXPOSE.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"cross-origin-resource-policy", b"cross-origin"),
+]
+
+
+@dataclass(slots=True)
+class AppConfig:
+    long_poll_timeout: float = 20.0
+    max_body_bytes: int = 64 << 20
+    sse_max_seconds: float = 60.0
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, code: str = "bad_request") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+def _h(name: str, value: str | int) -> tuple[bytes, bytes]:
+    return (name.encode(), str(value).encode())
+
+
+def _error(status: int, code: str, message: str, extra: list[tuple[bytes, bytes]] | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    headers = [(b"content-type", b"application/json"), *(extra or [])]
+    return status, headers, body
+
+
+def make_cursor(client_cursor: str | None) -> str:
+    """The protocol's interval cursor, strictly greater than any cursor the client echoes."""
+    current = int((time.time() - CURSOR_EPOCH) // CURSOR_INTERVAL)
+    if client_cursor and _DIGITS.match(client_cursor):
+        given = int(client_cursor)
+        if given >= current:
+            jitter = random.randint(1, 3600)  # noqa: S311 - cache-busting, not security
+            return str(given + max(1, math.ceil(jitter / CURSOR_INTERVAL)))
+    return str(current)
+
+
+class App:
+    """ASGI application serving one :class:`Broker`."""
+
+    def __init__(self, broker: Broker, config: AppConfig | None = None) -> None:
+        self.broker = broker
+        self.config = config or AppConfig()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if kind != "http":
+            return
+        try:
+            await self._http(scope, receive, send)
+        except Exception:
+            log.exception("unhandled error for %s %s", scope.get("method"), scope.get("path"))
+            status, headers, body = _error(500, "internal", "internal server error")
+            await _send(send, status, headers, body)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                self.broker.start_background()
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.broker.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method: str = scope["method"]
+        path: str = scope["path"]
+        headers: dict[str, str] = {}
+        for k, v in scope["headers"]:
+            key = k.decode("latin-1")
+            if key not in headers:
+                headers[key] = v.decode("latin-1")
+        if method == "OPTIONS":
+            await _send(send, 204, [
+                (b"access-control-allow-methods", b"GET, POST, PUT, DELETE, HEAD, OPTIONS"),
+                (b"access-control-allow-headers", _ALLOW_HEADERS.encode()),
+                (b"access-control-max-age", b"86400"),
+            ], b"")
+            return
+        if not path.startswith(PREFIX):
+            status, h, body = _error(404, "not_found", f"no such resource: streams live under {PREFIX}<name>")
+            await _send(send, status, h, b"" if method == "HEAD" else body)
+            return
+        name = path[len(PREFIX):]
+        try:
+            if name == "__ds" or name.startswith("__ds/"):
+                raise BadRequest("the reserved __ds control APIs (subscriptions) are not supported by this server", 404, "not_found")
+            if method == "GET":
+                await self._get(name, scope, headers, receive, send)
+                return
+            if method == "HEAD":
+                status, h, body = self._head(name)
+                await _send(send, status, h, b"")
+                return
+            if method == "PUT":
+                body = await self._body(headers, receive)
+                status, h, body = self._put(name, headers, body)
+                if status == 201:
+                    host = headers.get("host") or "%s:%s" % tuple(scope.get("server") or ("127.0.0.1", 4437))
+                    h.append((b"location", f"{scope.get('scheme', 'http')}://{host}{PREFIX}{name}".encode()))
+            elif method == "POST":
+                status, h, body = await self._post(name, headers, receive)
+            elif method == "DELETE":
+                status, h, body = _outcome_response(self.broker.delete(name))
+            else:
+                status, h, body = _error(405, "method_not_allowed", f"{method} is not supported on a stream")
+                h.append((b"allow", b"GET, HEAD, POST, PUT, DELETE, OPTIONS"))
+        except BadRequest as exc:
+            status, h, body = _error(exc.status, exc.code, str(exc))
+            if method == "HEAD":
+                body = b""
+        await _send(send, status, h, body)
+
+    async def _body(self, headers: dict[str, str], receive: Receive) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BadRequest(f"request body is larger than the server's limit of {limit} bytes", 413, "payload_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise BadRequest("client went away", 400, "disconnected")
+            chunk = msg.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise BadRequest(f"request body is larger than the server's limit of {limit} bytes", 413, "payload_too_large")
+                chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    # ------------------------------------------------------------------ PUT
+
+    def _put(self, name: str, headers: dict[str, str], body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        fork_from = headers.get("stream-forked-from")
+        if fork_from is not None:
+            fork_from = fork_from[len(PREFIX):] if fork_from.startswith(PREFIX) else fork_from.lstrip("/")
+        outcome = self.broker.create(
+            name,
+            content_type=headers.get("content-type"),
+            ttl=headers.get("stream-ttl"),
+            expires_at=headers.get("stream-expires-at"),
+            closed=_is_true(headers.get("stream-closed")),
+            body=body,
+            fork_from=fork_from,
+            fork_offset=headers.get("stream-fork-offset"),
+            fork_sub_offset=headers.get("stream-fork-sub-offset"),
+        )
+        return _outcome_response(outcome)
+
+    # ------------------------------------------------------------------ POST
+
+    async def _post(self, name: str, headers: dict[str, str], receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        close = _is_true(headers.get("stream-closed"))
+        producer = _producer_headers(headers)
+        if_match: Position | None = None
+        raw_match = headers.get("if-match")
+        if raw_match is not None:
+            if_match = parse_token(raw_match.strip().strip('"'))
+            if if_match is None:
+                raise BadRequest(f"If-Match must be an offset this server issued, got {raw_match!r}")
+        body = await self._body(headers, receive)
+        if not body and not close:
+            raise BadRequest("empty body: an append needs data (or Stream-Closed: true to close)")
+        content_type = headers.get("content-type")
+        if body and not content_type:
+            raise BadRequest("Content-Type is required when appending data")
+        outcome = await self.broker.append(
+            name,
+            body,
+            content_type=content_type,
+            close=close,
+            producer=producer,
+            stream_seq=headers.get("stream-seq"),
+            if_match=if_match,
+        )
+        return _outcome_response(outcome)
+
+    # ------------------------------------------------------------------ HEAD
+
+    def _head(self, name: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        s = self.broker.get(name)
+        if s is None:
+            return 404, [(b"content-type", b"application/json")], b""
+        if s.meta.soft_deleted:
+            return 410, [(b"content-type", b"application/json")], b""
+        tail = s.tail
+        h = [
+            (b"content-type", s.meta.content_type.encode()),
+            (b"stream-next-offset", tail.token().encode()),
+            (b"cache-control", b"no-store"),
+            (b"etag", _etag(s, "-1", tail, s.closed)),
+        ]
+        if s.closed:
+            h.append((b"stream-closed", b"true"))
+        if s.meta.ttl_seconds is not None:
+            h.append(_h("stream-ttl", s.meta.ttl_seconds))
+        if s.meta.expires_at is not None:
+            h.append(_h("stream-expires-at", s.meta.expires_at))
+        return 200, h, b""
+
+    # ------------------------------------------------------------------ GET
+
+    async def _get(self, name: str, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
+        params = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        offsets = params.get("offset")
+        if offsets is not None and len(offsets) > 1:
+            raise BadRequest("give the offset parameter once")
+        offset = offsets[0] if offsets else None
+        if offset == "":
+            raise BadRequest("the offset parameter is empty")
+        live = params.get("live", [None])[0]
+        if live not in (None, "long-poll", "sse"):
+            raise BadRequest(f"live must be long-poll or sse, got {live!r}")
+        if live is not None and offset is None:
+            raise BadRequest(f"live={live} requires an offset parameter (use -1 for the start or now for the tail)")
+        if offset is not None and offset not in ("-1", "now") and parse_token(offset) is None:
+            raise BadRequest(f"offset {offset!r} is not an offset this server issued")
+        cursor = params.get("cursor", [None])[0]
+        s = self.broker.get(name)
+        if s is None:
+            raise BadRequest(f"no stream named {name!r}", 404, "not_found")
+        if s.meta.soft_deleted:
+            raise BadRequest(f"stream {name!r} was deleted", 410, "gone")
+        start = self.broker.resolve_start(s, offset)
+        if isinstance(start, str):
+            raise BadRequest(start)
+        s.touch()
+        if live == "sse":
+            await self._sse(s, start, cursor, receive, send)
+            return
+        if offset == "now" and live is None:
+            h = [
+                (b"content-type", s.meta.content_type.encode()),
+                (b"stream-next-offset", s.tail.token().encode()),
+                (b"stream-up-to-date", b"true"),
+                (b"cache-control", b"no-store"),
+            ]
+            if s.closed:
+                h.append((b"stream-closed", b"true"))
+            await _send(send, 200, h, b"[]" if s.is_json else b"")
+            return
+        if live == "long-poll" and start == s.tail:
+            if not s.closed:
+                await self.broker.wait(s, start, self.config.long_poll_timeout)
+                s.touch()
+            if s.deleted:
+                raise BadRequest(f"stream {name!r} was deleted", 404, "not_found")
+            if s.tail == start:
+                h = [
+                    (b"stream-next-offset", start.token().encode()),
+                    (b"stream-up-to-date", b"true"),
+                ]
+                if s.closed:
+                    h.append((b"stream-closed", b"true"))
+                else:
+                    h.append((b"stream-cursor", make_cursor(cursor).encode()))
+                await _send(send, 204, h, b"")
+                return
+        try:
+            result = self.broker.read(s, start)
+        except InvalidPosition as exc:
+            raise BadRequest(str(exc)) from None
+        start_label = offset if offset is not None else "-1"
+        etag = _etag(s, start_label, result.next, result.closed)
+        inm = headers.get("if-none-match")
+        if inm is not None and etag.decode() in [t.strip() for t in inm.split(",")]:
+            await _send(send, 304, [(b"etag", etag)], b"")
+            return
+        h = [
+            (b"content-type", s.meta.content_type.encode()),
+            (b"stream-next-offset", result.next.token().encode()),
+            (b"etag", etag),
+        ]
+        if result.up_to_date:
+            h.append((b"stream-up-to-date", b"true"))
+        if result.closed:
+            h.append((b"stream-closed", b"true"))
+        if live == "long-poll":
+            if not result.closed:
+                h.append((b"stream-cursor", make_cursor(cursor).encode()))
+        elif result.batches:
+            h.append((b"cache-control", b"public, max-age=60, stale-while-revalidate=300"))
+        else:
+            h.append((b"cache-control", b"no-store"))
+        await _send(send, 200, h, _body_of(s, result))
+
+    async def _sse(self, s: Stream, start: Position, cursor: str | None, receive: Receive, send: Send) -> None:
+        ct = s.meta.content_type.split(";", 1)[0].strip().lower()
+        text = ct.startswith("text/") or ct == "application/json"
+        h = [
+            (b"content-type", b"text/event-stream"),
+            (b"cache-control", b"no-cache"),
+        ]
+        if not text:
+            h.append((b"stream-sse-data-encoding", b"base64"))
+        await send({"type": "http.response.start", "status": 200, "headers": COMMON + h})
+        disconnected = asyncio.get_running_loop().create_future()
+
+        async def watch() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    if not disconnected.done():
+                        disconnected.set_result(None)
+                    return
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        deadline = time.monotonic() + self.config.sse_max_seconds
+        at = start
+        first = True
+        try:
+            while not disconnected.done() and not s.deleted and not self.broker._closing:
+                try:
+                    result = self.broker.read(s, at)
+                except InvalidPosition:
+                    break
+                out: list[bytes] = []
+                if result.batches:
+                    out.append(_sse_event("data", _sse_payload(s, result, text)))
+                if result.batches or first:
+                    out.append(_sse_event("control", _control(result, cursor)))
+                    first = False
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                at = result.next
+                if result.closed:
+                    break
+                if not result.up_to_date:
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                waiter = asyncio.ensure_future(self.broker.wait(s, at, min(self.config.long_poll_timeout, remaining)))
+                done, _ = await asyncio.wait({waiter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                if waiter not in done:
+                    waiter.cancel()
+                    break
+                s.touch()
+                if not waiter.result() and s.tail == at and not s.closed:
+                    # keep-alive: a control event so proxies and clients see the connection live
+                    keep = ReadResult([], at, True, False)
+                    await send({"type": "http.response.body", "body": _sse_event("control", _control(keep, cursor)), "more_body": True})
+        finally:
+            watcher.cancel()
+        if not disconnected.done():
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _is_true(value: str | None) -> bool:
+    return value is not None and value.strip().lower() == "true"
+
+
+def _producer_headers(headers: dict[str, str]) -> ProducerHeaders | None:
+    pid = headers.get("producer-id")
+    epoch = headers.get("producer-epoch")
+    seq = headers.get("producer-seq")
+    given = [x is not None for x in (pid, epoch, seq)]
+    if not any(given):
+        return None
+    if not all(given):
+        raise BadRequest("Producer-Id, Producer-Epoch and Producer-Seq must be sent together")
+    assert pid is not None and epoch is not None and seq is not None
+    if pid == "":
+        raise BadRequest("Producer-Id must not be empty")
+    for label, value in (("Producer-Epoch", epoch), ("Producer-Seq", seq)):
+        if not _DIGITS.match(value) or int(value) > MAX_SAFE_INT:
+            raise BadRequest(f"{label} must be an integer from 0 to 2^53-1, got {value!r}")
+    return ProducerHeaders(pid, int(epoch), int(seq))
+
+
+def _etag(s: Stream, start: str, end: Position, closed: bool) -> bytes:
+    ident = f"{s.meta.created_ms:x}"
+    return f'"{ident}:{start}:{end.token()}{":c" if closed else ""}"'.encode()
+
+
+def _body_of(s: Stream, result: ReadResult) -> bytes:
+    payloads = [b.payload for b in result.batches]
+    if s.is_json:
+        return wrap_payloads(payloads)
+    return payloads[0] if len(payloads) == 1 else b"".join(payloads)
+
+
+def _sse_payload(s: Stream, result: ReadResult, text: bool) -> str:
+    raw = _body_of(s, result)
+    if not text:
+        return base64.b64encode(raw).decode()
+    return raw.decode("utf-8", "replace")
+
+
+def _sse_event(kind: str, data: str) -> bytes:
+    lines = _LINES.split(data)
+    return (f"event: {kind}\n" + "".join(f"data:{line}\n" for line in lines) + "\n").encode()
+
+
+def _control(result: ReadResult, cursor: str | None) -> str:
+    ctl: dict[str, object] = {"streamNextOffset": result.next.token()}
+    if result.closed:
+        ctl["streamClosed"] = True
+        ctl["upToDate"] = True
+    else:
+        ctl["streamCursor"] = make_cursor(cursor)
+        if result.up_to_date:
+            ctl["upToDate"] = True
+    return json.dumps(ctl, separators=(",", ":"))
+
+
+async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    length = [] if status in (204, 304) else [(b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": COMMON + headers + length})
+    await send({"type": "http.response.body", "body": body})
+
+
+_STATUS: dict[str, int] = {
+    "created": 201,
+    "exists": 200,
+    "closed_now": 204,
+    "already_closed": 204,
+    "duplicate": 204,
+    "deleted": 204,
+    "stream_closed": 409,
+    "stale_epoch": 403,
+    "invalid_epoch_seq": 400,
+    "sequence_gap": 409,
+    "content_type_mismatch": 409,
+    "stream_seq_conflict": 409,
+    "config_conflict": 409,
+    "tail_mismatch": 412,
+    "bad_request": 400,
+    "not_found": 404,
+    "gone": 410,
+    "unavailable": 503,
+}
+
+
+def _outcome_response(o: Outcome) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The one place where broker outcomes become HTTP statuses and headers."""
+    h: list[tuple[bytes, bytes]] = []
+    if o.kind in ("created", "exists"):
+        assert o.stream is not None and o.next is not None
+        h.append((b"content-type", o.stream.meta.content_type.encode()))
+        h.append((b"stream-next-offset", o.next.token().encode()))
+        if o.closed:
+            h.append((b"stream-closed", b"true"))
+        return _STATUS[o.kind], h, b""
+    if o.kind == "appended":
+        assert o.next is not None
+        h.append((b"stream-next-offset", o.next.token().encode()))
+        if o.closed:
+            h.append((b"stream-closed", b"true"))
+        if o.epoch is not None:
+            h.append(_h("producer-epoch", o.epoch))
+            h.append(_h("producer-seq", o.seq if o.seq is not None else 0))
+            return 200, h, b""
+        return 204, h, b""
+    if o.kind in ("closed_now", "already_closed", "duplicate", "deleted"):
+        if o.next is not None:
+            h.append((b"stream-next-offset", o.next.token().encode()))
+        if o.closed:
+            h.append((b"stream-closed", b"true"))
+        if o.epoch is not None:
+            h.append(_h("producer-epoch", o.epoch))
+            h.append(_h("producer-seq", o.seq if o.seq is not None else 0))
+        return _STATUS[o.kind], h, b""
+    extra: list[tuple[bytes, bytes]] = []
+    if o.kind in ("stream_closed", "tail_mismatch") and o.next is not None:
+        extra.append((b"stream-next-offset", o.next.token().encode()))
+    if o.kind == "stream_closed":
+        extra.append((b"stream-closed", b"true"))
+    if o.kind == "stale_epoch" and o.epoch is not None:
+        extra.append(_h("producer-epoch", o.epoch))
+    if o.kind == "sequence_gap":
+        extra.append(_h("producer-expected-seq", o.expected_seq or 0))
+        extra.append(_h("producer-received-seq", o.received_seq or 0))
+    if o.kind == "unavailable":
+        extra.append((b"retry-after", b"1"))
+    return _error(_STATUS[o.kind], o.kind, o.detail or o.kind.replace("_", " "), extra)

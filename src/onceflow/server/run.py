@@ -1,0 +1,55 @@
+"""Running the app under uvicorn: ready line, signals, clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from ..core.broker import Broker
+from ..storage.log import FsyncPolicy
+from .app import App, AppConfig
+
+__all__ = ["serve"]
+
+
+async def serve(
+    *,
+    data: Path,
+    host: str = "127.0.0.1",
+    port: int = 4437,
+    fsync: FsyncPolicy = "always",
+    long_poll_timeout: float = 20.0,
+    max_body_bytes: int = 64 << 20,
+    log_level: str = "warning",
+) -> None:
+    """Recover the data directory, serve until SIGTERM / SIGINT, then flush and close."""
+    broker = Broker(data, fsync=fsync)
+    broker.open()
+    app = App(broker, AppConfig(long_poll_timeout=long_poll_timeout, max_body_bytes=max_body_bytes))
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="none",
+        http="httptools",
+        lifespan="on",
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=30,
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if server.started:
+        bound = server.servers[0].sockets[0].getsockname()
+        print(f"onceflow listening on http://{host}:{bound[1]}", flush=True)
+    await task
+    if not server.started:
+        logging.getLogger("onceflow").error("the server did not start")
+        sys.exit(1)

@@ -1,0 +1,629 @@
+"""A stream's segmented, append-only, crash-safe log.
+
+Write path (group commit)
+    1. ``stage()`` runs on the event loop: it frames a batch at the *pending* tail, moves the pending
+       tail and the pending producer state, and queues the bytes in the open group. Nothing awaits
+       between a caller's validation and its ``stage()``, so staging is serialised per stream.
+    2. One flusher task per log writes the whole group with ``pwrite`` and syncs it once (policy
+       ``always``) in a worker thread, while the loop keeps staging the next group.
+    3. Only then is the group *durable*: the durable tail and producer state advance, waiters are
+       released and listeners (live readers) are told. Readers never see past the durable tail.
+    4. If the write or sync fails, everything pending is rolled back to the durable state and every
+       waiting append fails; a retry of the same producer sequence is then accepted afresh, or, if
+       the bytes did reach the disk after all, recognised as a duplicate after recovery.
+
+Recovery
+    Scan from the last producer-state snapshot (or from the start), verify every batch's checksum
+    and offsets, truncate the log at the first torn or corrupt batch (dropping later segments), and
+    rebuild the tail and producer state from the batch headers. Recovery run twice gives the same
+    state, because the first run leaves only intact batches behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from .batch import HEADER, HEADER_SIZE, MAGIC, BatchHeader, CorruptBatch, encode_batch, parse_header
+from .position import Position
+
+__all__ = [
+    "FsyncPolicy",
+    "InvalidPosition",
+    "ProducerState",
+    "ReadBatch",
+    "RecentBatch",
+    "Staged",
+    "StreamLog",
+    "TailState",
+]
+
+log = logging.getLogger("onceflow.storage")
+
+FsyncPolicy = Literal["always", "interval", "never"]
+
+SEGMENT_SUFFIX = ".seg"
+SNAPSHOT_NAME = "producers.snap"
+RECENT_BATCHES = 5  # per producer, to answer duplicates with the original offsets
+DEFAULT_SEGMENT_BYTES = 64 << 20
+
+
+class InvalidPosition(Exception):
+    """A read was asked to start somewhere that is not a batch boundary of this log."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecentBatch:
+    first_seq: int
+    last_seq: int
+    start: Position
+    end: Position
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerState:
+    """What the log says about one idempotent producer: its epoch and last accepted sequence."""
+
+    epoch: int
+    last_seq: int
+    recent: tuple[RecentBatch, ...] = ()
+
+    def after(self, epoch: int, first_seq: int, last_seq: int, start: Position, end: Position) -> ProducerState:
+        recent = self.recent if epoch == self.epoch else ()
+        entry = RecentBatch(first_seq, last_seq, start, end)
+        return ProducerState(epoch, last_seq, (*recent[-(RECENT_BATCHES - 1) :], entry))
+
+    def find(self, seq: int) -> RecentBatch | None:
+        for entry in self.recent:
+            if entry.first_seq <= seq <= entry.last_seq:
+                return entry
+        return None
+
+
+def _advance(prev: ProducerState | None, epoch: int, first: int, last: int, start: Position, end: Position) -> ProducerState:
+    base = prev if prev is not None else ProducerState(epoch, -1)
+    return base.after(epoch, first, last, start, end)
+
+
+@dataclass(frozen=True, slots=True)
+class TailState:
+    """The end of the log and the stream state that only ever changes at the end."""
+
+    end: Position
+    closed: bool = False
+    closed_by: tuple[str, int, int] | None = None  # (producer id, epoch, seq) that closed it
+    stream_seq: bytes | None = None  # the last Stream-Seq appended
+
+    def after(self, h: BatchHeader, end: Position) -> TailState:
+        closed_by = self.closed_by
+        if h.closes and h.producer_id is not None:
+            closed_by = (h.producer_id, h.epoch, h.last_seq)
+        return TailState(
+            end=end,
+            closed=self.closed or h.closes,
+            closed_by=closed_by,
+            stream_seq=h.stream_seq if h.stream_seq is not None else self.stream_seq,
+        )
+
+
+@dataclass(slots=True)
+class ReadBatch:
+    """A durable batch as read back: its header, its payload bytes and where it starts and ends."""
+
+    header: BatchHeader
+    payload: bytes
+    start: Position
+    end: Position
+
+
+@dataclass(slots=True)
+class Staged:
+    """A batch accepted into the pending tail; ``done`` resolves once it is durable."""
+
+    start: Position
+    end: Position
+    done: asyncio.Future[None]
+
+
+@dataclass(slots=True)
+class _Group:
+    gid: int
+    chunks: list[bytes] = field(default_factory=list)
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    producers: list[tuple[str, ProducerState]] = field(default_factory=list)
+    tail: TailState | None = None
+
+
+@dataclass(slots=True)
+class _Segment:
+    base: Position
+    path: Path
+    fd: int
+    size: int
+
+
+def _segment_name(base: Position) -> str:
+    return f"{base.pos:020d}-{base.offset:020d}{SEGMENT_SUFFIX}"
+
+
+def _parse_segment_name(name: str) -> Position | None:
+    stem = name[: -len(SEGMENT_SUFFIX)]
+    parts = stem.split("-")
+    if not name.endswith(SEGMENT_SUFFIX) or len(parts) != 2 or not all(p.isdigit() for p in parts):
+        return None
+    return Position(int(parts[1]), int(parts[0]))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes, at: int, sync: bool) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, at)
+        view = view[n:]
+        at += n
+    if sync:
+        os.fdatasync(fd)
+
+
+class StreamLog:
+    """The log of one stream. Create with :meth:`open`; every method runs on the event loop."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        policy: FsyncPolicy = "always",
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        executor: Executor | None = None,
+    ) -> None:
+        self.directory = directory
+        self.policy: FsyncPolicy = policy
+        self.segment_bytes = segment_bytes
+        self._executor = executor
+        self._segments: list[_Segment] = []
+        self.base = Position(0, 0)
+        self.durable = TailState(self.base)
+        self.pending = self.durable
+        self.producers: dict[str, ProducerState] = {}
+        self._overlay: dict[str, tuple[int, ProducerState]] = {}
+        self._group: _Group | None = None
+        self._next_gid = 0
+        self._flusher: asyncio.Task[None] | None = None
+        self._listeners: list[Callable[[], None]] = []
+        self._dirty = False  # written but not yet synced (interval / never policies)
+        self.closed_for_writes = False
+
+    # ------------------------------------------------------------------ recovery
+
+    @classmethod
+    def open(
+        cls,
+        directory: Path,
+        base: Position,
+        *,
+        policy: FsyncPolicy = "always",
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        executor: Executor | None = None,
+        use_snapshot: bool = True,
+    ) -> StreamLog:
+        """Open (creating if needed) the log in ``directory`` whose first batch starts at ``base``."""
+        self = cls(directory, policy=policy, segment_bytes=segment_bytes, executor=executor)
+        self.base = base
+        directory.mkdir(parents=True, exist_ok=True)
+        found = sorted(
+            (p for p in (_parse_segment_name(f.name) for f in directory.iterdir()) if p is not None),
+            key=lambda p: p.pos,
+        )
+        if not found:
+            self._add_segment(base)
+            self.durable = self.pending = TailState(base)
+            return self
+        for seg_base in found:
+            path = directory / _segment_name(seg_base)
+            fd = os.open(path, os.O_RDWR)
+            self._segments.append(_Segment(seg_base, path, fd, os.fstat(fd).st_size))
+        self._recover(use_snapshot)
+        return self
+
+    def _load_snapshot(self) -> tuple[TailState, dict[str, ProducerState]] | None:
+        path = self.directory / SNAPSHOT_NAME
+        try:
+            raw = json.loads(path.read_text())
+            tail = TailState(
+                end=Position(*raw["end"]),
+                closed=raw["closed"],
+                closed_by=tuple(raw["closed_by"]) if raw["closed_by"] else None,  # type: ignore[arg-type]
+                stream_seq=bytes.fromhex(raw["stream_seq"]) if raw["stream_seq"] is not None else None,
+            )
+            producers = {
+                pid: ProducerState(
+                    p["epoch"],
+                    p["last_seq"],
+                    tuple(RecentBatch(r[0], r[1], Position(*r[2]), Position(*r[3])) for r in p["recent"]),
+                )
+                for pid, p in raw["producers"].items()
+            }
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring unreadable snapshot %s: %s", path, exc)
+            return None
+        return tail, producers
+
+    def _write_snapshot(self) -> None:
+        """Persist the durable tail and producer state so the next recovery scans less."""
+        tail = self.durable
+        raw = {
+            "end": [tail.end.offset, tail.end.pos],
+            "closed": tail.closed,
+            "closed_by": list(tail.closed_by) if tail.closed_by else None,
+            "stream_seq": tail.stream_seq.hex() if tail.stream_seq is not None else None,
+            "producers": {
+                pid: {
+                    "epoch": p.epoch,
+                    "last_seq": p.last_seq,
+                    "recent": [
+                        [r.first_seq, r.last_seq, [r.start.offset, r.start.pos], [r.end.offset, r.end.pos]]
+                        for r in p.recent
+                    ],
+                }
+                for pid, p in self.producers.items()
+            },
+        }
+        tmp = self.directory / (SNAPSHOT_NAME + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(raw, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.directory / SNAPSHOT_NAME)
+
+    def _recover(self, use_snapshot: bool) -> None:
+        segs = self._segments
+        # Segments must tile the log: each starts where the previous one ends. A gap means
+        # later segments cannot be trusted; they are dropped after scanning decides the end.
+        start_index = 0
+        tail = TailState(segs[0].base)
+        producers: dict[str, ProducerState] = {}
+        snap = self._load_snapshot() if use_snapshot else None
+        if snap is not None:
+            s_tail, s_producers = snap
+            i = self._segment_index(s_tail.end.pos)
+            seg = segs[i]
+            if seg.base.pos <= s_tail.end.pos <= seg.base.pos + seg.size:
+                start_index, tail, producers = i, s_tail, s_producers
+        tail, producers = self._scan(start_index, tail, producers)
+        self.durable = self.pending = tail
+        self.producers = producers
+
+    def _scan(
+        self, index: int, tail: TailState, producers: dict[str, ProducerState]
+    ) -> tuple[TailState, dict[str, ProducerState]]:
+        segs = self._segments
+        i = index
+        while i < len(segs):
+            seg = segs[i]
+            if seg.base != tail.end and not (i == index and seg.base.pos <= tail.end.pos):
+                log.warning("segment %s does not start at the log end %s; dropping it and later ones", seg.path, tail.end)
+                self._drop_segments_from(i)
+                break
+            rel = tail.end.pos - seg.base.pos
+            data = os.pread(seg.fd, seg.size - rel, rel) if seg.size > rel else b""
+            p = 0
+            while p < len(data):
+                start = Position(tail.end.offset, seg.base.pos + rel + p)
+                try:
+                    h = parse_header(data, p)
+                    if h.base_offset != start.offset:
+                        raise CorruptBatch(f"base offset {h.base_offset}, expected {start.offset}")
+                except CorruptBatch as exc:
+                    log.warning("%s: truncating at byte %d: %s", seg.path, rel + p, exc)
+                    os.ftruncate(seg.fd, rel + p)
+                    os.fsync(seg.fd)
+                    seg.size = rel + p
+                    self._drop_segments_from(i + 1)
+                    return tail, producers
+                end = Position(start.offset + h.count, start.pos + h.length)
+                if h.producer_id is not None:
+                    producers[h.producer_id] = _advance(
+                        producers.get(h.producer_id), h.epoch, h.first_seq, h.last_seq, start, end
+                    )
+                tail = tail.after(h, end)
+                p += h.length
+            i += 1
+        return tail, producers
+
+    def _drop_segments_from(self, i: int) -> None:
+        for seg in self._segments[i:]:
+            os.close(seg.fd)
+            seg.path.unlink(missing_ok=True)
+        del self._segments[i:]
+        _fsync_dir(self.directory)
+
+    def _add_segment(self, base: Position) -> None:
+        path = self.directory / _segment_name(base)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._segments.append(_Segment(base, path, fd, os.fstat(fd).st_size))
+        _fsync_dir(self.directory)
+
+    def _segment_index(self, pos: int) -> int:
+        bases = [s.base.pos for s in self._segments]
+        return max(0, bisect.bisect_right(bases, pos) - 1)
+
+    # ------------------------------------------------------------------ state views
+
+    def producer(self, producer_id: str) -> ProducerState | None:
+        """The producer's state including staged, not yet durable batches."""
+        over = self._overlay.get(producer_id)
+        if over is not None:
+            return over[1]
+        return self.producers.get(producer_id)
+
+    def durable_producer(self, producer_id: str) -> ProducerState | None:
+        return self.producers.get(producer_id)
+
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (on the loop) each time the durable tail moves."""
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(fn)
+
+    @property
+    def size_bytes(self) -> int:
+        return self.durable.end.pos - self.base.pos
+
+    # ------------------------------------------------------------------ writes
+
+    def write_initial(self, batches: list[tuple[bytes, int, int]]) -> None:
+        """Write ``(payload, count, flags)`` batches to a new log and sync them, blocking.
+
+        Used while creating a stream, before its metadata makes it visible.
+        """
+        seg = self._segments[-1]
+        for payload, count, flags in batches:
+            start = self.durable.end
+            data = encode_batch(base_offset=start.offset, count=count, payload=payload, flags=flags)
+            _write_all(seg.fd, data, start.pos - seg.base.pos, False)
+            seg.size += len(data)
+            end = Position(start.offset + count, start.pos + len(data))
+            self.durable = self.durable.after(parse_header(data, 0), end)
+        os.fsync(seg.fd)
+        self.pending = self.durable
+
+    def stage(
+        self,
+        *,
+        count: int,
+        payload: bytes,
+        flags: int = 0,
+        producer_id: str | None = None,
+        epoch: int = -1,
+        first_seq: int = -1,
+        last_seq: int = -1,
+        stream_seq: bytes | None = None,
+    ) -> Staged:
+        """Append a batch at the pending tail. The caller has validated it against :meth:`producer`."""
+        if self.closed_for_writes:
+            raise RuntimeError("log is closed")
+        start = self.pending.end
+        data = encode_batch(
+            base_offset=start.offset,
+            count=count,
+            payload=payload,
+            flags=flags,
+            producer_id=producer_id,
+            epoch=epoch,
+            first_seq=first_seq,
+            last_seq=last_seq,
+            stream_seq=stream_seq,
+        )
+        end = Position(start.offset + count, start.pos + len(data))
+        if self._group is None:
+            self._group = _Group(self._next_gid)
+            self._next_gid += 1
+        group = self._group
+        group.chunks.append(data)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        group.waiters.append(fut)
+        header_view = BatchHeader(
+            length=len(data),
+            flags=flags,
+            base_offset=start.offset,
+            count=count,
+            timestamp=0,
+            epoch=epoch,
+            first_seq=first_seq,
+            last_seq=last_seq,
+            producer_id=producer_id,
+            stream_seq=stream_seq,
+            payload_start=0,
+        )
+        self.pending = self.pending.after(header_view, end)
+        group.tail = self.pending
+        if producer_id is not None:
+            state = _advance(self.producer(producer_id), epoch, first_seq, last_seq, start, end)
+            self._overlay[producer_id] = (group.gid, state)
+            group.producers.append((producer_id, state))
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+        return Staged(start, end, fut)
+
+    async def _flush_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._group is not None:
+                group, self._group = self._group, None
+                seg = self._segments[-1]
+                if seg.size >= self.segment_bytes and seg.base != self.durable.end:
+                    await loop.run_in_executor(self._executor, self._roll)
+                    seg = self._segments[-1]
+                data = b"".join(group.chunks) if len(group.chunks) > 1 else group.chunks[0]
+                at = self.durable.end.pos - seg.base.pos
+                try:
+                    await loop.run_in_executor(self._executor, _write_all, seg.fd, data, at, self.policy == "always")
+                except OSError as exc:
+                    self._rollback(group, exc)
+                    continue
+                seg.size = max(seg.size, at + len(data))
+                self._dirty = self.policy != "always"
+                self._commit(group)
+        finally:
+            self._flusher = None
+
+    def _commit(self, group: _Group) -> None:
+        assert group.tail is not None
+        self.durable = group.tail
+        for pid, state in group.producers:
+            self.producers[pid] = state
+            over = self._overlay.get(pid)
+            if over is not None and over[0] == group.gid:
+                del self._overlay[pid]
+        for fut in group.waiters:
+            if not fut.done():
+                fut.set_result(None)
+        for fn in list(self._listeners):
+            fn()
+
+    def _rollback(self, group: _Group, exc: OSError) -> None:
+        """A write or sync failed: forget everything not durable and fail its waiters."""
+        log.error("append to %s failed, rolling back %d pending batch(es): %s", self.directory, len(group.waiters), exc)
+        failed = [group]
+        if self._group is not None:
+            failed.append(self._group)
+            self._group = None
+        self.pending = self.durable
+        self._overlay.clear()
+        seg = self._segments[-1]
+        with contextlib.suppress(OSError):
+            os.ftruncate(seg.fd, self.durable.end.pos - seg.base.pos)
+            seg.size = self.durable.end.pos - seg.base.pos
+        for g in failed:
+            for fut in g.waiters:
+                if not fut.done():
+                    fut.set_exception(exc)
+                    fut.exception()  # mark retrieved; the append handler re-raises from its await
+
+    def _roll(self) -> None:
+        """Start a new segment at the durable end (in a worker thread, between groups)."""
+        old = self._segments[-1]
+        if self.policy != "always":
+            os.fsync(old.fd)
+        self._add_segment(self.durable.end)
+        self._write_snapshot()
+        self._dirty = False
+
+    async def sync(self) -> None:
+        """Make everything written so far durable (used by the ``interval`` policy)."""
+        if not self._dirty:
+            return
+        self._dirty = False
+        fd = self._segments[-1].fd
+        await asyncio.get_running_loop().run_in_executor(self._executor, os.fdatasync, fd)
+
+    async def drain(self) -> None:
+        """Wait until nothing is staged or being written."""
+        while self._flusher is not None:
+            await asyncio.shield(self._flusher)
+
+    async def close(self) -> None:
+        """Flush, sync, snapshot and release the files. The log is unusable afterwards."""
+        self.closed_for_writes = True
+        with contextlib.suppress(OSError):
+            await self.drain()
+        for fn in list(self._listeners):
+            fn()
+        self._listeners.clear()
+        try:
+            if self._segments:
+                os.fsync(self._segments[-1].fd)
+                self._write_snapshot()
+        except OSError as exc:
+            log.warning("could not snapshot %s on close: %s", self.directory, exc)
+        for seg in self._segments:
+            with contextlib.suppress(OSError):
+                os.close(seg.fd)
+        self._segments.clear()
+
+    def close_files(self) -> None:
+        """Release file descriptors without flushing (the log's directory is about to vanish)."""
+        self.closed_for_writes = True
+        for seg in self._segments:
+            with contextlib.suppress(OSError):
+                os.close(seg.fd)
+        self._segments.clear()
+
+    # ------------------------------------------------------------------ reads
+
+    def check_position(self, at: Position) -> None:
+        """Raise InvalidPosition unless ``at`` is a batch boundary of the durable log."""
+        end = self.durable.end
+        if at == end:
+            return
+        if at.pos < self.base.pos or at.pos > end.pos or at.offset > end.offset:
+            raise InvalidPosition(f"offset {at.token()} is outside this stream")
+        seg = self._segments[self._segment_index(at.pos)]
+        raw = os.pread(seg.fd, HEADER_SIZE, at.pos - seg.base.pos)
+        if len(raw) < HEADER_SIZE:
+            raise InvalidPosition(f"offset {at.token()} is not a record boundary of this stream")
+        fields = HEADER.unpack(raw)
+        if fields[2] != MAGIC or fields[5] != at.offset:
+            raise InvalidPosition(f"offset {at.token()} is not a record boundary of this stream")
+
+    def read(self, at: Position, max_bytes: int, limit: Position | None = None) -> list[ReadBatch]:
+        """Durable batches from ``at`` on, about ``max_bytes`` of them (at least one if any).
+
+        ``limit`` caps the read at a position (a fork reading its parent). ``at`` must have passed
+        :meth:`check_position`; bytes that still do not parse raise CorruptBatch.
+        """
+        end = self.durable.end
+        if limit is not None and limit.pos < end.pos:
+            end = limit
+        out: list[ReadBatch] = []
+        pos, offset, budget = at.pos, at.offset, max_bytes
+        while pos < end.pos:
+            seg_i = self._segment_index(pos)
+            seg = self._segments[seg_i]
+            seg_end = min(seg.base.pos + seg.size, end.pos)
+            if seg_i + 1 < len(self._segments):
+                seg_end = min(seg_end, self._segments[seg_i + 1].base.pos)
+            rel = pos - seg.base.pos
+            data = os.pread(seg.fd, min(seg_end - pos, max(budget, HEADER_SIZE)), rel)
+            p = 0
+            while len(data) - p >= HEADER_SIZE:
+                length = int.from_bytes(data[p + 4 : p + 8], "little")
+                if len(data) - p < length:
+                    if p > 0 or length > seg_end - pos:
+                        break
+                    data = os.pread(seg.fd, length, rel)  # one batch larger than the budget
+                    continue
+                h = parse_header(data, p, verify=False)
+                if h.base_offset != offset:
+                    raise CorruptBatch(f"base offset {h.base_offset}, expected {offset}")
+                start = Position(offset, pos + p)
+                offset += h.count
+                p += h.length
+                out.append(ReadBatch(h, data[p - h.length + h.payload_start : p], start, Position(offset, pos + p)))
+                budget -= h.length
+                if budget <= 0:
+                    return out
+            if p == 0:
+                raise CorruptBatch(f"no whole batch at byte {pos}")
+            pos += p
+        return out
