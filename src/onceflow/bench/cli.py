@@ -17,6 +17,9 @@ def add_bench_parser(sub: Any) -> None:
     a.add_argument("--skip-reference", action="store_true", help="measure onceflow only")
     a.add_argument("--recovery-gib", type=float, default=1.0, help="size of the log for the recovery-time measurement (0 to skip)")
     a.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    a.add_argument("--generator", choices=["auto", "wrk", "python"], default="auto",
+                   help="load generator: wrk (installed with apt-get if missing), the Python aiohttp client, "
+                        "or auto: wrk when it can be had (default)")
     a.set_defaults(func=_bench_append)
 
 

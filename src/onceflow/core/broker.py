@@ -20,12 +20,12 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from ..storage.batch import FLAG_CLOSE, FLAG_JSON, CorruptBatch
 from ..storage.log import FsyncPolicy, InvalidPosition, ReadBatch, StreamLog
@@ -264,8 +264,8 @@ class Broker:
         if self.fsync == "interval":
             self._spawn(self._sync_loop())
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -702,14 +702,14 @@ class Broker:
         up_to_date = nxt == tail
         return ReadResult(batches, nxt, up_to_date, up_to_date and s.closed)
 
-    async def wait(self, s: Stream, after: Position, timeout: float) -> bool:
+    async def wait(self, s: Stream, after: Position, max_wait: float) -> bool:
         """Wait until the stream has data past ``after``, closes or goes away. False on timeout."""
         if s.tail != after or s.closed or s.deleted or s.meta.soft_deleted or self._closing:
             return True
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         s.waiters.add(fut)
         try:
-            await asyncio.wait_for(fut, timeout)
+            await asyncio.wait_for(fut, max_wait)
             return True
         except TimeoutError:
             return False

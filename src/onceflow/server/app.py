@@ -162,7 +162,8 @@ class App:
                 body = await self._body(headers, receive)
                 status, h, body = self._put(name, headers, body)
                 if status == 201:
-                    host = headers.get("host") or "%s:%s" % tuple(scope.get("server") or ("127.0.0.1", 4437))
+                    server_addr = scope.get("server") or ("127.0.0.1", 4437)
+                    host = headers.get("host") or f"{server_addr[0]}:{server_addr[1]}"
                     h.append((b"location", f"{scope.get('scheme', 'http')}://{host}{PREFIX}{name}".encode()))
             elif method == "POST":
                 status, h, body = await self._post(name, headers, receive)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -14,6 +17,15 @@ from ..storage.log import FsyncPolicy
 from .app import App, AppConfig
 
 __all__ = ["serve"]
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal capture: it re-raises SIGTERM after a clean shutdown,
+    which would make a graceful stop exit with -15. :func:`serve` handles the signals instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 async def serve(
@@ -42,9 +54,12 @@ async def serve(
         timeout_graceful_shutdown=2,
         timeout_keep_alive=30,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     task = asyncio.ensure_future(server.serve())
-    while not server.started and not task.done():
+    while not server.started and not task.done():  # noqa: ASYNC110 - uvicorn signals readiness only by a flag
         await asyncio.sleep(0.01)
     if server.started:
         bound = server.servers[0].sockets[0].getsockname()

@@ -55,6 +55,8 @@ SEGMENT_SUFFIX = ".seg"
 SNAPSHOT_NAME = "producers.snap"
 RECENT_BATCHES = 5  # per producer, to answer duplicates with the original offsets
 DEFAULT_SEGMENT_BYTES = 64 << 20
+# Producer state is snapshotted every this many bytes of log, bounding a crash recovery's scan.
+DEFAULT_SNAPSHOT_BYTES = 8 << 20
 
 
 class InvalidPosition(Exception):
@@ -191,8 +193,10 @@ class StreamLog:
         policy: FsyncPolicy = "always",
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         executor: Executor | None = None,
+        snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES,
     ) -> None:
         self.directory = directory
+        self.snapshot_bytes = snapshot_bytes
         self.policy: FsyncPolicy = policy
         self.segment_bytes = segment_bytes
         self._executor = executor
@@ -207,6 +211,7 @@ class StreamLog:
         self._flusher: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[], None]] = []
         self._dirty = False  # written but not yet synced (interval / never policies)
+        self._snapshot_pos = 0  # log position of the last snapshot written
         self.closed_for_writes = False
 
     # ------------------------------------------------------------------ recovery
@@ -248,7 +253,7 @@ class StreamLog:
             tail = TailState(
                 end=Position(*raw["end"]),
                 closed=raw["closed"],
-                closed_by=tuple(raw["closed_by"]) if raw["closed_by"] else None,  # type: ignore[arg-type]
+                closed_by=(raw["closed_by"][0], raw["closed_by"][1], raw["closed_by"][2]) if raw["closed_by"] else None,
                 stream_seq=bytes.fromhex(raw["stream_seq"]) if raw["stream_seq"] is not None else None,
             )
             producers = {
@@ -292,6 +297,7 @@ class StreamLog:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.directory / SNAPSHOT_NAME)
+        self._snapshot_pos = tail.end.pos
 
     def _recover(self, use_snapshot: bool) -> None:
         segs = self._segments
@@ -301,15 +307,23 @@ class StreamLog:
         tail = TailState(segs[0].base)
         producers: dict[str, ProducerState] = {}
         snap = self._load_snapshot() if use_snapshot else None
+        used = False
         if snap is not None:
             s_tail, s_producers = snap
             i = self._segment_index(s_tail.end.pos)
             seg = segs[i]
             if seg.base.pos <= s_tail.end.pos <= seg.base.pos + seg.size:
-                start_index, tail, producers = i, s_tail, s_producers
+                start_index, tail, producers, used = i, s_tail, s_producers, True
         tail, producers = self._scan(start_index, tail, producers)
         self.durable = self.pending = tail
         self.producers = producers
+        # A snapshot that recovery did not use (or that describes more than the log now holds) must
+        # never be trusted later, once the log has grown past it again: replace it with the state
+        # just recovered, after making that state's bytes durable.
+        if not used or snap is None or snap[0] != tail:
+            os.fsync(self._segments[-1].fd)
+            self._write_snapshot()
+        self._snapshot_pos = tail.end.pos
 
     def _scan(
         self, index: int, tail: TailState, producers: dict[str, ProducerState]
@@ -471,9 +485,12 @@ class StreamLog:
             while self._group is not None:
                 group, self._group = self._group, None
                 seg = self._segments[-1]
+                # Between groups the durable state is still, so rolls and snapshots see it whole.
                 if seg.size >= self.segment_bytes and seg.base != self.durable.end:
                     await loop.run_in_executor(self._executor, self._roll)
                     seg = self._segments[-1]
+                elif self.durable.end.pos - self._snapshot_pos >= self.snapshot_bytes:
+                    await loop.run_in_executor(self._executor, self._checkpoint)
                 data = b"".join(group.chunks) if len(group.chunks) > 1 else group.chunks[0]
                 at = self.durable.end.pos - seg.base.pos
                 try:
@@ -519,6 +536,8 @@ class StreamLog:
                 if not fut.done():
                     fut.set_exception(exc)
                     fut.exception()  # mark retrieved; the append handler re-raises from its await
+        for fn in list(self._listeners):
+            fn()  # retries waiting on a rolled-back original must re-check and fail too
 
     def _roll(self) -> None:
         """Start a new segment at the durable end (in a worker thread, between groups)."""
@@ -528,6 +547,13 @@ class StreamLog:
         self._add_segment(self.durable.end)
         self._write_snapshot()
         self._dirty = False
+
+    def _checkpoint(self) -> None:
+        """Snapshot the durable state so a crash recovery scans at most ``snapshot_bytes``."""
+        if self.policy != "always":
+            os.fsync(self._segments[-1].fd)
+            self._dirty = False
+        self._write_snapshot()
 
     async def sync(self) -> None:
         """Make everything written so far durable (used by the ``interval`` policy)."""
@@ -579,12 +605,19 @@ class StreamLog:
         if at.pos < self.base.pos or at.pos > end.pos or at.offset > end.offset:
             raise InvalidPosition(f"offset {at.token()} is outside this stream")
         seg = self._segments[self._segment_index(at.pos)]
-        raw = os.pread(seg.fd, HEADER_SIZE, at.pos - seg.base.pos)
+        rel = at.pos - seg.base.pos
+        raw = os.pread(seg.fd, HEADER_SIZE, rel)
+        bad = InvalidPosition(f"offset {at.token()} is not a record boundary of this stream")
         if len(raw) < HEADER_SIZE:
-            raise InvalidPosition(f"offset {at.token()} is not a record boundary of this stream")
+            raise bad
         fields = HEADER.unpack(raw)
-        if fields[2] != MAGIC or fields[5] != at.offset:
-            raise InvalidPosition(f"offset {at.token()} is not a record boundary of this stream")
+        length = fields[1]
+        if fields[2] != MAGIC or fields[5] != at.offset or not HEADER_SIZE <= length <= end.pos - at.pos:
+            raise bad
+        try:
+            parse_header(os.pread(seg.fd, length, rel), 0, verify=True)
+        except CorruptBatch:
+            raise bad from None
 
     def read(self, at: Position, max_bytes: int, limit: Position | None = None) -> list[ReadBatch]:
         """Durable batches from ``at`` on, about ``max_bytes`` of them (at least one if any).
