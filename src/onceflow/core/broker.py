@@ -153,9 +153,9 @@ class Stream:
     def name(self) -> str:
         return self.meta.name
 
-    @property
-    def is_json(self) -> bool:
-        return normalize_content_type(self.meta.content_type) == "application/json"
+    def __post_init__(self) -> None:
+        self.media_type = normalize_content_type(self.meta.content_type)
+        self.is_json = self.media_type == "application/json"
 
     @property
     def tail(self) -> Position:
@@ -268,6 +268,12 @@ class Broker:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def begin_shutdown(self) -> None:
+        """Release live readers (long-poll, SSE) so connections can finish; appends still work."""
+        self._closing = True
+        for s in self.streams.values():
+            s.notify()
 
     async def close(self) -> None:
         self._closing = True
@@ -522,7 +528,7 @@ class Broker:
             return Outcome("stream_closed", stream=s, next=pending.end, closed=True, detail="the stream is closed")
 
         # Step 2: the content type must match (not checked for close-only requests).
-        if body and normalize_content_type(content_type) != normalize_content_type(s.meta.content_type):
+        if body and content_type != s.meta.content_type and normalize_content_type(content_type) != s.media_type:
             return Outcome(
                 "content_type_mismatch",
                 stream=s,

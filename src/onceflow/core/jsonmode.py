@@ -18,6 +18,10 @@ def _reject_constant(name: str) -> Any:
     raise JsonError(f"{name} is not valid JSON")
 
 
+# Built once: passing parse_constant to json.loads would build a new decoder on every call.
+_decode = json.JSONDecoder(parse_constant=_reject_constant).decode
+
+
 def encode_messages(body: bytes, *, allow_empty: bool) -> tuple[bytes, int]:
     """Stored payload and message count for a JSON body.
 
@@ -29,12 +33,14 @@ def encode_messages(body: bytes, *, allow_empty: bool) -> tuple[bytes, int]:
     except UnicodeDecodeError as exc:
         raise JsonError(f"body is not UTF-8: {exc}") from None
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = _decode(text)
     except JsonError:
         raise
     except ValueError as exc:
         raise JsonError(f"invalid JSON: {exc}") from None
-    items = value if isinstance(value, list) else [value]
+    if not isinstance(value, list):
+        return (_dumps(value) + ",").encode(), 1
+    items = value
     if not items:
         if allow_empty:
             return b"", 0

@@ -1,4 +1,4 @@
-"""Running the app under uvicorn: ready line, signals, clean shutdown."""
+"""Running the server: the ready line, signals, and a clean shutdown."""
 
 from __future__ import annotations
 
@@ -6,26 +6,18 @@ import asyncio
 import contextlib
 import logging
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-
-import uvicorn
+from typing import Literal
 
 from ..core.broker import Broker
 from ..storage.log import FsyncPolicy
 from .app import App, AppConfig
+from .http import HttpServerProtocol, start_server
 
 __all__ = ["serve"]
 
-
-class _Server(uvicorn.Server):
-    """uvicorn's server without its signal capture: it re-raises SIGTERM after a clean shutdown,
-    which would make a graceful stop exit with -15. :func:`serve` handles the signals instead."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
+log = logging.getLogger("onceflow")
 
 
 async def serve(
@@ -36,35 +28,65 @@ async def serve(
     fsync: FsyncPolicy = "always",
     long_poll_timeout: float = 20.0,
     max_body_bytes: int = 64 << 20,
+    http: Literal["native", "uvicorn"] = "native",
     log_level: str = "warning",
 ) -> None:
-    """Recover the data directory, serve until SIGTERM / SIGINT, then flush and close."""
+    """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
+
+    Shutdown: stop accepting, end live reads (long-poll / SSE), let in-flight appends become durable
+    (up to a few seconds), close connections, then flush and snapshot every stream.
+    """
     broker = Broker(data, fsync=fsync)
     broker.open()
     app = App(broker, AppConfig(long_poll_timeout=long_poll_timeout, max_body_bytes=max_body_bytes))
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        loop="none",
-        http="httptools",
-        lifespan="on",
-        log_level=log_level,
-        access_log=False,
-        timeout_graceful_shutdown=2,
-        timeout_keep_alive=30,
-    )
-    server = _Server(config)
+    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        loop.add_signal_handler(sig, stop.set)
+    if http == "uvicorn":
+        await _serve_uvicorn(app, host, port, log_level, stop)
+        return
+    connections: set[HttpServerProtocol] = set()
+    server = await start_server(app, host, port, max_body_bytes, connections)
+    broker.start_background()
+    bound = server.sockets[0].getsockname()
+    print(f"onceflow listening on http://{host}:{bound[1]}", flush=True)
+    await stop.wait()
+    server.close()
+    broker.begin_shutdown()
+    running = [c.task for c in connections if c.busy and c.task is not None]
+    if running:
+        await asyncio.wait(running, timeout=3.0)
+    for c in list(connections):
+        if c.transport is not None:
+            c.transport.close()
+    await broker.close()
+
+
+async def _serve_uvicorn(app: App, host: str, port: int, log_level: str, stop: asyncio.Event) -> None:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        # uvicorn re-raises a captured SIGTERM after shutting down; serve() owns the signals instead
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    config = uvicorn.Config(
+        app, host=host, port=port, loop="none", http="httptools", lifespan="on", log_level=log_level,
+        access_log=False, proxy_headers=False, server_header=False, date_header=False,
+        timeout_graceful_shutdown=2,
+    )
+    server = Server(config)
     task = asyncio.ensure_future(server.serve())
     while not server.started and not task.done():  # noqa: ASYNC110 - uvicorn signals readiness only by a flag
         await asyncio.sleep(0.01)
-    if server.started:
-        bound = server.servers[0].sockets[0].getsockname()
-        print(f"onceflow listening on http://{host}:{bound[1]}", flush=True)
-    await task
     if not server.started:
-        logging.getLogger("onceflow").error("the server did not start")
-        sys.exit(1)
+        await task
+        raise SystemExit("the server did not start")
+    bound = server.servers[0].sockets[0].getsockname()
+    print(f"onceflow listening on http://{host}:{bound[1]} (uvicorn)", flush=True)
+    await stop.wait()
+    app.broker.begin_shutdown()
+    server.should_exit = True
+    await task

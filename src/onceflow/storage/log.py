@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from .batch import HEADER, HEADER_SIZE, MAGIC, BatchHeader, CorruptBatch, encode_batch, parse_header
+from .batch import FLAG_CLOSE, HEADER, HEADER_SIZE, MAGIC, BatchHeader, CorruptBatch, encode_batch, parse_header
 from .position import Position
 
 __all__ = [
@@ -456,20 +456,14 @@ class StreamLog:
         group.chunks.append(data)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         group.waiters.append(fut)
-        header_view = BatchHeader(
-            length=len(data),
-            flags=flags,
-            base_offset=start.offset,
-            count=count,
-            timestamp=0,
-            epoch=epoch,
-            first_seq=first_seq,
-            last_seq=last_seq,
-            producer_id=producer_id,
-            stream_seq=stream_seq,
-            payload_start=0,
+        prev = self.pending
+        closes = bool(flags & FLAG_CLOSE)
+        self.pending = TailState(
+            end,
+            prev.closed or closes,
+            (producer_id, epoch, last_seq) if closes and producer_id is not None else prev.closed_by,
+            stream_seq if stream_seq is not None else prev.stream_seq,
         )
-        self.pending = self.pending.after(header_view, end)
         group.tail = self.pending
         if producer_id is not None:
             state = _advance(self.producer(producer_id), epoch, first_seq, last_seq, start, end)
