@@ -26,44 +26,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+import logkit
+from logkit import ZERO, Spec, Written, append_each, read_all, seg_files
 from onceflow.storage.batch import HEADER_SIZE, encode_batch, parse_header
 from onceflow.storage.log import SNAPSHOT_NAME, ProducerState, StreamLog, TailState
 from onceflow.storage.position import Position, parse_token
 
-ZERO = Position(0, 0)
-
 # ---------------------------------------------------------------------- storage helpers
-
-
-@dataclass(frozen=True)
-class Spec:
-    payload: bytes
-    count: int = 1
-    producer_id: str | None = None
-    epoch: int = -1
-    first_seq: int = -1
-    last_seq: int = -1
-    stream_seq: bytes | None = None
-
-    def kwargs(self) -> dict[str, object]:
-        return {
-            "payload": self.payload,
-            "count": self.count,
-            "producer_id": self.producer_id,
-            "epoch": self.epoch,
-            "first_seq": self.first_seq,
-            "last_seq": self.last_seq,
-            "stream_seq": self.stream_seq,
-        }
-
-
-@dataclass(frozen=True)
-class Written:
-    spec: Spec
-    start: Position
-    end: Position
-    producers_after: dict[str, ProducerState]
-    tail_after: TailState
 
 
 def workload(n: int, *, size: int = 50) -> list[Spec]:
@@ -88,34 +57,9 @@ def workload(n: int, *, size: int = 50) -> list[Spec]:
     return specs
 
 
-async def append_each(log: StreamLog, specs: list[Spec]) -> list[Written]:
-    out: list[Written] = []
-    for spec in specs:
-        staged = log.stage(**spec.kwargs())  # type: ignore[arg-type]
-        await staged.done
-        out.append(Written(spec, staged.start, staged.end, dict(log.producers), log.durable))
-    await log.drain()
-    return out
-
-
 def write_log(directory: Path, specs: list[Spec], *, segment_bytes: int, clean_close: bool = False) -> list[Written]:
-    """Append ``specs`` one group each. Without ``clean_close`` the files are just dropped (a crash:
-    no flush beyond what each append already synced, no closing snapshot)."""
-
-    async def go() -> list[Written]:
-        log = StreamLog.open(directory, ZERO, segment_bytes=segment_bytes)
-        try:
-            written = await append_each(log, specs)
-        except BaseException:
-            log.close_files()
-            raise
-        if clean_close:
-            await log.close()
-        else:
-            log.close_files()
-        return written
-
-    return asyncio.run(go())
+    """As logkit.write_log, but by default the files are just dropped: a crash, no closing snapshot."""
+    return logkit.write_log(directory, specs, segment_bytes=segment_bytes, clean_close=clean_close)
 
 
 def append_more(directory: Path, specs: list[Spec], *, segment_bytes: int, use_snapshot: bool = True) -> list[Written]:
@@ -129,23 +73,6 @@ def append_more(directory: Path, specs: list[Spec], *, segment_bytes: int, use_s
             log.close_files()
 
     return asyncio.run(go())
-
-
-def read_all(log: StreamLog, max_bytes: int = 1 << 30) -> list[tuple[Position, Position, bytes]]:
-    out: list[tuple[Position, Position, bytes]] = []
-    at = log.base
-    while at != log.durable.end:
-        batches = log.read(at, max_bytes)
-        assert batches
-        for b in batches:
-            assert b.start == at
-            out.append((b.start, b.end, b.payload))
-            at = b.end
-    return out
-
-
-def seg_files(directory: Path) -> list[Path]:
-    return sorted(directory.glob("*.seg"))
 
 
 def seg_base(path: Path) -> int:

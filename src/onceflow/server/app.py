@@ -486,6 +486,7 @@ async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], bod
 
 _STATUS: dict[str, int] = {
     "created": 201,
+    "appended": 204,
     "exists": 200,
     "closed_now": 204,
     "already_closed": 204,
@@ -509,24 +510,11 @@ _STATUS: dict[str, int] = {
 def _outcome_response(o: Outcome) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """The one place where broker outcomes become HTTP statuses and headers."""
     h: list[tuple[bytes, bytes]] = []
-    if o.kind in ("created", "exists"):
-        assert o.stream is not None and o.next is not None
-        h.append((b"content-type", o.stream.meta.content_type.encode()))
-        h.append((b"stream-next-offset", o.next.token().encode()))
-        if o.closed:
-            h.append((b"stream-closed", b"true"))
-        return _STATUS[o.kind], h, b""
-    if o.kind == "appended":
-        assert o.next is not None
-        h.append((b"stream-next-offset", o.next.token().encode()))
-        if o.closed:
-            h.append((b"stream-closed", b"true"))
-        if o.epoch is not None:
-            h.append(_h("producer-epoch", o.epoch))
-            h.append(_h("producer-seq", o.seq if o.seq is not None else 0))
-            return 200, h, b""
-        return 204, h, b""
-    if o.kind in ("closed_now", "already_closed", "duplicate", "deleted"):
+    status = _STATUS[o.kind]
+    if status < 300:
+        if o.kind in ("created", "exists"):
+            assert o.stream is not None
+            h.append((b"content-type", o.stream.meta.content_type.encode()))
         if o.next is not None:
             h.append((b"stream-next-offset", o.next.token().encode()))
         if o.closed:
@@ -534,7 +522,9 @@ def _outcome_response(o: Outcome) -> tuple[int, list[tuple[bytes, bytes]], bytes
         if o.epoch is not None:
             h.append(_h("producer-epoch", o.epoch))
             h.append(_h("producer-seq", o.seq if o.seq is not None else 0))
-        return _STATUS[o.kind], h, b""
+            if o.kind == "appended":
+                status = 200  # a new append by an idempotent producer (204 is its duplicate)
+        return status, h, b""
     extra: list[tuple[bytes, bytes]] = []
     if o.kind in ("stream_closed", "tail_mismatch") and o.next is not None:
         extra.append((b"stream-next-offset", o.next.token().encode()))
@@ -547,4 +537,4 @@ def _outcome_response(o: Outcome) -> tuple[int, list[tuple[bytes, bytes]], bytes
         extra.append(_h("producer-received-seq", o.received_seq or 0))
     if o.kind == "unavailable":
         extra.append((b"retry-after", b"1"))
-    return _error(_STATUS[o.kind], o.kind, o.detail or o.kind.replace("_", " "), extra)
+    return _error(status, o.kind, o.detail or o.kind.replace("_", " "), extra)

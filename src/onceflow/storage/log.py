@@ -27,11 +27,14 @@ import contextlib
 import json
 import logging
 import os
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+import crc32c
 
 from .batch import FLAG_CLOSE, HEADER, HEADER_SIZE, MAGIC, BatchHeader, CorruptBatch, encode_batch, parse_header
 from .position import Position
@@ -226,9 +229,10 @@ class StreamLog:
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         executor: Executor | None = None,
         use_snapshot: bool = True,
+        snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES,
     ) -> StreamLog:
         """Open (creating if needed) the log in ``directory`` whose first batch starts at ``base``."""
-        self = cls(directory, policy=policy, segment_bytes=segment_bytes, executor=executor)
+        self = cls(directory, policy=policy, segment_bytes=segment_bytes, executor=executor, snapshot_bytes=snapshot_bytes)
         self.base = base
         directory.mkdir(parents=True, exist_ok=True)
         found = sorted(
@@ -328,39 +332,85 @@ class StreamLog:
     def _scan(
         self, index: int, tail: TailState, producers: dict[str, ProducerState]
     ) -> tuple[TailState, dict[str, ProducerState]]:
+        """Verify and replay the log from ``tail`` (inside segment ``index``) to its end.
+
+        Hot loop: most batches only move the offsets; objects are built only for batches that
+        change producer or stream state, and producer history is kept as plain tuples until the end.
+        """
         segs = self._segments
+        unpack = HEADER.unpack_from
+        checksum = crc32c.crc32c
+        # producer id -> [epoch, last_seq, recent (first, last, start_off, start_pos, end_off, end_pos)]
+        seen: dict[str, list[Any]] = {}
+        offset = tail.end.offset
         i = index
-        while i < len(segs):
-            seg = segs[i]
-            if seg.base != tail.end and not (i == index and seg.base.pos <= tail.end.pos):
-                log.warning("segment %s does not start at the log end %s; dropping it and later ones", seg.path, tail.end)
-                self._drop_segments_from(i)
-                break
-            rel = tail.end.pos - seg.base.pos
-            data = os.pread(seg.fd, seg.size - rel, rel) if seg.size > rel else b""
-            p = 0
-            while p < len(data):
-                start = Position(tail.end.offset, seg.base.pos + rel + p)
-                try:
-                    h = parse_header(data, p)
-                    if h.base_offset != start.offset:
-                        raise CorruptBatch(f"base offset {h.base_offset}, expected {start.offset}")
-                except CorruptBatch as exc:
-                    log.warning("%s: truncating at byte %d: %s", seg.path, rel + p, exc)
-                    os.ftruncate(seg.fd, rel + p)
-                    os.fsync(seg.fd)
-                    seg.size = rel + p
-                    self._drop_segments_from(i + 1)
-                    return tail, producers
-                end = Position(start.offset + h.count, start.pos + h.length)
-                if h.producer_id is not None:
-                    producers[h.producer_id] = _advance(
-                        producers.get(h.producer_id), h.epoch, h.first_seq, h.last_seq, start, end
-                    )
-                tail = tail.after(h, end)
-                p += h.length
-            i += 1
-        return tail, producers
+        try:
+            while i < len(segs):
+                seg = segs[i]
+                if i != index and seg.base != tail.end:  # segments must tile the log
+                    log.warning("segment %s does not start at the log end; dropping it and later ones", seg.path)
+                    self._drop_segments_from(i)
+                    break
+                rel = (tail.end.pos - seg.base.pos) if i == index else 0
+                base_pos = seg.base.pos + rel
+                data = os.pread(seg.fd, seg.size - rel, rel) if seg.size > rel else b""
+                view = memoryview(data)
+                n = len(data)
+                p = 0
+                while p < n:
+                    bad = ""
+                    if n - p < HEADER_SIZE:
+                        bad = "truncated header"
+                    else:
+                        crc, length, magic, flags, _r, base, count, _ts, epoch, fseq, lseq, pid_len, sseq_len = unpack(data, p)
+                        if magic != MAGIC:
+                            bad = f"bad magic {magic:#x}"
+                        elif length < HEADER_SIZE + pid_len + sseq_len or length > n - p:
+                            bad = f"torn batch (length {length}, {n - p} bytes left)"
+                        elif base != offset or count < 0:
+                            bad = f"base offset {base}, expected {offset}"
+                        elif checksum(view[p + 4 : p + length]) != crc:
+                            bad = "checksum mismatch"
+                    if bad:
+                        log.warning("%s: truncating at byte %d: %s", seg.path, rel + p, bad)
+                        os.ftruncate(seg.fd, rel + p)
+                        os.fsync(seg.fd)
+                        seg.size = rel + p
+                        tail = replace(tail, end=Position(offset, base_pos + p))
+                        self._drop_segments_from(i + 1)
+                        return tail, producers
+                    if pid_len or epoch >= 0:
+                        pid = bytes(view[p + HEADER_SIZE : p + HEADER_SIZE + pid_len]).decode("utf-8", "replace")
+                        entry = (fseq, lseq, offset, base_pos + p, offset + count, base_pos + p + length)
+                        st = seen.get(pid)
+                        if st is None:
+                            prev = producers.get(pid)
+                            st = seen[pid] = [-1, -1, deque((), RECENT_BATCHES)]
+                            if prev is not None:
+                                st[0], st[1] = prev.epoch, prev.last_seq
+                                st[2].extend(
+                                    (r.first_seq, r.last_seq, r.start.offset, r.start.pos, r.end.offset, r.end.pos)
+                                    for r in prev.recent
+                                )
+                        if epoch != st[0]:
+                            st[2].clear()
+                        st[0], st[1] = epoch, lseq
+                        st[2].append(entry)
+                    if flags & FLAG_CLOSE or sseq_len:
+                        h = parse_header(data, p, verify=False)
+                        tail = tail.after(h, Position(offset + count, base_pos + p + length))
+                    offset += count
+                    p += length
+                tail = replace(tail, end=Position(offset, base_pos + p))
+                i += 1
+            return tail, producers
+        finally:
+            for pid, (epoch, last_seq, recent) in seen.items():
+                producers[pid] = ProducerState(
+                    epoch,
+                    last_seq,
+                    tuple(RecentBatch(f, lq, Position(so, sp), Position(eo, ep)) for f, lq, so, sp, eo, ep in recent),
+                )
 
     def _drop_segments_from(self, i: int) -> None:
         for seg in self._segments[i:]:
