@@ -35,6 +35,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 PREFIX = "/v1/stream/"
+LIST_PATH = "/v1/streams"  # extension: list streams by name prefix
 MAX_SAFE_INT = 2**53 - 1
 _DIGITS = re.compile(r"^[0-9]+$")
 _LINES = re.compile(r"\r\n|\r|\n")
@@ -143,6 +144,10 @@ class App:
                 (b"access-control-max-age", b"86400"),
             ], b"")
             return
+        if path == LIST_PATH and method in ("GET", "HEAD"):
+            status, h, body = self._list(scope)
+            await _send(send, status, h, b"" if method == "HEAD" else body)
+            return
         if not path.startswith(PREFIX):
             status, h, body = _error(404, "not_found", f"no such resource: streams live under {PREFIX}<name>")
             await _send(send, status, h, b"" if method == "HEAD" else body)
@@ -198,6 +203,23 @@ class App:
             if not msg.get("more_body", False):
                 break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    # ------------------------------------------------------------------ list (extension)
+
+    def _list(self, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        params = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        prefix = params.get("prefix", [""])[0]
+        streams = [
+            {
+                "name": s.name,
+                "content_type": s.meta.content_type,
+                "next_offset": s.tail.token(),
+                "closed": s.closed,
+            }
+            for s in self.broker.list(prefix)
+        ]
+        body = json.dumps({"streams": streams}, separators=(",", ":")).encode()
+        return 200, [(b"content-type", b"application/json"), (b"cache-control", b"no-store")], body
 
     # ------------------------------------------------------------------ PUT
 

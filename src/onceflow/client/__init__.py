@@ -1,0 +1,60 @@
+"""The onceflow Python client: streams, idempotent producers, topics and consumers, sync and asyncio.
+
+Works with any Durable Streams server; prefix subscriptions use onceflow's ``/v1/streams`` listing.
+"""
+
+from ._errors import (
+    BadRequestError,
+    ConflictError,
+    ContentTypeMismatchError,
+    OnceflowError,
+    PayloadTooLargeError,
+    PreconditionFailedError,
+    ProducerFencedError,
+    SequenceGapError,
+    ServerError,
+    StreamClosedError,
+    StreamGoneError,
+    StreamNotFoundError,
+    TransportError,
+)
+from ._types import AppendResult, Chunk, Delivery, LiveMode, Message, StreamInfo
+from .consumer import AsyncConsumer, Consumer, FileOffsetStore, MemoryOffsetStore, OffsetStore
+from .producer import AsyncIdempotentProducer, IdempotentProducer, ProducerStats
+from .stream import AsyncStream, Stream
+from .topic import TopicProducer, partition_for, partition_names
+
+__all__ = [
+    "AppendResult",
+    "AsyncConsumer",
+    "AsyncIdempotentProducer",
+    "AsyncStream",
+    "BadRequestError",
+    "Chunk",
+    "ConflictError",
+    "Consumer",
+    "ContentTypeMismatchError",
+    "Delivery",
+    "FileOffsetStore",
+    "IdempotentProducer",
+    "LiveMode",
+    "MemoryOffsetStore",
+    "Message",
+    "OffsetStore",
+    "OnceflowError",
+    "PayloadTooLargeError",
+    "PreconditionFailedError",
+    "ProducerFencedError",
+    "ProducerStats",
+    "SequenceGapError",
+    "ServerError",
+    "Stream",
+    "StreamClosedError",
+    "StreamGoneError",
+    "StreamInfo",
+    "StreamNotFoundError",
+    "TopicProducer",
+    "TransportError",
+    "partition_for",
+    "partition_names",
+]

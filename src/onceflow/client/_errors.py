@@ -1,0 +1,156 @@
+"""One exception root for everything the client raises, and one mapper from responses to it."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+__all__ = [
+    "BadRequestError",
+    "ConflictError",
+    "ContentTypeMismatchError",
+    "OnceflowError",
+    "PayloadTooLargeError",
+    "PreconditionFailedError",
+    "ProducerFencedError",
+    "SequenceGapError",
+    "ServerError",
+    "StreamClosedError",
+    "StreamGoneError",
+    "StreamNotFoundError",
+    "TransportError",
+    "error_from_response",
+]
+
+
+class OnceflowError(Exception):
+    """Root of every client error.
+
+    ``status`` is the HTTP status (None when no response arrived), ``code`` the server's error code
+    (e.g. ``stream_closed``) and ``retriable`` whether sending the same request again may succeed.
+    """
+
+    retriable: bool = False
+
+    def __init__(self, message: str, *, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        if retriable is not None:
+            self.retriable = retriable
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, status={self.status}, code={self.code!r})"
+
+
+class BadRequestError(OnceflowError):
+    """400: the request was malformed; resending it unchanged will fail again."""
+
+
+class StreamNotFoundError(OnceflowError):
+    """404: no stream at this URL."""
+
+
+class StreamGoneError(OnceflowError):
+    """410: the stream was deleted (its forks keep its data)."""
+
+
+class ConflictError(OnceflowError):
+    """409: the stream exists with another configuration, or a Stream-Seq went backwards."""
+
+
+class ContentTypeMismatchError(ConflictError):
+    """409: the data's content type is not the stream's."""
+
+
+class StreamClosedError(ConflictError):
+    """409 with Stream-Closed: the stream is closed; ``next_offset`` is its final offset."""
+
+    def __init__(self, message: str, *, next_offset: str | None = None, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.next_offset = next_offset
+
+
+class SequenceGapError(ConflictError):
+    """409 with Producer-Expected-Seq: a producer's batch arrived before an earlier one."""
+
+    def __init__(self, message: str, *, expected_seq: int, received_seq: int, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.expected_seq = expected_seq
+        self.received_seq = received_seq
+
+
+class ProducerFencedError(OnceflowError):
+    """403: a newer epoch of this producer id exists (this producer is a zombie)."""
+
+    def __init__(self, message: str, *, current_epoch: int | None = None, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.current_epoch = current_epoch
+
+
+class PreconditionFailedError(OnceflowError):
+    """412: If-Match named a tail that is no longer the stream's tail (``next_offset`` is)."""
+
+    def __init__(self, message: str, *, next_offset: str | None = None, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.next_offset = next_offset
+
+
+class PayloadTooLargeError(OnceflowError):
+    """413: the body exceeds the server's limit."""
+
+
+class ServerError(OnceflowError):
+    """5xx or 429: the server could not do it now; the same request may succeed later."""
+
+    retriable = True
+
+
+class TransportError(OnceflowError):
+    """No (complete) response: connection refused or dropped, timeout. Retriable."""
+
+    retriable = True
+
+
+def _message(resp: httpx.Response) -> tuple[str, str]:
+    try:
+        err = json.loads(resp.content)["error"]
+        return str(err.get("message", "")), str(err.get("code", ""))
+    except (ValueError, KeyError, TypeError):
+        text = resp.content[:300].decode("utf-8", "replace").strip()
+        return text or resp.reason_phrase, ""
+
+
+def error_from_response(resp: httpx.Response, what: str = "") -> OnceflowError:
+    """The exception for a non-success response."""
+    status = resp.status_code
+    message, code = _message(resp)
+    msg = f"{what}: {message}" if what else message
+    h = resp.headers
+    if status == 400:
+        return BadRequestError(msg, status=status, code=code)
+    if status == 403:
+        epoch = h.get("producer-epoch")
+        return ProducerFencedError(msg, status=status, code=code or "stale_epoch", current_epoch=int(epoch) if epoch and epoch.isdigit() else None)
+    if status == 404:
+        return StreamNotFoundError(msg, status=status, code=code or "not_found")
+    if status == 409:
+        if h.get("stream-closed", "").lower() == "true":
+            return StreamClosedError(msg, status=status, code=code or "stream_closed", next_offset=h.get("stream-next-offset"))
+        exp, rec = h.get("producer-expected-seq"), h.get("producer-received-seq")
+        if exp is not None and rec is not None and exp.isdigit() and rec.isdigit():
+            return SequenceGapError(msg, status=status, code=code or "sequence_gap", expected_seq=int(exp), received_seq=int(rec))
+        if code == "content_type_mismatch":
+            return ContentTypeMismatchError(msg, status=status, code=code)
+        return ConflictError(msg, status=status, code=code)
+    if status == 410:
+        return StreamGoneError(msg, status=status, code=code or "gone")
+    if status == 412:
+        return PreconditionFailedError(msg, status=status, code=code or "tail_mismatch", next_offset=h.get("stream-next-offset"))
+    if status == 413:
+        return PayloadTooLargeError(msg, status=status, code=code or "payload_too_large")
+    if status == 429 or status >= 500:
+        return ServerError(msg, status=status, code=code)
+    return OnceflowError(msg, status=status, code=code)

@@ -1,0 +1,210 @@
+"""The Durable Streams protocol as pure functions: request headers in, results out (no I/O).
+
+The sync and asyncio clients both call these, so the two can only differ in how they wait.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from ._errors import OnceflowError, error_from_response
+from ._types import AppendResult, Chunk, StreamInfo
+
+__all__ = [
+    "SSEParser",
+    "append_headers",
+    "create_headers",
+    "encode_json_messages",
+    "is_json_type",
+    "parse_append",
+    "parse_chunk",
+    "parse_info",
+    "read_params",
+    "stream_url",
+]
+
+STREAM_PATH = "/v1/stream/"
+
+
+def stream_url(base_url: str, name: str) -> str:
+    """``http://host:4437`` + ``orders/0`` → ``http://host:4437/v1/stream/orders/0``.
+
+    A ``base_url`` that already names a stream (contains ``/v1/stream/``) is joined as given.
+    """
+    base = base_url.rstrip("/")
+    if STREAM_PATH.rstrip("/") in base:
+        return f"{base}/{name}" if name else base
+    return f"{base}{STREAM_PATH}{name}"
+
+
+def is_json_type(content_type: str) -> bool:
+    return content_type.split(";", 1)[0].strip().lower() == "application/json"
+
+
+def encode_json_messages(values: Iterable[Any]) -> bytes:
+    """A JSON array body: each value becomes exactly one message (lists included)."""
+    return ("[" + ",".join(json.dumps(v, separators=(",", ":"), ensure_ascii=False) for v in values) + "]").encode()
+
+
+def create_headers(
+    content_type: str, *, ttl: int | None, expires_at: str | None, closed: bool
+) -> dict[str, str]:
+    h = {"content-type": content_type}
+    if ttl is not None:
+        h["stream-ttl"] = str(ttl)
+    if expires_at is not None:
+        h["stream-expires-at"] = expires_at
+    if closed:
+        h["stream-closed"] = "true"
+    return h
+
+
+def append_headers(
+    content_type: str | None,
+    *,
+    seq: str | None = None,
+    close: bool = False,
+    if_match: str | None = None,
+    producer: tuple[str, int, int] | None = None,
+) -> dict[str, str]:
+    h: dict[str, str] = {}
+    if content_type:
+        h["content-type"] = content_type
+    if seq is not None:
+        h["stream-seq"] = seq
+    if close:
+        h["stream-closed"] = "true"
+    if if_match is not None:
+        h["if-match"] = if_match
+    if producer is not None:
+        h["producer-id"], h["producer-epoch"], h["producer-seq"] = producer[0], str(producer[1]), str(producer[2])
+    return h
+
+
+def _int(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def _closed(resp: httpx.Response) -> bool:
+    return bool(resp.headers.get("stream-closed", "").lower() == "true")
+
+
+def parse_info(resp: httpx.Response, what: str) -> StreamInfo:
+    if resp.status_code not in (200, 201):
+        raise error_from_response(resp, what)
+    h = resp.headers
+    return StreamInfo(
+        content_type=h.get("content-type", "application/octet-stream"),
+        next_offset=h.get("stream-next-offset", ""),
+        closed=_closed(resp),
+        ttl_seconds=_int(h.get("stream-ttl")),
+        expires_at=h.get("stream-expires-at"),
+    )
+
+
+def parse_append(resp: httpx.Response, what: str) -> AppendResult:
+    if resp.status_code not in (200, 204):
+        raise error_from_response(resp, what)
+    h = resp.headers
+    has_producer = "producer-epoch" in h
+    return AppendResult(
+        next_offset=h.get("stream-next-offset"),
+        duplicate=has_producer and resp.status_code == 204,
+        closed=_closed(resp),
+        producer_epoch=_int(h.get("producer-epoch")),
+        producer_seq=_int(h.get("producer-seq")),
+    )
+
+
+def read_params(offset: str, live: str | None, cursor: str | None) -> dict[str, str]:
+    params = {"offset": offset}
+    if live:
+        params["live"] = live
+    if cursor:
+        params["cursor"] = cursor
+    return params
+
+
+def parse_chunk(name: str, offset: str, resp: httpx.Response, what: str) -> Chunk:
+    """A catch-up or long-poll response as a Chunk (204: an empty one at the same offset)."""
+    if resp.status_code not in (200, 204):
+        raise error_from_response(resp, what)
+    h = resp.headers
+    data = resp.content if resp.status_code == 200 else b""
+    ct = h.get("content-type", "application/octet-stream")
+    if resp.status_code == 204 or (is_json_type(ct) and data == b"[]"):
+        data = b""
+    return Chunk(
+        stream=name,
+        offset=offset,
+        next_offset=h.get("stream-next-offset", offset),
+        data=data,
+        content_type=ct,
+        up_to_date=h.get("stream-up-to-date", "").lower() == "true" or resp.status_code == 204,
+        closed=_closed(resp),
+        cursor=h.get("stream-cursor"),
+    )
+
+
+@dataclass
+class SSEParser:
+    """Turns SSE lines into Chunks: each ``data`` event is completed by the ``control`` after it."""
+
+    name: str
+    offset: str
+    content_type: str
+    base64: bool
+    _event: str = ""
+    _data: list[str] = field(default_factory=list)
+    _payloads: list[bytes] = field(default_factory=list)
+
+    def feed(self, line: str) -> Iterator[Chunk]:
+        if line == "":
+            yield from self._dispatch()
+            return
+        if line.startswith(":"):
+            return
+        key, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if key == "event":
+            self._event = value
+        elif key == "data":
+            self._data.append(value)
+
+    def _dispatch(self) -> Iterator[Chunk]:
+        event, lines = self._event, self._data
+        self._event, self._data = "", []
+        if event == "data":
+            self._payloads.append(base64.b64decode("".join(lines)) if self.base64 else "\n".join(lines).encode())
+        elif event == "control":
+            try:
+                ctl = json.loads("\n".join(lines))
+            except ValueError as exc:
+                raise OnceflowError(f"malformed SSE control event: {exc}", retriable=True) from None
+            nxt = ctl.get("streamNextOffset", self.offset)
+            payloads, self._payloads = self._payloads, []
+            if is_json_type(self.content_type) and len(payloads) > 1:  # several data events, one array
+                data = encode_json_messages(m for p in payloads for m in json.loads(p))
+            else:
+                data = b"".join(payloads)
+            if data == b"[]":
+                data = b""
+            chunk = Chunk(
+                stream=self.name,
+                offset=self.offset,
+                next_offset=nxt,
+                data=data,
+                content_type=self.content_type,
+                up_to_date=bool(ctl.get("upToDate") or ctl.get("streamClosed")),
+                closed=bool(ctl.get("streamClosed")),
+                cursor=ctl.get("streamCursor"),
+            )
+            self.offset = nxt
+            yield chunk

@@ -1,0 +1,351 @@
+"""Consumers: read many streams from committed offsets, with a chosen delivery guarantee.
+
+Delivery
+    ``at-most-once``   the read's end offset is committed *before* its messages are handed over: a
+                       crash while processing skips them, never repeats them.
+    ``at-least-once``  it is committed when the next ``poll()`` starts (or on ``commit()``), i.e.
+                       after the application processed the messages: a crash repeats, never skips.
+    ``exactly-once``   arrives with transactions (offsets committed in the same transaction as the
+                       output); asking for it now raises.
+
+Offsets live in an :class:`OffsetStore`. ``FileOffsetStore`` keeps them in a local JSON file
+(durably replaced on each commit); server-side consumer groups plug in through the same protocol.
+Committed offsets only move forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import httpx
+
+from ._errors import OnceflowError, TransportError, error_from_response
+from ._loop import run_sync
+from ._protocol import parse_chunk, read_params, stream_url
+from ._types import Chunk, Delivery, Message
+
+__all__ = ["AsyncConsumer", "Consumer", "FileOffsetStore", "MemoryOffsetStore", "OffsetStore", "list_streams"]
+
+StartPolicy = Literal["earliest", "latest"]
+
+
+class OffsetStore(Protocol):
+    """Where a consumer group's positions are kept: the next offset to read, per stream."""
+
+    def load(self, group: str, stream: str) -> str | None: ...
+
+    def commit(self, group: str, offsets: Mapping[str, str]) -> None: ...
+
+
+class MemoryOffsetStore:
+    """Offsets in memory (tests, throwaway consumers)."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, dict[str, str]] = {}
+        self._lock = threading.Lock()
+
+    def load(self, group: str, stream: str) -> str | None:
+        with self._lock:
+            return self._data.get(group, {}).get(stream)
+
+    def commit(self, group: str, offsets: Mapping[str, str]) -> None:
+        with self._lock:
+            g = self._data.setdefault(group, {})
+            for stream, off in offsets.items():
+                if stream not in g or off > g[stream]:
+                    g[stream] = off
+
+
+class FileOffsetStore:
+    """Offsets in a JSON file, replaced atomically and synced on every commit."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+
+    def _read(self) -> dict[str, dict[str, str]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{self.path} is not an offsets file")
+        return data
+
+    def load(self, group: str, stream: str) -> str | None:
+        with self._lock:
+            return self._read().get(group, {}).get(stream)
+
+    def commit(self, group: str, offsets: Mapping[str, str]) -> None:
+        with self._lock:
+            data = self._read()
+            g = data.setdefault(group, {})
+            changed = False
+            for stream, off in offsets.items():
+                if stream not in g or off > g[stream]:  # offsets of one stream sort as strings
+                    g[stream] = off
+                    changed = True
+            if not changed:
+                return
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+
+
+async def list_streams(client: httpx.AsyncClient, base_url: str, prefix: str = "") -> list[str]:
+    """Names of the streams whose names start with ``prefix`` (onceflow's ``/v1/streams``)."""
+    try:
+        resp = await client.get(base_url.rstrip("/") + "/v1/streams", params={"prefix": prefix})
+    except httpx.TransportError as exc:
+        raise TransportError(f"list streams: {exc!r}") from exc
+    if resp.status_code != 200:
+        raise error_from_response(resp, "list streams")
+    return [s["name"] for s in resp.json()["streams"]]
+
+
+class AsyncConsumer:
+    """Reads ``streams`` (or every stream under ``prefix``) for consumer group ``group``.
+
+    ``poll()`` returns the messages of one read (from one stream; streams are read concurrently and
+    each keeps its order). ``live=None`` stops once every stream is caught up; ``"long-poll"``
+    tails for new data (and, with a prefix, for new streams every ``discover_interval`` seconds).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        group: str,
+        streams: Sequence[str] | None = None,
+        prefix: str | None = None,
+        store: OffsetStore | None = None,
+        delivery: Delivery = "at-least-once",
+        start: StartPolicy = "earliest",
+        live: Literal["long-poll"] | None = "long-poll",
+        discover_interval: float = 5.0,
+        client: httpx.AsyncClient | None = None,
+        buffer: int = 4,
+    ) -> None:
+        if delivery == "exactly-once":
+            raise NotImplementedError("exactly-once delivery needs transactions (offsets committed with the output)")
+        if delivery not in ("at-most-once", "at-least-once"):
+            raise ValueError(f"delivery must be at-most-once or at-least-once, not {delivery!r}")
+        if (streams is None) == (prefix is None):
+            raise ValueError("give either streams=[...] or prefix=...")
+        self.base_url = base_url.rstrip("/")
+        self.group = group
+        self.streams = list(streams or [])
+        self.prefix = prefix
+        self.store: OffsetStore = store if store is not None else MemoryOffsetStore()
+        self.delivery = delivery
+        self.start_policy = start
+        self.live = live
+        self.discover_interval = discover_interval
+        self._own_client = client is None
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=90.0))
+        self._queue: asyncio.Queue[Chunk | OnceflowError] = asyncio.Queue(maxsize=buffer)
+        self._readers: dict[str, asyncio.Task[None]] = {}
+        self._uncommitted: dict[str, str] = {}
+        self._positions: dict[str, str] = {}
+        self._discoverer: asyncio.Task[None] | None = None
+        self._started = False
+        self._caught_up: set[str] = set()
+
+    async def __aenter__(self) -> AsyncConsumer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self.prefix is not None:
+            self.streams = await list_streams(self._client, self.base_url, self.prefix)
+            if self.live:
+                self._discoverer = asyncio.get_running_loop().create_task(self._discover())
+        for name in self.streams:
+            self._add_reader(name)
+
+    def _add_reader(self, name: str) -> None:
+        if name not in self._readers:
+            self._readers[name] = asyncio.get_running_loop().create_task(self._read(name))
+
+    async def _discover(self) -> None:
+        assert self.prefix is not None
+        while True:
+            await asyncio.sleep(self.discover_interval)
+            with contextlib.suppress(OnceflowError):
+                for name in await list_streams(self._client, self.base_url, self.prefix):
+                    if name not in self._readers:
+                        self.streams.append(name)
+                        self._add_reader(name)
+
+    async def _read(self, name: str) -> None:
+        url = stream_url(self.base_url, name)
+        offset = self.store.load(self.group, name) or ("-1" if self.start_policy == "earliest" else "now")
+        if offset == "now":
+            try:
+                resp = await self._client.get(url, params={"offset": "now"})
+                offset = parse_chunk(name, "now", resp, f"read {name}").next_offset
+            except httpx.TransportError as exc:
+                await self._queue.put(TransportError(f"read {name}: {exc!r}"))
+                return
+            except OnceflowError as exc:
+                await self._queue.put(exc)
+                return
+        self._positions[name] = offset
+        cursor: str | None = None
+        backoff = 0.1
+        while True:
+            live = self.live if name in self._caught_up else None
+            try:
+                resp = await self._client.get(url, params=read_params(offset, live, cursor))
+                chunk = parse_chunk(name, offset, resp, f"read {name}")
+            except (httpx.TransportError, OnceflowError) as exc:
+                err = exc if isinstance(exc, OnceflowError) else TransportError(f"read {name}: {exc!r}")
+                if not err.retriable:
+                    await self._queue.put(err)
+                    return
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            if chunk.data:
+                await self._queue.put(chunk)
+            offset, cursor = chunk.next_offset, chunk.cursor
+            if chunk.up_to_date:
+                self._caught_up.add(name)
+            if chunk.closed or (chunk.up_to_date and self.live is None):
+                return
+
+    def _all_done(self) -> bool:
+        return bool(self._readers) and all(t.done() for t in self._readers.values()) and self._queue.empty()
+
+    async def poll(self, timeout: float | None = None) -> list[Message]:
+        """The next read's messages (empty when nothing arrived within ``timeout``, or when every
+        stream is caught up and the consumer is not live)."""
+        await self.start()
+        if self.delivery == "at-least-once":
+            await self.commit()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            if self._all_done() or (not self._readers and self.live is None):
+                return []
+            remaining = None if deadline is None else max(0.0, deadline - loop.time())
+            try:
+                item = await asyncio.wait_for(self._queue.get(), remaining) if remaining is not None else await self._get_or_finish()
+            except TimeoutError:
+                return []
+            if item is None:
+                return []
+            if isinstance(item, OnceflowError):
+                raise item
+            if not item.data:
+                continue
+            messages = self._messages(item)
+            self._positions[item.stream] = item.next_offset
+            if self.delivery == "at-most-once":
+                self.store.commit(self.group, {item.stream: item.next_offset})
+            else:
+                self._uncommitted[item.stream] = item.next_offset
+            return messages
+
+    async def _get_or_finish(self) -> Chunk | OnceflowError | None:
+        """Wait for the next item; None once all readers are finished and nothing is queued."""
+        while True:
+            if self._all_done():
+                return None
+            try:
+                return await asyncio.wait_for(self._queue.get(), 0.5)
+            except TimeoutError:
+                continue
+
+    @staticmethod
+    def _messages(chunk: Chunk) -> list[Message]:
+        values: list[Any] = chunk.messages() if chunk.is_json else [chunk.data]
+        return [Message(chunk.stream, v, chunk.offset, chunk.next_offset, i) for i, v in enumerate(values)]
+
+    async def commit(self) -> None:
+        """Commit the end offsets of everything ``poll()`` returned so far."""
+        if self._uncommitted:
+            pending, self._uncommitted = self._uncommitted, {}
+            self.store.commit(self.group, pending)
+
+    def positions(self) -> dict[str, str]:
+        """The next offset this consumer will read, per stream."""
+        return dict(self._positions)
+
+    def __aiter__(self) -> AsyncConsumer:
+        return self
+
+    async def __anext__(self) -> list[Message]:
+        batch = await self.poll()
+        if not batch and (self._all_done() or self.live is None):
+            raise StopAsyncIteration
+        return batch
+
+    async def close(self) -> None:
+        """Stop reading. Offsets of delivered but uncommitted messages are *not* committed."""
+        for t in [*self._readers.values(), *([self._discoverer] if self._discoverer else [])]:
+            t.cancel()
+        await asyncio.gather(*self._readers.values(), return_exceptions=True)
+        if self._own_client:
+            await self._client.aclose()
+
+
+class Consumer:
+    """The blocking twin of :class:`AsyncConsumer` (same arguments); iterate it for messages."""
+
+    def __init__(self, base_url: str, **kw: Any) -> None:
+        self._core: AsyncConsumer = run_sync(_make_consumer(base_url, kw))
+        self._buffer: list[Message] = []
+
+    def poll(self, timeout: float | None = None) -> list[Message]:
+        return run_sync(self._core.poll(timeout))
+
+    def commit(self) -> None:
+        run_sync(self._core.commit())
+
+    def positions(self) -> dict[str, str]:
+        return self._core.positions()
+
+    def __iter__(self) -> Consumer:
+        return self
+
+    def __next__(self) -> Message:
+        while True:
+            if self._buffer:
+                return self._buffer.pop(0)
+            batch = self.poll()
+            if not batch:
+                raise StopIteration
+            self._buffer = batch
+
+    def close(self) -> None:
+        run_sync(self._core.close())
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _make_consumer(base_url: str, kw: dict[str, Any]) -> AsyncConsumer:
+    consumer = AsyncConsumer(base_url, **kw)
+    await consumer.start()
+    return consumer

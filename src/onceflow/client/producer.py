@@ -1,0 +1,471 @@
+"""Idempotent producers: pipelined, batched, retried without duplicates.
+
+How a message travels
+    1. ``append(data)`` encodes it and adds it to the open batch (thread-safe, never blocks, never
+       does I/O). A batch is sealed, and given the next sequence number, when it reaches
+       ``max_batch_bytes``, when a request slot is free and ``linger_ms`` is 0 (send at once when
+       idle; accumulate while ``max_in_flight`` requests are out), after ``linger_ms``, or on flush.
+    2. Up to ``max_in_flight`` sealed batches are sent at once, each as one POST carrying
+       ``(Producer-Id, Producer-Epoch, Producer-Seq)``.
+    3. 200 and 204 (a duplicate: the server already had it) are success. Timeouts, dropped
+       connections, 5xx and 429 are retried with the *same* triple after a backoff, until
+       ``delivery_timeout``. A 409 sequence gap means a later batch overtook an earlier one on
+       another connection: it waits until the earlier ones are acknowledged and is resent, so the
+       stream keeps the append order and nothing is skipped.
+    4. Anything else (400, 404, 409 closed, 413, a 403 fence) fails the producer: ``on_error`` is
+       called for each batch that will never be delivered, and ``append``/``flush`` raise.
+
+Epochs: a producer id with a stable epoch dedups retries across the producer's own restarts only if
+the epoch moves on at each restart (otherwise a restarted producer's seq 0 looks like an old
+duplicate and is dropped). So: give ``epoch`` yourself, or ``epoch_file`` (read, bumped and synced at
+start), or let onceflow choose a time-based epoch; without ``producer_id`` a fresh random id is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ._errors import (
+    BadRequestError,
+    OnceflowError,
+    ProducerFencedError,
+    SequenceGapError,
+    TransportError,
+    error_from_response,
+)
+from ._loop import background_loop, run_sync
+from ._protocol import is_json_type, stream_url
+
+__all__ = ["AsyncIdempotentProducer", "IdempotentProducer", "ProducerStats"]
+
+ErrorCallback = Callable[[OnceflowError, int], None]
+
+
+@dataclass(slots=True)
+class ProducerStats:
+    appended: int = 0  # messages handed to append()
+    acked: int = 0  # messages acknowledged (stored)
+    batches_sent: int = 0  # POSTs that were acknowledged
+    requests: int = 0  # POSTs attempted, retries included
+    retries: int = 0
+    duplicates: int = 0  # acknowledgements that said "already stored" (a retry of a lost ack)
+    gaps: int = 0  # batches resent because an earlier one had not landed yet
+    failed: int = 0  # messages that will never be delivered
+
+
+class _Batch:
+    __slots__ = ("body", "count", "seq")
+
+    def __init__(self, seq: int, body: bytes, count: int) -> None:
+        self.seq = seq
+        self.body = body
+        self.count = count
+
+
+def _epoch_from_file(path: Path) -> int:
+    """Read the last epoch from ``path``, bump it, persist it durably, return it."""
+    try:
+        last = int(path.read_text().strip() or "-1")
+    except FileNotFoundError:
+        last = -1
+    epoch = last + 1
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(epoch))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return epoch
+
+
+class AsyncIdempotentProducer:
+    """An idempotent producer for one stream, running on the current event loop.
+
+    ``append`` is synchronous and non-blocking (call it from any thread); ``flush``, ``close`` and the
+    sending run on the loop that ``start`` ran on. Use ``async with`` or ``start``/``close``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        stream: str | None = None,
+        *,
+        producer_id: str | None = None,
+        epoch: int | None = None,
+        epoch_file: str | Path | None = None,
+        auto_claim: bool = False,
+        content_type: str | None = None,
+        max_batch_bytes: int = 1 << 20,
+        linger_ms: float = 0.0,
+        max_in_flight: int = 5,
+        retry_backoff: tuple[float, float] = (0.05, 2.0),
+        delivery_timeout: float = 120.0,
+        request_timeout: float = 30.0,
+        on_error: ErrorCallback | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self.url = stream_url(url, stream) if stream is not None else url
+        self.producer_id = producer_id or f"py-{uuid.uuid4()}"
+        if epoch is not None:
+            self.epoch = epoch
+        elif epoch_file is not None:
+            self.epoch = _epoch_from_file(Path(epoch_file))
+        elif producer_id is not None:
+            self.epoch = int(time.time() * 1000)  # a restart of a named producer must not reuse an epoch
+        else:
+            self.epoch = 0
+        self.auto_claim = auto_claim
+        self.content_type = content_type
+        self.max_batch_bytes = max_batch_bytes
+        self.linger = linger_ms / 1000.0
+        self.max_in_flight = max_in_flight
+        self.retry_backoff = retry_backoff
+        self.delivery_timeout = delivery_timeout
+        self.on_error = on_error
+        self.stats = ProducerStats()
+        self._own_client = client is None
+        self._client = client or httpx.AsyncClient(
+            timeout=request_timeout, limits=httpx.Limits(max_connections=max_in_flight + 2, max_keepalive_connections=max_in_flight + 2)
+        )
+        self._lock = threading.Lock()
+        self._current: list[bytes] = []
+        self._current_bytes = 0
+        self._current_since = 0.0
+        self._sealed: deque[_Batch] = deque()
+        self._next_seq = 0
+        self._acked_through = -1  # every seq <= this is acknowledged
+        self._acked_above: set[int] = set()
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._flushing = 0
+        self._error: OnceflowError | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._wake_event: asyncio.Event | None = None
+        self._wake_pending = False
+        self._progress: asyncio.Event | None = None
+        self._sender: asyncio.Task[None] | None = None
+        self._json = content_type is not None and is_json_type(content_type)
+        self._acked_in_epoch = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Bind to the running loop (and learn the stream's content type if not given)."""
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._wake_event = asyncio.Event()
+        self._progress = asyncio.Event()
+        if self.content_type is None:
+            try:
+                resp = await self._client.head(self.url)
+            except httpx.TransportError as exc:
+                raise TransportError(f"head {self.url}: {exc!r}") from exc
+            if resp.status_code != 200:
+                raise error_from_response(resp, f"producer for {self.url}")
+            self.content_type = resp.headers.get("content-type", "application/octet-stream")
+            self._json = is_json_type(self.content_type)
+        self._sender = self._loop.create_task(self._send_loop())
+
+    async def __aenter__(self) -> AsyncIdempotentProducer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        await self.close(flush=exc_type is None)
+
+    async def close(self, *, flush: bool = True) -> None:
+        """Flush (unless ``flush=False``), stop sending and release the HTTP client."""
+        try:
+            if flush and self._loop is not None and self._error is None:
+                await self.flush()
+        finally:
+            if self._sender is not None:
+                self._sender.cancel()
+            for t in list(self._in_flight):
+                t.cancel()
+            if self._in_flight:
+                await asyncio.gather(*self._in_flight, return_exceptions=True)
+            if self._own_client:
+                await self._client.aclose()
+
+    # ------------------------------------------------------------------ appending
+
+    @property
+    def pending_count(self) -> int:
+        """Messages appended but not yet acknowledged (queued, batched or in flight)."""
+        return self.stats.appended - self.stats.acked - self.stats.failed
+
+    @property
+    def in_flight_count(self) -> int:
+        """Requests currently out."""
+        return len(self._in_flight)
+
+    def append(self, data: bytes | str | Any) -> None:
+        """Queue one message. Bytes are sent as they are (JSON text for JSON streams); any other
+        value is encoded as one JSON message on a JSON stream. Raises the producer's error if it failed."""
+        if self._error is not None:
+            raise self._error
+        if isinstance(data, bytes | bytearray):
+            encoded = bytes(data)
+        elif self._json:
+            encoded = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+        elif isinstance(data, str):
+            encoded = data.encode()
+        else:
+            raise TypeError(f"cannot append {type(data).__name__} to a non-JSON stream; pass bytes or str")
+        with self._lock:
+            if not self._current:
+                self._current_since = time.monotonic()
+            self._current.append(encoded)
+            self._current_bytes += len(encoded) + 1
+            self.stats.appended += 1
+            if self._current_bytes >= self.max_batch_bytes:
+                self._seal_locked()
+            wake = not self._wake_pending
+            self._wake_pending = True
+        if wake:
+            self._wake()
+
+    def _wake(self) -> None:
+        ev, loop = self._wake_event, self._loop
+        if ev is None or loop is None:
+            return  # not started yet: start() will send what accumulated
+        if threading.get_ident() == self._loop_thread:
+            ev.set()
+        else:
+            loop.call_soon_threadsafe(ev.set)
+
+    def _seal_locked(self) -> None:
+        msgs, self._current, self._current_bytes = self._current, [], 0
+        if self._json:
+            body = b"[" + b",".join(msgs) + b"]"
+        else:
+            body = b"".join(msgs)
+        self._sealed.append(_Batch(self._next_seq, body, len(msgs)))
+        self._next_seq += 1
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Send everything appended so far and wait until it is acknowledged (or raise)."""
+        assert self._progress is not None, "start() the producer first"
+        with self._lock:
+            target = self.stats.appended
+        self._flushing += 1
+        try:
+            self._wake()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.stats.acked + self.stats.failed < target:
+                if self._error is not None:
+                    raise self._error
+                ev = self._progress
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"flush: {target - self.stats.acked} message(s) still unacknowledged")
+                try:
+                    await asyncio.wait_for(ev.wait(), remaining)
+                except TimeoutError:
+                    continue
+            if self._error is not None:
+                raise self._error
+        finally:
+            self._flushing -= 1
+
+    # ------------------------------------------------------------------ sending
+
+    async def _send_loop(self) -> None:
+        assert self._wake_event is not None and self._loop is not None
+        while True:
+            await self._wake_event.wait()
+            self._wake_event.clear()
+            with self._lock:
+                self._wake_pending = False
+                delay = self._dispatch_locked()
+            if delay is not None:
+                self._loop.call_later(delay, self._wake)
+
+    def _dispatch_locked(self) -> float | None:
+        """Start batches while slots are free; the seconds until linger ends, if it must be waited."""
+        assert self._loop is not None
+        while len(self._in_flight) < self.max_in_flight and self._error is None:
+            if not self._sealed:
+                if not self._current:
+                    return None
+                waited = time.monotonic() - self._current_since
+                if self.linger and waited < self.linger and not self._flushing:
+                    return self.linger - waited
+                self._seal_locked()
+            batch = self._sealed.popleft()
+            task = self._loop.create_task(self._send(batch))
+            self._in_flight.add(task)
+            task.add_done_callback(self._batch_done)
+        return None
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.discard(task)
+        self._wake()
+
+    def _signal_progress(self) -> None:
+        assert self._progress is not None
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    async def _wait_acked(self, seq: int) -> None:
+        while self._acked_through < seq and self._error is None:
+            assert self._progress is not None
+            await self._progress.wait()
+
+    async def _send(self, batch: _Batch) -> None:
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            if self._error is not None:
+                self._fail_batch(batch, self._error)
+                return
+            headers = {
+                "content-type": self.content_type or "application/octet-stream",
+                "producer-id": self.producer_id,
+                "producer-epoch": str(self.epoch),
+                "producer-seq": str(batch.seq),
+            }
+            self.stats.requests += 1
+            err: OnceflowError
+            try:
+                resp = await self._client.post(self.url, content=batch.body, headers=headers)
+            except httpx.TransportError as exc:
+                err = TransportError(f"append to {self.url}: {exc!r}")
+            else:
+                if resp.status_code in (200, 204):
+                    self._ack(batch, duplicate=resp.status_code == 204)
+                    return
+                err = error_from_response(resp, f"append to {self.url}")
+                if isinstance(err, SequenceGapError) and err.expected_seq < batch.seq:
+                    self.stats.gaps += 1  # overtook an earlier batch: resend once it has landed
+                    await self._wait_acked(batch.seq - 1)
+                    continue
+                if isinstance(err, BadRequestError) and err.code == "invalid_epoch_seq" and batch.seq > 0:
+                    self.stats.gaps += 1  # first batches of a claimed epoch arrived out of order
+                    await self._wait_acked(batch.seq - 1)
+                    continue
+                if isinstance(err, ProducerFencedError) and self._claim(err):
+                    continue
+                if not err.retriable:
+                    self._fail(err)
+                    self._fail_batch(batch, err)
+                    return
+            if time.monotonic() - started > self.delivery_timeout:
+                err = TransportError(f"gave up after {self.delivery_timeout:.0f} s: {err.message}", status=err.status)
+                self._fail(err)
+                self._fail_batch(batch, err)
+                return
+            attempt += 1
+            self.stats.retries += 1
+            low, high = self.retry_backoff
+            await asyncio.sleep(min(high, low * 2 ** min(attempt, 16)) * (0.8 + 0.4 * random.random()))  # noqa: S311
+
+    def _claim(self, err: ProducerFencedError) -> bool:
+        """Auto-claim (opt-in): before anything was acknowledged in this epoch, move past the
+        server's epoch and start again at seq 0. Later it would mean renumbering acknowledged
+        history, so a fence after that is final."""
+        if not self.auto_claim or self._acked_in_epoch or err.current_epoch is None:
+            return False
+        if self.epoch <= err.current_epoch:
+            self.epoch = err.current_epoch + 1
+        return True
+
+    def _ack(self, batch: _Batch, *, duplicate: bool) -> None:
+        self._acked_in_epoch = True
+        self.stats.batches_sent += 1
+        self.stats.acked += batch.count
+        if duplicate:
+            self.stats.duplicates += 1
+        if batch.seq == self._acked_through + 1:
+            self._acked_through = batch.seq
+            while self._acked_through + 1 in self._acked_above:
+                self._acked_above.discard(self._acked_through + 1)
+                self._acked_through += 1
+        else:
+            self._acked_above.add(batch.seq)
+        self._signal_progress()
+
+    def _fail(self, err: OnceflowError) -> None:
+        if self._error is None:
+            self._error = err
+            with self._lock:
+                dropped = list(self._sealed)
+                self._sealed.clear()
+                if self._current:
+                    dropped.append(_Batch(-1, b"", len(self._current)))
+                    self._current, self._current_bytes = [], 0
+            for b in dropped:
+                self._fail_batch(b, err)
+        self._signal_progress()
+
+    def _fail_batch(self, batch: _Batch, err: OnceflowError) -> None:
+        self.stats.failed += batch.count
+        if self.on_error is not None:
+            self.on_error(err, batch.count)
+        self._signal_progress()
+
+
+class IdempotentProducer:
+    """The blocking twin of :class:`AsyncIdempotentProducer` (same arguments).
+
+    ``append`` never blocks; the sending runs on onceflow's background event loop. Use it as a
+    context manager, or call ``close()``: both flush first.
+    """
+
+    def __init__(self, url: str, stream: str | None = None, **kw: Any) -> None:
+        background_loop()
+        self._core = AsyncIdempotentProducer(url, stream, **kw)
+        run_sync(self._core.start())
+
+    @property
+    def producer_id(self) -> str:
+        return self._core.producer_id
+
+    @property
+    def epoch(self) -> int:
+        return self._core.epoch
+
+    @property
+    def stats(self) -> ProducerStats:
+        return self._core.stats
+
+    @property
+    def pending_count(self) -> int:
+        return self._core.pending_count
+
+    @property
+    def in_flight_count(self) -> int:
+        return self._core.in_flight_count
+
+    def append(self, data: bytes | str | Any) -> None:
+        self._core.append(data)
+
+    def flush(self, timeout: float | None = None) -> None:
+        run_sync(self._core.flush(timeout))
+
+    def close(self, *, flush: bool = True) -> None:
+        run_sync(self._core.close(flush=flush))
+
+    def __enter__(self) -> IdempotentProducer:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(flush=exc_type is None)
