@@ -279,6 +279,11 @@ class AsyncConsumer:
         values: list[Any] = chunk.messages() if chunk.is_json else [chunk.data]
         return [Message(chunk.stream, v, chunk.offset, chunk.next_offset, i) for i, v in enumerate(values)]
 
+    def hold_back(self, stream: str, offset: str) -> None:
+        """Commit no further than ``offset`` on ``stream`` next time (a read not fully processed)."""
+        if stream in self._uncommitted:
+            self._uncommitted[stream] = offset
+
     async def commit(self) -> None:
         """Commit the end offsets of everything ``poll()`` returned so far."""
         if self._uncommitted:
@@ -318,6 +323,11 @@ class Consumer:
         return run_sync(self._core.poll(timeout))
 
     def commit(self) -> None:
+        """Commit what the iterator handed out. A read only partly iterated is committed up to
+        its start, so its remaining messages are not lost (at-least-once may repeat its first ones)."""
+        if self._buffer:
+            held = self._buffer[0]
+            self._core.hold_back(held.stream, held.offset)
         run_sync(self._core.commit())
 
     def positions(self) -> dict[str, str]:
@@ -330,7 +340,7 @@ class Consumer:
         while True:
             if self._buffer:
                 return self._buffer.pop(0)
-            batch = self.poll()
+            batch = self.poll()  # at-least-once: commits the read just finished
             if not batch:
                 raise StopIteration
             self._buffer = batch

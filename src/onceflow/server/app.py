@@ -536,7 +536,12 @@ def _outcome_response(o: Outcome) -> tuple[int, list[tuple[bytes, bytes]], bytes
     if status < 300:
         if o.kind in ("created", "exists"):
             assert o.stream is not None
-            h.append((b"content-type", o.stream.meta.content_type.encode()))
+            meta = o.stream.meta
+            h.append((b"content-type", meta.content_type.encode()))
+            if meta.ttl_seconds is not None:
+                h.append(_h("stream-ttl", meta.ttl_seconds))
+            if meta.expires_at is not None:
+                h.append(_h("stream-expires-at", meta.expires_at))
         if o.next is not None:
             h.append((b"stream-next-offset", o.next.token().encode()))
         if o.closed:
