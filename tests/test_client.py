@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-from functools import partial
 import time
 import zlib
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
