@@ -281,3 +281,17 @@ def test_partitioning_is_a_stable_crc32(base: str) -> None:
         assert all(v == sorted(v) for v in by_key.values())  # order per key
     with pytest.raises(ConflictError):
         TopicProducer(base, "t", partitions=3, content_type="text/plain")
+
+
+def test_producer_id_comes_from_the_environment(base: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from onceflow.client import IdempotentProducer
+
+    with Stream.connect(base, "envp") as s:
+        s.create("application/json")
+    monkeypatch.setenv("ONCEFLOW_PRODUCER_ID", "from-env")
+    with IdempotentProducer(base, "envp") as p:
+        p.append({"x": 1})
+        assert p.producer_id == "from-env" and p.epoch > 0  # a named producer gets a fresh epoch
+    monkeypatch.delenv("ONCEFLOW_PRODUCER_ID")
+    with IdempotentProducer(base, "envp") as p:
+        assert p.producer_id.startswith("py-") and p.epoch == 0

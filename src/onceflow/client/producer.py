@@ -18,7 +18,8 @@ How a message travels
 Epochs: a producer id with a stable epoch dedups retries across the producer's own restarts only if
 the epoch moves on at each restart (otherwise a restarted producer's seq 0 looks like an old
 duplicate and is dropped). So: give ``epoch`` yourself, or ``epoch_file`` (read, bumped and synced at
-start), or let onceflow choose a time-based epoch; without ``producer_id`` a fresh random id is used.
+start), or let onceflow choose a time-based epoch. The id is ``producer_id``, else the environment's
+``ONCEFLOW_PRODUCER_ID``, else a fresh random one (then epoch 0).
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class AsyncIdempotentProducer:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
         self.url = stream_url(url, stream) if stream is not None else url
+        producer_id = producer_id or os.environ.get("ONCEFLOW_PRODUCER_ID") or None
         self.producer_id = producer_id or f"py-{uuid.uuid4()}"
         if epoch is not None:
             self.epoch = epoch
