@@ -21,9 +21,25 @@ def add_bench_parser(sub: Any) -> None:
                    help="load generator: wrk (installed with apt-get if missing), the Python aiohttp client, "
                         "or auto: wrk when it can be had (default)")
     a.set_defaults(func=_bench_append)
+    p = bsub.add_parser("produce", help="idempotent producer throughput (100 B messages) and append-to-live-reader latency, "
+                                        "onceflow vs the Durable Streams reference server")
+    p.add_argument("--seconds", type=float, default=10.0, help="duration of each throughput measurement (default: 10)")
+    p.add_argument("--latency-rate", type=float, default=200.0, help="messages per second in the latency measurement (default: 200)")
+    p.add_argument("--latency-messages", type=int, default=None,
+                   help="messages per latency measurement (default: rate x seconds, 2,000 with the defaults)")
+    p.add_argument("--skip-reference", action="store_true", help="measure onceflow only")
+    p.add_argument("--no-profile", action="store_true", help="no cProfile run, even when a throughput target is missed")
+    p.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    p.set_defaults(func=_bench_produce)
 
 
 def _bench_append(args: argparse.Namespace) -> int:
     from .append import run
+
+    return run(args)
+
+
+def _bench_produce(args: argparse.Namespace) -> int:
+    from .produce import run
 
     return run(args)

@@ -484,8 +484,12 @@ def _sse_payload(s: Stream, result: ReadResult, text: bool) -> str:
 
 
 def _sse_event(kind: str, data: str) -> bytes:
+    """One SSE event. Parsers drop one space after ``data:``, so a line that itself starts with a
+    space gets an extra one; other lines go as ``data:line`` (the form the conformance suite expects)."""
     lines = _LINES.split(data)
-    return (f"event: {kind}\n" + "".join(f"data:{line}\n" for line in lines) + "\n").encode()
+    return (
+        f"event: {kind}\n" + "".join(f"data: {line}\n" if line[:1] == " " else f"data:{line}\n" for line in lines) + "\n"
+    ).encode()
 
 
 def _control(result: ReadResult, cursor: str | None) -> str:

@@ -1,0 +1,789 @@
+"""``onceflow bench produce``: idempotent producer throughput and append-to-live-reader latency.
+
+One run does, in order:
+
+1. starts ``onceflow serve --fsync always`` (every acknowledged append is fdatasync'd) on a free port
+   with a temp data dir, using the helpers of ``onceflow bench append``;
+2. append-to-live-reader latency: a producer in this process appends one small JSON message at a
+   time (``--latency-rate`` per second, each carrying ``time.perf_counter_ns()`` at its append), and
+   a live reader with the same client in the same process (``AsyncStream.chunks`` with
+   ``live="long-poll"``, then ``live="sse"``) notes when each message arrives: p50 / p99;
+3. producer throughput with 100-byte messages, on a JSON stream (``application/json``: JSON objects
+   padded to 100 bytes, pre-encoded) and on a byte stream (``application/octet-stream``: 100-byte
+   newline-terminated records): the idempotent producer with ``max_in_flight`` 1 and 5, and the same
+   batching and pipelining with idempotence off (no ``Producer-*`` headers). Each runs for
+   ``--seconds`` after a warm-up; only acknowledged messages count (flush at the end; the clock stops
+   when the flush returns). Afterwards the stream is checked: HEAD for the record count, and the
+   whole stream read back and compared byte for byte with what was sent;
+4. if a throughput target is missed: a short cProfile run of this (the producer) process for the best
+   idempotent configuration, top 15 functions by own time, and which side is the bottleneck from
+   the server's and the client's CPU time (read from /proc and ``time.process_time``);
+5. the same latency measurement against the Durable Streams Node reference server
+   (``@durable-streams/server``), file-backed (``dataDir``) and in memory, unless ``--skip-reference``
+   or Node.js / npm are missing;
+6. a results table (and JSON with ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import importlib.util
+import itertools
+import json
+import os
+import pstats
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from ..client import AsyncIdempotentProducer, AsyncStream, OnceflowError
+from ..client._errors import TransportError, error_from_response
+from ..client.producer import _Batch
+from .append import (
+    NODE_PACKAGE,
+    BenchFailure,
+    ServerProcess,
+    _node_version,
+    _pct,
+    _raise_on_sigterm,
+    _run_loop,
+    _say,
+    ensure_node_reference,
+    make_message,
+    onceflow_server,
+    reference_server,
+)
+
+__all__ = ["run"]
+
+MESSAGE_BYTES = 100
+BATCH_BYTES = 1 << 20  # the producer's default max_batch_bytes
+WARMUP_SECONDS = 1.0
+APPEND_CHUNK = 1_000  # messages appended between two yields to the event loop
+TARGET_MSG_PER_S = 1_000_000
+PIPELINING_EXPECTED = 5.0  # the seed's expectation for max_in_flight 5 vs 1
+IDEMPOTENCE_OVERHEAD_TARGET_PCT = 3.0
+LATENCY_P50_TARGET_MS = 2.0
+LATENCY_P99_TARGET_MS = 10.0
+PROFILE_TOP = 15
+PROFILE_MAX_SECONDS = 5.0
+
+Content = Literal["json", "bytes"]
+LiveMode = Literal["long-poll", "sse"]
+
+CONTENT_TYPES: dict[Content, str] = {"json": "application/json", "bytes": "application/octet-stream"}
+
+
+def byte_message(size: int = MESSAGE_BYTES) -> bytes:
+    """A newline-terminated record of exactly ``size`` bytes."""
+    return b"r" * (size - 1) + b"\n"
+
+
+def message_for(content: Content) -> bytes:
+    return make_message(MESSAGE_BYTES) if content == "json" else byte_message(MESSAGE_BYTES)
+
+
+# ---------------------------------------------------------------------------------------------- results
+
+
+@dataclass
+class ThroughputResult:
+    content: Content
+    idempotent: bool
+    max_in_flight: int
+    seconds: float  # from the start of the measured window until its final flush returned
+    messages: int  # acknowledged in the measured window
+    msg_per_s: float
+    mb_per_s: float
+    batches: int  # acknowledged POSTs in the measured window
+    requests: int  # POSTs attempted in the measured window (retries included)
+    retries: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    server_cpu_pct: float | None = None  # 100 = one core, all threads of the server process
+    client_cpu_pct: float | None = None  # this process (producer + event loop + HTTP client)
+    other_cpu_pct: float | None = None  # the rest of the machine (other jobs), 100 = one core
+    server_us_per_msg: float | None = None
+    client_us_per_msg: float | None = None
+    acknowledged: int = 0  # over warm-up + measurement
+    stored_records: int | None = None  # from HEAD: Stream-Next-Offset's first number
+    stored_messages: int | None = None  # read back
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.content}, {'idempotent' if self.idempotent else 'idempotence off'}, in-flight {self.max_in_flight}"
+
+    @property
+    def batch_messages(self) -> float:
+        return self.messages / self.batches if self.batches else 0.0
+
+
+@dataclass
+class LatencyResult:
+    system: str  # "onceflow" | "reference"
+    mode: str  # "file" | "memory"
+    live: LiveMode
+    sent: int
+    received: int
+    posts: int  # POSTs the producer needed (fewer than messages: it batched while waiting for acks)
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    max_ms: float
+    server_cpu_pct: float | None = None  # from the first append until the last message arrived
+    client_cpu_pct: float | None = None
+    other_cpu_pct: float | None = None
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures and self.p50_ms <= LATENCY_P50_TARGET_MS and self.p99_ms <= LATENCY_P99_TARGET_MS
+
+
+@dataclass
+class ProfileRow:
+    function: str
+    ncalls: int
+    tottime_s: float
+    cumtime_s: float
+
+
+@dataclass
+class ProfileResult:
+    config: str
+    seconds: float
+    messages: int
+    msg_per_s: float
+    server_cpu_pct: float | None
+    client_cpu_pct: float | None
+    bottleneck: str
+    client_us_per_msg: float | None = None  # of the unprofiled run
+    server_us_per_msg: float | None = None
+    rows: list[ProfileRow] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------- producers
+
+
+class PlainBatchProducer(AsyncIdempotentProducer):
+    """Idempotence off: the same batching, linger and pipelining, but POSTs carry no ``Producer-*``
+    headers, so the server does no producer bookkeeping (no dedup, no sequence check).
+
+    Only for measuring: without idempotence a retry could duplicate and batches in flight at the
+    same time may land in any order, so any error fails the producer instead of being retried.
+    """
+
+    async def _send(self, batch: _Batch) -> None:
+        headers = {"content-type": self.content_type or "application/octet-stream"}
+        self.stats.requests += 1
+        err: OnceflowError
+        try:
+            resp = await self._client.post(self.url, content=batch.body, headers=headers)
+        except httpx.TransportError as exc:
+            err = TransportError(f"append to {self.url}: {exc!r}")
+        else:
+            if resp.status_code in (200, 204):
+                self._ack(batch, duplicate=False)
+                return
+            err = error_from_response(resp, f"append to {self.url}")
+        self._fail(err)
+        self._fail_batch(batch, err)
+
+
+def _percentile(ordered: list[float], p: float) -> float:
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))]
+
+
+def _cpu_pct(cpu: float | None, elapsed: float) -> float | None:
+    return None if cpu is None or elapsed <= 0 else 100 * cpu / elapsed
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds all cores of the machine have spent busy so far (/proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 8:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
+    steal = int(fields[8]) if len(fields) > 8 else 0
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _other_pct(machine: float | None, server: float | None, client: float | None) -> float | None:
+    """CPU% used by neither the server nor this process (other jobs on the machine)."""
+    if machine is None or server is None or client is None:
+        return None
+    return max(0.0, machine - server - client)
+
+
+def _tail_records(token: str) -> int:
+    """The record count in an onceflow offset token (``<records>_<bytes>``)."""
+    head = token.split("_", 1)[0]
+    if not head.isdigit():
+        raise BenchFailure(f"unexpected offset token {token!r}")
+    return int(head)
+
+
+# ---------------------------------------------------------------------------------------------- throughput
+
+
+async def _drive(producer: AsyncIdempotentProducer, msg: bytes, until: float, max_pending: int) -> None:
+    """Append ``msg`` as fast as the producer takes it until ``until``, never more than
+    ``max_pending`` messages unacknowledged (the producer itself never pushes back)."""
+    append = producer.append
+    repeat = itertools.repeat
+    clock = time.perf_counter
+    while clock() < until:
+        while producer.pending_count > max_pending:
+            progress = producer._progress  # set at each acknowledgement (the producer has no public wait)
+            assert progress is not None
+            await progress.wait()
+        for m in repeat(msg, APPEND_CHUNK):
+            append(m)
+        await asyncio.sleep(0)  # let the sender seal and dispatch
+
+
+async def _verify(base_url: str, name: str, content: Content, msg: bytes, acked: int, batches: int) -> tuple[int, int, list[str]]:
+    """(records per HEAD, messages read back, problems) for a stream that should hold ``acked``
+    copies of ``msg`` in ``batches`` POSTs."""
+    problems: list[str] = []
+    async with AsyncStream.connect(base_url, name) as stream:
+        info = await stream.head()
+        records = _tail_records(info.next_offset)
+        expected_records = acked if content == "json" else batches  # a byte stream's record is one POST's body
+        if records != expected_records:
+            what = "messages" if content == "json" else "POSTs"
+            problems.append(f"HEAD says {records:,} records, expected {expected_records:,} (acknowledged {what})")
+        count = 0
+        wrong_chunks = 0
+        size = len(msg)
+        async for chunk in stream.chunks("-1"):
+            data = chunk.data
+            if not data:
+                continue
+            if content == "json":
+                n = (len(data) - 1) // (size + 1)
+                ok = n > 0 and data == b"[" + (msg + b",") * (n - 1) + msg + b"]"
+            else:
+                n, rest = divmod(len(data), size)
+                ok = rest == 0 and data == msg * n
+            if not ok:
+                wrong_chunks += 1
+            count += n
+        if wrong_chunks:
+            problems.append(f"{wrong_chunks} chunk(s) read back differ from what was sent")
+        if count < acked:
+            problems.append(f"LOST ACKNOWLEDGED MESSAGES: {acked:,} acknowledged, {count:,} read back")
+        elif count > acked:
+            problems.append(f"DUPLICATES: {count:,} messages read back, only {acked:,} appended")
+        await stream.delete()  # frees the disk for the next run
+    return records, count, problems
+
+
+async def _measure_throughput(server: ServerProcess, content: Content, idempotent: bool, max_in_flight: int,
+                              seconds: float, run_id: int, profiler: cProfile.Profile | None = None) -> ThroughputResult:
+    msg = message_for(content)
+    ct = CONTENT_TYPES[content]
+    name = f"produce-{run_id}-{content}-{'idem' if idempotent else 'plain'}-{max_in_flight}"
+    async with AsyncStream.connect(server.url, name) as stream:
+        await stream.create(ct)
+    cls = AsyncIdempotentProducer if idempotent else PlainBatchProducer
+    producer = cls(server.url, name, producer_id=f"bench-{name}", epoch=0, content_type=ct,
+                   max_batch_bytes=BATCH_BYTES, linger_ms=0, max_in_flight=max_in_flight)
+    per_batch = BATCH_BYTES // (len(msg) + 1)
+    max_pending = (max_in_flight + 2) * per_batch
+    res = ThroughputResult(content, idempotent, max_in_flight, 0.0, 0, 0.0, 0.0, 0, 0)
+    try:
+        await producer.start()
+        await _drive(producer, msg, time.perf_counter() + WARMUP_SECONDS, max_pending)
+        await producer.flush()
+        s0 = (producer.stats.acked, producer.stats.batches_sent, producer.stats.requests, producer.stats.retries,
+              producer.stats.duplicates, producer.stats.gaps)
+        srv0, cli0, all0 = server.cpu_seconds(), time.process_time(), machine_busy_seconds()
+        t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        try:
+            await _drive(producer, msg, t0 + seconds, max_pending)
+            await producer.flush()
+        finally:
+            if profiler is not None:
+                profiler.disable()
+        elapsed = time.perf_counter() - t0
+        srv1, cli1, all1 = server.cpu_seconds(), time.process_time(), machine_busy_seconds()
+    except OnceflowError as exc:
+        res.failures.append(f"producer failed: {exc}")
+        return res
+    finally:
+        with contextlib.suppress(OnceflowError):
+            await producer.close(flush=False)
+    st = producer.stats
+    res.seconds = elapsed
+    res.messages = st.acked - s0[0]
+    res.batches = st.batches_sent - s0[1]
+    res.requests = st.requests - s0[2]
+    res.retries, res.duplicates, res.gaps = st.retries - s0[3], st.duplicates - s0[4], st.gaps - s0[5]
+    res.msg_per_s = res.messages / elapsed
+    res.mb_per_s = res.messages * len(msg) / elapsed / 1e6
+    srv_cpu = None if srv0 is None or srv1 is None else srv1 - srv0
+    res.server_cpu_pct = _cpu_pct(srv_cpu, elapsed)
+    res.client_cpu_pct = _cpu_pct(cli1 - cli0, elapsed)
+    res.other_cpu_pct = _other_pct(_cpu_pct(None if all0 is None or all1 is None else all1 - all0, elapsed),
+                                   res.server_cpu_pct, res.client_cpu_pct)
+    if res.messages:
+        res.server_us_per_msg = None if srv_cpu is None else srv_cpu / res.messages * 1e6
+        res.client_us_per_msg = (cli1 - cli0) / res.messages * 1e6
+    res.acknowledged = st.acked
+    if st.failed:
+        res.failures.append(f"{st.failed} messages failed")
+    records, stored, problems = await _verify(server.url, name, content, msg, st.acked, st.batches_sent)
+    res.stored_records, res.stored_messages = records, stored
+    res.failures.extend(problems)
+    return res
+
+
+def measure_throughput(server: ServerProcess, content: Content, idempotent: bool, max_in_flight: int, seconds: float,
+                       run_id: int) -> ThroughputResult:
+    mode = "idempotent" if idempotent else "idempotence off"
+    _say(f"throughput: {content} stream, {mode}, max_in_flight {max_in_flight}: "
+         f"{WARMUP_SECONDS:g} s warm-up, then {seconds:g} s")
+    res = _run_loop(_measure_throughput(server, content, idempotent, max_in_flight, seconds, run_id))
+    status = "FAILED: " + "; ".join(res.failures) if res.failures else "ok"
+    _say(f"  {res.msg_per_s:,.0f} msg/s ({res.mb_per_s:,.1f} MB/s), {res.batches:,} POSTs of {res.batch_messages:,.0f} msgs, "
+         f"server CPU {_pct(res.server_cpu_pct)}, client CPU {_pct(res.client_cpu_pct)}; "
+         f"check: {res.stored_messages or 0:,} read back for {res.acknowledged:,} acknowledged: {status}")
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- profile
+
+
+def _bottleneck(server_pct: float | None, client_pct: float | None, other_pct: float | None) -> str:
+    cores = os.cpu_count() or 1
+    s, c, o = server_pct or 0.0, client_pct or 0.0, other_pct or 0.0
+    if c >= 85 and c >= s:
+        side = "the client (this producer process)"
+        why = f"its event loop is busy {c:.0f}% of one core; the server used {s:.0f}%"
+    elif s >= 85:
+        side = "the server"
+        why = f"its event loop is busy {s:.0f}% of one core; the client used {c:.0f}%"
+    else:
+        side = "neither process's CPU"
+        why = (f"server {s:.0f}%, client {c:.0f}% of one core: time is spent waiting "
+               "(fsync, round trips, the other process on a shared core)")
+    if s + c + o >= 85 * cores:
+        why += (f"; with other jobs ({o:.0f}%) the machine's {cores * 100}% is used up ({s + c + o:.0f}%), "
+                "so each process waits for a core")
+    elif o:
+        why += f"; other jobs used {o:.0f}%"
+    return f"{side}: {why}"
+
+
+def _short(filename: str) -> str:
+    for marker in ("/site-packages/", "/src/", "/lib/python3"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    return filename
+
+
+def profile_rows(prof: cProfile.Profile, top: int = PROFILE_TOP) -> list[ProfileRow]:
+    stats = pstats.Stats(prof)
+    raw: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = stats.stats  # type: ignore[attr-defined]
+    ordered = sorted(raw.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    rows = []
+    for (filename, line, func), (_cc, ncalls, tottime, cumtime, _callers) in ordered:
+        where = func if filename == "~" else f"{func} ({_short(filename)}:{line})"
+        rows.append(ProfileRow(where, ncalls, tottime, cumtime))
+    return rows
+
+
+def measure_profile(server: ServerProcess, best: ThroughputResult, seconds: float, run_id: int) -> ProfileResult:
+    _say(f"profile: {best.label} under cProfile for {seconds:g} s")
+    prof = cProfile.Profile()
+    res = _run_loop(_measure_throughput(server, best.content, best.idempotent, best.max_in_flight, seconds, run_id, prof))
+    if res.failures:
+        raise BenchFailure(f"profiled run failed: {'; '.join(res.failures)}")
+    return ProfileResult(
+        config=best.label,
+        seconds=res.seconds,
+        messages=res.messages,
+        msg_per_s=res.msg_per_s,
+        server_cpu_pct=res.server_cpu_pct,
+        client_cpu_pct=res.client_cpu_pct,
+        bottleneck=_bottleneck(best.server_cpu_pct, best.client_cpu_pct, best.other_cpu_pct),
+        client_us_per_msg=best.client_us_per_msg,
+        server_us_per_msg=best.server_us_per_msg,
+        rows=profile_rows(prof),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- latency
+
+
+async def _measure_latency(server: ServerProcess, system: str, mode: str, live: LiveMode, count: int, rate: float,
+                           run_id: int) -> LatencyResult:
+    base_url = server.url
+    name = f"latency-{run_id}-{live}"
+    async with AsyncStream.connect(base_url, name) as admin:
+        await admin.create("application/json")
+    arrived: dict[int, int] = {}  # message index -> nanoseconds from its append to its arrival
+    done = asyncio.Event()
+    pad = b"p" * 16
+
+    async def reader(stream: AsyncStream) -> None:
+        async for chunk in stream.chunks("-1", live=live):
+            now = time.perf_counter_ns()
+            for m in chunk.messages():
+                arrived[int(m["i"])] = now - int(m["t"])
+            if len(arrived) >= count:
+                done.set()
+                return
+
+    res = LatencyResult(system, mode, live, count, 0, 0, 0.0, 0.0, 0.0, 0.0)
+    reader_stream = AsyncStream.connect(base_url, name, content_type="application/json")
+    task = asyncio.get_running_loop().create_task(reader(reader_stream))
+    producer = AsyncIdempotentProducer(base_url, name, producer_id=f"bench-{name}", epoch=0,
+                                       content_type="application/json", linger_ms=0)
+    try:
+        await producer.start()
+        await asyncio.sleep(0.3)  # the reader's first request is parked at the tail
+        if task.done():
+            task.result()
+            raise BenchFailure("the live reader stopped before anything was appended")
+        interval = 1.0 / rate
+        srv0, cli0, all0, t0 = server.cpu_seconds(), time.process_time(), machine_busy_seconds(), time.perf_counter()
+        next_at = t0
+        for i in range(count):
+            delay = next_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            next_at += interval
+            producer.append(b'{"i":%d,"t":%d,"p":"%s"}' % (i, time.perf_counter_ns(), pad))
+        await producer.flush()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), 30)
+        elapsed = time.perf_counter() - t0
+        srv1, all1 = server.cpu_seconds(), machine_busy_seconds()
+        res.server_cpu_pct = _cpu_pct(None if srv0 is None or srv1 is None else srv1 - srv0, elapsed)
+        res.client_cpu_pct = _cpu_pct(time.process_time() - cli0, elapsed)
+        res.other_cpu_pct = _other_pct(_cpu_pct(None if all0 is None or all1 is None else all1 - all0, elapsed),
+                                       res.server_cpu_pct, res.client_cpu_pct)
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            res.failures.append(f"live reader failed: {task.exception()!r}")
+    except OnceflowError as exc:
+        res.failures.append(f"failed: {exc}")
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, OnceflowError, httpx.HTTPError):
+            await task
+        with contextlib.suppress(OnceflowError):
+            await producer.close(flush=False)
+        await reader_stream.close()
+    res.posts = producer.stats.batches_sent
+    res.received = len(arrived)
+    if res.received < count:
+        res.failures.append(f"the live reader received {res.received} of {count} messages")
+    ms = sorted(v / 1e6 for v in arrived.values())
+    res.p50_ms, res.p90_ms, res.p99_ms = _percentile(ms, 50), _percentile(ms, 90), _percentile(ms, 99)
+    res.max_ms = ms[-1] if ms else 0.0
+    return res
+
+
+def measure_latency(server: ServerProcess, system: str, mode: str, live: LiveMode, count: int, rate: float,
+                    run_id: int) -> LatencyResult:
+    _say(f"latency: {system} ({mode}), live={live}: {count:,} messages at {rate:g}/s")
+    res = _run_loop(_measure_latency(server, system, mode, live, count, rate, run_id))
+    status = "FAILED: " + "; ".join(res.failures) if res.failures else "ok"
+    _say(f"  p50 {res.p50_ms:.2f} ms, p90 {res.p90_ms:.2f} ms, p99 {res.p99_ms:.2f} ms, max {res.max_ms:.2f} ms "
+         f"({res.received:,} of {res.sent:,} received, {res.posts:,} POSTs), server CPU {_pct(res.server_cpu_pct)}, "
+         f"client CPU {_pct(res.client_cpu_pct)}: {status}")
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "MISS")
+
+
+def _find(loads: list[ThroughputResult], content: Content, idempotent: bool, inflight: int) -> ThroughputResult | None:
+    for r in loads:
+        if (r.content, r.idempotent, r.max_in_flight) == (content, idempotent, inflight) and not r.failures:
+            return r
+    return None
+
+
+def throughput_targets(loads: list[ThroughputResult]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for content in ("json", "bytes"):
+        for idem in (True, False):
+            one, five = _find(loads, content, idem, 1), _find(loads, content, idem, 5)
+            pipe = five.msg_per_s / one.msg_per_s if one and five and one.msg_per_s else None
+            out.append({"content": content, "check": f"pipelining: in-flight 5 / 1, {'idempotent' if idem else 'idempotence off'}",
+                        "value": pipe, "shown": "n/a" if pipe is None else f"{pipe:.2f}x",
+                        "target": f"~{PIPELINING_EXPECTED:g}x expected",
+                        "verdict": _verdict(None if pipe is None else pipe >= 0.8 * PIPELINING_EXPECTED)})
+        for inflight in (1, 5):
+            on, off = _find(loads, content, True, inflight), _find(loads, content, False, inflight)
+            overhead = (off.msg_per_s - on.msg_per_s) / off.msg_per_s * 100 if on and off and off.msg_per_s else None
+            out.append({"content": content, "check": f"idempotence overhead: (off - on) / off, in-flight {inflight}",
+                        "value": overhead, "shown": "n/a" if overhead is None else f"{overhead:+.1f} %",
+                        "target": f"<= {IDEMPOTENCE_OVERHEAD_TARGET_PCT:g} %",
+                        "verdict": _verdict(None if overhead is None else overhead <= IDEMPOTENCE_OVERHEAD_TARGET_PCT)})
+        ok = [r for r in loads if r.content == content and r.idempotent and not r.failures]
+        best = max(ok, key=lambda r: r.msg_per_s) if ok else None
+        out.append({"content": content, "check": "idempotent producer, best msg/s",
+                    "value": best.msg_per_s if best else None,
+                    "shown": "n/a" if best is None else f"{best.msg_per_s:,.0f}",
+                    "target": f">= {TARGET_MSG_PER_S:,}",
+                    "verdict": _verdict(None if best is None else best.msg_per_s >= TARGET_MSG_PER_S)})
+    return out
+
+
+def latency_ratios(lats: list[LatencyResult]) -> list[dict[str, Any]]:
+    by = {(r.system, r.mode, r.live): r for r in lats if not r.failures}
+    out: list[dict[str, Any]] = []
+    for live in ("long-poll", "sse"):
+        once = by.get(("onceflow", "file", live))
+        for mode in ("file", "memory"):
+            ref = by.get(("reference", mode, live))
+            if once is None or ref is None:
+                continue
+            out.append({
+                "live": live, "reference_mode": mode,
+                "p50_ratio": once.p50_ms / ref.p50_ms if ref.p50_ms else None,
+                "p99_ratio": once.p99_ms / ref.p99_ms if ref.p99_ms else None,
+            })
+    return out
+
+
+def _ratio_text(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def render(loads: list[ThroughputResult], lats: list[LatencyResult], profile: ProfileResult | None, notes: list[str],
+           seconds: float, latency_count: int, latency_rate: float) -> tuple[str, dict[str, Any]]:
+    lines: list[str] = []
+    rule = "=" * 118
+    lines += ["", rule, "onceflow bench produce: idempotent producer throughput and append-to-live-reader latency"]
+    lines += [f"note: {n}" for n in notes]
+    lines.append("")
+    lines.append(f"THROUGHPUT: {MESSAGE_BYTES} B messages, onceflow serve --fsync always, one producer, max_batch_bytes "
+                 f"{BATCH_BYTES >> 20} MiB, linger 0 ms; {seconds:g} s each after a {WARMUP_SECONDS:g} s warm-up; "
+                 "acknowledged messages only (clock stops when the final flush returns)")
+    lines.append(f"{'stream':<7} {'producer':<16} {'in-flight':>9} {'msg/s':>11} {'MB/s':>7} {'POSTs':>7} {'msgs/POST':>9} "
+                 f"{'srv CPU':>8} {'cli CPU':>8} {'other':>6} {'srv µs/msg':>10} {'cli µs/msg':>10}  check")
+    for r in loads:
+        check = ("FAILED: " + "; ".join(r.failures)) if r.failures else (
+            f"ok ({r.stored_messages:,} read back = {r.acknowledged:,} acked"
+            + (f", {r.retries} retries" if r.retries else "") + (f", {r.gaps} gaps" if r.gaps else "") + ")")
+        srv_us = "n/a" if r.server_us_per_msg is None else f"{r.server_us_per_msg:.2f}"
+        cli_us = "n/a" if r.client_us_per_msg is None else f"{r.client_us_per_msg:.2f}"
+        lines.append(f"{r.content:<7} {'idempotent' if r.idempotent else 'idempotence off':<16} {r.max_in_flight:>9} "
+                     f"{r.msg_per_s:>11,.0f} {r.mb_per_s:>7.1f} {r.batches:>7,} {r.batch_messages:>9,.0f} "
+                     f"{_pct(r.server_cpu_pct):>8} {_pct(r.client_cpu_pct):>8} {_pct(r.other_cpu_pct):>6} "
+                     f"{srv_us:>10} {cli_us:>10}  {check}")
+    lines.append("(CPU: 100% = one core; other = the rest of the machine, i.e. other jobs; µs/msg = CPU time per acknowledged "
+                 "message; gaps = batches the server refused with 409 because they overtook an earlier one, resent)")
+    targets = throughput_targets(loads)
+    lines.append("")
+    for t in targets:
+        lines.append(f"  {t['content']:<6} {t['check']:<56} {t['shown']:>12}   target {t['target']:<16} {t['verdict']}")
+
+    lines.append("")
+    lines.append(f"LATENCY append -> live reader: {latency_count:,} JSON messages of ~60 B, one at a time at {latency_rate:g}/s "
+                 "(AsyncIdempotentProducer, linger 0), read by AsyncStream.chunks(live=...) in the same process; "
+                 f"target p50 <= {LATENCY_P50_TARGET_MS:g} ms, p99 <= {LATENCY_P99_TARGET_MS:g} ms")
+    lines.append(f"{'system':<10} {'mode':<20} {'live':<10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} "
+                 f"{'POSTs':>6} {'srv CPU':>8} {'cli CPU':>8} {'other':>6}  target  check")
+    for lr in lats:
+        mode = {"file": "file, fsync always" if lr.system == "onceflow" else "file (dataDir)", "memory": "in-memory"}[lr.mode]
+        check = ("FAILED: " + "; ".join(lr.failures)) if lr.failures else f"ok ({lr.received:,} of {lr.sent:,} received)"
+        lines.append(f"{lr.system:<10} {mode:<20} {lr.live:<10} {lr.p50_ms:>8.2f} {lr.p90_ms:>8.2f} {lr.p99_ms:>8.2f} "
+                     f"{lr.max_ms:>8.2f} {lr.posts:>6,} {_pct(lr.server_cpu_pct):>8} {_pct(lr.client_cpu_pct):>8} "
+                     f"{_pct(lr.other_cpu_pct):>6}  "
+                     f"{'PASS' if lr.passed else 'MISS':<6}  {check}")
+    ratios = latency_ratios(lats)
+    if ratios:
+        lines.append("ratio onceflow / reference (same client, same run; < 1 means onceflow delivers sooner):")
+        for q in ratios:
+            lines.append(f"  {q['live']:<10} vs reference {q['reference_mode']:<7} p50 {_ratio_text(q['p50_ratio']):>7}   "
+                         f"p99 {_ratio_text(q['p99_ratio']):>7}")
+
+    if profile is not None:
+        lines.append("")
+        lines.append(f"WHERE THE TIME GOES (a target was missed): best idempotent configuration = {profile.config}")
+        lines.append(f"  bottleneck (from the unprofiled run's CPU): {profile.bottleneck}")
+        if profile.client_us_per_msg is not None and profile.server_us_per_msg is not None:
+            lines.append(f"  CPU per message in that run: client {profile.client_us_per_msg:.2f} µs, server "
+                         f"{profile.server_us_per_msg:.2f} µs; {TARGET_MSG_PER_S:,} msg/s needs each side under "
+                         f"{1e6 / TARGET_MSG_PER_S:.0f} µs on its own core")
+        lines.append(f"  cProfile of the producer process, {profile.seconds:.1f} s, {profile.msg_per_s:,.0f} msg/s under the "
+                     f"profiler (server CPU {_pct(profile.server_cpu_pct)}, client CPU {_pct(profile.client_cpu_pct)}); "
+                     f"top {len(profile.rows)} by own time:")
+        lines.append(f"  {'tottime s':>10} {'cumtime s':>10} {'ncalls':>11}  function")
+        for row in profile.rows:
+            lines.append(f"  {row.tottime_s:>10.3f} {row.cumtime_s:>10.3f} {row.ncalls:>11,}  {row.function}")
+    lines.append(rule)
+    doc: dict[str, Any] = {
+        "benchmark": "produce",
+        "message_bytes": MESSAGE_BYTES,
+        "batch_bytes": BATCH_BYTES,
+        "seconds": seconds,
+        "warmup_seconds": WARMUP_SECONDS,
+        "notes": notes,
+        "throughput": [{**asdict(r), "label": r.label, "batch_messages": r.batch_messages} for r in loads],
+        "throughput_targets": targets,
+        "latency": {
+            "messages": latency_count,
+            "rate_per_s": latency_rate,
+            "target_p50_ms": LATENCY_P50_TARGET_MS,
+            "target_p99_ms": LATENCY_P99_TARGET_MS,
+            "runs": [{**asdict(lr), "verdict": "PASS" if lr.passed else "MISS"} for lr in lats],
+            "ratios_onceflow_over_reference": ratios,
+        },
+        "profile": asdict(profile) if profile is not None else None,
+    }
+    return "\n".join(lines), doc
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``onceflow bench produce``; returns the exit code (1 on any failed check)."""
+    seconds = float(args.seconds)
+    rate = float(args.latency_rate)
+    if seconds <= 0 or rate <= 0:
+        print("--seconds and --latency-rate must be positive", file=sys.stderr)
+        return 2
+    latency_count = int(args.latency_messages) if args.latency_messages is not None else max(1, round(rate * seconds))
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    root = Path(tempfile.mkdtemp(prefix="onceflow-bench-produce-"))
+    servers: list[ServerProcess] = []
+    loads: list[ThroughputResult] = []
+    lats: list[LatencyResult] = []
+    profile: ProfileResult | None = None
+    failures: list[str] = []
+    notes: list[str] = [
+        f"client and servers share this machine's {os.cpu_count()} cores (loopback); the client is onceflow.client "
+        "(httpx) on one event loop in this process" + (" (uvloop)" if _has_uvloop() else ""),
+        "onceflow: every acknowledged append is fdatasync'd (--fsync always, group commit); latency includes that fsync",
+        "idempotence off = bench.produce.PlainBatchProducer: AsyncIdempotentProducer's batching, linger and "
+        "max_in_flight unchanged, POSTs without Producer-Id/-Epoch/-Seq (no server-side dedup or sequence check)",
+        "JSON stream: JSON objects padded to 100 B, passed to append() pre-encoded (no json.dumps in the client; the "
+        "server still parses and re-encodes each one). Byte stream: 100 B newline-terminated records (no JSON anywhere)",
+        "checks: HEAD record count (JSON: messages; bytes: POSTs, one record per POST) and the whole stream read back "
+        "and compared byte for byte with the acknowledged messages (exactly once: no loss, no duplicates)",
+    ]
+    if importlib.util.find_spec("sniffio") is None:
+        notes.append("sniffio is not installed (anyio 4.x no longer pulls it in): httpcore's current_async_library() "
+                     "retries `import sniffio` -- a failing sys.path scan -- several times per async request, "
+                     "which adds client CPU to every POST and GET measured here")
+    run_ids = itertools.count()
+
+    def started(server: ServerProcess) -> ServerProcess:
+        servers.append(server)
+        startup = server.start()
+        _say(f"{server.name} pid {server.pid} ready at {server.url} in {startup * 1e3:,.0f} ms")
+        return server
+
+    def latency_pair(server: ServerProcess, system: str, mode: str) -> None:
+        for live in ("long-poll", "sse"):
+            lr = measure_latency(server, system, mode, live, latency_count, rate, next(run_ids))
+            lats.append(lr)
+            failures.extend(f"latency {system} {mode} {live}: {f}" for f in lr.failures)
+
+    try:
+        _say(f"temp dir {root}; servers bind 127.0.0.1 only")
+        server = started(onceflow_server(root / "onceflow-data", "always"))
+        try:
+            latency_pair(server, "onceflow", "file")
+            configs: list[tuple[Content, bool, int]] = [
+                (content, idem, inflight) for content in ("json", "bytes") for inflight in (1, 5) for idem in (True, False)
+            ]
+            for content, idem, inflight in configs:
+                r = measure_throughput(server, content, idem, inflight, seconds, next(run_ids))
+                loads.append(r)
+                failures.extend(f"throughput {r.label}: {f}" for f in r.failures)
+            missed = any(t["verdict"] == "MISS" for t in throughput_targets(loads))
+            good = [r for r in loads if r.idempotent and not r.failures]
+            if args.no_profile:
+                notes.append("profile skipped (--no-profile)")
+            elif not missed:
+                notes.append("no throughput target missed: no profile")
+            elif good:
+                best = max(good, key=lambda r: r.msg_per_s)
+                profile = measure_profile(server, best, min(seconds, PROFILE_MAX_SECONDS), next(run_ids))
+        finally:
+            server.stop()
+
+        if args.skip_reference:
+            notes.append("reference server skipped (--skip-reference)")
+            _say("reference server skipped (--skip-reference)")
+        else:
+            try:
+                script, version = ensure_node_reference()
+            except BenchFailure as exc:
+                notes.append(f"reference server skipped: {exc}")
+                _say(f"reference server skipped: {exc}")
+            else:
+                notes.append(f"reference: {NODE_PACKAGE} {version} (Node {_node_version()}), DurableStreamTestServer; "
+                             "file mode = dataDir set, memory mode = no dataDir; latency only")
+                ref_data = root / "reference-data"
+                ref_data.mkdir()
+                for data, mode in ((ref_data, "file"), (None, "memory")):
+                    ref = started(reference_server(script, data))
+                    try:
+                        latency_pair(ref, "reference", mode)
+                    finally:
+                        ref.stop()
+    except BenchFailure as exc:
+        failures.append(str(exc))
+        print(f"\n[bench] FAILED: {exc}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("\n[bench] interrupted; stopping servers and removing the temp dir", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        for s in servers:
+            s.stop()
+        shutil.rmtree(root, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+
+    text, doc = render(loads, lats, profile, notes, seconds, latency_count, rate)
+    doc["failures"] = failures
+    print(text, flush=True)
+    if failures:
+        print("\nFAILED CHECKS:\n" + "\n".join(f"  - {f}" for f in failures), file=sys.stderr, flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        _say(f"results written to {out}")
+    return 1 if failures else 0
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
