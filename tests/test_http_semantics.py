@@ -222,3 +222,30 @@ def test_serve_cli_prints_ready_line_and_help(tmp_path: Path) -> None:
         assert srv.proc.wait(15) == 0
     finally:
         srv.kill()
+
+
+@pytest.mark.anyio
+async def test_a_request_that_overtook_its_predecessor_waits_for_it(onceflow: InProcess) -> None:
+    """Per-(stream, producer) serialisation: seq 1 arriving before seq 0 is appended after it."""
+    c = onceflow.client
+    await c.put(S + "reorder", headers=JSON)
+    second = asyncio.ensure_future(c.post(S + "reorder", content=b'{"n":1}', headers=producer("p", 1)))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # waiting for seq 0 rather than answering 409
+    first = await c.post(S + "reorder", content=b'{"n":0}', headers=producer("p", 0))
+    r2 = await second
+    assert (first.status_code, r2.status_code) == (200, 200)
+    assert (await c.get(S + "reorder?offset=-1")).json() == [{"n": 0}, {"n": 1}]
+
+
+@pytest.mark.anyio
+async def test_a_real_gap_is_still_a_409_after_the_reorder_wait(onceflow: InProcess) -> None:
+    c = onceflow.client
+    await c.put(S + "gap", headers=JSON)
+    assert (await c.post(S + "gap", content=b'{"n":0}', headers=producer("p", 0))).status_code == 200
+    r = await c.post(S + "gap", content=b'{"n":3}', headers=producer("p", 3))  # seq 1 and 2 never come
+    assert r.status_code == 409
+    assert (r.headers["producer-expected-seq"], r.headers["producer-received-seq"]) == ("1", "3")
+    far = await c.post(S + "gap", content=b'{"n":999}', headers=producer("p", 999))  # beyond the window: at once
+    assert far.status_code == 409
+    assert (await c.get(S + "gap?offset=-1")).json() == [{"n": 0}]

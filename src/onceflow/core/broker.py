@@ -51,6 +51,7 @@ MAX_SAFE_INT = 2**53 - 1
 _CONTENT_TYPE = re.compile(r"^[\w.+-]+/[\w.+-]+")
 _TTL = re.compile(r"^(0|[1-9][0-9]*)$")
 ZERO = Position(0, 0)
+REORDER_WINDOW = 64  # how far ahead of the producer's next sequence a request may wait
 
 
 def normalize_content_type(ct: str | None) -> str:
@@ -147,6 +148,7 @@ class Stream:
     forks: int = 0
     last_access: float = field(default_factory=time.monotonic)
     waiters: set[asyncio.Future[None]] = field(default_factory=set)
+    staged_waiters: set[asyncio.Future[None]] = field(default_factory=set)  # out-of-order producer requests
     deleted: bool = False
 
     @property
@@ -173,6 +175,11 @@ class Stream:
             return True
         ttl = self.meta.ttl_seconds
         return ttl is not None and time.monotonic() >= self.last_access + ttl
+
+    def notify_staged(self) -> None:
+        for fut in self.staged_waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     def notify(self) -> None:
         for fut in self.waiters:
@@ -214,6 +221,7 @@ class Broker:
         segment_bytes: int = 64 << 20,
         max_read_bytes: int = 4 << 20,
         fsync_interval: float = 1.0,
+        reorder_wait: float = 0.5,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.streams_dir = self.data_dir / "streams"
@@ -222,6 +230,7 @@ class Broker:
         self.segment_bytes = segment_bytes
         self.max_read_bytes = max_read_bytes
         self.fsync_interval = fsync_interval
+        self.reorder_wait = reorder_wait
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="onceflow-io")
         self.streams: dict[str, Stream] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -509,7 +518,51 @@ class Broker:
         stream_seq: str | None = None,
         if_match: Position | None = None,
     ) -> Outcome:
-        """Append ``body`` (and/or close the stream). Resolves once the batch is durable."""
+        """Append ``body`` (and/or close the stream). Resolves once the batch is durable.
+
+        Requests of one producer can arrive out of order (a pipelining client uses several
+        connections). A request at most ``REORDER_WINDOW`` sequence numbers ahead therefore waits up
+        to ``reorder_wait`` seconds for the ones before it to be staged, and is validated afresh each
+        time one is; only then is it a 409 gap. This is the per-(stream, producer) serialisation the
+        protocol asks for, and it spares the client a resend.
+        """
+        deadline: float | None = None
+        loop = asyncio.get_running_loop()
+        while True:
+            outcome = await self._append_once(
+                name, body, content_type=content_type, close=close, producer=producer, stream_seq=stream_seq, if_match=if_match
+            )
+            s = outcome.stream
+            if producer is None or s is None or outcome.kind not in ("sequence_gap", "invalid_epoch_seq"):
+                return outcome
+            expected = outcome.expected_seq if outcome.kind == "sequence_gap" else 0
+            if producer.seq - (expected or 0) > REORDER_WINDOW or self.reorder_wait <= 0:
+                return outcome
+            if deadline is None:
+                deadline = loop.time() + self.reorder_wait
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return outcome
+            fut: asyncio.Future[None] = loop.create_future()
+            s.staged_waiters.add(fut)
+            try:
+                await asyncio.wait_for(fut, remaining)
+            except TimeoutError:
+                return outcome
+            finally:
+                s.staged_waiters.discard(fut)
+
+    async def _append_once(
+        self,
+        name: str,
+        body: bytes,
+        *,
+        content_type: str | None,
+        close: bool,
+        producer: ProducerHeaders | None,
+        stream_seq: str | None,
+        if_match: Position | None,
+    ) -> Outcome:
         found = self._live(name)
         if isinstance(found, Outcome):
             return found
@@ -588,6 +641,8 @@ class Broker:
             last_seq=producer.seq if producer else -1,
             stream_seq=sseq,
         )
+        if s.staged_waiters:
+            s.notify_staged()
         try:
             await staged.done
         except OSError as exc:

@@ -45,7 +45,8 @@ def encode_messages(body: bytes, *, allow_empty: bool) -> tuple[bytes, int]:
         if allow_empty:
             return b"", 0
         raise JsonError("an empty JSON array appends nothing; send at least one message")
-    return "".join(_dumps(item) + "," for item in items).encode(), len(items)
+    # one encoder call for the whole array, then "[a,b]" -> "a,b,": the same bytes as encoding each
+    return (_dumps(items)[1:-1] + ",").encode(), len(items)
 
 
 def wrap_payloads(payloads: list[bytes]) -> bytes:
