@@ -26,6 +26,8 @@ Framing: requests must carry ``Content-Length`` (or no body); responses may use
 is buffered whole before it is relayed, so endless streaming responses (SSE, long reads) are not
 supported: read the server directly for those. Client connections are kept alive; each has its own
 upstream connection. The knobs are plain attributes and may be changed while the proxy runs.
+``forwarded_producer_seqs`` records the (Producer-Epoch, Producer-Seq) of matching requests in the
+order they went upstream, so a test can check that reordering really happened.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ class FaultProxy:
         self.responses_dropped = 0  # responses read from the server and never relayed
         self.responses_delayed = 0
         self.upstream_errors = 0  # upstream closed/refused before a complete response
+        # (producer-epoch, producer-seq) of each matching request, in the order it was sent upstream
+        self.forwarded_producer_seqs: list[tuple[int, int]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -252,6 +256,9 @@ class FaultProxy:
                 if faulty:
                     self.matched += 1
                     ordinal = self.matched
+                    epoch, seq = headers.get("producer-epoch", ""), headers.get("producer-seq", "")
+                    if epoch.isdigit() and seq.isdigit():
+                        self.forwarded_producer_seqs.append((int(epoch), int(seq)))
 
                 try:
                     resp_head = await _read_head(up_reader)

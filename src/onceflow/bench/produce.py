@@ -374,25 +374,22 @@ def measure_throughput(server: ServerProcess, content: Content, idempotent: bool
 # ---------------------------------------------------------------------------------------------- profile
 
 
-def _bottleneck(server_pct: float | None, client_pct: float | None, other_pct: float | None) -> str:
+def bottleneck(r: ThroughputResult) -> str:
+    """Which side limits a throughput run, from its CPU use and CPU time per message."""
     cores = os.cpu_count() or 1
-    s, c, o = server_pct or 0.0, client_pct or 0.0, other_pct or 0.0
-    if c >= 85 and c >= s:
-        side = "the client (this producer process)"
-        why = f"its event loop is busy {c:.0f}% of one core; the server used {s:.0f}%"
-    elif s >= 85:
-        side = "the server"
-        why = f"its event loop is busy {s:.0f}% of one core; the client used {c:.0f}%"
-    else:
-        side = "neither process's CPU"
-        why = (f"server {s:.0f}%, client {c:.0f}% of one core: time is spent waiting "
-               "(fsync, round trips, the other process on a shared core)")
+    s, c, o = r.server_cpu_pct or 0.0, r.client_cpu_pct or 0.0, r.other_cpu_pct or 0.0
+    s_us, c_us = r.server_us_per_msg or 0.0, r.client_us_per_msg or 0.0
+    heavier = "the client (this producer process)" if c_us >= s_us else "the server"
+    costs = f"CPU per message: client {c_us:.2f} µs, server {s_us:.2f} µs"
+    if c >= 85 or s >= 85:
+        busy = "client" if c >= s else "server"
+        side = "the client (this producer process)" if busy == "client" else "the server"
+        return f"{side}: its event loop is busy {max(c, s):.0f}% of one core (client {c:.0f}%, server {s:.0f}%); {costs}"
     if s + c + o >= 85 * cores:
-        why += (f"; with other jobs ({o:.0f}%) the machine's {cores * 100}% is used up ({s + c + o:.0f}%), "
-                "so each process waits for a core")
-    elif o:
-        why += f"; other jobs used {o:.0f}%"
-    return f"{side}: {why}"
+        return (f"{heavier}, on a CPU-saturated machine: client {c:.0f}% + server {s:.0f}% + other jobs {o:.0f}% of "
+                f"{cores * 100}%, so both processes wait for a core; {costs}")
+    return (f"neither side's CPU (client {c:.0f}%, server {s:.0f}%, other jobs {o:.0f}%): the time goes to waiting "
+            f"(fsync, round trips); {costs}")
 
 
 def _short(filename: str) -> str:
@@ -426,7 +423,7 @@ def measure_profile(server: ServerProcess, best: ThroughputResult, seconds: floa
         msg_per_s=res.msg_per_s,
         server_cpu_pct=res.server_cpu_pct,
         client_cpu_pct=res.client_cpu_pct,
-        bottleneck=_bottleneck(best.server_cpu_pct, best.client_cpu_pct, best.other_cpu_pct),
+        bottleneck=bottleneck(best),
         client_us_per_msg=best.client_us_per_msg,
         server_us_per_msg=best.server_us_per_msg,
         rows=profile_rows(prof),
@@ -631,10 +628,8 @@ def render(loads: list[ThroughputResult], lats: list[LatencyResult], profile: Pr
         lines.append("")
         lines.append(f"WHERE THE TIME GOES (a target was missed): best idempotent configuration = {profile.config}")
         lines.append(f"  bottleneck (from the unprofiled run's CPU): {profile.bottleneck}")
-        if profile.client_us_per_msg is not None and profile.server_us_per_msg is not None:
-            lines.append(f"  CPU per message in that run: client {profile.client_us_per_msg:.2f} µs, server "
-                         f"{profile.server_us_per_msg:.2f} µs; {TARGET_MSG_PER_S:,} msg/s needs each side under "
-                         f"{1e6 / TARGET_MSG_PER_S:.0f} µs on its own core")
+        lines.append(f"  {TARGET_MSG_PER_S:,} msg/s needs each side under {1e6 / TARGET_MSG_PER_S:.0f} µs of CPU per "
+                     "message, on a core of its own")
         lines.append(f"  cProfile of the producer process, {profile.seconds:.1f} s, {profile.msg_per_s:,.0f} msg/s under the "
                      f"profiler (server CPU {_pct(profile.server_cpu_pct)}, client CPU {_pct(profile.client_cpu_pct)}); "
                      f"top {len(profile.rows)} by own time:")
