@@ -67,11 +67,15 @@ class ServerProcess:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if "listening" not in line:
-            rest = self.proc.stdout.read()
-            self.proc.wait()
-            raise RuntimeError(f"server did not start: {line}{rest}")
+        seen: list[str] = []
+        while True:  # recovery may log warnings before the ready line
+            line = self.proc.stdout.readline()
+            if "listening" in line:
+                return
+            if not line:  # the process ended without becoming ready
+                self.proc.wait()
+                raise RuntimeError("server did not start:\n" + "".join(seen))
+            seen.append(line)
 
     def kill(self) -> None:
         if self.proc is not None:

@@ -457,9 +457,9 @@ def test_auto_claim_blocking_producer_against_a_real_server(shared_server: Serve
     create_json_stream(base, "claim-real")
     with Stream.connect(base, "claim-real") as s:
         s.append({"old": 5}, producer=("eph-real", 5, 0))
-    # max_in_flight=1: with more, the late 403s of the old epoch break the claim (see the xfail tests below)
+    # five requests in flight: the late 403s answering epoch 0 must not break the claim
     with IdempotentProducer(base, "claim-real", producer_id="eph-real", epoch=0, auto_claim=True,
-                            max_in_flight=1, max_batch_bytes=32) as p:
+                            max_in_flight=5, max_batch_bytes=32) as p:
         for i in range(200):
             p.append({"i": i})
         p.flush(timeout=30)
@@ -470,8 +470,6 @@ def test_auto_claim_blocking_producer_against_a_real_server(shared_server: Serve
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(strict=True, reason="BUG producer._send/_claim: a 403 answering a request sent with an epoch the "
-                   "producer already left behind is final once anything was acked in the claimed epoch")
 async def test_auto_claim_survives_a_slow_fence_reply_from_the_old_epoch(
     onceflow: InProcess, hooked: Callable[[Hook], httpx.AsyncClient]
 ) -> None:
@@ -519,9 +517,6 @@ async def test_auto_claim_survives_a_slow_fence_reply_from_the_old_epoch(
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(strict=True, reason="BUG producer._claim: a late 403 from the old epoch that reports the producer's own "
-                   "claimed epoch bumps the epoch again (6 -> 7); seq 0 is never resent in epoch 7, so every later batch "
-                   "gets 400 invalid_epoch_seq and is resent in a hot loop forever")
 async def test_auto_claim_does_not_claim_twice_on_a_late_fence_reply(
     onceflow: InProcess, hooked: Callable[[Hook], httpx.AsyncClient]
 ) -> None:
@@ -575,9 +570,6 @@ async def test_auto_claim_does_not_claim_twice_on_a_late_fence_reply(
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(strict=True, reason="BUG AsyncIdempotentProducer.close: requests still in flight when the producer "
-                   "failed are cancelled without on_error, so their messages are never reported (stats.failed and "
-                   "pending_count stay wrong)")
 async def test_close_after_a_fence_reports_every_undelivered_message(
     onceflow: InProcess, hooked: Callable[[Hook], httpx.AsyncClient]
 ) -> None:
@@ -738,8 +730,6 @@ async def test_pending_and_in_flight_counts(onceflow: InProcess, hooked: Callabl
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(strict=True, reason="BUG AsyncIdempotentProducer.flush returns before the last request's done-callback "
-                   "ran, so in_flight_count is still 1 right after `await flush()`")
 async def test_in_flight_count_is_zero_right_after_async_flush(onceflow: InProcess) -> None:
     await inproc_create(onceflow, "counts-now")
     async with AsyncIdempotentProducer(f"{IN_PROCESS}/v1/stream/counts-now", client=onceflow.client) as p:

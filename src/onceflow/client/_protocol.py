@@ -27,6 +27,7 @@ __all__ = [
     "parse_info",
     "read_params",
     "stream_url",
+    "tls_verify",
 ]
 
 STREAM_PATH = "/v1/stream/"
@@ -41,6 +42,12 @@ def stream_url(base_url: str, name: str) -> str:
     if STREAM_PATH.rstrip("/") in base:
         return f"{base}/{name}" if name else base
     return f"{base}{STREAM_PATH}{name}"
+
+
+def tls_verify(url: str) -> bool:
+    """httpx's ``verify`` for a client of ``url``: plain http needs no CA bundle (loading it costs
+    tens of milliseconds per client); https verifies as usual."""
+    return not url.startswith("http://")
 
 
 def is_json_type(content_type: str) -> bool:

@@ -25,6 +25,7 @@ start), or let onceflow choose a time-based epoch. The id is ``producer_id``, el
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -32,7 +33,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from ._errors import (
     error_from_response,
 )
 from ._loop import background_loop, run_sync
-from ._protocol import is_json_type, stream_url
+from ._protocol import is_json_type, stream_url, tls_verify
 
 __all__ = ["AsyncIdempotentProducer", "IdempotentProducer", "ProducerStats"]
 
@@ -142,7 +143,9 @@ class AsyncIdempotentProducer:
         self.stats = ProducerStats()
         self._own_client = client is None
         self._client = client or httpx.AsyncClient(
-            timeout=request_timeout, limits=httpx.Limits(max_connections=max_in_flight + 2, max_keepalive_connections=max_in_flight + 2)
+            timeout=request_timeout,
+            limits=httpx.Limits(max_connections=max_in_flight + 2, max_keepalive_connections=max_in_flight + 2),
+            verify=tls_verify(self.url),
         )
         self._lock = threading.Lock()
         self._current: list[bytes] = []
@@ -163,6 +166,10 @@ class AsyncIdempotentProducer:
         self._sender: asyncio.Task[None] | None = None
         self._json = content_type is not None and is_json_type(content_type)
         self._acked_in_epoch = False
+
+    @property
+    def _sep(self) -> int:
+        return 1 if self._json else 0  # the comma between JSON messages in a batch body
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -193,15 +200,21 @@ class AsyncIdempotentProducer:
         await self.close(flush=exc_type is None)
 
     async def close(self, *, flush: bool = True) -> None:
-        """Flush (unless ``flush=False``), stop sending and release the HTTP client."""
+        """Flush (unless ``flush=False``), stop sending and release the HTTP client.
+
+        Whatever is then still undelivered is reported to ``on_error`` (and counted in
+        ``stats.failed``): with ``flush=False``, or after the producer failed.
+        """
         try:
             if flush and self._loop is not None and self._error is None:
                 await self.flush()
         finally:
+            if self._loop is not None:
+                self._fail(OnceflowError("the producer was closed before this was acknowledged", code="producer_closed"))
             if self._sender is not None:
                 self._sender.cancel()
             for t in list(self._in_flight):
-                t.cancel()
+                t.cancel()  # each reports its batch as it unwinds (see _send)
             if self._in_flight:
                 await asyncio.gather(*self._in_flight, return_exceptions=True)
             if self._own_client:
@@ -219,29 +232,61 @@ class AsyncIdempotentProducer:
         """Requests currently out."""
         return len(self._in_flight)
 
+    def _encode(self, data: bytes | str | Any) -> bytes:
+        if type(data) is bytes:  # the fast path: pre-encoded messages
+            return data
+        if isinstance(data, bytearray | memoryview):
+            return bytes(data)
+        if self._json:
+            return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+        if isinstance(data, str):
+            return data.encode()
+        kind = type(data)
+        raise TypeError(f"cannot append {kind.__name__} to a non-JSON stream; pass bytes or str")
+
     def append(self, data: bytes | str | Any) -> None:
-        """Queue one message. Bytes are sent as they are (JSON text for JSON streams); any other
-        value is encoded as one JSON message on a JSON stream. Raises the producer's error if it failed."""
+        """Queue one message; never blocks. Bytes are sent as they are (JSON text on JSON streams);
+        other values become one JSON message on a JSON stream. Raises the producer's error if it failed."""
         if self._error is not None:
             raise self._error
-        if isinstance(data, bytes | bytearray):
-            encoded = bytes(data)
-        elif self._json:
-            encoded = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
-        elif isinstance(data, str):
-            encoded = data.encode()
-        else:
-            raise TypeError(f"cannot append {type(data).__name__} to a non-JSON stream; pass bytes or str")
+        encoded = self._encode(data)
         with self._lock:
             if not self._current:
                 self._current_since = time.monotonic()
             self._current.append(encoded)
-            self._current_bytes += len(encoded) + 1
+            self._current_bytes += len(encoded) + self._sep
             self.stats.appended += 1
-            if self._current_bytes >= self.max_batch_bytes:
+            sealed = self._current_bytes >= self.max_batch_bytes
+            if sealed:
                 self._seal_locked()
-            wake = not self._wake_pending
-            self._wake_pending = True
+            wake = (sealed or not self._in_flight) and not self._wake_pending
+            if wake:
+                self._wake_pending = True
+        if wake:
+            self._wake()
+
+    def extend(self, values: Iterable[bytes | str | Any]) -> None:
+        """Queue many messages at once: the same as ``append`` for each, with one lock and wake-up."""
+        if self._error is not None:
+            raise self._error
+        encoded = [self._encode(v) for v in values]
+        if not encoded:
+            return
+        sep = self._sep
+        with self._lock:
+            if not self._current:
+                self._current_since = time.monotonic()
+            sealed = False
+            for e in encoded:
+                self._current.append(e)
+                self._current_bytes += len(e) + sep
+                if self._current_bytes >= self.max_batch_bytes:
+                    self._seal_locked()
+                    sealed = True
+            self.stats.appended += len(encoded)
+            wake = (sealed or not self._in_flight) and not self._wake_pending
+            if wake:
+                self._wake_pending = True
         if wake:
             self._wake()
 
@@ -276,13 +321,14 @@ class AsyncIdempotentProducer:
                 if self._error is not None:
                     raise self._error
                 ev = self._progress
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"flush: {target - self.stats.acked} message(s) still unacknowledged")
-                try:
-                    await asyncio.wait_for(ev.wait(), remaining)
-                except TimeoutError:
+                if deadline is None:
+                    await ev.wait()
                     continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"flush: {target - self.stats.acked} message(s) still unacknowledged")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ev.wait(), remaining)
             if self._error is not None:
                 raise self._error
         finally:
@@ -302,15 +348,23 @@ class AsyncIdempotentProducer:
                 self._loop.call_later(delay, self._wake)
 
     def _dispatch_locked(self) -> float | None:
-        """Start batches while slots are free; the seconds until linger ends, if it must be waited."""
+        """Start batches while slots are free; the seconds until linger ends, if that must be waited.
+
+        Full batches go whenever a slot is free. The open batch goes when nothing is in flight
+        ("send at once when idle"; after ``linger_ms`` if set), while requests are out only once
+        ``linger_ms`` (if set) has passed, and always when flushing.
+        """
         assert self._loop is not None
         while len(self._in_flight) < self.max_in_flight and self._error is None:
             if not self._sealed:
                 if not self._current:
                     return None
-                waited = time.monotonic() - self._current_since
-                if self.linger and waited < self.linger and not self._flushing:
-                    return self.linger - waited
+                if not self._flushing:
+                    if self._in_flight and not self.linger:
+                        return None  # accumulate; a completing request wakes us
+                    waited = time.monotonic() - self._current_since
+                    if self.linger and waited < self.linger:
+                        return self.linger - waited
                 self._seal_locked()
             batch = self._sealed.popleft()
             task = self._loop.create_task(self._send(batch))
@@ -333,16 +387,25 @@ class AsyncIdempotentProducer:
             await self._progress.wait()
 
     async def _send(self, batch: _Batch) -> None:
+        try:
+            await self._deliver(batch)
+        except asyncio.CancelledError:
+            self._fail_batch(batch, self._error or OnceflowError("the producer was closed", code="producer_closed"))
+            raise
+
+    async def _deliver(self, batch: _Batch) -> None:
         started = time.monotonic()
         attempt = 0
+        task = asyncio.current_task()
         while True:
             if self._error is not None:
                 self._fail_batch(batch, self._error)
                 return
+            epoch = self.epoch
             headers = {
                 "content-type": self.content_type or "application/octet-stream",
                 "producer-id": self.producer_id,
-                "producer-epoch": str(self.epoch),
+                "producer-epoch": str(epoch),
                 "producer-seq": str(batch.seq),
             }
             self.stats.requests += 1
@@ -353,15 +416,18 @@ class AsyncIdempotentProducer:
                 err = TransportError(f"append to {self.url}: {exc!r}")
             else:
                 if resp.status_code in (200, 204):
+                    if task is not None:
+                        self._in_flight.discard(task)  # before waking flush(), so in_flight_count is 0 then
                     self._ack(batch, duplicate=resp.status_code == 204)
                     return
                 err = error_from_response(resp, f"append to {self.url}")
-                if isinstance(err, SequenceGapError) and err.expected_seq < batch.seq:
-                    self.stats.gaps += 1  # overtook an earlier batch: resend once it has landed
-                    await self._wait_acked(batch.seq - 1)
-                    continue
-                if isinstance(err, BadRequestError) and err.code == "invalid_epoch_seq" and batch.seq > 0:
-                    self.stats.gaps += 1  # first batches of a claimed epoch arrived out of order
+                if isinstance(err, ProducerFencedError) and epoch < self.epoch:
+                    continue  # answered for an epoch this producer has since claimed past: resend
+                reordered = (isinstance(err, SequenceGapError) and err.expected_seq < batch.seq) or (
+                    isinstance(err, BadRequestError) and err.code == "invalid_epoch_seq" and batch.seq > 0
+                )
+                if reordered and self._acked_through < batch.seq - 1:
+                    self.stats.gaps += 1  # overtook an earlier batch: resend once that one has landed
                     await self._wait_acked(batch.seq - 1)
                     continue
                 if isinstance(err, ProducerFencedError) and self._claim(err):
@@ -406,16 +472,18 @@ class AsyncIdempotentProducer:
         self._signal_progress()
 
     def _fail(self, err: OnceflowError) -> None:
+        """Fail the producer: everything not yet sent is reported undeliverable now, and what is
+        in flight when its request ends."""
         if self._error is None:
             self._error = err
-            with self._lock:
-                dropped = list(self._sealed)
-                self._sealed.clear()
-                if self._current:
-                    dropped.append(_Batch(-1, b"", len(self._current)))
-                    self._current, self._current_bytes = [], 0
-            for b in dropped:
-                self._fail_batch(b, err)
+        with self._lock:
+            dropped = list(self._sealed)
+            self._sealed.clear()
+            if self._current:
+                dropped.append(_Batch(-1, b"", len(self._current)))
+                self._current, self._current_bytes = [], 0
+        for b in dropped:
+            self._fail_batch(b, self._error)
         self._signal_progress()
 
     def _fail_batch(self, batch: _Batch, err: OnceflowError) -> None:
@@ -459,6 +527,9 @@ class IdempotentProducer:
 
     def append(self, data: bytes | str | Any) -> None:
         self._core.append(data)
+
+    def extend(self, values: Iterable[bytes | str | Any]) -> None:
+        self._core.extend(values)
 
     def flush(self, timeout: float | None = None) -> None:
         run_sync(self._core.flush(timeout))

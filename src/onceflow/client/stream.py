@@ -23,6 +23,7 @@ from ._protocol import (
     parse_info,
     read_params,
     stream_url,
+    tls_verify,
 )
 from ._types import AppendResult, Chunk, LiveMode, StreamInfo
 
@@ -79,7 +80,7 @@ class Stream(_Base):
     def __init__(self, url: str, *, client: httpx.Client | None = None, content_type: str | None = None) -> None:
         super().__init__(url, content_type)
         self._own = client is None
-        self._client = client or httpx.Client(timeout=DEFAULT_TIMEOUT)
+        self._client = client or httpx.Client(timeout=DEFAULT_TIMEOUT, verify=tls_verify(url))
 
     @classmethod
     def connect(cls, base_url: str, name: str, **kw: Any) -> Stream:
@@ -235,7 +236,7 @@ class AsyncStream(_Base):
     def __init__(self, url: str, *, client: httpx.AsyncClient | None = None, content_type: str | None = None) -> None:
         super().__init__(url, content_type)
         self._own = client is None
-        self._client = client or httpx.AsyncClient(timeout=DEFAULT_TIMEOUT)
+        self._client = client or httpx.AsyncClient(timeout=DEFAULT_TIMEOUT, verify=tls_verify(url))
 
     @classmethod
     def connect(cls, base_url: str, name: str, **kw: Any) -> AsyncStream:
