@@ -246,16 +246,12 @@ def _tail_records(token: str) -> int:
 async def _drive(producer: AsyncIdempotentProducer, msg: bytes, until: float, max_pending: int) -> None:
     """Append ``msg`` as fast as the producer takes it until ``until``, never more than
     ``max_pending`` messages unacknowledged (the producer itself never pushes back)."""
-    append = producer.append
-    repeat = itertools.repeat
+    extend = producer.extend
+    chunk = [msg] * APPEND_CHUNK
     clock = time.perf_counter
     while clock() < until:
-        while producer.pending_count > max_pending:
-            progress = producer._progress  # set at each acknowledgement (the producer has no public wait)
-            assert progress is not None
-            await progress.wait()
-        for m in repeat(msg, APPEND_CHUNK):
-            append(m)
+        await producer.wait_for_capacity(max_pending)
+        extend(chunk)  # the batch API: one lock and wake-up per APPEND_CHUNK messages
         await asyncio.sleep(0)  # let the sender seal and dispatch
 
 

@@ -308,6 +308,15 @@ class AsyncIdempotentProducer:
         self._sealed.append(_Batch(self._next_seq, body, len(msgs)))
         self._next_seq += 1
 
+    async def wait_for_capacity(self, max_pending: int) -> None:
+        """Wait until at most ``max_pending`` messages are unacknowledged: backpressure for callers
+        that produce faster than the server takes (``append`` itself never blocks)."""
+        assert self._progress is not None, "start() the producer first"
+        while self.pending_count > max_pending:
+            if self._error is not None:
+                raise self._error
+            await self._progress.wait()
+
     async def flush(self, timeout: float | None = None) -> None:
         """Send everything appended so far and wait until it is acknowledged (or raise)."""
         assert self._progress is not None, "start() the producer first"
@@ -530,6 +539,9 @@ class IdempotentProducer:
 
     def extend(self, values: Iterable[bytes | str | Any]) -> None:
         self._core.extend(values)
+
+    def wait_for_capacity(self, max_pending: int) -> None:
+        run_sync(self._core.wait_for_capacity(max_pending))
 
     def flush(self, timeout: float | None = None) -> None:
         run_sync(self._core.flush(timeout))
