@@ -325,6 +325,26 @@ def test_lost_ack_of_every_third_post_with_delayed_responses(
     assert producer.stats.duplicates > 0
 
 
+@pytest.mark.slow
+def test_without_idempotence_the_same_lost_acks_duplicate(
+    shared_server: ServerProcess, make_proxy: Callable[..., FaultProxy]
+) -> None:
+    """The control for the tests above: idempotent=False (plain at-least-once) stores retried
+    batches twice, which is exactly what Producer-Id/-Epoch/-Seq prevents."""
+    n = 600
+    create_json_stream(shared_server.url, "plain-dups")
+    proxy = make_proxy(drop_every=3)
+    with IdempotentProducer(proxy.url, "plain-dups", idempotent=False, max_in_flight=1, max_batch_bytes=256,
+                            retry_backoff=(0.01, 0.1), delivery_timeout=60.0) as producer:
+        for i in range(n):
+            producer.append({"i": i})
+        producer.flush(timeout=60)
+    stored = [m["i"] for m in read_all(shared_server.url, "plain-dups")]
+    assert proxy.responses_dropped > 0
+    assert sorted(set(stored)) == list(range(n))  # nothing lost...
+    assert len(stored) > n  # ...but every lost acknowledgement became a duplicate
+
+
 # ---------------------------------------------------------------------- c. 409 sequence gaps
 
 

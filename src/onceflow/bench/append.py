@@ -269,6 +269,21 @@ def node_cache_dir() -> Path:
     return Path(base) / "onceflow" / "bench-node"
 
 
+def find_reference(skip: bool, notes: list[str]) -> tuple[Path, str] | None:
+    """The reference server's start script and version, or None (with a note saying why) when it is
+    skipped or cannot be installed."""
+    if skip:
+        notes.append("reference server skipped (--skip-reference)")
+        _say("reference server skipped (--skip-reference)")
+        return None
+    try:
+        return ensure_node_reference()
+    except BenchFailure as exc:
+        notes.append(f"reference server skipped: {exc}")
+        _say(f"reference server skipped: {exc}")
+        return None
+
+
 def ensure_node_reference() -> tuple[Path, str]:
     """Install the reference server into the cache directory if needed; (script, version).
 
@@ -967,22 +982,15 @@ def run(args: argparse.Namespace) -> int:
 
         measure(onceflow_server(root / "onceflow-data"), "onceflow", "file", gen)
 
-        if args.skip_reference:
-            notes.append("reference server skipped (--skip-reference)")
-            _say("reference server skipped (--skip-reference)")
-        else:
-            try:
-                script, version = ensure_node_reference()
-            except BenchFailure as exc:
-                notes.append(f"reference server skipped: {exc}")
-                _say(f"reference server skipped: {exc}")
-            else:
-                notes.append(f"reference: {NODE_PACKAGE} {version} (Node {_node_version()}), DurableStreamTestServer; "
-                             "file mode = dataDir set, memory mode = no dataDir")
-                ref_data = root / "reference-data"
-                ref_data.mkdir()
-                measure(reference_server(script, ref_data), "reference", "file", gen)
-                measure(reference_server(script, None), "reference", "memory", gen)
+        found = find_reference(args.skip_reference, notes)
+        if found is not None:
+            script, version = found
+            notes.append(f"reference: {NODE_PACKAGE} {version} (Node {_node_version()}), DurableStreamTestServer; "
+                         "file mode = dataDir set, memory mode = no dataDir")
+            ref_data = root / "reference-data"
+            ref_data.mkdir()
+            measure(reference_server(script, ref_data), "reference", "file", gen)
+            measure(reference_server(script, None), "reference", "memory", gen)
 
         if args.recovery_gib > 0:
             recovery = measure_recovery(root, args.recovery_gib)

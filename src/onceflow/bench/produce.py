@@ -47,8 +47,6 @@ from typing import Any, Literal
 import httpx
 
 from ..client import AsyncIdempotentProducer, AsyncStream, OnceflowError
-from ..client._errors import TransportError, error_from_response
-from ..client.producer import _Batch
 from .append import (
     NODE_PACKAGE,
     BenchFailure,
@@ -58,7 +56,7 @@ from .append import (
     _raise_on_sigterm,
     _run_loop,
     _say,
-    ensure_node_reference,
+    find_reference,
     make_message,
     onceflow_server,
     reference_server,
@@ -176,31 +174,6 @@ class ProfileResult:
 # ---------------------------------------------------------------------------------------------- producers
 
 
-class PlainBatchProducer(AsyncIdempotentProducer):
-    """Idempotence off: the same batching, linger and pipelining, but POSTs carry no ``Producer-*``
-    headers, so the server does no producer bookkeeping (no dedup, no sequence check).
-
-    Only for measuring: without idempotence a retry could duplicate and batches in flight at the
-    same time may land in any order, so any error fails the producer instead of being retried.
-    """
-
-    async def _send(self, batch: _Batch) -> None:
-        headers = {"content-type": self.content_type or "application/octet-stream"}
-        self.stats.requests += 1
-        err: OnceflowError
-        try:
-            resp = await self._client.post(self.url, content=batch.body, headers=headers)
-        except httpx.TransportError as exc:
-            err = TransportError(f"append to {self.url}: {exc!r}")
-        else:
-            if resp.status_code in (200, 204):
-                self._ack(batch, duplicate=False)
-                return
-            err = error_from_response(resp, f"append to {self.url}")
-        self._fail(err)
-        self._fail_batch(batch, err)
-
-
 def _percentile(ordered: list[float], p: float) -> float:
     if not ordered:
         return 0.0
@@ -299,9 +272,9 @@ async def _measure_throughput(server: ServerProcess, content: Content, idempoten
     name = f"produce-{run_id}-{content}-{'idem' if idempotent else 'plain'}-{max_in_flight}"
     async with AsyncStream.connect(server.url, name) as stream:
         await stream.create(ct)
-    cls = AsyncIdempotentProducer if idempotent else PlainBatchProducer
-    producer = cls(server.url, name, producer_id=f"bench-{name}", epoch=0, content_type=ct,
-                   max_batch_bytes=BATCH_BYTES, linger_ms=0, max_in_flight=max_in_flight)
+    producer = AsyncIdempotentProducer(server.url, name, producer_id=f"bench-{name}", epoch=0, content_type=ct,
+                                       idempotent=idempotent, max_batch_bytes=BATCH_BYTES, linger_ms=0,
+                                       max_in_flight=max_in_flight)
     per_batch = BATCH_BYTES // (len(msg) + 1)
     max_pending = (max_in_flight + 2) * per_batch
     res = ThroughputResult(content, idempotent, max_in_flight, 0.0, 0, 0.0, 0.0, 0, 0)
@@ -677,8 +650,8 @@ def run(args: argparse.Namespace) -> int:
         f"client and servers share this machine's {os.cpu_count()} cores (loopback); the client is onceflow.client "
         "(httpx) on one event loop in this process" + (" (uvloop)" if _has_uvloop() else ""),
         "onceflow: every acknowledged append is fdatasync'd (--fsync always, group commit); latency includes that fsync",
-        "idempotence off = bench.produce.PlainBatchProducer: AsyncIdempotentProducer's batching, linger and "
-        "max_in_flight unchanged, POSTs without Producer-Id/-Epoch/-Seq (no server-side dedup or sequence check)",
+        "idempotence off = AsyncIdempotentProducer(idempotent=False): the same batching, linger and "
+        "max_in_flight, POSTs without Producer-Id/-Epoch/-Seq (no server-side dedup or sequence check)",
         "JSON stream: JSON objects padded to 100 B, passed to append() pre-encoded (no json.dumps in the client; the "
         "server still parses and re-encodes each one). Byte stream: 100 B newline-terminated records (no JSON anywhere)",
         "checks: HEAD record count (JSON: messages; bytes: POSTs, one record per POST) and the whole stream read back "
@@ -726,26 +699,19 @@ def run(args: argparse.Namespace) -> int:
         finally:
             server.stop()
 
-        if args.skip_reference:
-            notes.append("reference server skipped (--skip-reference)")
-            _say("reference server skipped (--skip-reference)")
-        else:
-            try:
-                script, version = ensure_node_reference()
-            except BenchFailure as exc:
-                notes.append(f"reference server skipped: {exc}")
-                _say(f"reference server skipped: {exc}")
-            else:
-                notes.append(f"reference: {NODE_PACKAGE} {version} (Node {_node_version()}), DurableStreamTestServer; "
-                             "file mode = dataDir set, memory mode = no dataDir; latency only")
-                ref_data = root / "reference-data"
-                ref_data.mkdir()
-                for data, mode in ((ref_data, "file"), (None, "memory")):
-                    ref = started(reference_server(script, data))
-                    try:
-                        latency_pair(ref, "reference", mode)
-                    finally:
-                        ref.stop()
+        found = find_reference(args.skip_reference, notes)
+        if found is not None:
+            script, version = found
+            notes.append(f"reference: {NODE_PACKAGE} {version} (Node {_node_version()}), DurableStreamTestServer; "
+                         "file mode = dataDir set, memory mode = no dataDir; latency only")
+            ref_data = root / "reference-data"
+            ref_data.mkdir()
+            for data, mode in ((ref_data, "file"), (None, "memory")):
+                ref = started(reference_server(script, data))
+                try:
+                    latency_pair(ref, "reference", mode)
+                finally:
+                    ref.stop()
     except BenchFailure as exc:
         failures.append(str(exc))
         print(f"\n[bench] FAILED: {exc}", file=sys.stderr, flush=True)

@@ -15,6 +15,10 @@ How a message travels
     4. Anything else (400, 404, 409 closed, 413, a 403 fence) fails the producer: ``on_error`` is
        called for each batch that will never be delivered, and ``append``/``flush`` raise.
 
+``idempotent=False`` (Kafka's ``enable.idempotence=false``) sends the same batches without producer
+headers: retries are then at-least-once (a lost acknowledgement means a duplicate) and batches in
+flight together may land in any order. It exists for comparison; keep the default.
+
 Epochs: a producer id with a stable epoch dedups retries across the producer's own restarts only if
 the epoch moves on at each restart (otherwise a restarted producer's seq 0 looks like an old
 duplicate and is dropped). So: give ``epoch`` yourself, or ``epoch_file`` (read, bumped and synced at
@@ -109,6 +113,7 @@ class AsyncIdempotentProducer:
         epoch: int | None = None,
         epoch_file: str | Path | None = None,
         auto_claim: bool = False,
+        idempotent: bool = True,
         content_type: str | None = None,
         max_batch_bytes: int = 1 << 20,
         linger_ms: float = 0.0,
@@ -133,6 +138,7 @@ class AsyncIdempotentProducer:
         else:
             self.epoch = 0
         self.auto_claim = auto_claim
+        self.idempotent = idempotent
         self.content_type = content_type
         self.max_batch_bytes = max_batch_bytes
         self.linger = linger_ms / 1000.0
@@ -411,12 +417,11 @@ class AsyncIdempotentProducer:
                 self._fail_batch(batch, self._error)
                 return
             epoch = self.epoch
-            headers = {
-                "content-type": self.content_type or "application/octet-stream",
-                "producer-id": self.producer_id,
-                "producer-epoch": str(epoch),
-                "producer-seq": str(batch.seq),
-            }
+            headers = {"content-type": self.content_type or "application/octet-stream"}
+            if self.idempotent:
+                headers["producer-id"] = self.producer_id
+                headers["producer-epoch"] = str(epoch)
+                headers["producer-seq"] = str(batch.seq)
             self.stats.requests += 1
             err: OnceflowError
             try:
