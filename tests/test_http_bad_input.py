@@ -124,7 +124,7 @@ async def test_names_that_could_escape_the_data_directory_are_rejected(onceflow:
     assert r.status_code == 400, (name, r.status_code)
     assert "name" in error_message(r)
     entries = sorted(os.listdir(onceflow.data))
-    assert entries == ["streams", "trash"]
+    assert entries == ["coordinator", "streams", "trash"]
     assert os.listdir(onceflow.data / "streams") == []
 
 
@@ -208,9 +208,10 @@ async def test_fuzzed_requests_never_5xx_and_rejections_change_nothing(
 
 
 def test_data_dir_layout_is_documented(tmp_path: Path) -> None:
-    # the recovery code relies on streams/ and trash/ only; anything else is ignored, never served
+    # streams/, trash/ and the transaction coordinator's log; nothing else is created or served
     from onceflow.core.broker import Broker
 
     b = Broker(tmp_path)
     b.open()
-    assert sorted(os.listdir(tmp_path)) == ["streams", "trash"]
+    assert sorted(os.listdir(tmp_path)) == ["coordinator", "streams", "trash"]
+    b.coordinator._log.close_files()  # type: ignore[union-attr]

@@ -22,16 +22,17 @@ import time
 import uuid
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from ..storage.batch import FLAG_CLOSE, FLAG_JSON, CorruptBatch
+from ..storage.batch import FLAG_CLOSE, FLAG_COMMIT, FLAG_CONTROL, FLAG_JSON, FLAG_TXN, CorruptBatch
 from ..storage.log import FsyncPolicy, InvalidPosition, ReadBatch, StreamLog
 from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
 from ..storage.position import Position, parse_token
 from .jsonmode import JsonError, encode_messages, split_messages
+from .txn import Coordinator, TxnError
 
 __all__ = [
     "MAX_NAME_BYTES",
@@ -111,6 +112,7 @@ OutcomeKind = Literal[
     "gone",
     "deleted",
     "unavailable",
+    "txn_refused",
 ]
 
 
@@ -126,6 +128,7 @@ class Outcome:
     seq: int | None = None
     expected_seq: int | None = None
     received_seq: int | None = None
+    txn: int | None = None  # the transaction number a transactional append joined
     detail: str = ""
 
 
@@ -187,6 +190,19 @@ class Stream:
                 fut.set_result(None)
         self.waiters.clear()
 
+    # -- transactions
+
+    def stable(self) -> Position:
+        """The last stable offset: read_committed readers see nothing at or past it."""
+        return self.log.txn.stable(self.tail)
+
+    def is_aborted(self, batch: ReadBatch) -> bool:
+        if not batch.header.flags & FLAG_TXN:
+            return False
+        if batch.start.pos < self.log.base.pos and self.parent is not None:
+            return self.parent.is_aborted(batch)
+        return self.log.txn.is_aborted(batch.header.producer_id, batch.start.pos)
+
     # -- reads across the fork chain
 
     def check_position(self, at: Position) -> None:
@@ -222,6 +238,7 @@ class Broker:
         max_read_bytes: int = 4 << 20,
         fsync_interval: float = 1.0,
         reorder_wait: float = 0.5,
+        txn_timeout: float = 60.0,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.streams_dir = self.data_dir / "streams"
@@ -231,6 +248,9 @@ class Broker:
         self.max_read_bytes = max_read_bytes
         self.fsync_interval = fsync_interval
         self.reorder_wait = reorder_wait
+        self.coordinator = Coordinator(self.data_dir / "coordinator", policy=fsync, default_timeout=txn_timeout)
+        self.coordinator.write_marker = self._write_marker
+        self._unfinished: list[Any] = []
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="onceflow-io")
         self.streams: dict[str, Stream] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -266,6 +286,13 @@ class Broker:
                     log.error("fork %r lost its parent %r", s.name, s.meta.fork_parent)
                 else:
                     s.parent.forks += 1
+        self._unfinished = self.coordinator.open()
+
+    async def start(self) -> None:
+        """Finish transactions decided before a crash, then start the background tasks."""
+        await self.coordinator.recover(self._unfinished)
+        self._unfinished = []
+        self.start_background()
 
     def start_background(self) -> None:
         """Start the expiry sweeper (and the sync timer for the ``interval`` policy)."""
@@ -277,6 +304,10 @@ class Broker:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
 
     def begin_shutdown(self) -> None:
         """Release live readers (long-poll, SSE) so connections can finish; appends still work."""
@@ -291,6 +322,7 @@ class Broker:
         for s in self.streams.values():
             s.notify()
             await s.log.close()
+        await self.coordinator.close()
         self.executor.shutdown(wait=True)
 
     def _register(self, s: Stream) -> None:
@@ -303,6 +335,19 @@ class Broker:
             for s in list(self.streams.values()):
                 if not s.meta.soft_deleted and s.expired():
                     self._expire(s)
+            try:
+                await self.coordinator.expire()
+            except OSError as exc:
+                log.error("could not abort expired transactions: %s", exc)
+
+    async def _write_marker(self, stream: str, producer_id: str, epoch: int, commit: bool) -> None:
+        """Append a transaction marker to ``stream`` and wait until it is durable."""
+        s = self.streams.get(stream)
+        if s is None:
+            return  # deleted since: its data went with it
+        flags = FLAG_CONTROL | (FLAG_COMMIT if commit else 0) | (FLAG_JSON if s.is_json else 0)
+        staged = s.log.stage(count=0, payload=b"", flags=flags, producer_id=producer_id, epoch=epoch)
+        await staged.done
 
     async def _sync_loop(self) -> None:
         while True:
@@ -517,8 +562,12 @@ class Broker:
         producer: ProducerHeaders | None = None,
         stream_seq: str | None = None,
         if_match: Position | None = None,
+        transactional_id: str | None = None,
     ) -> Outcome:
         """Append ``body`` (and/or close the stream). Resolves once the batch is durable.
+
+        With ``transactional_id`` the append joins that id's open transaction (starting one if
+        none is open): its data is invisible to read_committed readers until the commit marker.
 
         Requests of one producer can arrive out of order (a pipelining client uses several
         connections). A request at most ``REORDER_WINDOW`` sequence numbers ahead therefore waits up
@@ -526,12 +575,32 @@ class Broker:
         time one is; only then is it a 409 gap. This is the per-(stream, producer) serialisation the
         protocol asks for, and it spares the client a resend.
         """
+        txn_number: int | None = None
+        if transactional_id is not None:
+            if producer is None:
+                return Outcome("bad_request", detail="a transactional append needs Producer-Id, Producer-Epoch and Producer-Seq")
+            expected_pid = "txn:" + transactional_id
+            if producer.producer_id != expected_pid:
+                return Outcome("bad_request", detail=f"a transactional append of {transactional_id!r} must use Producer-Id {expected_pid}")
+            if close:
+                return Outcome("bad_request", detail="a stream cannot be closed inside a transaction")
+            found = self._live(name)
+            if isinstance(found, Outcome):
+                return found
+            try:
+                meta = await self.coordinator.begin_write(transactional_id, producer.epoch, name)
+            except TxnError as exc:
+                return txn_outcome(exc)
+            txn_number = meta.txn
         deadline: float | None = None
         loop = asyncio.get_running_loop()
         while True:
             outcome = await self._append_once(
-                name, body, content_type=content_type, close=close, producer=producer, stream_seq=stream_seq, if_match=if_match
+                name, body, content_type=content_type, close=close, producer=producer, stream_seq=stream_seq,
+                if_match=if_match, txn=txn_number is not None,
             )
+            if txn_number is not None and outcome.kind in ("appended", "duplicate"):
+                return replace(outcome, txn=txn_number)
             s = outcome.stream
             if producer is None or s is None or outcome.kind not in ("sequence_gap", "invalid_epoch_seq"):
                 return outcome
@@ -562,6 +631,7 @@ class Broker:
         producer: ProducerHeaders | None,
         stream_seq: str | None,
         if_match: Position | None,
+        txn: bool = False,
     ) -> Outcome:
         found = self._live(name)
         if isinstance(found, Outcome):
@@ -629,6 +699,8 @@ class Broker:
                     return Outcome("bad_request", stream=s, detail=str(exc))
         if close:
             flags |= FLAG_CLOSE
+        if txn:
+            flags |= FLAG_TXN
 
         # Step 7: stage at the pending tail, then wait for durability.
         staged = log_.stage(
@@ -732,12 +804,12 @@ class Broker:
 
     # ------------------------------------------------------------------ reads
 
-    def resolve_start(self, s: Stream, offset: str | None) -> Position | str:
+    def resolve_start(self, s: Stream, offset: str | None, *, committed: bool = True) -> Position | str:
         """The position a read's ``offset`` parameter names, or what is wrong with it."""
         if offset is None or offset == "-1":
             return ZERO if s.parent is not None or s.log.base == ZERO else s.log.base
         if offset == "now":
-            return s.tail
+            return s.tail if not committed else s.stable()
         at = parse_token(offset)
         if at is None:
             return f"offset {offset!r} is not an offset this server issued"
@@ -749,19 +821,30 @@ class Broker:
             return str(exc)
         return at
 
-    def read(self, s: Stream, at: Position, max_bytes: int | None = None) -> ReadResult:
-        """Durable data from ``at``: at most about ``max_bytes`` (server default otherwise)."""
-        tail = s.tail
+    @staticmethod
+    def visible_end(s: Stream, committed: bool = True) -> Position:
+        """Where reads end: the last stable offset for read_committed, else the durable tail."""
+        return s.stable() if committed else s.tail
+
+    def read(self, s: Stream, at: Position, max_bytes: int | None = None, *, committed: bool = True) -> ReadResult:
+        """Durable data from ``at``: at most about ``max_bytes`` (server default otherwise).
+
+        read_committed (the default) stops at the last stable offset and leaves out the data of
+        aborted transactions; ``next`` still moves past what was left out.
+        """
+        end = self.visible_end(s, committed)
         batches: list[ReadBatch] = []
-        if at.pos < tail.pos:
+        if at.pos < end.pos:
             try:
-                batches = s.read_range(at, max_bytes or self.max_read_bytes)
+                batches = s.read_range(at, max_bytes or self.max_read_bytes, end if end != s.tail else None)
             except CorruptBatch as exc:  # only reachable through a forged offset
                 log.warning("read of %r at %s: %s", s.name, at.token(), exc)
                 raise InvalidPosition(f"offset {at.token()} is not a record boundary of this stream") from None
         nxt = batches[-1].end if batches else at
-        up_to_date = nxt == tail
-        return ReadResult(batches, nxt, up_to_date, up_to_date and s.closed)
+        if committed:
+            batches = [b for b in batches if not s.is_aborted(b)]
+        up_to_date = nxt.pos >= end.pos
+        return ReadResult(batches, nxt, up_to_date, up_to_date and s.closed and end == s.tail)
 
     async def wait(self, s: Stream, after: Position, max_wait: float) -> bool:
         """Wait until the stream has data past ``after``, closes or goes away. False on timeout."""
@@ -776,6 +859,16 @@ class Broker:
             return False
         finally:
             s.waiters.discard(fut)
+
+
+def txn_outcome(exc: TxnError) -> Outcome:
+    """The outcome for a refused transactional request."""
+    kind: OutcomeKind = {
+        "fenced": "stale_epoch",
+        "unknown_transactional_id": "not_found",
+        "bad_epoch": "bad_request",
+    }.get(exc.kind, "txn_refused")  # type: ignore[assignment]
+    return Outcome(kind, epoch=exc.extra.get("epoch"), txn=exc.extra.get("txn"), detail=str(exc))
 
 
 def _parse_rfc3339(text: str) -> float | None:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
-from ..core.broker import Broker, Outcome, ProducerHeaders, ReadResult, Stream
+from ..core.broker import Broker, Outcome, ProducerHeaders, ReadResult, Stream, txn_outcome, validate_name
 from ..core.jsonmode import wrap_payloads
+from ..core.txn import TxnError, TxnMeta
 from ..storage.log import InvalidPosition
 from ..storage.position import Position, parse_token
 
@@ -36,6 +37,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 PREFIX = "/v1/stream/"
 LIST_PATH = "/v1/streams"  # extension: list streams by name prefix
+TXN_PREFIX = "/v1/txn/"  # extension: transactions (docs/transactions.md)
+GROUPS_PREFIX = "/v1/groups/"  # extension: consumer-group offsets
 MAX_SAFE_INT = 2**53 - 1
 _DIGITS = re.compile(r"^[0-9]+$")
 _LINES = re.compile(r"\r\n|\r|\n")
@@ -45,12 +48,12 @@ CURSOR_INTERVAL = 20
 _EXPOSE = (
     "Stream-Next-Offset, Stream-Cursor, Stream-Up-To-Date, Stream-Closed, Stream-TTL, Stream-Expires-At, "
     "Producer-Epoch, Producer-Seq, Producer-Expected-Seq, Producer-Received-Seq, Stream-SSE-Data-Encoding, "
-    "ETag, Content-Type, Location"
+    "ETag, Content-Type, Location, Stream-Last-Stable-Offset, Transaction-Number"
 )
 _ALLOW_HEADERS = (
     "Content-Type, Authorization, Stream-Seq, Stream-TTL, Stream-Expires-At, Stream-Closed, Producer-Id, "
     "Producer-Epoch, Producer-Seq, Stream-Forked-From, Stream-Fork-Offset, Stream-Fork-Sub-Offset, "
-    "If-None-Match, If-Match, Cache-Control"
+    "If-None-Match, If-Match, Cache-Control, Transaction-Id"
 )
 COMMON = [
     (b"access-control-allow-origin", b"*"),
@@ -120,7 +123,7 @@ class App:
         while True:
             msg = await receive()
             if msg["type"] == "lifespan.startup":
-                self.broker.start_background()
+                await self.broker.start()
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
                 await self.broker.close()
@@ -143,6 +146,18 @@ class App:
                 (b"access-control-allow-headers", _ALLOW_HEADERS.encode()),
                 (b"access-control-max-age", b"86400"),
             ], b"")
+            return
+        if path.startswith(TXN_PREFIX) or path.startswith(GROUPS_PREFIX):
+            try:
+                if path.startswith(TXN_PREFIX):
+                    status, h, body = await self._txn(method, path[len(TXN_PREFIX):], headers, receive)
+                else:
+                    status, h, body = await self._groups(method, path[len(GROUPS_PREFIX):], headers, receive)
+            except BadRequest as exc:
+                status, h, body = _error(exc.status, exc.code, str(exc))
+            except TxnError as exc:
+                status, h, body = _outcome_response(txn_outcome(exc))
+            await _send(send, status, h, body)
             return
         if path == LIST_PATH and method in ("GET", "HEAD"):
             status, h, body = self._list(scope)
@@ -203,6 +218,85 @@ class App:
             if not msg.get("more_body", False):
                 break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    # ------------------------------------------------------------------ transactions (extension)
+
+    async def _json_body(self, headers: dict[str, str], receive: Receive) -> dict[str, Any]:
+        raw = await self._body(headers, receive)
+        if not raw:
+            return {}
+        try:
+            value = json.loads(raw)
+        except ValueError as exc:
+            raise BadRequest(f"the body must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise BadRequest("the body must be a JSON object")
+        return value
+
+    @staticmethod
+    def _int_field(body: dict[str, Any], key: str) -> int:
+        value = body.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SAFE_INT:
+            raise BadRequest(f"the body needs {key!r}: an integer from 0 to 2^53-1")
+        return value
+
+    @staticmethod
+    def _offsets_field(body: dict[str, Any]) -> dict[str, str]:
+        offsets = body.get("offsets")
+        if not isinstance(offsets, dict) or not offsets:
+            raise BadRequest('the body needs "offsets": {"<stream>": "<offset>", ...}')
+        for stream, off in offsets.items():
+            if not isinstance(off, str) or parse_token(off) is None:
+                raise BadRequest(f"offset for {stream!r} is not an offset this server issued: {off!r}")
+        return offsets
+
+    async def _txn(self, method: str, rest: str, headers: dict[str, str], receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        tid, _, action = rest.rpartition("/")
+        if method == "GET" and tid == "":
+            tid, action = rest, ""
+        if not tid or validate_name(tid):
+            raise BadRequest("use /v1/txn/<transactional id>/(init|commit|abort|offsets)", 404, "not_found")
+        coord = self.broker.coordinator
+        if method == "GET" and action == "":
+            meta = coord.txns.get(tid)
+            if meta is None:
+                raise BadRequest(f"transactional id {tid!r} was never initialised", 404, "not_found")
+            return _json_response(200, _txn_json(meta))
+        if method != "POST":
+            raise BadRequest(f"{method} is not supported here; use POST", 405, "method_not_allowed")
+        body = await self._json_body(headers, receive)
+        if action == "init":
+            timeout_ms = body.get("timeout_ms")
+            if timeout_ms is not None and (not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) or not 1 <= timeout_ms <= 3_600_000):
+                raise BadRequest('"timeout_ms" must be an integer from 1 to 3600000')
+            meta = await coord.init(tid, timeout_ms / 1000 if timeout_ms else None)
+            return _json_response(200, _txn_json(meta))
+        if action in ("commit", "abort"):
+            meta = await coord.end(tid, self._int_field(body, "epoch"), self._int_field(body, "txn"), commit=action == "commit")
+            return _json_response(200, _txn_json(meta))
+        if action == "offsets":
+            group = body.get("group")
+            if not isinstance(group, str) or not group:
+                raise BadRequest('the body needs "group": a non-empty string')
+            meta = await coord.add_offsets(tid, self._int_field(body, "epoch"), group, self._offsets_field(body))
+            return _json_response(200, _txn_json(meta))
+        raise BadRequest(f"unknown transaction action {action!r}: use init, commit, abort or offsets", 404, "not_found")
+
+    async def _groups(self, method: str, rest: str, headers: dict[str, str], receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        group, _, action = rest.rpartition("/")
+        if not group or action != "offsets":
+            raise BadRequest("use /v1/groups/<group>/offsets", 404, "not_found")
+        coord = self.broker.coordinator
+        if method == "GET":
+            return _json_response(200, {"group": group, "offsets": coord.groups.get(group, {})})
+        if method != "POST":
+            raise BadRequest(f"{method} is not supported here; use GET or POST", 405, "method_not_allowed")
+        body = await self._json_body(headers, receive)
+        member_epoch = body.get("member_epoch")
+        if member_epoch is not None:
+            member_epoch = self._int_field(body, "member_epoch")
+        await coord.commit_offsets(group, self._offsets_field(body), member_epoch=member_epoch, reset=body.get("reset") is True)
+        return _json_response(200, {"group": group, "offsets": coord.groups.get(group, {})})
 
     # ------------------------------------------------------------------ list (extension)
 
@@ -265,6 +359,7 @@ class App:
             producer=producer,
             stream_seq=headers.get("stream-seq"),
             if_match=if_match,
+            transactional_id=headers.get("transaction-id"),
         )
         return _outcome_response(outcome)
 
@@ -282,6 +377,7 @@ class App:
             (b"stream-next-offset", tail.token().encode()),
             (b"cache-control", b"no-store"),
             (b"etag", _etag(s, "-1", tail, s.closed)),
+            (b"stream-last-stable-offset", s.stable().token().encode()),
         ]
         if s.closed:
             h.append((b"stream-closed", b"true"))
@@ -309,22 +405,27 @@ class App:
         if offset is not None and offset not in ("-1", "now") and parse_token(offset) is None:
             raise BadRequest(f"offset {offset!r} is not an offset this server issued")
         cursor = params.get("cursor", [None])[0]
+        isolation = params.get("isolation", ["read_committed"])[0]
+        if isolation not in ("read_committed", "read_uncommitted"):
+            raise BadRequest(f"isolation must be read_committed or read_uncommitted, got {isolation!r}")
+        committed = isolation == "read_committed"
         s = self.broker.get(name)
         if s is None:
             raise BadRequest(f"no stream named {name!r}", 404, "not_found")
         if s.meta.soft_deleted:
             raise BadRequest(f"stream {name!r} was deleted", 410, "gone")
-        start = self.broker.resolve_start(s, offset)
+        start = self.broker.resolve_start(s, offset, committed=committed)
         if isinstance(start, str):
             raise BadRequest(start)
         s.touch()
         if live == "sse":
-            await self._sse(s, start, cursor, receive, send)
+            await self._sse(s, start, cursor, receive, send, committed)
             return
+        visible = self.broker.visible_end(s, committed)
         if offset == "now" and live is None:
             h = [
                 (b"content-type", s.meta.content_type.encode()),
-                (b"stream-next-offset", s.tail.token().encode()),
+                (b"stream-next-offset", visible.token().encode()),
                 (b"stream-up-to-date", b"true"),
                 (b"cache-control", b"no-store"),
             ]
@@ -332,13 +433,20 @@ class App:
                 h.append((b"stream-closed", b"true"))
             await _send(send, 200, h, b"[]" if s.is_json else b"")
             return
-        if live == "long-poll" and start == s.tail:
-            if not s.closed:
-                await self.broker.wait(s, start, self.config.long_poll_timeout)
+        if live == "long-poll" and start.pos >= visible.pos:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.config.long_poll_timeout
+            # wake on every durable change, but answer only once data is visible (a transaction's
+            # data moves the tail, not the LSO) or the time is up
+            while not s.closed and not s.deleted and self.broker.visible_end(s, committed).pos <= start.pos:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or self.broker.closing:
+                    break
+                await self.broker.wait(s, s.tail, remaining)
                 s.touch()
             if s.deleted:
                 raise BadRequest(f"stream {name!r} was deleted", 404, "not_found")
-            if s.tail == start:
+            if self.broker.visible_end(s, committed).pos <= start.pos:
                 h = [
                     (b"stream-next-offset", start.token().encode()),
                     (b"stream-up-to-date", b"true"),
@@ -350,7 +458,7 @@ class App:
                 await _send(send, 204, h, b"")
                 return
         try:
-            result = self.broker.read(s, start)
+            result = self.broker.read(s, start, committed=committed)
         except InvalidPosition as exc:
             raise BadRequest(str(exc)) from None
         start_label = offset if offset is not None else "-1"
@@ -377,7 +485,7 @@ class App:
             h.append((b"cache-control", b"no-store"))
         await _send(send, 200, h, _body_of(s, result))
 
-    async def _sse(self, s: Stream, start: Position, cursor: str | None, receive: Receive, send: Send) -> None:
+    async def _sse(self, s: Stream, start: Position, cursor: str | None, receive: Receive, send: Send, committed: bool = True) -> None:
         ct = s.meta.content_type.split(";", 1)[0].strip().lower()
         text = ct.startswith("text/") or ct == "application/json"
         h = [
@@ -402,9 +510,9 @@ class App:
         at = start
         first = True
         try:
-            while not disconnected.done() and not s.deleted and not self.broker._closing:
+            while not disconnected.done() and not s.deleted and not self.broker.closing:
                 try:
-                    result = self.broker.read(s, at)
+                    result = self.broker.read(s, at, committed=committed)
                 except InvalidPosition:
                     break
                 out: list[bytes] = []
@@ -423,13 +531,13 @@ class App:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                waiter = asyncio.ensure_future(self.broker.wait(s, at, min(self.config.long_poll_timeout, remaining)))
+                waiter = asyncio.ensure_future(self.broker.wait(s, s.tail, min(self.config.long_poll_timeout, remaining)))
                 done, _ = await asyncio.wait({waiter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
                 if waiter not in done:
                     waiter.cancel()
                     break
                 s.touch()
-                if not waiter.result() and s.tail == at and not s.closed:
+                if not waiter.result() and self.broker.visible_end(s, committed) == at and not s.closed:
                     # keep-alive: a control event so proxies and clients see the connection live
                     keep = ReadResult([], at, True, False)
                     await send({"type": "http.response.body", "body": _sse_event("control", _control(keep, cursor)), "more_body": True})
@@ -440,6 +548,22 @@ class App:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _json_response(status: int, value: object) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    return status, [(b"content-type", b"application/json"), (b"cache-control", b"no-store")], json.dumps(value, separators=(",", ":")).encode()
+
+
+def _txn_json(meta: TxnMeta) -> dict[str, object]:
+    return {
+        "transactional_id": meta.tid,
+        "producer_id": meta.producer_id,
+        "epoch": meta.epoch,
+        "txn": meta.txn,
+        "status": meta.status.value,
+        "streams": sorted(meta.streams),
+        "timeout_ms": int(meta.timeout * 1000),
+    }
 
 
 def _is_true(value: str | None) -> bool:
@@ -530,6 +654,7 @@ _STATUS: dict[str, int] = {
     "not_found": 404,
     "gone": 410,
     "unavailable": 503,
+    "txn_refused": 409,
 }
 
 
@@ -555,6 +680,8 @@ def _outcome_response(o: Outcome) -> tuple[int, list[tuple[bytes, bytes]], bytes
             h.append(_h("producer-seq", o.seq if o.seq is not None else 0))
             if o.kind == "appended":
                 status = 200  # a new append by an idempotent producer (204 is its duplicate)
+            if o.txn is not None:
+                h.append(_h("transaction-number", o.txn))
         return status, h, b""
     extra: list[tuple[bytes, bytes]] = []
     if o.kind in ("stream_closed", "tail_mismatch") and o.next is not None:
@@ -563,6 +690,8 @@ def _outcome_response(o: Outcome) -> tuple[int, list[tuple[bytes, bytes]], bytes
         extra.append((b"stream-closed", b"true"))
     if o.kind == "stale_epoch" and o.epoch is not None:
         extra.append(_h("producer-epoch", o.epoch))
+    if o.kind == "txn_refused" and o.txn is not None:
+        extra.append(_h("transaction-number", o.txn))
     if o.kind == "sequence_gap":
         extra.append(_h("producer-expected-seq", o.expected_seq or 0))
         extra.append(_h("producer-received-seq", o.received_seq or 0))

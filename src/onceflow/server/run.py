@@ -46,9 +46,9 @@ async def serve(
     if http == "uvicorn":
         await _serve_uvicorn(app, host, port, log_level, stop)
         return
+    await broker.start()  # finishes transactions decided before a crash, before anyone connects
     connections: set[HttpServerProtocol] = set()
     server = await start_server(app, host, port, max_body_bytes, connections)
-    broker.start_background()
     bound = server.sockets[0].getsockname()
     print(f"onceflow listening on http://{host}:{bound[1]}", flush=True)
     await stop.wait()

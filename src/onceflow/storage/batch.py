@@ -37,7 +37,10 @@ import crc32c
 
 __all__ = [
     "FLAG_CLOSE",
+    "FLAG_COMMIT",
+    "FLAG_CONTROL",
     "FLAG_JSON",
+    "FLAG_TXN",
     "HEADER",
     "HEADER_SIZE",
     "MAGIC",
@@ -51,6 +54,9 @@ __all__ = [
 MAGIC = 0xB1
 FLAG_CLOSE = 0x01  # the stream is closed after this batch
 FLAG_JSON = 0x02  # payload is comma-terminated JSON texts
+FLAG_TXN = 0x04  # data written inside a transaction of the batch's producer
+FLAG_CONTROL = 0x08  # a transaction marker (no records): ends the producer's open transaction
+FLAG_COMMIT = 0x10  # with FLAG_CONTROL: the transaction committed (without: it aborted)
 
 HEADER = struct.Struct("<IIBBHqiqqqqHH")
 HEADER_SIZE = HEADER.size  # 60

@@ -36,7 +36,19 @@ from typing import Any, Literal
 
 import crc32c
 
-from .batch import FLAG_CLOSE, HEADER, HEADER_SIZE, MAGIC, BatchHeader, CorruptBatch, encode_batch, parse_header
+from .batch import (
+    FLAG_CLOSE,
+    FLAG_COMMIT,
+    FLAG_CONTROL,
+    FLAG_TXN,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    BatchHeader,
+    CorruptBatch,
+    encode_batch,
+    parse_header,
+)
 from .position import Position
 
 __all__ = [
@@ -48,6 +60,7 @@ __all__ = [
     "Staged",
     "StreamLog",
     "TailState",
+    "TxnIndex",
 ]
 
 log = logging.getLogger("onceflow.storage")
@@ -121,6 +134,54 @@ class TailState:
 
 
 @dataclass(slots=True)
+class TxnIndex:
+    """Transactions as this stream's log records them.
+
+    ``open``: where each producer's transaction that has data here but no marker yet began; the
+    earliest of them is the last stable offset (LSO): read_committed readers stop there.
+    ``aborted``: per producer, the byte ranges ``[first batch, abort marker)`` of aborted transactions;
+    read_committed readers skip that producer's batches inside them. Rebuilt from the log on recovery.
+    """
+
+    open: dict[str, Position] = field(default_factory=dict)
+    aborted: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def apply(self, flags: int, producer_id: str | None, start: Position) -> None:
+        if producer_id is None:
+            return
+        if flags & FLAG_CONTROL:
+            began = self.open.pop(producer_id, None)
+            if began is not None and not flags & FLAG_COMMIT:
+                self.aborted.setdefault(producer_id, []).append((began.pos, start.pos))
+        elif flags & FLAG_TXN and producer_id not in self.open:
+            self.open[producer_id] = start
+
+    def stable(self, end: Position) -> Position:
+        """The last stable offset given the log's end."""
+        return min(self.open.values(), key=lambda p: p.pos, default=end)
+
+    def is_aborted(self, producer_id: str | None, pos: int) -> bool:
+        if producer_id is None:
+            return False
+        return any(a <= pos < b for a, b in self.aborted.get(producer_id, ()))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "open": {pid: [p.offset, p.pos] for pid, p in self.open.items()},
+            "aborted": {pid: [list(r) for r in ranges] for pid, ranges in self.aborted.items()},
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any] | None) -> TxnIndex:
+        if not raw:
+            return cls()
+        return cls(
+            open={pid: Position(*p) for pid, p in raw["open"].items()},
+            aborted={pid: [(a, b) for a, b in ranges] for pid, ranges in raw["aborted"].items()},
+        )
+
+
+@dataclass(slots=True)
 class ReadBatch:
     """A durable batch as read back: its header, its payload bytes and where it starts and ends."""
 
@@ -145,6 +206,7 @@ class _Group:
     chunks: list[bytes] = field(default_factory=list)
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
     producers: list[tuple[str, ProducerState]] = field(default_factory=list)
+    txn_events: list[tuple[int, str | None, Position]] = field(default_factory=list)
     tail: TailState | None = None
 
 
@@ -208,6 +270,7 @@ class StreamLog:
         self.durable = TailState(self.base)
         self.pending = self.durable
         self.producers: dict[str, ProducerState] = {}
+        self.txn = TxnIndex()  # durable transaction index (see TxnIndex)
         self._overlay: dict[str, tuple[int, ProducerState]] = {}
         self._group: _Group | None = None
         self._next_gid = 0
@@ -250,7 +313,7 @@ class StreamLog:
         self._recover(use_snapshot)
         return self
 
-    def _load_snapshot(self) -> tuple[TailState, dict[str, ProducerState]] | None:
+    def _load_snapshot(self) -> tuple[TailState, dict[str, ProducerState], TxnIndex] | None:
         path = self.directory / SNAPSHOT_NAME
         try:
             raw = json.loads(path.read_text())
@@ -268,12 +331,13 @@ class StreamLog:
                 )
                 for pid, p in raw["producers"].items()
             }
+            txn = TxnIndex.from_json(raw.get("txn"))
         except FileNotFoundError:
             return None
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring unreadable snapshot %s: %s", path, exc)
             return None
-        return tail, producers
+        return tail, producers, txn
 
     def _write_snapshot(self) -> None:
         """Persist the durable tail and producer state so the next recovery scans less."""
@@ -283,6 +347,7 @@ class StreamLog:
             "closed": tail.closed,
             "closed_by": list(tail.closed_by) if tail.closed_by else None,
             "stream_seq": tail.stream_seq.hex() if tail.stream_seq is not None else None,
+            "txn": self.txn.to_json(),
             "producers": {
                 pid: {
                     "epoch": p.epoch,
@@ -312,12 +377,14 @@ class StreamLog:
         producers: dict[str, ProducerState] = {}
         snap = self._load_snapshot() if use_snapshot else None
         used = False
+        self.txn = TxnIndex()
         if snap is not None:
-            s_tail, s_producers = snap
+            s_tail, s_producers, s_txn = snap
             i = self._segment_index(s_tail.end.pos)
             seg = segs[i]
             if seg.base.pos <= s_tail.end.pos <= seg.base.pos + seg.size:
                 start_index, tail, producers, used = i, s_tail, s_producers, True
+                self.txn = s_txn
         tail, producers = self._scan(start_index, tail, producers)
         self.durable = self.pending = tail
         self.producers = producers
@@ -379,7 +446,7 @@ class StreamLog:
                         tail = replace(tail, end=Position(offset, base_pos + p))
                         self._drop_segments_from(i + 1)
                         return tail, producers
-                    if pid_len or epoch >= 0:
+                    if (pid_len or epoch >= 0) and not flags & FLAG_CONTROL:  # markers do not move sequences
                         pid = bytes(view[p + HEADER_SIZE : p + HEADER_SIZE + pid_len]).decode("utf-8", "replace")
                         entry = (fseq, lseq, offset, base_pos + p, offset + count, base_pos + p + length)
                         st = seen.get(pid)
@@ -396,6 +463,9 @@ class StreamLog:
                             st[2].clear()
                         st[0], st[1] = epoch, lseq
                         st[2].append(entry)
+                    if flags & (FLAG_TXN | FLAG_CONTROL):
+                        txn_pid = bytes(view[p + HEADER_SIZE : p + HEADER_SIZE + pid_len]).decode("utf-8", "replace") if pid_len or epoch >= 0 else None
+                        self.txn.apply(flags, txn_pid, Position(offset, base_pos + p))
                     if flags & FLAG_CLOSE or sseq_len:
                         h = parse_header(data, p, verify=False)
                         tail = tail.after(h, Position(offset + count, base_pos + p + length))
@@ -515,7 +585,9 @@ class StreamLog:
             stream_seq if stream_seq is not None else prev.stream_seq,
         )
         group.tail = self.pending
-        if producer_id is not None:
+        if flags & (FLAG_TXN | FLAG_CONTROL):
+            group.txn_events.append((flags, producer_id, start))
+        if producer_id is not None and not flags & FLAG_CONTROL:  # markers do not move sequences
             state = _advance(self.producer(producer_id), epoch, first_seq, last_seq, start, end)
             self._overlay[producer_id] = (group.gid, state)
             group.producers.append((producer_id, state))
@@ -551,6 +623,8 @@ class StreamLog:
     def _commit(self, group: _Group) -> None:
         assert group.tail is not None
         self.durable = group.tail
+        for flags, pid, start in group.txn_events:
+            self.txn.apply(flags, pid, start)
         for pid, state in group.producers:
             self.producers[pid] = state
             over = self._overlay.get(pid)

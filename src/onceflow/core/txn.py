@@ -1,0 +1,320 @@
+"""The transaction coordinator: Kafka-style transactions across streams, plus consumer-group offsets.
+
+Every state change is a JSON record in the coordinator's own log (``DATA/coordinator``), appended and
+synced before the change takes effect, so the log alone says what happened. A commit:
+
+    1. ``ONGOING``: each stream is recorded *before* the transaction's first batch goes to it, so
+       recovery knows every stream that may hold its data (and the group offsets it carries).
+    2. ``PREPARE_COMMIT`` (or ``PREPARE_ABORT``): the decision, one durable record. From here on the
+       outcome is fixed; recovery finishes it.
+    3. A commit (abort) marker batch is appended to every stream touched; read_committed readers of
+       that stream move past the transaction (or skip its data).
+    4. ``COMPLETE_COMMIT``: group offsets carried by the transaction take effect; the producer may
+       begin its next transaction.
+
+Fencing: ``init`` bumps the transactional id's epoch and aborts what the previous epoch left open;
+any request with an older epoch is refused. Each transaction has a number (``txn``) within its
+epoch, and commit/abort must name it, so a delayed commit or abort of an earlier transaction cannot
+touch a later one. Open transactions abort after their timeout, so the LSO always advances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..storage.batch import FLAG_JSON
+from ..storage.log import FsyncPolicy, StreamLog
+from ..storage.position import Position
+
+__all__ = ["Coordinator", "TxnError", "TxnMeta", "TxnStatus"]
+
+log = logging.getLogger("onceflow.txn")
+
+TXN_PRODUCER_PREFIX = "txn:"
+
+
+class TxnStatus(enum.Enum):
+    EMPTY = "empty"
+    ONGOING = "ongoing"
+    PREPARE_COMMIT = "prepare_commit"
+    PREPARE_ABORT = "prepare_abort"
+    COMPLETE_COMMIT = "complete_commit"
+    COMPLETE_ABORT = "complete_abort"
+
+    def can_become(self, new: TxnStatus) -> bool:
+        return new in _TRANSITIONS[self]
+
+
+_TRANSITIONS: dict[TxnStatus, set[TxnStatus]] = {
+    TxnStatus.EMPTY: {TxnStatus.ONGOING, TxnStatus.EMPTY},
+    TxnStatus.ONGOING: {TxnStatus.ONGOING, TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT},
+    TxnStatus.PREPARE_COMMIT: {TxnStatus.COMPLETE_COMMIT},
+    TxnStatus.PREPARE_ABORT: {TxnStatus.COMPLETE_ABORT},
+    TxnStatus.COMPLETE_COMMIT: {TxnStatus.ONGOING, TxnStatus.EMPTY},
+    TxnStatus.COMPLETE_ABORT: {TxnStatus.ONGOING, TxnStatus.EMPTY},
+}
+
+
+class TxnError(Exception):
+    """A refused transactional request; ``kind`` says why (mapped to a status by the server)."""
+
+    def __init__(self, kind: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.extra = extra
+
+
+@dataclass
+class TxnMeta:
+    tid: str
+    epoch: int = -1
+    txn: int = 0  # number of the current (or last) transaction within the epoch
+    status: TxnStatus = TxnStatus.EMPTY
+    streams: set[str] = field(default_factory=set)
+    offsets: dict[str, dict[str, str]] = field(default_factory=dict)  # group -> stream -> offset
+    timeout: float = 60.0
+    started: float = 0.0  # monotonic time the transaction began
+
+    @property
+    def producer_id(self) -> str:
+        return TXN_PRODUCER_PREFIX + self.tid
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "kind": "txn",
+            "tid": self.tid,
+            "epoch": self.epoch,
+            "txn": self.txn,
+            "status": self.status.value,
+            "streams": sorted(self.streams),
+            "offsets": self.offsets,
+            "timeout": self.timeout,
+        }
+
+
+MarkerWriter = Callable[[str, str, int, bool], Awaitable[None]]  # (stream, producer id, epoch, commit)
+
+
+class Coordinator:
+    """Transactions and group offsets, persisted in one coordinator log."""
+
+    def __init__(self, directory: Path, *, policy: FsyncPolicy, default_timeout: float = 60.0) -> None:
+        self.directory = directory
+        self.policy = policy
+        self.default_timeout = default_timeout
+        self.txns: dict[str, TxnMeta] = {}
+        self.groups: dict[str, dict[str, str]] = {}  # group -> stream -> committed offset
+        self.member_epochs: dict[str, int] = {}  # group -> highest member epoch seen
+        self._log: StreamLog | None = None
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.write_marker: MarkerWriter | None = None
+
+    # ------------------------------------------------------------------ persistence
+
+    def open(self) -> list[TxnMeta]:
+        """Replay the coordinator log; returns transactions whose decision is logged but unfinished."""
+        self._log = StreamLog.open(self.directory, Position(0, 0), policy=self.policy)
+        at = self._log.base
+        while at != self._log.durable.end:
+            for batch in self._log.read(at, 4 << 20):
+                for rec in json.loads(b"[" + batch.payload[:-1] + b"]"):
+                    self._replay(rec)
+                at = batch.end
+        for meta in self.txns.values():
+            if meta.status is TxnStatus.ONGOING:
+                meta.started = time.monotonic()  # the timeout runs afresh after a restart
+        return [m for m in self.txns.values() if m.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT)]
+
+    def _replay(self, rec: dict[str, Any]) -> None:
+        if rec["kind"] == "txn":
+            meta = TxnMeta(
+                tid=rec["tid"],
+                epoch=rec["epoch"],
+                txn=rec["txn"],
+                status=TxnStatus(rec["status"]),
+                streams=set(rec["streams"]),
+                offsets=rec["offsets"],
+                timeout=rec["timeout"],
+            )
+            self.txns[meta.tid] = meta
+            if meta.status is TxnStatus.COMPLETE_COMMIT:
+                self._apply_offsets(meta.offsets)
+        elif rec["kind"] == "offsets":
+            if rec.get("reset"):
+                self.groups.setdefault(rec["group"], {}).update(rec["offsets"])
+            else:
+                self._apply_offsets({rec["group"]: rec["offsets"]})
+            if rec.get("member_epoch") is not None:
+                self.member_epochs[rec["group"]] = max(self.member_epochs.get(rec["group"], -1), rec["member_epoch"])
+
+    async def _write(self, rec: dict[str, Any]) -> None:
+        assert self._log is not None
+        staged = self._log.stage(count=1, payload=json.dumps(rec, separators=(",", ":")).encode() + b",", flags=FLAG_JSON)
+        await staged.done
+
+    async def _transition(self, meta: TxnMeta, status: TxnStatus) -> None:
+        if not meta.status.can_become(status):
+            raise TxnError("invalid_state", f"transaction {meta.tid!r} cannot go from {meta.status.value} to {status.value}")
+        meta.status = status
+        await self._write(meta.record())
+
+    async def close(self) -> None:
+        if self._log is not None:
+            await self._log.close()
+
+    def _lock(self, tid: str) -> asyncio.Lock:
+        lock = self._locks.get(tid)
+        if lock is None:
+            lock = self._locks[tid] = asyncio.Lock()
+        return lock
+
+    # ------------------------------------------------------------------ transactions
+
+    def _current(self, tid: str, epoch: int) -> TxnMeta:
+        meta = self.txns.get(tid)
+        if meta is None or meta.epoch < 0:
+            raise TxnError("unknown_transactional_id", f"transactional id {tid!r} was never initialised")
+        if epoch < meta.epoch:
+            raise TxnError("fenced", f"epoch {epoch} of {tid!r} was fenced by epoch {meta.epoch}", epoch=meta.epoch)
+        if epoch > meta.epoch:
+            raise TxnError("bad_epoch", f"epoch {epoch} of {tid!r} was never issued (current: {meta.epoch})")
+        return meta
+
+    async def init(self, tid: str, txn_timeout: float | None = None) -> TxnMeta:
+        """Register (or re-register) ``tid``: a new epoch fences the old one, whose open
+        transaction is aborted first."""
+        async with self._lock(tid):
+            meta = self.txns.get(tid)
+            if meta is None:
+                meta = self.txns[tid] = TxnMeta(tid)
+            if meta.status is TxnStatus.ONGOING:
+                await self._finish(meta, commit=False)
+            elif meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
+                await self._complete(meta)
+            meta.epoch += 1
+            meta.txn = 0
+            meta.timeout = txn_timeout if txn_timeout is not None else self.default_timeout
+            meta.streams, meta.offsets = set(), {}
+            meta.status = TxnStatus.EMPTY
+            await self._write(meta.record())
+            return meta
+
+    async def begin_write(self, tid: str, epoch: int, stream: str) -> TxnMeta:
+        """Called before a transactional append to ``stream``: starts the transaction if idle and
+        records the stream durably the first time it is touched."""
+        async with self._lock(tid):
+            meta = self._current(tid, epoch)
+            if meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
+                raise TxnError("concurrent_transactions", f"transaction {meta.txn} of {tid!r} is being completed")
+            if meta.status is not TxnStatus.ONGOING:
+                meta.txn += 1
+                meta.streams, meta.offsets = set(), {}
+                meta.started = time.monotonic()
+                meta.streams.add(stream)
+                await self._transition(meta, TxnStatus.ONGOING)
+            elif stream not in meta.streams:
+                meta.streams.add(stream)
+                await self._write(meta.record())
+            return meta
+
+    async def add_offsets(self, tid: str, epoch: int, group: str, offsets: dict[str, str]) -> TxnMeta:
+        """Make ``group``'s offsets part of the open transaction (they count only if it commits)."""
+        async with self._lock(tid):
+            meta = self._current(tid, epoch)
+            if meta.status is not TxnStatus.ONGOING:
+                meta.txn += 1
+                meta.streams, meta.offsets = set(), {}
+                meta.started = time.monotonic()
+                meta.offsets = {group: dict(offsets)}
+                await self._transition(meta, TxnStatus.ONGOING)
+            else:
+                meta.offsets.setdefault(group, {}).update(offsets)
+                await self._write(meta.record())
+            return meta
+
+    async def end(self, tid: str, epoch: int, txn: int, *, commit: bool) -> TxnMeta:
+        """Commit or abort transaction number ``txn``. Repeating the same request after it completed
+        is a no-op success; a request for any other transaction is refused."""
+        async with self._lock(tid):
+            meta = self._current(tid, epoch)
+            done = TxnStatus.COMPLETE_COMMIT if commit else TxnStatus.COMPLETE_ABORT
+            if txn != meta.txn:
+                raise TxnError("stale_transaction", f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
+            if meta.status is done:
+                return meta  # a retry of a request that already completed
+            if meta.status is TxnStatus.EMPTY and txn == 0:
+                return meta  # nothing was ever written: committing or aborting it is a no-op
+            if meta.status is not TxnStatus.ONGOING:
+                raise TxnError("invalid_state", f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
+            await self._finish(meta, commit=commit)
+            return meta
+
+    async def _finish(self, meta: TxnMeta, *, commit: bool) -> None:
+        # Step 2: the decision, one durable record.
+        await self._transition(meta, TxnStatus.PREPARE_COMMIT if commit else TxnStatus.PREPARE_ABORT)
+        await self._complete(meta)
+
+    async def _complete(self, meta: TxnMeta) -> None:
+        commit = meta.status is TxnStatus.PREPARE_COMMIT
+        # Step 3: a marker in every stream the transaction touched.
+        assert self.write_marker is not None
+        for stream in sorted(meta.streams):
+            await self.write_marker(stream, meta.producer_id, meta.epoch, commit)
+        # Step 4: offsets take effect with the completion record.
+        await self._transition(meta, TxnStatus.COMPLETE_COMMIT if commit else TxnStatus.COMPLETE_ABORT)
+        if commit:
+            self._apply_offsets(meta.offsets)
+
+    async def recover(self, pending: list[TxnMeta]) -> None:
+        """Finish every transaction whose decision was logged before a crash."""
+        for meta in pending:
+            log.info("completing %s of transaction %d of %r after restart", meta.status.value, meta.txn, meta.tid)
+            async with self._lock(meta.tid):
+                await self._complete(meta)
+
+    async def expire(self) -> list[str]:
+        """Abort transactions open longer than their timeout; returns their ids."""
+        now = time.monotonic()
+        expired = [m for m in self.txns.values() if m.status is TxnStatus.ONGOING and now - m.started > m.timeout]
+        for meta in expired:
+            async with self._lock(meta.tid):
+                if meta.status is TxnStatus.ONGOING and now - meta.started > meta.timeout:
+                    log.warning("aborting transaction %d of %r: open longer than %.0f s", meta.txn, meta.tid, meta.timeout)
+                    await self._finish(meta, commit=False)
+        return [m.tid for m in expired]
+
+    # ------------------------------------------------------------------ group offsets
+
+    def _apply_offsets(self, offsets: dict[str, dict[str, str]]) -> None:
+        for group, streams in offsets.items():
+            g = self.groups.setdefault(group, {})
+            for stream, off in streams.items():
+                if stream not in g or off > g[stream]:
+                    g[stream] = off
+
+    async def commit_offsets(self, group: str, offsets: dict[str, str], *, member_epoch: int | None = None, reset: bool = False) -> None:
+        """Commit offsets outside a transaction. Monotonic unless ``reset``; a ``member_epoch``
+        lower than one already seen for the group is a zombie's and is refused."""
+        if member_epoch is not None and member_epoch < self.member_epochs.get(group, -1):
+            raise TxnError("fenced", f"member epoch {member_epoch} of group {group!r} was fenced by {self.member_epochs[group]}", epoch=self.member_epochs[group])
+        current = self.groups.get(group, {})
+        if not reset:
+            back = [s for s, off in offsets.items() if s in current and off < current[s]]
+            if back:
+                raise TxnError("offset_regression", f"offsets of {back} would move backwards; pass reset to rewind")
+        rec: dict[str, Any] = {"kind": "offsets", "group": group, "offsets": offsets, "member_epoch": member_epoch, "reset": reset}
+        await self._write(rec)
+        if member_epoch is not None:
+            self.member_epochs[group] = max(self.member_epochs.get(group, -1), member_epoch)
+        if reset:
+            self.groups.setdefault(group, {}).update(offsets)
+        else:
+            self._apply_offsets({group: offsets})
