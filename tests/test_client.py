@@ -49,8 +49,9 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def test_public_surface_is_what_the_docs_promise() -> None:
     expected = {
-        "AppendResult", "AsyncConsumer", "AsyncIdempotentProducer", "AsyncStream", "BadRequestError", "Chunk",
-        "ConflictError", "Consumer", "ContentTypeMismatchError", "Delivery", "FileOffsetStore", "IdempotentProducer",
+        "AppendResult", "AsyncConsumer", "AsyncIdempotentProducer", "AsyncStream", "AsyncTransactionalProducer",
+        "BadRequestError", "Chunk", "ConflictError", "Consumer", "ContentTypeMismatchError", "Delivery",
+        "FileOffsetStore", "GroupOffsetStore", "IdempotentProducer", "TransactionalProducer",
         "LiveMode", "MemoryOffsetStore", "Message", "OffsetStore", "OnceflowError", "PayloadTooLargeError",
         "PreconditionFailedError", "ProducerFencedError", "ProducerStats", "SequenceGapError", "ServerError", "Stream",
         "StreamClosedError", "StreamGoneError", "StreamInfo", "StreamNotFoundError", "TopicProducer", "TransportError",
@@ -259,9 +260,15 @@ def test_offset_stores_only_move_forward(tmp_path: Path) -> None:
     assert FileOffsetStore(tmp_path / "o.json").load("g", "s") == "0000000000000005_0000000000000100"
 
 
-def test_exactly_once_consumer_is_refused_until_transactions(base: str) -> None:
-    with pytest.raises(NotImplementedError):
-        Consumer(base, group="g", streams=["x"], delivery="exactly-once")
+def test_an_exactly_once_consumer_leaves_commits_to_the_transaction(base: str) -> None:
+    _fill(base, "eos/in", 5)
+    c = Consumer(base, group="eos-g", streams=["eos/in"], delivery="exactly-once", live=None)
+    try:
+        assert len(c.poll(5)) == 5
+        with pytest.raises(OnceflowError):
+            c.commit()
+    finally:
+        c.close()
 
 
 def test_partitioning_is_a_stable_crc32(base: str) -> None:

@@ -51,6 +51,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _copy(args: argparse.Namespace) -> int:
+    from .copy import run_copy
+
+    return run_copy(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="onceflow", description="A durable stream log with exactly-once semantics.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -71,6 +77,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP server: onceflow's own asyncio/httptools server (default) or uvicorn")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("copy", help="copy streams to streams exactly once, in transactions (a transactional copier)",
+                       description="Read --input streams as consumer group --group and write each message to one of the "
+                                   "--output streams (by CRC-32 of the message), in transactions that also commit the "
+                                   "consumed offsets. Safe to kill and restart with the same --transactional-id.")
+    c.add_argument("--url", default="http://127.0.0.1:4437", help="server (default: http://127.0.0.1:4437)")
+    c.add_argument("--input", action="append", required=True, metavar="STREAM", help="an input stream (repeatable)")
+    c.add_argument("--output", action="append", required=True, metavar="STREAM", help="an output stream (repeatable)")
+    c.add_argument("--transactional-id", required=True, help="stable id of this copier; a restart fences the old one")
+    c.add_argument("--group", required=True, help="consumer group whose offsets are committed with the output")
+    c.add_argument("--txn-size", type=int, default=750, help="messages per transaction (default: 750)")
+    c.add_argument("--live", action="store_true", help="keep tailing the inputs instead of stopping when caught up")
+    c.add_argument("--max-read-bytes", type=_size, default=64 << 10, metavar="BYTES",
+                   help="bound each read of an input (default: 64KiB), which bounds a transaction's size")
+    c.add_argument("--txn-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="the server aborts a transaction of this copier left open longer than this (default: 60)")
+    c.add_argument("--quiet", action="store_true", help="no progress output")
+    c.set_defaults(func=_copy)
 
     from .bench.cli import add_bench_parser
 

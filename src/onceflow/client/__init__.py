@@ -1,4 +1,5 @@
-"""The onceflow Python client: streams, idempotent producers, topics and consumers, sync and asyncio.
+"""The onceflow Python client: streams, idempotent and transactional producers, topics and consumers,
+sync and asyncio.
 
 Works with any Durable Streams server; prefix subscriptions use onceflow's ``/v1/streams`` listing.
 """
@@ -23,12 +24,14 @@ from .consumer import AsyncConsumer, Consumer, FileOffsetStore, MemoryOffsetStor
 from .producer import AsyncIdempotentProducer, IdempotentProducer, ProducerStats
 from .stream import AsyncStream, Stream
 from .topic import TopicProducer, partition_for, partition_names
+from .transactions import AsyncTransactionalProducer, GroupOffsetStore, TransactionalProducer
 
 __all__ = [
     "AppendResult",
     "AsyncConsumer",
     "AsyncIdempotentProducer",
     "AsyncStream",
+    "AsyncTransactionalProducer",
     "BadRequestError",
     "Chunk",
     "ConflictError",
@@ -36,6 +39,7 @@ __all__ = [
     "ContentTypeMismatchError",
     "Delivery",
     "FileOffsetStore",
+    "GroupOffsetStore",
     "IdempotentProducer",
     "LiveMode",
     "MemoryOffsetStore",
@@ -54,6 +58,7 @@ __all__ = [
     "StreamInfo",
     "StreamNotFoundError",
     "TopicProducer",
+    "TransactionalProducer",
     "TransportError",
     "partition_for",
     "partition_names",

@@ -129,8 +129,10 @@ def parse_append(resp: httpx.Response, what: str) -> AppendResult:
     )
 
 
-def read_params(offset: str, live: str | None, cursor: str | None) -> dict[str, str]:
+def read_params(offset: str, live: str | None, cursor: str | None, max_bytes: int | None = None) -> dict[str, str]:
     params = {"offset": offset}
+    if max_bytes is not None:
+        params["max_bytes"] = str(max_bytes)  # onceflow extension: smaller reads
     if live:
         params["live"] = live
     if cursor:

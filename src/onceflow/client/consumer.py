@@ -5,8 +5,10 @@ Delivery
                        crash while processing skips them, never repeats them.
     ``at-least-once``  it is committed when the next ``poll()`` starts (or on ``commit()``), i.e.
                        after the application processed the messages: a crash repeats, never skips.
-    ``exactly-once``   arrives with transactions (offsets committed in the same transaction as the
-                       output); asking for it now raises.
+    ``exactly-once``   the consumer never commits: a TransactionalProducer commits its positions in
+                       the same transaction as the output (``send_offsets_to_transaction(group,
+                       consumer.positions())``). Offsets then live on the server (GroupOffsetStore,
+                       the default for this mode); reads are read_committed.
 
 Offsets live in an :class:`OffsetStore`. ``FileOffsetStore`` keeps them in a local JSON file
 (durably replaced on each commit); server-side consumer groups plug in through the same protocol.
@@ -135,22 +137,26 @@ class AsyncConsumer:
         discover_interval: float = 5.0,
         client: httpx.AsyncClient | None = None,
         buffer: int = 4,
+        max_read_bytes: int | None = None,
     ) -> None:
-        if delivery == "exactly-once":
-            raise NotImplementedError("exactly-once delivery needs transactions (offsets committed with the output)")
-        if delivery not in ("at-most-once", "at-least-once"):
-            raise ValueError(f"delivery must be at-most-once or at-least-once, not {delivery!r}")
+        if delivery not in ("at-most-once", "at-least-once", "exactly-once"):
+            raise ValueError(f"delivery must be at-most-once, at-least-once or exactly-once, not {delivery!r}")
         if (streams is None) == (prefix is None):
             raise ValueError("give either streams=[...] or prefix=...")
         self.base_url = base_url.rstrip("/")
         self.group = group
         self.streams = list(streams or [])
         self.prefix = prefix
-        self.store: OffsetStore = store if store is not None else MemoryOffsetStore()
+        if store is None:
+            from .transactions import GroupOffsetStore
+
+            store = GroupOffsetStore(base_url) if delivery == "exactly-once" else MemoryOffsetStore()
+        self.store: OffsetStore = store
         self.delivery = delivery
         self.start_policy = start
         self.live = live
         self.discover_interval = discover_interval
+        self.max_read_bytes = max_read_bytes  # onceflow only: bound each read (and so each poll)
         self._own_client = client is None
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=90.0), verify=tls_verify(base_url))
         self._queue: asyncio.Queue[Chunk | OnceflowError] = asyncio.Queue(maxsize=buffer)
@@ -212,7 +218,7 @@ class AsyncConsumer:
         while True:
             live = self.live if name in self._caught_up else None
             try:
-                resp = await self._client.get(url, params=read_params(offset, live, cursor))
+                resp = await self._client.get(url, params=read_params(offset, live, cursor, self.max_read_bytes))
                 chunk = parse_chunk(name, offset, resp, f"read {name}")
             except (httpx.TransportError, OnceflowError) as exc:
                 err = exc if isinstance(exc, OnceflowError) else TransportError(f"read {name}: {exc!r}")
@@ -260,7 +266,7 @@ class AsyncConsumer:
             self._positions[item.stream] = item.next_offset
             if self.delivery == "at-most-once":
                 self.store.commit(self.group, {item.stream: item.next_offset})
-            else:
+            elif self.delivery == "at-least-once":
                 self._uncommitted[item.stream] = item.next_offset
             return messages
 
@@ -286,13 +292,16 @@ class AsyncConsumer:
 
     async def commit(self) -> None:
         """Commit the end offsets of everything ``poll()`` returned so far."""
+        if self.delivery == "exactly-once":
+            raise OnceflowError("an exactly-once consumer's offsets are committed by the transactional producer "
+                                "(send_offsets_to_transaction(group, consumer.positions()))")
         if self._uncommitted:
             pending, self._uncommitted = self._uncommitted, {}
             self.store.commit(self.group, pending)
 
     def positions(self) -> dict[str, str]:
-        """The next offset this consumer will read, per stream."""
-        return dict(self._positions)
+        """The next offset this consumer will read, per stream it has reached (real offsets only)."""
+        return {s: off for s, off in self._positions.items() if off not in ("-1", "now")}
 
     def __aiter__(self) -> AsyncConsumer:
         return self
@@ -323,7 +332,7 @@ class Consumer:
         return run_sync(self._core.poll(timeout))
 
     def commit(self) -> None:
-        """Commit what the iterator handed out. A read only partly iterated is committed up to
+        """Commit what the iterator handed out (not for exactly-once: see AsyncConsumer.commit). A read only partly iterated is committed up to
         its start, so its remaining messages are not lost (at-least-once may repeat its first ones)."""
         if self._buffer:
             held = self._buffer[0]

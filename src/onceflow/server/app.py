@@ -409,6 +409,12 @@ class App:
         if isolation not in ("read_committed", "read_uncommitted"):
             raise BadRequest(f"isolation must be read_committed or read_uncommitted, got {isolation!r}")
         committed = isolation == "read_committed"
+        max_bytes: int | None = None
+        raw_max = params.get("max_bytes", [None])[0]
+        if raw_max is not None:
+            if not _DIGITS.match(raw_max) or not 1 <= int(raw_max) <= self.broker.max_read_bytes:
+                raise BadRequest(f"max_bytes must be an integer from 1 to {self.broker.max_read_bytes}, got {raw_max!r}")
+            max_bytes = int(raw_max)
         s = self.broker.get(name)
         if s is None:
             raise BadRequest(f"no stream named {name!r}", 404, "not_found")
@@ -458,7 +464,7 @@ class App:
                 await _send(send, 204, h, b"")
                 return
         try:
-            result = self.broker.read(s, start, committed=committed)
+            result = self.broker.read(s, start, max_bytes, committed=committed)
         except InvalidPosition as exc:
             raise BadRequest(str(exc)) from None
         start_label = offset if offset is not None else "-1"
