@@ -259,3 +259,42 @@ async def test_recovery_completes_a_logged_decision_and_keeps_aborts_hidden(once
     finally:
         again.begin_shutdown()
         await again.close()
+
+
+async def test_a_lost_completion_record_is_redone_harmlessly(onceflow: InProcess) -> None:
+    """COMPLETE is not synced before the answer: if it is lost, recovery rewrites the markers, which
+    must neither duplicate nor hide the committed data."""
+    from onceflow.storage.log import StreamLog
+    from onceflow.storage.position import Position
+
+    await make(onceflow, "lost")
+    t = Txn(onceflow.client, "lost")
+    await t.init()
+    await t.send("lost", {"n": 1})
+    await t.end(commit=True)
+    before = await committed(onceflow, "lost")
+    await onceflow.broker.close()
+    coord_dir = onceflow.data / "coordinator"
+    log = StreamLog.open(coord_dir, Position(0, 0))
+    batches = log.read(log.base, 1 << 20)
+    log.close_files()
+    last = batches[-1]
+    assert b"complete_commit" in last.payload
+    (seg,) = sorted(coord_dir.glob("*.seg"))
+    with open(seg, "r+b") as f:
+        f.truncate(last.start.pos)  # the completion record never reached the disk
+    (coord_dir / "producers.snap").unlink()
+    again = Broker(onceflow.data)
+    again.open()
+    assert again.coordinator.txns["lost"].status.value == "prepare_commit"
+    await again.start()
+    try:
+        s = again.get("lost")
+        assert s is not None
+        res = again.read(s, again.resolve_start(s, "-1"))  # type: ignore[arg-type]
+        assert [m for b in res.batches for m in json.loads(b"[" + b.payload[:-1] + b"]")] == before == [{"n": 1}]
+        assert s.stable() == s.tail
+        assert again.coordinator.txns["lost"].status.value == "complete_commit"
+    finally:
+        again.begin_shutdown()
+        await again.close()

@@ -43,6 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 long_poll_timeout=args.long_poll_timeout,
                 max_body_bytes=args.max_body,
                 http=args.http,
+                txn_timeout=args.txn_timeout,
                 log_level=args.log_level,
             )
         )
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a long-poll or idle SSE read waits for data (default: 20)")
     s.add_argument("--max-body", type=_size, default=64 << 20, metavar="BYTES",
                    help="largest request body accepted, e.g. 64MiB (default); larger bodies get 413")
+    s.add_argument("--txn-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="default timeout after which an open transaction is aborted (default: 60)")
     s.add_argument("--http", choices=["native", "uvicorn"], default="native",
                    help="HTTP server: onceflow's own asyncio/httptools server (default) or uvicorn")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

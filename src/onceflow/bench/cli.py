@@ -21,6 +21,12 @@ def add_bench_parser(sub: Any) -> None:
                    help="load generator: wrk (installed with apt-get if missing), the Python aiohttp client, "
                         "or auto: wrk when it can be had (default)")
     a.set_defaults(func=_bench_append)
+    t = bsub.add_parser("txn", help="transactions of N messages beside plain idempotent appends, same run")
+    t.add_argument("--seconds", type=float, default=10.0, help="duration of each side (default: 10)")
+    t.add_argument("--txn-messages", type=int, default=1000, help="messages per transaction and stream (default: 1000)")
+    t.add_argument("--streams", type=int, default=1, help="streams written by each transaction (default: 1)")
+    t.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    t.set_defaults(func=_bench_txn)
     p = bsub.add_parser("produce", help="idempotent producer throughput (100 B messages) and append-to-live-reader latency, "
                                         "onceflow vs the Durable Streams reference server")
     p.add_argument("--seconds", type=float, default=10.0, help="duration of each throughput measurement (default: 10)")
@@ -31,6 +37,12 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--no-profile", action="store_true", help="no cProfile run, even when a throughput target is missed")
     p.add_argument("--out", default=None, help="also write the results as JSON to this file")
     p.set_defaults(func=_bench_produce)
+
+
+def _bench_txn(args: argparse.Namespace) -> int:
+    from .txn import run
+
+    return run(args)
 
 
 def _bench_append(args: argparse.Namespace) -> int:

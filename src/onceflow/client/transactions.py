@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 import random
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -140,18 +140,27 @@ class AsyncTransactionalProducer:
 
     async def append(self, stream: str, value: bytes | str | Any) -> None:
         """Add one message to the open transaction (buffered; sent when the buffer fills)."""
+        await self.extend(stream, (value,))
+
+    async def extend(self, stream: str, values: Iterable[bytes | str | Any]) -> None:
+        """Add many messages to the open transaction at once."""
         self._check()
-        ct = await self._content_type(stream)
-        if isinstance(value, bytes | bytearray):
-            data = bytes(value)
-        elif is_json_type(ct):
-            data = json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
-        elif isinstance(value, str):
-            data = value.encode()
-        else:
-            raise TypeError(f"cannot append {type(value).__name__} to the non-JSON stream {stream!r}")
-        self._buffers.setdefault(stream, []).append(data)
-        size = self._buffer_bytes.get(stream, 0) + len(data) + 1
+        json_stream = is_json_type(await self._content_type(stream))
+        buf = self._buffers.setdefault(stream, [])
+        size = self._buffer_bytes.get(stream, 0)
+        for value in values:
+            if type(value) is bytes:
+                data = value
+            elif isinstance(value, bytes | bytearray):
+                data = bytes(value)
+            elif json_stream:
+                data = json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+            elif isinstance(value, str):
+                data = value.encode()
+            else:
+                raise TypeError(f"cannot append {type(value).__name__} to the non-JSON stream {stream!r}")
+            buf.append(data)
+            size += len(data) + 1
         self._buffer_bytes[stream] = size
         if size >= self.max_batch_bytes:
             await self._send(stream)
@@ -245,6 +254,9 @@ class TransactionalProducer:
 
     def append(self, stream: str, value: bytes | str | Any) -> None:
         run_sync(self._core.append(stream, value))
+
+    def extend(self, stream: str, values: Iterable[bytes | str | Any]) -> None:
+        run_sync(self._core.extend(stream, list(values)))
 
     def flush(self) -> None:
         run_sync(self._core.flush())

@@ -103,6 +103,11 @@ class TxnMeta:
 MarkerWriter = Callable[[str, str, int, bool], Awaitable[None]]  # (stream, producer id, epoch, commit)
 
 
+def _log_failure(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("a transaction completion record was not stored (recovery will redo it): %s", fut.exception())
+
+
 class Coordinator:
     """Transactions and group offsets, persisted in one coordinator log."""
 
@@ -155,16 +160,21 @@ class Coordinator:
             if rec.get("member_epoch") is not None:
                 self.member_epochs[rec["group"]] = max(self.member_epochs.get(rec["group"], -1), rec["member_epoch"])
 
-    async def _write(self, rec: dict[str, Any]) -> None:
+    async def _write(self, rec: dict[str, Any], *, durable: bool = True) -> None:
+        """Append a record; wait for its fsync unless ``durable`` is False (then it is only ordered
+        before every later record, which is enough for a record recovery can redo)."""
         assert self._log is not None
         staged = self._log.stage(count=1, payload=json.dumps(rec, separators=(",", ":")).encode() + b",", flags=FLAG_JSON)
-        await staged.done
+        if durable:
+            await staged.done
+        else:
+            staged.done.add_done_callback(_log_failure)
 
-    async def _transition(self, meta: TxnMeta, status: TxnStatus) -> None:
+    async def _transition(self, meta: TxnMeta, status: TxnStatus, *, durable: bool = True) -> None:
         if not meta.status.can_become(status):
             raise TxnError("invalid_state", f"transaction {meta.tid!r} cannot go from {meta.status.value} to {status.value}")
         meta.status = status
-        await self._write(meta.record())
+        await self._write(meta.record(), durable=durable)
 
     async def close(self) -> None:
         if self._log is not None:
@@ -264,12 +274,14 @@ class Coordinator:
 
     async def _complete(self, meta: TxnMeta) -> None:
         commit = meta.status is TxnStatus.PREPARE_COMMIT
-        # Step 3: a marker in every stream the transaction touched.
+        # Step 3: a marker in every stream the transaction touched (all at once; each is durable).
         assert self.write_marker is not None
-        for stream in sorted(meta.streams):
-            await self.write_marker(stream, meta.producer_id, meta.epoch, commit)
-        # Step 4: offsets take effect with the completion record.
-        await self._transition(meta, TxnStatus.COMPLETE_COMMIT if commit else TxnStatus.COMPLETE_ABORT)
+        writer = self.write_marker
+        await asyncio.gather(*(writer(stream, meta.producer_id, meta.epoch, commit) for stream in sorted(meta.streams)))
+        # Step 4: offsets take effect with the completion record. It need not be synced before the
+        # answer: if it is lost, recovery sees the decision again and rewrites the markers, which a
+        # stream ignores when no transaction of that producer is open there.
+        await self._transition(meta, TxnStatus.COMPLETE_COMMIT if commit else TxnStatus.COMPLETE_ABORT, durable=False)
         if commit:
             self._apply_offsets(meta.offsets)
 

@@ -29,6 +29,7 @@ async def serve(
     long_poll_timeout: float = 20.0,
     max_body_bytes: int = 64 << 20,
     http: Literal["native", "uvicorn"] = "native",
+    txn_timeout: float = 60.0,
     log_level: str = "warning",
 ) -> None:
     """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
@@ -36,7 +37,7 @@ async def serve(
     Shutdown: stop accepting, end live reads (long-poll / SSE), let in-flight appends become durable
     (up to a few seconds), close connections, then flush and snapshot every stream.
     """
-    broker = Broker(data, fsync=fsync)
+    broker = Broker(data, fsync=fsync, txn_timeout=txn_timeout)
     broker.open()
     app = App(broker, AppConfig(long_poll_timeout=long_poll_timeout, max_body_bytes=max_body_bytes))
     stop = asyncio.Event()
