@@ -140,7 +140,11 @@ async def test_a_hanging_transaction_is_aborted_after_its_timeout(onceflow: InPr
     await asyncio.sleep(0.3)
     assert await onceflow.broker.coordinator.expire() == ["dies"]
     assert await committed(onceflow, "h") == [{"n": "after"}]  # the LSO moved, the orphan is gone
-    assert (await t.end(commit=True)).status_code == 409
+    # the producer that let it time out is fenced: it cannot continue in a fresh transaction
+    late = await t.send("h", {"n": "continues"})
+    assert late.status_code == 403
+    assert (await t.end(commit=True)).status_code == 403
+    assert await committed(onceflow, "h") == [{"n": "after"}]
 
 
 async def test_ten_streams_commit_or_abort_as_one(onceflow: InProcess) -> None:

@@ -137,7 +137,7 @@ class Copier:
     def __init__(self, url: str, tid: str, inputs: list[str], outputs: list[str]) -> None:
         self.args = [sys.executable, "-m", "onceflow.cli", "copy", "--url", url, "--transactional-id", tid,
                      "--group", "chaos", "--txn-size", "750", "--live", "--quiet", "--max-read-bytes", "4KiB",
-                     "--txn-timeout", "10"]
+                     "--txn-timeout", "30"]
         for i in inputs:
             self.args += ["--input", i]
         for o in outputs:
@@ -208,6 +208,9 @@ def _chaos(srv: ServerProcess, inputs: list[str], outputs: list[str], per_input:
         while time.monotonic() < deadline:
             if sum(len(read(srv.url, o)) for o in outputs) >= total:
                 break
+            for p in active:  # a supervisor: a copier that exited (e.g. fenced) is started again
+                if p.proc is None or p.proc.poll() is not None:
+                    p.start()
             time.sleep(0.5)
     finally:
         for p in procs:
@@ -216,10 +219,14 @@ def _chaos(srv: ServerProcess, inputs: list[str], outputs: list[str], per_input:
         t.join(30)
     final = {o: read(srv.url, o) for o in outputs}
     copied = [(m["src"], m["i"]) for o in outputs for m in final[o]]
-    assert len(copied) == len(set(copied)), "duplicates in the output"
-    assert set(copied) == {(k, i) for k in range(len(inputs)) for i in range(per_input)}
+    dups = len(copied) - len(set(copied))
+    assert dups == 0, f"{dups} duplicates in the output"
+    expected = {(k, i) for k in range(len(inputs)) for i in range(per_input)}
+    missing, extra = len(expected - set(copied)), len(set(copied) - expected)
+    assert (missing, extra) == (0, 0), f"{missing} messages missing, {extra} unexpected, after {len(kills)} kills"
     for o in outputs:  # the reader never saw anything that is not (yet) in the committed output
-        assert seen[o] == final[o][: len(seen[o])], f"the read_committed reader of {o} saw aborted data"
+        bad = next((i for i, (a, b) in enumerate(zip(seen[o], final[o], strict=False)) if a != b), None)
+        assert bad is None and len(seen[o]) <= len(final[o]), f"the read_committed reader of {o} saw aborted data at {bad}"
     if len(inputs) == 1 and len(outputs) == 1:
         assert [m["i"] for m in final[outputs[0]]] == list(range(per_input)), "order was not kept"
 

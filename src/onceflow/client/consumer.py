@@ -200,18 +200,35 @@ class AsyncConsumer:
                         self._add_reader(name)
 
     async def _read(self, name: str) -> None:
-        url = stream_url(self.base_url, name)
-        offset = self.store.load(self.group, name) or ("-1" if self.start_policy == "earliest" else "now")
-        if offset == "now":
+        """One stream's reader task. Retriable failures are retried here; anything else is handed
+        to ``poll()`` through the queue, so a reader never dies unseen."""
+        try:
+            await self._read_stream(name)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - delivered to the application by poll()
+            err = exc if isinstance(exc, OnceflowError) else OnceflowError(f"reader of {name} failed: {exc!r}")
+            await self._queue.put(err)
+
+    async def _start_offset(self, name: str, url: str) -> str:
+        """Where the group left off, or the start policy's offset; retried while the server is away."""
+        backoff = 0.1
+        while True:
             try:
+                offset = await asyncio.to_thread(self.store.load, self.group, name)
+                if offset is not None or self.start_policy == "earliest":
+                    return offset or "-1"
                 resp = await self._client.get(url, params={"offset": "now"})
-                offset = parse_chunk(name, "now", resp, f"read {name}").next_offset
-            except httpx.TransportError as exc:
-                await self._queue.put(TransportError(f"read {name}: {exc!r}"))
-                return
-            except OnceflowError as exc:
-                await self._queue.put(exc)
-                return
+                return parse_chunk(name, "now", resp, f"read {name}").next_offset
+            except (httpx.TransportError, OnceflowError) as exc:
+                if isinstance(exc, OnceflowError) and not exc.retriable:
+                    raise
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def _read_stream(self, name: str) -> None:
+        url = stream_url(self.base_url, name)
+        offset = await self._start_offset(name, url)
         self._positions[name] = offset
         cursor: str | None = None
         backoff = 0.1

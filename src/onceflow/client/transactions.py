@@ -186,6 +186,13 @@ class AsyncTransactionalProducer:
         self._seqs[stream] = seq + 1
         number = resp.headers.get("transaction-number")
         if number is not None and number.isdigit():
+            if self.txn is not None and int(number) != self.txn:
+                # the server ended our transaction (a timeout) and this append began another one
+                self._fenced = OnceflowError(
+                    f"transaction {self.txn} of {self.transactional_id!r} was aborted by the server; init() again",
+                    code="transaction_aborted",
+                )
+                raise self._fenced
             self.txn = int(number)
 
     async def flush(self) -> None:

@@ -15,7 +15,9 @@ synced before the change takes effect, so the log alone says what happened. A co
 Fencing: ``init`` bumps the transactional id's epoch and aborts what the previous epoch left open;
 any request with an older epoch is refused. Each transaction has a number (``txn``) within its
 epoch, and commit/abort must name it, so a delayed commit or abort of an earlier transaction cannot
-touch a later one. Open transactions abort after their timeout, so the LSO always advances.
+touch a later one. Open transactions abort after their timeout, so the LSO always advances; such an
+abort also bumps the epoch, fencing the producer that let it time out (its work must be redone by a
+fresh ``init``, never half-committed).
 """
 
 from __future__ import annotations
@@ -301,6 +303,13 @@ class Coordinator:
                 if meta.status is TxnStatus.ONGOING and now - meta.started > meta.timeout:
                     log.warning("aborting transaction %d of %r: open longer than %.0f s", meta.txn, meta.tid, meta.timeout)
                     await self._finish(meta, commit=False)
+                    # Fence the producer too: its next append must not quietly begin a new
+                    # transaction that a later commit would publish without the aborted part.
+                    meta.epoch += 1
+                    meta.txn = 0
+                    meta.streams, meta.offsets = set(), {}
+                    meta.status = TxnStatus.EMPTY
+                    await self._write(meta.record())
         return [m.tid for m in expired]
 
     # ------------------------------------------------------------------ group offsets
