@@ -1010,15 +1010,20 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
 
     text, doc = render(loads, fsync, recovery, generator, notes, concurrency)
+    return report(text, doc, failures, args.out)
+
+
+def report(text: str, doc: dict[str, Any], failures: list[str], out: str | None) -> int:
+    """Print a bench's report, list failed checks, write the JSON if asked; the exit code."""
     doc["failures"] = failures
     print(text, flush=True)
     if failures:
         print("\nFAILED CHECKS:\n" + "\n".join(f"  - {f}" for f in failures), file=sys.stderr, flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2) + "\n")
-        _say(f"results written to {out}")
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        _say(f"results written to {path}")
     return 1 if failures else 0
 
 

@@ -32,7 +32,6 @@ import contextlib
 import cProfile
 import importlib.util
 import itertools
-import json
 import os
 import pstats
 import shutil
@@ -60,6 +59,7 @@ from .append import (
     make_message,
     onceflow_server,
     reference_server,
+    report,
 )
 
 __all__ = ["run"]
@@ -725,16 +725,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
 
     text, doc = render(loads, lats, profile, notes, seconds, latency_count, rate)
-    doc["failures"] = failures
-    print(text, flush=True)
-    if failures:
-        print("\nFAILED CHECKS:\n" + "\n".join(f"  - {f}" for f in failures), file=sys.stderr, flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2) + "\n")
-        _say(f"results written to {out}")
-    return 1 if failures else 0
+    return report(text, doc, failures, args.out)
 
 
 def _has_uvloop() -> bool:
