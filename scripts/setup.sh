@@ -8,7 +8,7 @@ want=${1:-runtime}
 
 py=""
 for cand in python3.13 python3.12 python3.11 python3; do
-  if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
     py=$cand; break
   fi
 done
@@ -23,6 +23,10 @@ fi
 extra=""
 [ "$want" = dev ] && extra="[dev]"
 stamp=".venv/.installed-$want"
+# a dev install includes everything the runtime needs
+if [ "$want" = runtime ] && [ -f .venv/.installed-dev ] && [ ! pyproject.toml -nt .venv/.installed-dev ]; then
+  stamp=.venv/.installed-dev
+fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing onceflow$extra into .venv"
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip >/dev/null
