@@ -32,7 +32,7 @@ from ..storage.log import FsyncPolicy, InvalidPosition, ReadBatch, StreamLog
 from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
 from ..storage.position import Position, parse_token
 from .jsonmode import JsonError, encode_messages, split_messages
-from .txn import Coordinator, TxnError
+from .txn import Coordinator, TxnError, TxnMeta
 
 __all__ = [
     "MAX_NAME_BYTES",
@@ -250,7 +250,7 @@ class Broker:
         self.reorder_wait = reorder_wait
         self.coordinator = Coordinator(self.data_dir / "coordinator", policy=fsync, default_timeout=txn_timeout)
         self.coordinator.write_marker = self._write_marker
-        self._unfinished: list[Any] = []
+        self._unfinished: list[TxnMeta] = []
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="onceflow-io")
         self.streams: dict[str, Stream] = {}
         self._tasks: set[asyncio.Task[None]] = set()

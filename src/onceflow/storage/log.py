@@ -515,14 +515,6 @@ class StreamLog:
         """Call ``fn`` (on the loop) each time the durable tail moves."""
         self._listeners.append(fn)
 
-    def remove_listener(self, fn: Callable[[], None]) -> None:
-        with contextlib.suppress(ValueError):
-            self._listeners.remove(fn)
-
-    @property
-    def size_bytes(self) -> int:
-        return self.durable.end.pos - self.base.pos
-
     # ------------------------------------------------------------------ writes
 
     def write_initial(self, batches: list[tuple[bytes, int, int]]) -> None:
