@@ -104,3 +104,31 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
         yield srv
     finally:
         srv.kill()
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[object]:
+    """One local[2] Spark session for the whole test run (it costs 10-20 s to start).
+
+    Spark's Python workers run this interpreter, so they import the installed onceflow package.
+    """
+    import os
+
+    pyspark = pytest.importorskip("pyspark.sql", reason="pyspark is part of the dev install (scripts/setup.sh dev)")
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    session = (
+        pyspark.SparkSession.builder.master("local[2]")
+        .appName("onceflow-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    try:
+        yield session
+    finally:
+        session.stop()

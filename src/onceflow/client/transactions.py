@@ -259,6 +259,11 @@ class TransactionalProducer:
     def producer_id(self) -> str:
         return self._core.producer_id
 
+    @property
+    def txn(self) -> int | None:
+        """The server's number of the open transaction, once something was sent in it."""
+        return self._core.txn
+
     def append(self, stream: str, value: bytes | str | Any) -> None:
         run_sync(self._core.append(stream, value))
 

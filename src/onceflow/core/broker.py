@@ -20,7 +20,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -846,6 +846,58 @@ class Broker:
         up_to_date = nxt.pos >= end.pos
         return ReadResult(batches, nxt, up_to_date, up_to_date and s.closed and end == s.tail)
 
+    def read_bounded(
+        self, s: Stream, at: Position, until: Position | None, *, max_bytes: int | None = None,
+        max_records: int | None = None, committed: bool = True,
+    ) -> ReadResult:
+        """Like :meth:`read`, but never past ``until`` and never more than ``max_records`` records
+        (at least one batch is returned when there is any). Used by readers that replay exact
+        ranges, such as the Spark source: a range read twice gives the same batches."""
+        end = self.visible_end(s, committed)
+        if until is not None and until.pos < end.pos:
+            end = until
+        batches: list[ReadBatch] = []
+        if at.pos < end.pos:
+            try:
+                batches = s.read_range(at, max_bytes or self.max_read_bytes, end)
+            except CorruptBatch as exc:  # only reachable through a forged offset
+                log.warning("read of %r at %s: %s", s.name, at.token(), exc)
+                raise InvalidPosition(f"offset {at.token()} is not a record boundary of this stream") from None
+        if max_records is not None:
+            for i, b in enumerate(batches):
+                if i > 0 and b.end.offset - at.offset > max_records:
+                    batches = batches[:i]
+                    break
+        nxt = batches[-1].end if batches else at
+        if committed:
+            batches = [b for b in batches if not s.is_aborted(b)]
+        up_to_date = nxt.pos >= end.pos
+        return ReadResult(batches, nxt, up_to_date, up_to_date and s.closed and end == s.tail)
+
+    def boundaries(
+        self, s: Stream, at: Position, until: Position | None, *, every: int, max_records: int | None = None,
+        committed: bool = True,
+    ) -> tuple[Sequence[Position], Position]:
+        """Batch boundaries after ``at``, at least ``every`` records apart, and where a read of at
+        most ``max_records`` records (at least one batch) that stops at ``until`` ends."""
+        end = self.visible_end(s, committed)
+        if until is not None and until.pos < end.pos:
+            end = until
+        marks: list[Position] = []
+        last, pos = at, at
+        while pos.pos < end.pos:
+            batches = s.read_range(pos, 4 << 20, end)
+            if not batches:
+                break
+            for b in batches:
+                if max_records is not None and b.end.offset - at.offset > max_records and pos != at:
+                    return marks, pos
+                pos = b.end
+                if pos.offset - last.offset >= every and pos.pos < end.pos:
+                    marks.append(pos)
+                    last = pos
+        return marks, pos
+
     async def wait(self, s: Stream, after: Position, max_wait: float) -> bool:
         """Wait until the stream has data past ``after``, closes or goes away. False on timeout."""
         if s.tail != after or s.closed or s.deleted or s.meta.soft_deleted or self._closing:
@@ -867,6 +919,7 @@ def txn_outcome(exc: TxnError) -> Outcome:
         "fenced": "stale_epoch",
         "unknown_transactional_id": "not_found",
         "bad_epoch": "bad_request",
+        "bad_request": "bad_request",
     }.get(exc.kind, "txn_refused")  # type: ignore[assignment]
     return Outcome(kind, epoch=exc.extra.get("epoch"), txn=exc.extra.get("txn"), detail=str(exc))
 

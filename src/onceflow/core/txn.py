@@ -120,6 +120,7 @@ class Coordinator:
         self.txns: dict[str, TxnMeta] = {}
         self.groups: dict[str, dict[str, str]] = {}  # group -> stream -> committed offset
         self.member_epochs: dict[str, int] = {}  # group -> highest member epoch seen
+        self.sinks: dict[str, int] = {}  # sink id -> last batch committed through commit_members
         self._log: StreamLog | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         self.write_marker: MarkerWriter | None = None
@@ -154,6 +155,12 @@ class Coordinator:
             self.txns[meta.tid] = meta
             if meta.status is TxnStatus.COMPLETE_COMMIT:
                 self._apply_offsets(meta.offsets)
+        elif rec["kind"] == "members":
+            # one decision for several transactions: replay each as its own prepared record
+            for member in rec["members"]:
+                self._replay(member)
+            if rec.get("batch") is not None:
+                self.sinks[rec["sink"]] = max(self.sinks.get(rec["sink"], -1), rec["batch"])
         elif rec["kind"] == "offsets":
             if rec.get("reset"):
                 self.groups.setdefault(rec["group"], {}).update(rec["offsets"])
@@ -286,6 +293,90 @@ class Coordinator:
         await self._transition(meta, TxnStatus.COMPLETE_COMMIT if commit else TxnStatus.COMPLETE_ABORT, durable=False)
         if commit:
             self._apply_offsets(meta.offsets)
+
+    # ------------------------------------------------------------------ many transactions, one decision
+
+    async def commit_members(
+        self, sink: str, batch: int | None, members: list[tuple[str, int, int]], abort_prefix: str | None = None,
+    ) -> tuple[bool, int | None]:
+        """Commit several open transactions ``(tid, epoch, txn)`` as one decision: a single durable
+        record is the commit point for all of them, so readers see all of their data or none.
+
+        This is how many writers (the tasks of a Spark micro-batch) publish one batch atomically.
+        With ``batch`` the decision also records that ``sink`` committed that batch, and a batch at
+        or below the sink's last committed one is not committed again (a replay after a crash):
+        its members are aborted instead. Open transactions whose id starts with ``abort_prefix`` and
+        that are not members (the leftovers of failed or speculative attempts) are aborted.
+        Returns (committed now, the sink's last committed batch).
+        """
+        tids = sorted({tid for tid, _, _ in members})
+        if len(tids) != len(members):
+            raise TxnError("bad_request", "a transactional id appears twice among the members")
+        async with self._lock("sink\0" + sink):
+            locks = [self._lock(tid) for tid in tids]
+            for lock in locks:
+                await lock.acquire()
+            try:
+                done = self.sinks.get(sink)
+                if batch is not None and done is not None and batch <= done:
+                    await self._abort_open(members, abort_prefix, held=set(tids))
+                    return False, done
+                prepared: list[TxnMeta] = []
+                for tid, epoch, txn in members:
+                    try:
+                        meta = self._current(tid, epoch)
+                        if txn != meta.txn:
+                            raise TxnError("stale_transaction", f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
+                        if meta.status is TxnStatus.EMPTY and txn == 0:
+                            continue  # the member wrote nothing
+                        if meta.status is not TxnStatus.ONGOING:
+                            raise TxnError("invalid_state", f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
+                    except TxnError:
+                        await self._abort_open(members, abort_prefix, held=set(tids))
+                        raise
+                    prepared.append(meta)
+                for meta in prepared:
+                    meta.status = TxnStatus.PREPARE_COMMIT
+                rec: dict[str, Any] = {"kind": "members", "sink": sink, "batch": batch, "members": [m.record() for m in prepared]}
+                await self._write(rec)  # the commit point of every member
+                if batch is not None:
+                    self.sinks[sink] = batch
+                await asyncio.gather(*(self._complete(meta) for meta in prepared))
+                await self._abort_open([], abort_prefix, held=set(tids))
+                return True, self.sinks.get(sink)
+            finally:
+                for lock in reversed(locks):
+                    lock.release()
+
+    async def abort_members(self, members: list[tuple[str, int, int]], abort_prefix: str | None = None) -> None:
+        """Abort the members that are still open, and every open transaction under ``abort_prefix``."""
+        tids = sorted({tid for tid, _, _ in members})
+        locks = [self._lock(tid) for tid in tids]
+        for lock in locks:
+            await lock.acquire()
+        try:
+            await self._abort_open(members, abort_prefix, held=set(tids))
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+
+    async def _abort_open(self, members: list[tuple[str, int, int]], prefix: str | None, *, held: set[str]) -> None:
+        """Abort open transactions: the members' (when still the named epoch and transaction) and,
+        with ``prefix``, any other whose id starts with it, except those in ``held``: the caller
+        holds their locks (and they are members or were just committed)."""
+        victims = [
+            self.txns[tid] for tid, epoch, txn in members
+            if tid in self.txns and self.txns[tid].epoch == epoch and self.txns[tid].txn == txn and self.txns[tid].status is TxnStatus.ONGOING
+        ]
+        for meta in victims:
+            await self._finish(meta, commit=False)
+        if not prefix:
+            return
+        for meta in [m for tid, m in self.txns.items() if tid.startswith(prefix) and tid not in held]:
+            async with self._lock(meta.tid):
+                if meta.status is TxnStatus.ONGOING:
+                    log.info("aborting transaction %d of %r: a leftover under %r", meta.txn, meta.tid, prefix)
+                    await self._finish(meta, commit=False)
 
     async def recover(self, pending: list[TxnMeta]) -> None:
         """Finish every transaction whose decision was logged before a crash."""

@@ -14,6 +14,7 @@ import logging
 import math
 import random
 import re
+import struct
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -39,7 +40,11 @@ PREFIX = "/v1/stream/"
 LIST_PATH = "/v1/streams"  # extension: list streams by name prefix
 TXN_PREFIX = "/v1/txn/"  # extension: transactions (docs/transactions.md)
 GROUPS_PREFIX = "/v1/groups/"  # extension: consumer-group offsets
+SINKS_PREFIX = "/v1/sinks/"  # extension: many transactions committed as one (docs/transactions.md)
 MAX_SAFE_INT = 2**53 - 1
+RECORDS_MEDIA_TYPE = b"application/vnd.onceflow.records"
+# format=records frame header: first record offset, record count, append time (ms), payload length
+_FRAME = struct.Struct("<qIqI")
 _DIGITS = re.compile(r"^[0-9]+$")
 _LINES = re.compile(r"\r\n|\r|\n")
 CURSOR_EPOCH = 1728432000.0  # 2024-10-09T00:00:00Z, the protocol's default cursor epoch
@@ -147,10 +152,12 @@ class App:
                 (b"access-control-max-age", b"86400"),
             ], b"")
             return
-        if path.startswith(TXN_PREFIX) or path.startswith(GROUPS_PREFIX):
+        if path.startswith(TXN_PREFIX) or path.startswith(GROUPS_PREFIX) or path.startswith(SINKS_PREFIX):
             try:
                 if path.startswith(TXN_PREFIX):
                     status, h, body = await self._txn(method, path[len(TXN_PREFIX):], headers, receive)
+                elif path.startswith(SINKS_PREFIX):
+                    status, h, body = await self._sinks(method, path[len(SINKS_PREFIX):], headers, receive)
                 else:
                     status, h, body = await self._groups(method, path[len(GROUPS_PREFIX):], headers, receive)
             except BadRequest as exc:
@@ -298,6 +305,38 @@ class App:
         await coord.commit_offsets(group, self._offsets_field(body), member_epoch=member_epoch, reset=body.get("reset") is True)
         return _json_response(200, {"group": group, "offsets": coord.groups.get(group, {})})
 
+    async def _sinks(self, method: str, rest: str, headers: dict[str, str], receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        sink, _, action = rest.partition("/")
+        if not sink or validate_name(sink) or action not in ("", "commit", "abort"):
+            raise BadRequest("use /v1/sinks/<sink id> or /v1/sinks/<sink id>/(commit|abort)", 404, "not_found")
+        coord = self.broker.coordinator
+        if action == "":
+            if method != "GET":
+                raise BadRequest(f"{method} is not supported here; use GET", 405, "method_not_allowed")
+            return _json_response(200, {"sink": sink, "batch": coord.sinks.get(sink)})
+        if method != "POST":
+            raise BadRequest(f"{method} is not supported here; use POST", 405, "method_not_allowed")
+        body = await self._json_body(headers, receive)
+        raw_members = body.get("members")
+        if not isinstance(raw_members, list):
+            raise BadRequest('the body needs "members": a list of {"id": ..., "epoch": ..., "txn": ...}')
+        members: list[tuple[str, int, int]] = []
+        for m in raw_members:
+            if not isinstance(m, dict) or not isinstance(m.get("id"), str) or validate_name(m["id"]):
+                raise BadRequest(f'each member needs "id" (a transactional id), "epoch" and "txn"; got {m!r}')
+            members.append((m["id"], self._int_field(m, "epoch"), self._int_field(m, "txn")))
+        prefix = body.get("abort_prefix")
+        if prefix is not None and (not isinstance(prefix, str) or not prefix):
+            raise BadRequest('"abort_prefix" must be a non-empty string')
+        if action == "abort":
+            await coord.abort_members(members, prefix)
+            return _json_response(200, {"sink": sink, "status": "aborted", "batch": coord.sinks.get(sink)})
+        batch = body.get("batch")
+        if batch is not None:
+            batch = self._int_field(body, "batch")
+        committed, last = await coord.commit_members(sink, batch, members, prefix)
+        return _json_response(200, {"sink": sink, "status": "committed" if committed else "already_committed", "batch": last})
+
     # ------------------------------------------------------------------ list (extension)
 
     def _list(self, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -308,6 +347,7 @@ class App:
                 "name": s.name,
                 "content_type": s.meta.content_type,
                 "next_offset": s.tail.token(),
+                "stable_offset": s.stable().token(),
                 "closed": s.closed,
             }
             for s in self.broker.list(prefix)
@@ -424,6 +464,12 @@ class App:
         if isinstance(start, str):
             raise BadRequest(start)
         s.touch()
+        fmt = params.get("format", [None])[0]
+        if fmt is not None:
+            if live is not None:
+                raise BadRequest("format= reads are not live; leave out the live parameter")
+            await _send(send, *self._framed_read(s, start, fmt, params, max_bytes, committed))
+            return
         if live == "sse":
             await self._sse(s, start, cursor, receive, send, committed)
             return
@@ -490,6 +536,61 @@ class App:
         else:
             h.append((b"cache-control", b"no-store"))
         await _send(send, 200, h, _body_of(s, result))
+
+    def _framed_read(
+        self, s: Stream, start: Position, fmt: str, params: dict[str, list[str]], max_bytes: int | None, committed: bool,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """Extension reads for exact-range readers (the Spark source), docs/protocol.md:
+
+        - ``format=records``: the batches from ``offset`` up to ``until`` as frames that keep each
+          batch's first record offset, record count and append time.
+        - ``format=boundaries``: batch boundaries at least ``every`` records apart, and where a read of
+          at most ``max_records`` records ends; no data.
+        """
+        until: Position | None = None
+        raw_until = params.get("until", [None])[0]
+        if raw_until is not None:
+            resolved = self.broker.resolve_start(s, raw_until, committed=committed)
+            if isinstance(resolved, str) or raw_until in ("-1", "now"):
+                raise BadRequest(f"until must be an offset this server issued for this stream, got {raw_until!r}")
+            if resolved.pos < start.pos:
+                raise BadRequest(f"until {raw_until!r} is before offset {start.token()!r}")
+            until = resolved
+        max_records = self._positive_param(params, "max_records")
+        h = [(b"cache-control", b"no-store")]
+        try:
+            if fmt == "records":
+                result = self.broker.read_bounded(s, start, until, max_bytes=max_bytes, max_records=max_records, committed=committed)
+                frames = b"".join(
+                    _FRAME.pack(b.header.base_offset, b.header.count, b.header.timestamp, len(b.payload)) + b.payload
+                    for b in result.batches if b.header.count
+                )
+                h += [
+                    (b"content-type", RECORDS_MEDIA_TYPE),
+                    (b"stream-content-type", s.meta.content_type.encode()),
+                    (b"stream-next-offset", result.next.token().encode()),
+                ]
+                if result.up_to_date:
+                    h.append((b"stream-up-to-date", b"true"))
+                return 200, h, frames
+            if fmt == "boundaries":
+                every = self._positive_param(params, "every") or MAX_SAFE_INT
+                marks, end = self.broker.boundaries(s, start, until, every=every, max_records=max_records, committed=committed)
+                h.append((b"stream-next-offset", end.token().encode()))
+                status, jh, body = _json_response(200, {"boundaries": [m.token() for m in marks], "end": end.token()})
+                return status, jh + h, body
+        except InvalidPosition as exc:
+            raise BadRequest(str(exc)) from None
+        raise BadRequest(f"format must be records or boundaries, got {fmt!r}")
+
+    @staticmethod
+    def _positive_param(params: dict[str, list[str]], key: str) -> int | None:
+        raw = params.get(key, [None])[0]
+        if raw is None:
+            return None
+        if not _DIGITS.match(raw) or not 1 <= int(raw) <= MAX_SAFE_INT:
+            raise BadRequest(f"{key} must be a positive integer, got {raw!r}")
+        return int(raw)
 
     async def _sse(self, s: Stream, start: Position, cursor: str | None, receive: Receive, send: Send, committed: bool = True) -> None:
         ct = s.meta.content_type.split(";", 1)[0].strip().lower()

@@ -1,0 +1,173 @@
+"""The few onceflow requests the Spark connector makes, synchronous and retried.
+
+The connector runs in Spark's Python workers (a fresh process per task on some set-ups), so this
+keeps to plain ``httpx.Client`` calls with no event loop. Every request here is idempotent, so a
+transport error or a 5xx is retried until ``deadline`` seconds have passed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from ..client._errors import OnceflowError, TransportError, error_from_response
+from ..client._protocol import stream_url, tls_verify
+
+__all__ = ["Conn", "Frame", "StreamInfo", "record_offset"]
+
+_FRAME = struct.Struct("<qIqI")  # first record offset, record count, append time (ms), payload length
+
+
+def record_offset(token: str) -> int:
+    """The record offset an onceflow offset token stands for (``-1`` is the start: 0).
+
+    Tokens are ``<record offset>_<byte position>``, both zero-padded (docs/protocol.md); the
+    connector uses the record part to count records between two offsets."""
+    if token in ("-1", ""):
+        return 0
+    head, _, _ = token.partition("_")
+    if not head.isdigit():
+        raise ValueError(f"{token!r} is not an onceflow offset")
+    return int(head)
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    name: str
+    content_type: str
+    next_offset: str
+    stable_offset: str
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One appended batch as the ``format=records`` read returns it."""
+
+    base_offset: int
+    count: int
+    timestamp_ms: int
+    payload: bytes
+
+
+class Conn:
+    """A connection to one onceflow server."""
+
+    def __init__(self, url: str, *, deadline: float = 60.0, timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.deadline = deadline
+        self.client = httpx.Client(timeout=timeout, verify=tls_verify(self.url))
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> Conn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, method: str, url: str, what: str, *, ok: tuple[int, ...] = (200,), **kw: Any) -> httpx.Response:
+        give_up = time.monotonic() + self.deadline
+        attempt = 0
+        while True:
+            try:
+                resp = self.client.request(method, url, **kw)
+                if resp.status_code in ok:
+                    return resp
+                err: OnceflowError = error_from_response(resp, what)
+                if resp.status_code < 500 and resp.status_code != 429:
+                    raise err
+            except httpx.TransportError as exc:
+                err = TransportError(f"{what}: {exc!r} (is the onceflow server at {self.url} running?)")
+            if time.monotonic() > give_up:
+                raise err
+            attempt += 1
+            time.sleep(min(2.0, 0.05 * 2 ** min(attempt, 8)) * (0.8 + 0.4 * random.random()))  # noqa: S311
+
+    # ------------------------------------------------------------------ streams
+
+    def list_streams(self, prefix: str) -> list[StreamInfo]:
+        resp = self.request("GET", f"{self.url}/v1/streams", f"list streams under {prefix!r}", params={"prefix": prefix})
+        return [
+            StreamInfo(s["name"], s["content_type"], s["next_offset"], s.get("stable_offset", s["next_offset"]))
+            for s in resp.json()["streams"]
+        ]
+
+    def head(self, stream: str) -> StreamInfo | None:
+        resp = self.request("HEAD", stream_url(self.url, stream), f"head {stream}", ok=(200, 404))
+        if resp.status_code == 404:
+            return None
+        nxt = resp.headers["stream-next-offset"]
+        return StreamInfo(stream, resp.headers.get("content-type", ""), nxt, resp.headers.get("stream-last-stable-offset", nxt))
+
+    def ensure_stream(self, stream: str, content_type: str) -> str:
+        """The stream's content type, creating the stream with ``content_type`` if it is missing."""
+        info = self.head(stream)
+        if info is not None:
+            return info.content_type
+        self.request("PUT", stream_url(self.url, stream), f"create {stream}", ok=(200, 201), headers={"content-type": content_type})
+        info = self.head(stream)
+        return info.content_type if info is not None else content_type
+
+    def read_frames(self, stream: str, start: str, until: str, *, isolation: str) -> Iterator[tuple[list[Frame], str]]:
+        """The batches in ``[start, until)``, one response at a time, with each response's next offset."""
+        at = start
+        while at != until:
+            resp = self.request(
+                "GET", stream_url(self.url, stream), f"read {stream}",
+                params={"offset": at, "until": until, "format": "records", "isolation": isolation},
+            )
+            body, frames, p = resp.content, [], 0
+            while p < len(body):
+                base, count, ts, size = _FRAME.unpack_from(body, p)
+                p += _FRAME.size
+                frames.append(Frame(base, count, ts, body[p : p + size]))
+                p += size
+            nxt = resp.headers["stream-next-offset"]
+            if nxt == at:
+                raise OnceflowError(f"read of {stream} from {at} to {until} made no progress (was the stream deleted?)")
+            yield frames, nxt
+            at = nxt
+
+    def boundaries(
+        self, stream: str, start: str, until: str, *, isolation: str, every: int | None = None, max_records: int | None = None,
+    ) -> tuple[list[str], str]:
+        params: dict[str, str | int] = {"offset": start, "until": until, "format": "boundaries", "isolation": isolation}
+        if every is not None:
+            params["every"] = every
+        if max_records is not None:
+            params["max_records"] = max_records
+        body = self.request("GET", stream_url(self.url, stream), f"boundaries of {stream}", params=params).json()
+        return list(body["boundaries"]), str(body["end"])
+
+    # ------------------------------------------------------------------ transactions and sinks
+
+    def sink_progress(self, sink: str) -> int | None:
+        body = self.request("GET", f"{self.url}/v1/sinks/{quote(sink, safe='')}", f"progress of sink {sink}").json()
+        batch = body.get("batch")
+        return int(batch) if batch is not None else None
+
+    def commit_members(self, sink: str, batch: int | None, members: list[dict[str, Any]], abort_prefix: str) -> dict[str, Any]:
+        body: dict[str, Any] = {"members": members, "abort_prefix": abort_prefix}
+        if batch is not None:
+            body["batch"] = batch
+        resp = self.request(
+            "POST", f"{self.url}/v1/sinks/{quote(sink, safe='')}/commit", f"commit batch {batch} of sink {sink}",
+            content=json.dumps(body), headers={"content-type": "application/json"},
+        )
+        result: dict[str, Any] = resp.json()
+        return result
+
+    def abort_members(self, sink: str, members: list[dict[str, Any]], abort_prefix: str) -> None:
+        self.request(
+            "POST", f"{self.url}/v1/sinks/{quote(sink, safe='')}/abort", f"abort a batch of sink {sink}",
+            content=json.dumps({"members": members, "abort_prefix": abort_prefix}), headers={"content-type": "application/json"},
+        )

@@ -1,0 +1,113 @@
+"""The connector's options, parsed once and checked with messages that say what to write instead."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["OptionError", "Options"]
+
+DEFAULT_URL = "http://127.0.0.1:4437"
+
+
+class OptionError(ValueError):
+    """An option of ``format("onceflow")`` is missing or wrong."""
+
+
+def _int(opts: Mapping[str, str], key: str, default: int | None, *, low: int = 1) -> int | None:
+    raw = opts.get(key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise OptionError(f"option {key} must be an integer, got {raw!r}") from None
+    if value < low:
+        raise OptionError(f"option {key} must be at least {low}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Options:
+    url: str
+    streams: tuple[str, ...]
+    pattern: str | None
+    isolation: str
+    starting_offsets: str
+    ending_offsets: str
+    max_records_per_trigger: int | None
+    max_records_per_partition: int
+    request_deadline: float
+    # sink
+    stream: str | None
+    sink_id: str | None
+    content_type: str
+    transaction_timeout_ms: int
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, str]) -> Options:
+        opts = {k.lower(): v for k, v in raw.items()}
+        streams_raw = opts.get("streams", "").strip()
+        streams: tuple[str, ...] = ()
+        if streams_raw:
+            if streams_raw.startswith("["):
+                try:
+                    parsed = json.loads(streams_raw)
+                except ValueError:
+                    raise OptionError(f"option streams is neither a JSON list nor comma-separated names: {streams_raw!r}") from None
+                if not isinstance(parsed, list) or not all(isinstance(s, str) and s for s in parsed):
+                    raise OptionError("option streams must be a JSON list of stream names")
+                streams = tuple(parsed)
+            else:
+                streams = tuple(s.strip() for s in streams_raw.split(",") if s.strip())
+        isolation = opts.get("isolation", "read_committed")
+        if isolation not in ("read_committed", "read_uncommitted"):
+            raise OptionError(f"option isolation must be read_committed or read_uncommitted, got {isolation!r}")
+        sink_id = opts.get("sinkid")
+        if sink_id is not None and (not sink_id or "/" in sink_id or any(ord(c) < 0x20 for c in sink_id)):
+            raise OptionError(f"option sinkId must be a non-empty name without '/', got {sink_id!r}")
+        return cls(
+            url=opts.get("url", DEFAULT_URL).rstrip("/"),
+            streams=streams,
+            pattern=opts.get("pattern"),
+            isolation=isolation,
+            starting_offsets=opts.get("startingoffsets", "earliest"),
+            ending_offsets=opts.get("endingoffsets", "latest"),
+            max_records_per_trigger=_int(opts, "maxrecordspertrigger", None),
+            max_records_per_partition=_int(opts, "maxrecordsperpartition", 1_000_000) or 1_000_000,
+            request_deadline=float(_int(opts, "requesttimeoutseconds", 120) or 120),
+            stream=opts.get("stream"),
+            sink_id=sink_id,
+            content_type=opts.get("contenttype", "application/json"),
+            transaction_timeout_ms=_int(opts, "transactiontimeoutms", 300_000) or 300_000,
+        )
+
+    def check_source(self) -> None:
+        if bool(self.streams) == (self.pattern is not None):
+            raise OptionError('give the streams to read with exactly one of .option("streams", "a,b") or .option("pattern", "prefix/")')
+
+    def _offsets(self, key: str, spec: str, ends: Mapping[str, str], default: str) -> dict[str, str]:
+        if spec == "earliest":
+            return dict.fromkeys(ends, "-1")
+        if spec == "latest":
+            return dict(ends)
+        try:
+            given = json.loads(spec)
+        except ValueError:
+            raise OptionError(f'option {key} must be "earliest", "latest" or a JSON object of stream -> offset, got {spec!r}') from None
+        if not isinstance(given, dict) or not all(isinstance(v, str) for v in given.values()):
+            raise OptionError(f'option {key} must be a JSON object like {{"orders": "-1"}} (offsets are strings)')
+        unknown = sorted(set(given) - set(ends))
+        if unknown:
+            raise OptionError(f"option {key} names streams this query does not read: {unknown}")
+        out = {name: default if default != "end" else ends[name] for name in ends}
+        for name, off in given.items():
+            out[name] = ends[name] if off == "latest" else ("-1" if off == "earliest" else off)
+        return out
+
+    def starting(self, ends: Mapping[str, str]) -> dict[str, str]:
+        return self._offsets("startingOffsets", self.starting_offsets, ends, "-1")
+
+    def ending(self, ends: Mapping[str, str]) -> dict[str, str]:
+        return self._offsets("endingOffsets", self.ending_offsets, ends, "end")

@@ -1,0 +1,178 @@
+"""Writing to onceflow from Spark, exactly once.
+
+Each task writes its rows inside its own onceflow transaction (transactional id
+``spark/<sink>/p<partition>/a<attempt>``) and leaves it open; its commit message names the
+transaction. The driver's ``commit(messages, batchId)`` then asks the server to commit all of them
+as **one** decision that also records ``batchId`` as the sink's last committed batch
+(``POST /v1/sinks/<sink>/commit``). So:
+
+- a micro-batch becomes visible to read_committed readers all at once, or not at all;
+- Spark re-running batch N after a crash (even when ``commit(N)`` had returned but Spark had not
+  yet written its commit log) commits nothing: the server answers ``already_committed`` and aborts
+  the re-run's transactions; tasks that see the batch is already committed skip writing at all;
+- a failed or speculative task attempt has its own transactional id, and whatever it left open is
+  aborted by the batch's commit or abort (everything under ``spark/<sink>/`` not named is aborted),
+  so a retry adds nothing twice.
+
+Nothing is keyed on Spark's (partitionId, epochId) pair alone (SPARK-28650): the batch id is the key,
+read inside the task from the ``streaming.sql.batchId`` local property.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark import TaskContext
+from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
+from pyspark.sql.types import BinaryType, StringType, StructType
+
+from ..client.transactions import TransactionalProducer
+from ._http import Conn
+from .options import OptionError, Options
+
+__all__ = ["OnceflowBatchWriter", "OnceflowStreamWriter", "TaskCommit", "check_sink_schema"]
+
+log = logging.getLogger("onceflow.spark")
+
+
+@dataclass
+class TaskCommit(WriterCommitMessage):
+    """What one task wrote: its open transaction (``txn`` None when it wrote nothing)."""
+
+    transactional_id: str
+    epoch: int
+    txn: int | None
+    rows: int
+    skipped: bool = False
+
+    def member(self) -> dict[str, Any] | None:
+        if self.txn is None:
+            return None
+        return {"id": self.transactional_id, "epoch": self.epoch, "txn": self.txn}
+
+
+def check_sink_schema(schema: StructType, opts: Options) -> None:
+    names = {f.name: f.dataType for f in schema.fields}
+    if "value" not in names:
+        raise OptionError(f"the onceflow sink writes the column 'value' (string or binary); the DataFrame has {sorted(names)}")
+    if not isinstance(names["value"], StringType | BinaryType):
+        raise OptionError(f"column 'value' must be a string or binary, not {names['value'].simpleString()}: use to_json() or cast")
+    if "stream" in names and not isinstance(names["stream"], StringType):
+        raise OptionError("column 'stream' must be a string (the name of the stream each row goes to)")
+    if "stream" not in names and not opts.stream:
+        raise OptionError('say where rows go: .option("stream", "name"), or a string column "stream"')
+
+
+def _write_rows(opts: Options, tid: str, batches: Iterator[pa.RecordBatch]) -> TaskCommit:
+    """Write every row inside one transaction of ``tid`` and leave it open for the driver."""
+    types: dict[str, bool] = {}  # stream -> is JSON
+    rows = 0
+    with Conn(opts.url, deadline=opts.request_deadline) as conn, TransactionalProducer(
+        opts.url, tid, timeout_ms=opts.transaction_timeout_ms, delivery_timeout=opts.request_deadline,
+    ) as producer:
+        for rb in batches:
+            if rb.num_rows == 0:
+                continue
+            values = rb.column(rb.schema.get_field_index("value"))
+            idx = rb.schema.get_field_index("stream")
+            if idx >= 0:
+                targets = rb.column(idx).to_pylist()
+                groups: dict[str, list[Any]] = {}
+                for target, value in zip(targets, values.to_pylist(), strict=True):
+                    if target is None:
+                        raise ValueError("a row has no stream (the 'stream' column is null)")
+                    groups.setdefault(target, []).append(value)
+            else:
+                assert opts.stream is not None
+                groups = {opts.stream: values.to_pylist()}
+            for target, vals in groups.items():
+                if target not in types:
+                    ct = conn.ensure_stream(target, opts.content_type)
+                    types[target] = ct.split(";", 1)[0].strip().lower() == "application/json"
+                if any(v is None for v in vals):
+                    raise ValueError(f"a row for stream {target!r} has a null value")
+                producer.extend(target, [v.encode() if isinstance(v, str) else v for v in vals])
+                rows += len(vals)
+        producer.flush()
+        return TaskCommit(tid, producer.epoch, producer.txn, rows)
+
+
+def _members(messages: list[WriterCommitMessage | None]) -> list[dict[str, Any]]:
+    """The transactions the tasks left open for the driver to commit (or abort)."""
+    out = []
+    for msg in messages:
+        member = msg.member() if isinstance(msg, TaskCommit) else None
+        if member is not None:
+            out.append(member)
+    return out
+
+
+def _task() -> tuple[int, int]:
+    ctx = TaskContext.get()
+    if ctx is None:
+        raise RuntimeError("the onceflow sink's write() runs inside a Spark task")
+    return ctx.partitionId(), ctx.attemptNumber()
+
+
+class OnceflowStreamWriter(DataSourceStreamArrowWriter):
+    """``df.writeStream.format("onceflow")``: each micro-batch is committed once, atomically."""
+
+    def __init__(self, opts: Options, sink_id: str) -> None:
+        self.opts = opts
+        self.sink_id = sink_id
+        self.prefix = f"spark/{sink_id}/"
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> TaskCommit:
+        ctx = TaskContext.get()
+        raw = ctx.getLocalProperty("streaming.sql.batchId") if ctx is not None else None
+        if raw is None:
+            raise RuntimeError("the onceflow stream writer found no streaming.sql.batchId in its task")
+        batch_id = int(raw)
+        partition, attempt = _task()
+        tid = f"{self.prefix}p{partition}/a{attempt}"
+        with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
+            done = conn.sink_progress(self.sink_id)
+        if done is not None and batch_id <= done:
+            # a replay of a batch this sink already committed: write nothing
+            return TaskCommit(tid, -1, None, 0, skipped=True)
+        return _write_rows(self.opts, tid, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803 (Spark's name)
+        members = _members(messages)
+        with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
+            result = conn.commit_members(self.sink_id, batchId, members, self.prefix)
+        if result["status"] == "already_committed":
+            log.info("onceflow sink %s: batch %d was already committed (last: %s); nothing added", self.sink_id, batchId, result["batch"])
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
+        members = _members(messages)
+        with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
+            conn.abort_members(self.sink_id, members, self.prefix)
+
+
+class OnceflowBatchWriter(DataSourceArrowWriter):
+    """``df.write.format("onceflow")``: the whole job's rows become visible at once, or none do."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.job = f"spark-batch/{opts.sink_id or 'job'}-{uuid.uuid4().hex[:12]}"
+        self.prefix = self.job + "/"
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> TaskCommit:
+        partition, attempt = _task()
+        return _write_rows(self.opts, f"{self.prefix}p{partition}/a{attempt}", iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        members = _members(messages)
+        with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
+            conn.commit_members(self.job, None, members, self.prefix)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        members = _members(messages)
+        with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
+            conn.abort_members(self.job, members, self.prefix)

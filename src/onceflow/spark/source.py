@@ -1,0 +1,271 @@
+"""Reading onceflow streams from Spark: batch and Structured Streaming.
+
+Spark offsets are ``{stream name: onceflow offset token}``. A micro-batch is the exact range between
+two such maps, and a ``format=records`` read with ``until`` returns exactly the batches in it, so a
+batch Spark replays after a crash reads the same rows. Under ``read_committed`` (the default) the end
+of a range is never past a stream's last stable offset, where every earlier transaction is decided,
+so aborted data is left out the same way every time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
+from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType, TimestampType
+
+from ._http import Conn, Frame, StreamInfo, record_offset
+from .options import Options
+
+__all__ = ["OnceflowBatchReader", "OnceflowStreamReader", "RangePartition", "source_schema"]
+
+_raw_decode = json.JSONDecoder().raw_decode
+
+
+def source_schema(text_values: bool) -> StructType:
+    return StructType([
+        StructField("stream", StringType(), False),
+        StructField("offset", LongType(), False),
+        StructField("timestamp", TimestampType(), False),
+        StructField("value", StringType() if text_values else BinaryType(), True),
+        StructField("content_type", StringType(), False),
+    ])
+
+
+def is_text_type(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.startswith("text/")
+
+
+class RangePartition(InputPartition):
+    """The records of one stream from ``start`` (inclusive) to ``end`` (exclusive)."""
+
+    def __init__(self, stream: str, start: str, end: str, content_type: str) -> None:
+        super().__init__((stream, start, end))
+        self.stream = stream
+        self.start = start
+        self.end = end
+        self.content_type = content_type
+
+
+def split_json(payload: bytes) -> list[str]:
+    """The message texts of a stored JSON payload (compact texts, each followed by a comma)."""
+    text = payload.decode("utf-8")
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        _, j = _raw_decode(text, i)
+        out.append(text[i:j])
+        i = j + 1
+    return out
+
+
+def frames_to_arrow(stream: str, content_type: str, frames: list[Frame], text_values: bool) -> pa.RecordBatch:
+    """One Arrow record batch of rows: one row per JSON message, one per append on other streams."""
+    json_stream = content_type.split(";", 1)[0].strip().lower() == "application/json"
+    offsets: list[int] = []
+    stamps: list[int] = []
+    values: list[Any] = []
+    for f in frames:
+        if json_stream:
+            texts = split_json(f.payload)
+            if len(texts) != f.count:
+                raise ValueError(f"stream {stream}: batch at record {f.base_offset} holds {len(texts)} messages, header says {f.count}")
+            values.extend(texts if text_values else [t.encode() for t in texts])
+        else:
+            values.append(f.payload.decode("utf-8", "replace") if text_values else f.payload)
+        offsets.extend(range(f.base_offset, f.base_offset + f.count))
+        stamps.extend([f.timestamp_ms * 1000] * f.count)
+    n = len(offsets)
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([stream] * n, pa.string()),
+            pa.array(offsets, pa.int64()),
+            pa.array(stamps, pa.timestamp("us", tz="UTC")),
+            pa.array(values, pa.string() if text_values else pa.binary()),
+            pa.array([content_type] * n, pa.string()),
+        ],
+        schema=_ARROW_TEXT if text_values else _ARROW_BINARY,
+    )
+
+
+def _arrow_schema(value: pa.DataType) -> pa.Schema:
+    return pa.schema([
+        pa.field("stream", pa.string(), nullable=False),
+        pa.field("offset", pa.int64(), nullable=False),
+        pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("value", value),
+        pa.field("content_type", pa.string(), nullable=False),
+    ])
+
+
+_ARROW_TEXT = _arrow_schema(pa.string())
+_ARROW_BINARY = _arrow_schema(pa.binary())
+
+
+def read_partition(opts: Options, part: RangePartition, text_values: bool) -> Iterator[pa.RecordBatch]:
+    with Conn(opts.url, deadline=opts.request_deadline) as conn:
+        for frames, _ in conn.read_frames(part.stream, part.start, part.end, isolation=opts.isolation):
+            if frames:
+                yield frames_to_arrow(part.stream, part.content_type, frames, text_values)
+
+
+def split_ranges(conn: Conn, opts: Options, stream: str, start: str, end: str, content_type: str) -> list[RangePartition]:
+    """One partition per stream range, a long range split every ``maxRecordsPerPartition`` records."""
+    if start == end:
+        return []
+    span = record_offset(end) - record_offset(start)
+    if span <= opts.max_records_per_partition:
+        return [RangePartition(stream, start, end, content_type)]
+    marks, _ = conn.boundaries(stream, start, end, isolation=opts.isolation, every=opts.max_records_per_partition)
+    points = [start, *marks, end]
+    return [RangePartition(stream, a, b, content_type) for a, b in zip(points, points[1:], strict=False) if a != b]
+
+
+class _Streams:
+    """The streams a query reads (a fixed list, or every stream under a prefix) and their ends."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.types: dict[str, str] = {}
+
+    def ends(self, conn: Conn) -> dict[str, str]:
+        """Each stream's end for this isolation: the last stable offset, or the tail."""
+        infos: list[StreamInfo]
+        if self.opts.pattern is not None:
+            infos = conn.list_streams(self.opts.pattern)
+        else:
+            infos = []
+            for name in self.opts.streams:
+                info = conn.head(name)
+                if info is None:
+                    raise ValueError(f"onceflow stream {name!r} does not exist at {self.opts.url}")
+                infos.append(info)
+        committed = self.opts.isolation == "read_committed"
+        out = {}
+        for info in infos:
+            self.types[info.name] = info.content_type
+            out[info.name] = info.stable_offset if committed else info.next_offset
+        return out
+
+
+class OnceflowBatchReader(DataSourceReader):
+    """``spark.read.format("onceflow")``: the streams from ``startingOffsets`` to ``endingOffsets``."""
+
+    def __init__(self, opts: Options, text_values: bool) -> None:
+        self.opts = opts
+        self.text_values = text_values
+
+    def partitions(self) -> Sequence[InputPartition]:
+        streams = _Streams(self.opts)
+        with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
+            ends = streams.ends(conn)
+            starts = self.opts.starting(ends)
+            limit = self.opts.ending(ends)
+            parts: list[RangePartition] = []
+            for name in sorted(ends):
+                parts += split_ranges(conn, self.opts, name, starts.get(name, "-1"), limit[name], streams.types[name])
+        return parts
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, RangePartition)
+        return read_partition(self.opts, partition, self.text_values)
+
+
+class OnceflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """``spark.readStream.format("onceflow")``.
+
+    Offsets are ``{stream: token}``; a stream that appears later (with ``pattern``) is read from its
+    start. ``maxRecordsPerTrigger`` bounds a micro-batch (shared fairly between the streams that have
+    data); ``Trigger.AvailableNow`` reads up to the ends seen when the query started, then stops.
+    """
+
+    def __init__(self, opts: Options, text_values: bool) -> None:
+        self.opts = opts
+        self.text_values = text_values
+        self.streams = _Streams(opts)
+        self._conn: Conn | None = None
+        self.target: dict[str, str] | None = None
+
+    @property
+    def conn(self) -> Conn:
+        """The driver's connection (made on first use: the reader is pickled for the tasks)."""
+        if self._conn is None:
+            self._conn = Conn(self.opts.url, deadline=self.opts.request_deadline)
+        return self._conn
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_conn"] = None
+        return state
+
+    def initialOffset(self) -> dict[str, str]:
+        ends = self.streams.ends(self.conn)
+        return self.opts.starting(ends)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self.target = self.streams.ends(self.conn)
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.opts.max_records_per_trigger is not None:
+            return ReadMaxRows(self.opts.max_records_per_trigger)
+        return ReadAllAvailable()
+
+    def reportLatestOffset(self) -> dict[str, str]:
+        return self.streams.ends(self.conn)
+
+    def latestOffset(self, start: dict[str, str], limit: ReadLimit | None = None) -> dict[str, str]:
+        ends = self.target if self.target is not None else self.streams.ends(self.conn)
+        out = dict(start)
+        backlog = {}
+        for name, end in ends.items():
+            begin = start.get(name, "-1")
+            if begin == "-1" and end == "-1":
+                continue
+            out.setdefault(name, "-1")
+            if record_offset(end) > record_offset(begin):
+                backlog[name] = (begin, end)
+        if not isinstance(limit, ReadMaxRows):
+            for name, (_, end) in backlog.items():
+                out[name] = end
+            return out
+        budget = limit.max_rows
+        share = max(1, budget // max(1, len(backlog)))
+        for name in sorted(backlog):  # a fair share each, so one busy stream cannot starve the rest
+            begin, end = backlog[name]
+            want = min(share, budget)
+            if want <= 0:
+                break
+            if record_offset(end) - record_offset(begin) <= want:
+                out[name] = end
+            else:
+                _, out[name] = self.conn.boundaries(name, begin, end, isolation=self.opts.isolation, max_records=want)
+            budget -= record_offset(out[name]) - record_offset(begin)
+        return out
+
+    def partitions(self, start: dict[str, str], end: dict[str, str]) -> Sequence[InputPartition]:
+        parts: list[RangePartition] = []
+        for name in sorted(end):
+            content_type = self.streams.types.get(name)
+            if content_type is None:
+                info = self.conn.head(name)
+                content_type = info.content_type if info is not None else "application/octet-stream"
+                self.streams.types[name] = content_type
+            parts += split_ranges(self.conn, self.opts, name, start.get(name, "-1"), end[name], content_type)
+        return parts
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, RangePartition)
+        return read_partition(self.opts, partition, self.text_values)
+
+    def commit(self, end: dict[str, str]) -> None:
+        pass  # Spark keeps the offsets in its checkpoint; the server needs nothing
+
+    def stop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
