@@ -117,6 +117,7 @@ def spark() -> Iterator[object]:
     pyspark = pytest.importorskip("pyspark.sql", reason="pyspark is part of the dev install (scripts/setup.sh dev)")
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # loopback only
     session = (
         pyspark.SparkSession.builder.master("local[2]")
         .appName("onceflow-tests")
@@ -125,6 +126,7 @@ def spark() -> Iterator[object]:
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .config("spark.sql.execution.pythonUDF.arrow.enabled", "false")  # it wants pandas, which onceflow does not need
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")

@@ -26,6 +26,7 @@ from ..core.jsonmode import wrap_payloads
 from ..core.txn import TxnError, TxnMeta
 from ..storage.log import InvalidPosition
 from ..storage.position import Position, parse_token
+from .subscriptions import SubscriptionAPI
 
 __all__ = ["App", "AppConfig"]
 
@@ -109,6 +110,7 @@ class App:
     def __init__(self, broker: Broker, config: AppConfig | None = None) -> None:
         self.broker = broker
         self.config = config or AppConfig()
+        self.subscriptions = SubscriptionAPI(broker)  # the reserved __ds control APIs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -129,8 +131,10 @@ class App:
             msg = await receive()
             if msg["type"] == "lifespan.startup":
                 await self.broker.start()
+                self.subscriptions.start()
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
+                await self.subscriptions.close()
                 await self.broker.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -177,7 +181,9 @@ class App:
         name = path[len(PREFIX):]
         try:
             if name == "__ds" or name.startswith("__ds/"):
-                raise BadRequest("the reserved __ds control APIs (subscriptions) are not supported by this server", 404, "not_found")
+                status, h, body = await self.subscriptions.handle(scope, headers, receive)
+                await _send(send, status, h, b"" if method == "HEAD" else body)
+                return
             if method == "GET":
                 await self._get(name, scope, headers, receive, send)
                 return
@@ -203,6 +209,8 @@ class App:
             status, h, body = _error(exc.status, exc.code, str(exc))
             if method == "HEAD":
                 body = b""
+        if status < 300:
+            self.subscriptions.stream_changed(name)  # created, appended to, closed or deleted
         await _send(send, status, h, body)
 
     async def _body(self, headers: dict[str, str], receive: Receive) -> bytes:
@@ -259,7 +267,7 @@ class App:
 
     async def _txn(self, method: str, rest: str, headers: dict[str, str], receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         tid, _, action = rest.rpartition("/")
-        if method == "GET" and tid == "":
+        if method == "GET":  # GET /v1/txn/<tid>: the id itself may contain '/'
             tid, action = rest, ""
         if not tid or validate_name(tid):
             raise BadRequest("use /v1/txn/<transactional id>/(init|commit|abort|offsets)", 404, "not_found")

@@ -160,8 +160,8 @@ class OnceflowBatchWriter(DataSourceArrowWriter):
 
     def __init__(self, opts: Options) -> None:
         self.opts = opts
-        self.job = f"spark-batch/{opts.sink_id or 'job'}-{uuid.uuid4().hex[:12]}"
-        self.prefix = self.job + "/"
+        self.job = f"{opts.sink_id or 'batch'}-{uuid.uuid4().hex[:12]}"  # one write job: no '/' (a sink id)
+        self.prefix = f"spark-batch/{self.job}/"
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> TaskCommit:
         partition, attempt = _task()
