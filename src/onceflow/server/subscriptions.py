@@ -1,0 +1,295 @@
+"""HTTP for the reserved subscription APIs under ``/v1/stream/__ds`` (PROTOCOL.md sections 6-7).
+
+Routes (``{root}`` is ``/v1/stream``)::
+
+    GET    {root}/__ds/jwks.json                         webhook signing keys (JWK Set)
+    PUT    {root}/__ds/subscriptions/:id                 create (201) or re-confirm (200)
+    GET    {root}/__ds/subscriptions/:id                 read
+    DELETE {root}/__ds/subscriptions/:id                 delete (204, idempotent)
+    POST   {root}/__ds/subscriptions/:id/streams         add explicit streams (204)
+    DELETE {root}/__ds/subscriptions/:id/streams/:path   remove an explicit stream (204)
+    POST   {root}/__ds/subscriptions/:id/callback        webhook receiver's answer (Bearer callback token)
+    POST   {root}/__ds/subscriptions/:id/claim           pull-wake: take the wake
+    POST   {root}/__ds/subscriptions/:id/ack             pull-wake: ack / heartbeat / done (Bearer claim token)
+    POST   {root}/__ds/subscriptions/:id/release         pull-wake: hand the wake back (Bearer claim token)
+
+The semantics live in :mod:`onceflow.core.subscriptions`; this module parses requests, turns
+:class:`SubscriptionError` into ``{"error": {"code", "message"}}`` responses and POSTs webhooks
+with httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import re
+import socket
+import ssl
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import httpx
+
+from ..core.broker import Broker
+from ..core.subscriptions import (
+    DeliveryError,
+    SubscriptionError,
+    Subscriptions,
+    is_dev_webhook_host,
+    is_public_address,
+    parse_config,
+)
+
+__all__ = ["SubscriptionAPI"]
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Response = tuple[int, list[tuple[bytes, bytes]], bytes]
+
+STREAM_ROOT = "/v1/stream"
+MAX_BODY = 1 << 20
+MAX_ANSWER = 64 << 10  # how much of a webhook's response body is read (for {"done": true})
+_HOST = re.compile(r"^[A-Za-z0-9.\-]+(:[0-9]{1,5})?$|^\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?$")
+_ACTIONS = ("callback", "claim", "ack", "release")
+
+
+def _json(status: int, value: object, extra: list[tuple[bytes, bytes]] | None = None) -> Response:
+    headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-store"), *(extra or [])]
+    return status, headers, json.dumps(value, separators=(",", ":")).encode()
+
+
+def _error(exc: SubscriptionError) -> Response:
+    return _json(exc.status, exc.body())
+
+
+def _not_allowed(method: str, allowed: str) -> Response:
+    body = {"error": {"code": "METHOD_NOT_ALLOWED", "message": f"{method} is not supported here; use {allowed}"}}
+    return _json(405, body, [(b"allow", allowed.encode())])
+
+
+class _BodyError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class SubscriptionAPI:
+    """The ``__ds`` control routes of one :class:`~onceflow.server.app.App`."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.manager = Subscriptions(broker, self._post)
+        self._client: httpx.AsyncClient | None = None
+        self._ssl: ssl.SSLContext | None = None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # started by the first request or stream change instead
+        else:
+            loop.call_soon(self.manager.start)
+
+    def start(self) -> None:
+        self.manager.start()
+
+    async def close(self) -> None:
+        await self.manager.close()
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def stream_changed(self, name: str) -> None:
+        """Call after a request created, appended to, closed or deleted stream ``name``."""
+        self.manager.stream_changed(name)
+
+    # ------------------------------------------------------------------ requests
+
+    async def handle(self, scope: Scope, headers: dict[str, str], receive: Receive) -> Response:
+        """Answer a request whose path is ``/v1/stream/__ds`` or below it."""
+        self.manager.start()
+        method: str = scope["method"]
+        try:
+            return await self._route(method, _segments(scope), scope, headers, receive)
+        except SubscriptionError as exc:
+            return _error(exc)
+        except _BodyError as exc:
+            return _json(exc.status, {"error": {"code": exc.code, "message": str(exc)}})
+
+    async def _route(self, method: str, seg: list[str], scope: Scope, headers: dict[str, str], receive: Receive) -> Response:
+        m = self.manager
+        if seg == ["jwks.json"]:
+            if method not in ("GET", "HEAD"):
+                return _not_allowed(method, "GET")
+            try:
+                jwks = m.jwks()
+            except (OSError, ValueError) as exc:
+                raise SubscriptionError(503, "UNAVAILABLE", f"the webhook signing key is unavailable: {exc}") from None
+            return 200, [
+                (b"content-type", b"application/jwk-set+json"),
+                (b"cache-control", b"public, max-age=300"),
+            ], json.dumps(jwks, separators=(",", ":")).encode()
+        if len(seg) < 2 or seg[0] != "subscriptions" or not seg[1]:
+            raise SubscriptionError(
+                404, "NOT_FOUND",
+                f"no control API at {STREAM_ROOT}/__ds/{'/'.join(seg)}: use __ds/jwks.json or __ds/subscriptions/<id>[/streams|/callback|/claim|/ack|/release]",
+            )
+        sid, rest = seg[1], seg[2:]
+        if not rest:
+            if method == "PUT":
+                config = parse_config(await _read_json(headers, receive))
+                sub, created = await m.create(sid, config, _base_url(scope, headers))
+                return _json(201 if created else 200, m.describe(sub, _jwks_url(scope, headers)))
+            if method in ("GET", "HEAD"):
+                return _json(200, m.describe(m.get(sid), _jwks_url(scope, headers)))
+            if method == "DELETE":
+                await m.delete(sid)
+                return 204, [], b""
+            return _not_allowed(method, "GET, PUT, DELETE")
+        if rest[0] == "streams":
+            if len(rest) == 1:
+                if method != "POST":
+                    return _not_allowed(method, "POST")
+                await m.add_streams(sid, await _read_json(headers, receive))
+                return 204, [], b""
+            if method != "DELETE":
+                return _not_allowed(method, "DELETE")
+            await m.remove_stream(sid, "/".join(rest[1:]))
+            return 204, [], b""
+        if len(rest) == 1 and rest[0] in _ACTIONS:
+            if method != "POST":
+                return _not_allowed(method, "POST")
+            body = await _read_json(headers, receive)
+            action = rest[0]
+            if action == "claim":
+                return _json(200, await m.claim(sid, body))
+            token = _bearer(headers)
+            if action == "callback":
+                return _json(200, await m.callback(sid, token, body))
+            if action == "ack":
+                return _json(200, await m.ack(sid, token, body))
+            await m.release(sid, token, body)
+            return 204, [], b""
+        raise SubscriptionError(
+            404, "NOT_FOUND",
+            f"no control API {'/'.join(rest)!r} on a subscription: use streams, callback, claim, ack or release",
+        )
+
+    # ------------------------------------------------------------------ webhook delivery
+
+    async def _post(self, url: str, body: bytes, headers: dict[str, str], seconds: float) -> tuple[int, bytes]:
+        """POST a wake; the target must still resolve to a public address (or be a dev host)."""
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        if not is_dev_webhook_host(host):
+            await _check_resolves_public(host, parts.port or (443 if parts.scheme == "https" else 80))
+        if self._client is None:
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            self._client = httpx.AsyncClient(follow_redirects=False, trust_env=False, verify=self._ssl)
+        try:
+            async with self._client.stream("POST", url, content=body, headers=headers, timeout=seconds) as resp:
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in resp.aiter_bytes():
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size >= MAX_ANSWER:
+                        break
+                return resp.status_code, b"".join(chunks)[:MAX_ANSWER]
+        except httpx.HTTPError as exc:
+            raise DeliveryError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
+
+
+async def _check_resolves_public(host: str, port: int) -> None:
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        if not is_public_address(addr):
+            raise DeliveryError(f"{host} is not a public address")
+        return
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise DeliveryError(f"cannot resolve {host}: {exc}") from None
+    for info in infos:
+        ip = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+        if not is_public_address(ip):
+            raise DeliveryError(f"{host} resolves to the non-public address {ip}; webhooks go to public hosts only")
+
+
+# ---------------------------------------------------------------------- request helpers
+
+
+def _segments(scope: Scope) -> list[str]:
+    """Path segments after ``/v1/stream/__ds/``, each percent-decoded (so ``a%2Fb`` stays one)."""
+    prefix = STREAM_ROOT + "/__ds/"
+    raw = scope.get("raw_path")
+    path = raw.decode("latin-1") if isinstance(raw, bytes | bytearray) else ""
+    encoded = path.startswith(prefix)
+    if not encoded:
+        path = scope["path"]  # already decoded by the server
+        if not path.startswith(prefix):
+            return []
+    segments = path[len(prefix):].split("/")
+    if not encoded:
+        return segments
+    try:
+        return [unquote(s, errors="strict") for s in segments]
+    except UnicodeDecodeError:
+        raise _BodyError(400, "INVALID_REQUEST", "the path has percent-escapes that are not UTF-8") from None
+
+
+def _origin(scope: Scope, headers: dict[str, str]) -> str:
+    host = headers.get("host", "")
+    if not _HOST.match(host):
+        server = scope.get("server") or ("127.0.0.1", 4437)
+        host = f"{server[0]}:{server[1]}"
+    return f"{scope.get('scheme', 'http')}://{host}"
+
+
+def _base_url(scope: Scope, headers: dict[str, str]) -> str:
+    return _origin(scope, headers) + STREAM_ROOT
+
+
+def _jwks_url(scope: Scope, headers: dict[str, str]) -> str:
+    return _base_url(scope, headers) + "/__ds/jwks.json"
+
+
+def _bearer(headers: dict[str, str]) -> str | None:
+    value = headers.get("authorization", "")
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+async def _read_json(headers: dict[str, str], receive: Receive) -> object:
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
+        raise _BodyError(413, "PAYLOAD_TOO_LARGE", f"control request bodies are limited to {MAX_BODY} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise _BodyError(400, "INVALID_REQUEST", "the client went away before sending the body")
+        chunk = msg.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise _BodyError(413, "PAYLOAD_TOO_LARGE", f"control request bodies are limited to {MAX_BODY} bytes")
+            chunks.append(chunk)
+        if not msg.get("more_body", False):
+            break
+    raw = b"".join(chunks)
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise _BodyError(400, "INVALID_REQUEST", f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _BodyError(400, "INVALID_REQUEST", "the body is JSON nested too deeply") from None
