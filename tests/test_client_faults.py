@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from conftest import InProcess, ServerProcess
-from faultproxy import FaultProxy
 from onceflow.client import (
     AsyncIdempotentProducer,
     AsyncStream,
@@ -30,6 +29,7 @@ from onceflow.client import (
     Stream,
     StreamClosedError,
 )
+from onceflow.faultproxy import FaultProxy
 
 JSON = "application/json"
 Hook = Callable[[httpx.Request, httpx.AsyncBaseTransport], Awaitable[httpx.Response]]

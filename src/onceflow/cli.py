@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress output")
     c.set_defaults(func=_copy)
 
+    from .demo import add_demo_parser
+
+    add_demo_parser(sub)
+
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)

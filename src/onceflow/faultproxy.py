@@ -1,4 +1,4 @@
-"""A small fault-injecting HTTP/1.1 proxy for tests: lost acknowledgements, delays, reordering.
+"""A small fault-injecting HTTP/1.1 proxy (tests, `onceflow demo`, chaos runs): lost acknowledgements, delays, reordering.
 
 The proxy listens on a free loopback port and forwards every request to one upstream server
 (``127.0.0.1:<port>``). It runs its own asyncio event loop in a background thread, so it works
@@ -292,6 +292,8 @@ class FaultProxy:
                     return
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             return  # a broken or malformed connection: just close it
+        except asyncio.CancelledError:
+            return  # the proxy is stopping (asyncio would log a cancelled connection handler)
         finally:
             self._tasks.discard(task)
             self._writers.discard(writer)

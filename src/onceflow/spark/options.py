@@ -44,6 +44,7 @@ class Options:
     sink_id: str | None
     content_type: str
     transaction_timeout_ms: int
+    batch_id: int | None
 
     @classmethod
     def parse(cls, raw: Mapping[str, str]) -> Options:
@@ -81,6 +82,7 @@ class Options:
             sink_id=sink_id,
             content_type=opts.get("contenttype", "application/json"),
             transaction_timeout_ms=_int(opts, "transactiontimeoutms", 300_000) or 300_000,
+            batch_id=_int(opts, "batchid", None, low=0),
         )
 
     def check_source(self) -> None:

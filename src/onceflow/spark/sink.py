@@ -156,23 +156,41 @@ class OnceflowStreamWriter(DataSourceStreamArrowWriter):
 
 
 class OnceflowBatchWriter(DataSourceArrowWriter):
-    """``df.write.format("onceflow")``: the whole job's rows become visible at once, or none do."""
+    """``df.write.format("onceflow")``: the whole job's rows become visible at once, or none do.
+
+    With ``sinkId`` and ``batchId`` options (typically inside ``foreachBatch(df, batch_id)``) the
+    write is also recorded as that sink's batch, so a replayed batch id adds nothing: this is how a
+    query in update or complete mode writes to onceflow exactly once.
+    """
 
     def __init__(self, opts: Options) -> None:
         self.opts = opts
-        self.job = f"{opts.sink_id or 'batch'}-{uuid.uuid4().hex[:12]}"  # one write job: no '/' (a sink id)
-        self.prefix = f"spark-batch/{self.job}/"
+        self.batch = opts.batch_id
+        if self.batch is not None:
+            if opts.sink_id is None:
+                raise OptionError('option batchId needs option sinkId: the sink whose batches it numbers')
+            self.job = opts.sink_id
+            self.prefix = f"spark/{opts.sink_id}/"
+        else:
+            self.job = f"{opts.sink_id or 'batch'}-{uuid.uuid4().hex[:12]}"  # one write job: no '/' (a sink id)
+            self.prefix = f"spark-batch/{self.job}/"
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> TaskCommit:
         partition, attempt = _task()
-        return _write_rows(self.opts, f"{self.prefix}p{partition}/a{attempt}", iterator)
+        tid = f"{self.prefix}p{partition}/a{attempt}"
+        if self.batch is not None:
+            with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
+                done = conn.sink_progress(self.job)
+            if done is not None and self.batch <= done:
+                return TaskCommit(tid, -1, None, 0, skipped=True)
+        return _write_rows(self.opts, tid, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        members = _members(messages)
         with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
-            conn.commit_members(self.job, None, members, self.prefix)
+            result = conn.commit_members(self.job, self.batch, _members(messages), self.prefix)
+        if result["status"] == "already_committed":
+            log.info("onceflow sink %s: batch %s was already committed; nothing added", self.job, self.batch)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        members = _members(messages)
         with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
-            conn.abort_members(self.job, members, self.prefix)
+            conn.abort_members(self.job, _members(messages), self.prefix)

@@ -1,0 +1,292 @@
+"""``onceflow demo``: an end-to-end exactly-once run through crashes, on this machine alone.
+
+1. Starts an onceflow server on a free loopback port, in a temporary directory.
+2. Produces events with the idempotent producer through a proxy that drops acknowledgements (the
+   server commits, the producer never hears back and sends again).
+3. Runs a Spark Structured Streaming pipeline (onceflow → onceflow: an enriched copy of every event
+   and running per-user counts) in a driver process of its own.
+4. Kills that driver with SIGKILL: once right after the sink committed a batch but before Spark
+   wrote its commit log (the moment at-least-once sinks duplicate), once inside ``write()`` with
+   rows written but not committed, then at random moments; restarts it from its checkpoint each time.
+5. Reads everything back and prints what was produced, read, written, duplicated and missing, and
+   ``exactly-once: OK`` or ``exactly-once: FAILED`` (then exits non-zero).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = ["add_demo_parser", "run_demo"]
+
+
+def _say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Server:
+    def __init__(self, data: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "onceflow.cli", "serve", "--data", str(data), "--port", str(self.port), "--long-poll-timeout", "1"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if "listening" in line:
+                break
+        else:
+            raise RuntimeError("the onceflow server did not start")
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # keep its pipe drained
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@dataclass
+class _Driver:
+    url: str
+    checkpoint: Path
+    log: Path
+    stop_file: Path
+    max_records_per_trigger: int
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    kills: list[str] = field(default_factory=list)
+
+    def start(self, *extra: str) -> None:
+        self.starts += 1
+        with open(self.log, "ab") as out:
+            out.write(f"\n=== driver start {self.starts} {' '.join(extra)}\n".encode())
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "onceflow.spark.pipeline", "--url", self.url, "--checkpoint", str(self.checkpoint),
+                 "--stop-file", str(self.stop_file), "--max-records-per-trigger", str(self.max_records_per_trigger), *extra],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,  # its own group: JVM and workers die with it
+            )
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
+
+    def wait(self, timeout: float) -> int | None:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def _progress(url: str, sink: str) -> int:
+    try:
+        batch = httpx.get(f"{url}/v1/sinks/{sink}", timeout=5).json().get("batch")
+    except httpx.HTTPError:
+        return -1
+    return -1 if batch is None else int(batch)
+
+
+def _read_all(url: str, stream: str) -> list[Any]:
+    out: list[Any] = []
+    offset = "-1"
+    with httpx.Client(timeout=30) as c:
+        while True:
+            r = c.get(f"{url}/v1/stream/{stream}", params={"offset": offset})
+            if r.status_code == 404:
+                return out
+            r.raise_for_status()
+            out += r.json()
+            if r.headers.get("stream-up-to-date") == "true":
+                return out
+            offset = r.headers["stream-next-offset"]
+
+
+def _produce(url: str, n: int, drop: float, seed: int, seconds: float, stats: dict[str, int]) -> None:
+    from .client import IdempotentProducer
+    from .faultproxy import FaultProxy
+
+    rng = random.Random(seed)  # noqa: S311 (demo data)
+    port = int(url.rsplit(":", 1)[1])
+    with FaultProxy(port, drop_probability=drop, seed=seed) as proxy:
+        # small batches, so that many requests (and many dropped acknowledgements) carry the events
+        with IdempotentProducer(proxy.url, "demo/events", producer_id="demo-producer", linger_ms=2, max_batch_bytes=4 << 10) as producer:
+            pause = seconds / max(1, n // 200)
+            for i in range(n):
+                producer.append({"id": i, "user": f"user-{rng.randrange(40):02d}", "amount": round(rng.uniform(1, 100), 2)})
+                if i % 200 == 199:
+                    time.sleep(pause)  # a steady stream over `seconds` rather than one burst
+                stats["produced"] = i + 1
+            producer.flush()
+        stats["acks_dropped"] = proxy.responses_dropped
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        print("onceflow demo needs PySpark: pip install 'onceflow[spark]' (./run.sh does this)", file=sys.stderr)
+        return 2
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        print("onceflow demo needs Java 17+ for Spark (./run.sh installs it from Debian's packages)", file=sys.stderr)
+        return 2
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="onceflow-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)  # noqa: S311
+    _say(f"working in {work}")
+    server = _Server(work / "data")
+    _say(f"onceflow server on {server.url} (fsync on every append)")
+    driver = _Driver(server.url, work / "checkpoint", work / "driver.log", work / "stop", args.max_records_per_trigger)
+    stats: dict[str, int] = {"produced": 0, "acks_dropped": 0}
+    try:
+        httpx.put(f"{server.url}/v1/stream/demo/events", headers={"content-type": "application/json"}).raise_for_status()
+        producer = threading.Thread(target=_produce, args=(server.url, args.events, args.drop_acks, args.seed, 20.0, stats), daemon=True)
+        producer.start()
+        _say(f"producing {args.events:,} events with the idempotent producer; {args.drop_acks:.0%} of acknowledgements are dropped")
+
+        plan = ["after-commit", "in-write"] + ["random"] * max(0, args.crashes - 2)
+        plan = plan[: args.crashes]
+        for kind in plan:
+            done = _progress(server.url, "demo-enrich")
+            target = done + 2
+            if kind == "after-commit":
+                driver.start("--crash-after-commit", str(target))
+            elif kind == "in-write":
+                driver.start("--crash-in-write", str(target))
+            else:
+                driver.start()
+            _say(f"spark driver #{driver.starts} started (resumes after batch {done})"
+                 + ("" if kind == "random" else f"; it will be killed {kind.replace('-', ' ')} of batch {target}"))
+            if kind == "random":
+                deadline = time.monotonic() + 180
+                while _progress(server.url, "demo-enrich") < done + 1 and time.monotonic() < deadline and driver.wait(0.5) is None:
+                    pass
+                time.sleep(rng.uniform(0.2, 3.0))
+                driver.kill()
+                driver.kills.append("kill -9 at a random moment")
+            else:
+                code = driver.wait(240)
+                if code is None:
+                    driver.kill()
+                    driver.kills.append(f"kill -9 (the planned crash {kind} did not happen in time)")
+                else:
+                    driver.proc = None
+                    driver.kills.append("kill -9 " + ("right after the sink committed, before Spark's commit log" if kind == "after-commit"
+                                                      else "inside write(), rows written but not committed"))
+            _say(f"spark driver #{driver.starts} killed: {driver.kills[-1]} (sink at batch {_progress(server.url, 'demo-enrich')})")
+
+        driver.start()
+        _say(f"spark driver #{driver.starts} started; it runs until every event is processed")
+        producer.join()
+        _say(f"produced {stats['produced']:,} events; {stats['acks_dropped']} acknowledgements were dropped and retried")
+        deadline = time.monotonic() + args.timeout
+        last_report = 0.0
+        while time.monotonic() < deadline:
+            n = len(_read_all(server.url, "demo/enriched"))
+            counted = sum(c["events"] for c in {c["user"]: c for c in _read_all(server.url, "demo/counts")}.values())
+            if n >= args.events and counted >= args.events:
+                break
+            if time.monotonic() - last_report > 5:
+                _say(f"  pipeline progress: {n:,} of {args.events:,} events enriched, {counted:,} counted")
+                last_report = time.monotonic()
+            if driver.wait(1.0) is not None:
+                _say(f"the spark driver exited early; see {driver.log}")
+                break
+        driver.stop_file.touch()
+        if driver.proc is not None and driver.wait(60) is None:
+            driver.kill()
+        return _verify(server.url, args.events, stats, driver)
+    finally:
+        driver.kill()
+        server.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _verify(url: str, expected: int, stats: dict[str, int], driver: _Driver) -> int:
+    events = _read_all(url, "demo/events")
+    enriched = _read_all(url, "demo/enriched")
+    counts = _read_all(url, "demo/counts")
+    produced_ids = [e["id"] for e in events]
+    written = Counter(e["id"] for e in enriched)
+    dup_source = len(produced_ids) - len(set(produced_ids))
+    duplicates = sum(c - 1 for c in written.values() if c > 1)
+    missing = len(set(produced_ids) - set(written))
+    extra = len(set(written) - set(produced_ids))
+    truth: dict[str, tuple[int, float]] = {}
+    for e in events:
+        n, amount = truth.get(e["user"], (0, 0.0))
+        truth[e["user"]] = (n + 1, amount + e["amount"])
+    latest = {c["user"]: c for c in counts}
+    wrong_counts = sorted(u for u, (n, amount) in truth.items()
+                          if u not in latest or latest[u]["events"] != n or abs(latest[u]["amount"] - amount) > 1e-6 * max(1.0, amount))
+    rows = [
+        ("events the producer sent", f"{expected:,}"),
+        ("acknowledgements dropped (retried)", f"{stats['acks_dropped']:,}"),
+        ("events in demo/events", f"{len(events):,}"),
+        ("  duplicates there", f"{dup_source:,}"),
+        ("spark driver crashes", f"{len(driver.kills)}"),
+        ("events read and written to demo/enriched", f"{len(enriched):,}"),
+        ("  duplicates", f"{duplicates:,}"),
+        ("  missing", f"{missing:,}"),
+        ("  not from the input", f"{extra:,}"),
+        ("users whose running count is wrong", f"{len(wrong_counts)} of {len(truth)}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print()
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v:>10}")
+    print()
+    for i, k in enumerate(driver.kills, 1):
+        print(f"  crash {i}: {k}")
+    ok = len(events) == expected and dup_source == 0 and duplicates == 0 and missing == 0 and extra == 0 and not wrong_counts
+    if ok:
+        print(f"\nexactly-once: OK ({expected:,} events, {len(driver.kills)} driver crashes, "
+              f"{stats['acks_dropped']} dropped acks: 0 duplicates, 0 missing)")
+        return 0
+    print(f"\nexactly-once: FAILED ({duplicates} duplicates, {missing} missing, {dup_source} duplicated at the source, "
+          f"{len(wrong_counts)} wrong counts; driver log: {driver.log})")
+    return 1
+
+
+def add_demo_parser(sub: Any) -> None:
+    d = sub.add_parser("demo", help="run the end-to-end exactly-once demo (server + producer + Spark, with crashes)",
+                       description=__doc__.split("\n\n", 1)[0] + " Needs PySpark and Java; nothing else.")
+    d.add_argument("--events", type=int, default=20_000, help="events to produce (default: 20000)")
+    d.add_argument("--crashes", type=int, default=3, help="times the Spark driver is killed (default: 3)")
+    d.add_argument("--drop-acks", type=float, default=0.2, metavar="P", help="fraction of append acknowledgements dropped (default: 0.2)")
+    d.add_argument("--max-records-per-trigger", type=int, default=2000, help="rows per micro-batch at most (default: 2000)")
+    d.add_argument("--seed", type=int, default=1, help="random seed (default: 1)")
+    d.add_argument("--timeout", type=float, default=600, metavar="SECONDS", help="give up waiting for the pipeline after this (default: 600)")
+    d.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (server data, Spark checkpoints, driver log)")
+    d.set_defaults(func=lambda a: run_demo(a))
