@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The main job: install onceflow (first time only) and run the server.
-# Arguments go to `onceflow serve` (see ./run.sh --help).
+# The main job: install onceflow with PySpark (first time only) and run the end-to-end exactly-once
+# demo on the embedded default: a throwaway server, a producer whose acks are dropped, a Spark
+# pipeline whose driver is killed and restarted, and a verification table.
+# Arguments go to `onceflow demo` (see ./run.sh --help). To run only the server: .venv/bin/onceflow serve
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/setup.sh runtime
-exec .venv/bin/onceflow serve "$@"
+exec .venv/bin/onceflow demo "$@"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what onceflow needs into ./.venv (idempotent; quick when everything is there).
-#   scripts/setup.sh        runtime only (for ./run.sh)
+#   scripts/setup.sh        runtime: onceflow with PySpark, and Java if missing (for ./run.sh)
 #   scripts/setup.sh dev    plus the test, lint and type-check tools, and Node.js for conformance
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($py --version)"
   "$py" -m venv .venv
 fi
-extra=""
+extra="[spark]"  # the demo (the main job) runs a Spark pipeline
 [ "$want" = dev ] && extra="[dev]"
 stamp=".venv/.installed-$want"
 # a dev install includes everything the runtime needs
@@ -34,11 +34,37 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 
+apt_install() {  # Debian packages, as root or through sudo
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+# Spark needs a Java runtime (17 or newer)
+if ! command -v java >/dev/null 2>&1 && [ -z "${JAVA_HOME:-}" ]; then
+  echo "setup: Java is missing (Spark runs on it); installing openjdk-17-jre-headless from Debian's packages"
+  apt_install openjdk-17-jre-headless
+fi
+
 if [ "$want" = dev ] && ! command -v npx >/dev/null 2>&1; then
   echo "setup: Node.js is missing (the conformance suite runs on it); installing from Debian's packages"
-  if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null
-  else
-    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null
+  apt_install nodejs npm
+fi
+
+# --- sinks: the sink tests and `onceflow bench sinks` start throwaway PostgreSQL and Redis servers
+# (onceflow/bench/services.py; never the ones on 5432/6379), so they need the server binaries
+if [ "$want" = dev ]; then
+  sink_pkgs=""
+  have_initdb=0
+  command -v initdb >/dev/null 2>&1 && have_initdb=1
+  for bindir in "$(pg_config --bindir 2>/dev/null || true)" /usr/lib/postgresql/*/bin; do
+    [ -n "$bindir" ] && [ -x "$bindir/initdb" ] && have_initdb=1
+  done
+  [ "$have_initdb" = 1 ] || sink_pkgs="$sink_pkgs postgresql"
+  command -v redis-server >/dev/null 2>&1 || sink_pkgs="$sink_pkgs redis-server"
+  if [ -n "$sink_pkgs" ]; then
+    echo "setup: the sink tests run PostgreSQL and Redis; installing from Debian's packages:$sink_pkgs"
+    # shellcheck disable=SC2086 # one word per package
+    apt_install $sink_pkgs
   fi
 fi

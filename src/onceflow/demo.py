@@ -269,6 +269,10 @@ def _verify(url: str, expected: int, stats: dict[str, int], driver: _Driver) -> 
     print()
     for i, k in enumerate(driver.kills, 1):
         print(f"  crash {i}: {k}")
+    planned = driver.checkpoint / "crashes.log"
+    if planned.exists():
+        for line in planned.read_text().splitlines():
+            print(f"    {line.removeprefix('pipeline: crashing on purpose: ')}")
     ok = len(events) == expected and dup_source == 0 and duplicates == 0 and missing == 0 and extra == 0 and not wrong_counts
     if ok:
         print(f"\nexactly-once: OK ({expected:,} events, {len(driver.kills)} driver crashes, "

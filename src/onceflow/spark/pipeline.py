@@ -36,8 +36,16 @@ __all__ = ["main"]
 
 
 def _crash(why: str) -> None:
-    sys.stderr.write(f"pipeline: crashing on purpose: {why}\n")
+    # Spark's Python workers do not share the driver's stderr: note the crash in a file as well
+    line = f"pipeline: crashing on purpose: {why}\n"
+    sys.stderr.write(line)
     sys.stderr.flush()
+    note = os.environ.get("ONCEFLOW_PIPELINE_CRASH_LOG")
+    if note:
+        with open(note, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
     pgid = int(os.environ.get("ONCEFLOW_PIPELINE_PGID", "0"))
     if pgid > 0:
         os.killpg(pgid, signal.SIGKILL)
@@ -93,6 +101,7 @@ def session(app: str = "onceflow-pipeline", cores: int = 2) -> Any:
         SparkSession.builder.master(f"local[{cores}]")
         .appName(app)
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", str(cores))
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.driver.host", "127.0.0.1")
@@ -152,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", type=int, default=2)
     args = p.parse_args(argv)
     os.environ["ONCEFLOW_PIPELINE_PGID"] = str(os.getpgrp()) if os.getpgrp() == os.getpid() else "0"
+    Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
+    os.environ["ONCEFLOW_PIPELINE_CRASH_LOG"] = str(Path(args.checkpoint) / "crashes.log")
     spark = session(cores=args.cores)
     queries = start_queries(spark, args)
     print("pipeline: running", flush=True)
