@@ -37,6 +37,22 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--no-profile", action="store_true", help="no cProfile run, even when a throughput target is missed")
     p.add_argument("--out", default=None, help="also write the results as JSON to this file")
     p.set_defaults(func=_bench_produce)
+    s = bsub.add_parser("spark", help="rows/s through Spark: onceflow source -> onceflow exactly-once sink, beside an "
+                                      "in-memory Python source -> no-op sink, same run; and the fixed cost of a micro-batch")
+    s.add_argument("--rows", type=int, default=1_000_000, help="rows through each pipeline (default: 1,000,000)")
+    s.add_argument("--cores", type=int, default=2, help="local[N] (default: 2)")
+    s.add_argument("--max-records-per-trigger", type=int, default=500_000, help="rows per micro-batch (default: 500,000)")
+    s.add_argument("--per-partition", type=int, default=250_000, help="rows per Spark partition (default: 250,000)")
+    s.add_argument("--repeat", type=int, default=2, help="runs of each pipeline, interleaved; the best counts (default: 2)")
+    s.add_argument("--tiny-batches", type=int, default=10, help="one-row micro-batches for the fixed cost (default: 10)")
+    s.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    s.set_defaults(func=_bench_spark)
+    k = bsub.add_parser("sinks", help="rows/s into PostgreSQL and Redis: exactly-once sinks beside at-least-once, same run")
+    k.add_argument("--rows", type=int, default=200_000, help="rows read from onceflow into each sink (default: 200,000)")
+    k.add_argument("--checkpoint-messages", type=int, default=5_000, help="rows per checkpoint (default: 5,000)")
+    k.add_argument("--repeat", type=int, default=3, help="runs of each sink, interleaved; the best counts (default: 3)")
+    k.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    k.set_defaults(func=_bench_sinks)
 
 
 def _bench_txn(args: argparse.Namespace) -> int:
@@ -53,5 +69,17 @@ def _bench_append(args: argparse.Namespace) -> int:
 
 def _bench_produce(args: argparse.Namespace) -> int:
     from .produce import run
+
+    return run(args)
+
+
+def _bench_spark(args: argparse.Namespace) -> int:
+    from .spark import run
+
+    return run(args)
+
+
+def _bench_sinks(args: argparse.Namespace) -> int:
+    from .sinks import run
 
     return run(args)
