@@ -48,6 +48,7 @@ async def serve(
         await _serve_uvicorn(app, host, port, log_level, stop)
         return
     await broker.start()  # finishes transactions decided before a crash, before anyone connects
+    app.subscriptions.start()  # resumes wakes, leases and webhook retries kept on disk
     connections: set[HttpServerProtocol] = set()
     server = await start_server(app, host, port, max_body_bytes, connections)
     bound = server.sockets[0].getsockname()
@@ -61,6 +62,7 @@ async def serve(
     for c in list(connections):
         if c.transport is not None:
             c.transport.close()
+    await app.subscriptions.close()
     await broker.close()
 
 

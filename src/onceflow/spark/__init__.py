@@ -13,8 +13,9 @@ from typing import Any
 
 from .datasource import OnceflowDataSource
 from .options import OptionError
+from .sinks import PostgresBatchSink, RedisBatchSink, postgres_sink, redis_sink
 
-__all__ = ["OnceflowDataSource", "OptionError", "register"]
+__all__ = ["OnceflowDataSource", "OptionError", "PostgresBatchSink", "RedisBatchSink", "postgres_sink", "redis_sink", "register"]
 
 
 def register(spark: Any) -> None:
