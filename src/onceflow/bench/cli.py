@@ -53,6 +53,14 @@ def add_bench_parser(sub: Any) -> None:
     k.add_argument("--repeat", type=int, default=3, help="runs of each sink, interleaved; the best counts (default: 3)")
     k.add_argument("--out", default=None, help="also write the results as JSON to this file")
     k.set_defaults(func=_bench_sinks)
+    r = bsub.add_parser("processors", help="processor latency p50/p99 and throughput (Cues exactly-once, parallel consumer) "
+                                           "beside a plain consumer doing the same work, same run")
+    r.add_argument("--messages", type=int, default=20_000, help="backlog for the throughput measurement (default: 20,000)")
+    r.add_argument("--rate", type=float, default=200.0, help="messages per second in the latency measurement (default: 200)")
+    r.add_argument("--seconds", type=float, default=5.0, help="duration of the latency measurement (default: 5)")
+    r.add_argument("--concurrency", type=int, default=4, help="handlers of the parallel consumer (default: 4)")
+    r.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    r.set_defaults(func=_bench_processors)
 
 
 def _bench_txn(args: argparse.Namespace) -> int:
@@ -81,5 +89,11 @@ def _bench_spark(args: argparse.Namespace) -> int:
 
 def _bench_sinks(args: argparse.Namespace) -> int:
     from .sinks import run
+
+    return run(args)
+
+
+def _bench_processors(args: argparse.Namespace) -> int:
+    from .processors import run
 
     return run(args)
