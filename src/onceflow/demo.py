@@ -271,6 +271,7 @@ def _verify(url: str, expected: int, stats: dict[str, int], driver: _Driver) -> 
         print(f"  crash {i}: {k}")
     planned = driver.checkpoint / "crashes.log"
     if planned.exists():
+        print("  the driver's own notes on its planned crashes:")
         for line in planned.read_text().splitlines():
             print(f"    {line.removeprefix('pipeline: crashing on purpose: ')}")
     ok = len(events) == expected and dup_source == 0 and duplicates == 0 and missing == 0 and extra == 0 and not wrong_counts
