@@ -14,26 +14,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from conftest import ServerProcess
+from test_spark import read_all
 
 pytestmark = pytest.mark.slow
-
-
-def read_all(url: str, name: str) -> list[Any]:
-    out: list[Any] = []
-    offset = "-1"
-    while True:
-        r = httpx.get(f"{url}/v1/stream/{name}", params={"offset": offset})
-        assert r.status_code == 200, r.text
-        out += r.json()
-        if r.headers.get("stream-up-to-date") == "true":
-            return out
-        offset = r.headers["stream-next-offset"]
 
 
 @pytest.mark.timeout(900)

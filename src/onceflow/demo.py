@@ -38,38 +38,6 @@ def _say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class _Server:
-    def __init__(self, data: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "onceflow.cli", "serve", "--data", str(data), "--port", str(self.port), "--long-poll-timeout", "1"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if "listening" in line:
-                break
-        else:
-            raise RuntimeError("the onceflow server did not start")
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # keep its pipe drained
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 @dataclass
 class _Driver:
     url: str
@@ -118,18 +86,11 @@ def _progress(url: str, sink: str) -> int:
 
 
 def _read_all(url: str, stream: str) -> list[Any]:
-    out: list[Any] = []
-    offset = "-1"
-    with httpx.Client(timeout=30) as c:
-        while True:
-            r = c.get(f"{url}/v1/stream/{stream}", params={"offset": offset})
-            if r.status_code == 404:
-                return out
-            r.raise_for_status()
-            out += r.json()
-            if r.headers.get("stream-up-to-date") == "true":
-                return out
-            offset = r.headers["stream-next-offset"]
+    """Every committed message of ``stream`` (none when it does not exist yet)."""
+    from .client import Stream
+
+    with Stream.connect(url, stream) as s:
+        return list(s.messages()) if s.exists() else []
 
 
 def _produce(url: str, n: int, drop: float, seed: int, seconds: float, stats: dict[str, int]) -> None:
@@ -164,7 +125,10 @@ def run_demo(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)  # noqa: S311
     _say(f"working in {work}")
-    server = _Server(work / "data")
+    from .bench.append import onceflow_server
+
+    server = onceflow_server(work / "data")
+    server.start()
     _say(f"onceflow server on {server.url} (fsync on every append)")
     driver = _Driver(server.url, work / "checkpoint", work / "driver.log", work / "stop", args.max_records_per_trigger)
     stats: dict[str, int] = {"produced": 0, "acks_dropped": 0}
@@ -195,10 +159,14 @@ def run_demo(args: argparse.Namespace) -> int:
                 driver.kill()
                 driver.kills.append("kill -9 at a random moment")
             else:
-                code = driver.wait(240)
+                code, give_up = None, time.monotonic() + 240
+                # wait for the planned crash; it cannot come once the sink has moved past its batch
+                while code is None and time.monotonic() < give_up and _progress(server.url, "demo-enrich") <= target:
+                    code = driver.wait(1.0)
                 if code is None:
                     driver.kill()
-                    driver.kills.append(f"kill -9 (the planned crash {kind} did not happen in time)")
+                    driver.kills.append(f"kill -9 from outside (the planned crash {kind.replace('-', ' ')} did not come: "
+                                        "too few events for that batch)")
                 else:
                     driver.proc = None
                     driver.kills.append("kill -9 " + ("right after the sink committed, before Spark's commit log" if kind == "after-commit"
