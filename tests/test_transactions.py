@@ -238,7 +238,7 @@ async def test_recovery_completes_a_logged_decision_and_keeps_aborts_hidden(once
     await t.send("r2", {"n": 2})
     coord = onceflow.broker.coordinator
 
-    async def crash(stream: str, producer_id: str, epoch: int, commit: bool) -> None:
+    async def crash(stream: str, producer_id: str, epoch: int, txn: int, commit: bool) -> None:
         raise ConnectionAbortedError("power cut")  # the process dies here
 
     coord.write_marker = crash
@@ -254,11 +254,11 @@ async def test_recovery_completes_a_logged_decision_and_keeps_aborts_hidden(once
     await again.start()
     try:
         for name, expected in (("r1", [{"n": 1}]), ("r2", [{"n": 2}]), ("r3", [])):
-            s = again.get(name)
-            assert s is not None
-            res = again.read(s, again.resolve_start(s, "-1"))  # type: ignore[arg-type]
+            st = again.get(name)
+            assert st is not None
+            res = again.read(st, again.resolve_start(st, "-1"))  # type: ignore[arg-type]
             assert [m for b in res.batches for m in json.loads(b"[" + b.payload[:-1] + b"]")] == expected
-            assert s.stable() == s.tail
+            assert st.stable() == st.tail
         assert again.coordinator.txns["crashy"].status.value == "complete_commit"
     finally:
         again.begin_shutdown()

@@ -32,7 +32,7 @@ from ..storage.log import FsyncPolicy, InvalidPosition, ReadBatch, StreamLog
 from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
 from ..storage.position import Position, parse_token
 from .jsonmode import JsonError, encode_messages, split_messages
-from .txn import Coordinator, TxnError, TxnMeta
+from .txn import TXN_PRODUCER_PREFIX, Coordinator, OpenTxn, TxnError, TxnMeta
 
 __all__ = [
     "MAX_NAME_BYTES",
@@ -289,10 +289,22 @@ class Broker:
         self._unfinished = self.coordinator.open()
 
     async def start(self) -> None:
-        """Finish transactions decided before a crash, then start the background tasks."""
-        await self.coordinator.recover(self._unfinished)
+        """Reconcile the transactions the streams hold open with the coordinator, finish those
+        decided before a crash and abort the undecided ones, then start the background tasks."""
+        await self.coordinator.recover(self._unfinished, self.open_transactions())
         self._unfinished = []
         self.start_background()
+
+    def open_transactions(self) -> list[OpenTxn]:
+        """Every transactional producer with data but no marker yet in a stream (durable state)."""
+        found: list[OpenTxn] = []
+        for s in self.streams.values():
+            for pid in s.log.txn.open:
+                if not pid.startswith(TXN_PRODUCER_PREFIX):
+                    continue  # only "txn:<tid>" producers may append transactionally
+                state = s.log.durable_producer(pid)
+                found.append(OpenTxn(s.name, pid[len(TXN_PRODUCER_PREFIX):], state.epoch if state is not None else -1, s.log.txn.ended.get(pid)))
+        return found
 
     def start_background(self) -> None:
         """Start the expiry sweeper (and the sync timer for the ``interval`` policy)."""
@@ -340,13 +352,15 @@ class Broker:
             except OSError as exc:
                 log.error("could not abort expired transactions: %s", exc)
 
-    async def _write_marker(self, stream: str, producer_id: str, epoch: int, commit: bool) -> None:
-        """Append a transaction marker to ``stream`` and wait until it is durable."""
+    async def _write_marker(self, stream: str, producer_id: str, epoch: int, txn: int, commit: bool) -> None:
+        """Append a marker ending transaction ``txn`` (-1: unknown) of ``producer_id`` to ``stream``
+        and wait until it is durable. The transaction number rides in the marker's sequence fields
+        (markers move no sequences), so recovery can tell which transaction a stream saw end."""
         s = self.streams.get(stream)
         if s is None:
             return  # deleted since: its data went with it
         flags = FLAG_CONTROL | (FLAG_COMMIT if commit else 0) | (FLAG_JSON if s.is_json else 0)
-        staged = s.log.stage(count=0, payload=b"", flags=flags, producer_id=producer_id, epoch=epoch)
+        staged = s.log.stage(count=0, payload=b"", flags=flags, producer_id=producer_id, epoch=epoch, first_seq=txn, last_seq=txn)
         await staged.done
 
     async def _sync_loop(self) -> None:
@@ -595,6 +609,13 @@ class Broker:
         deadline: float | None = None
         loop = asyncio.get_running_loop()
         while True:
+            if (
+                deadline is not None and transactional_id is not None and txn_number is not None and producer is not None
+                and not self.coordinator.still_open(transactional_id, producer.epoch, txn_number, name)
+            ):
+                # it waited for earlier sequence numbers and the transaction ended meanwhile: its
+                # data must not land after the transaction's marker, outside any transaction
+                return Outcome("txn_refused", txn=txn_number, detail=f"transaction {txn_number} of {transactional_id!r} ended while this append waited")
             outcome = await self._append_once(
                 name, body, content_type=content_type, close=close, producer=producer, stream_seq=stream_seq,
                 if_match=if_match, txn=txn_number is not None,

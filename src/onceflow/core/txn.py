@@ -1,16 +1,22 @@
 """The transaction coordinator: Kafka-style transactions across streams, plus consumer-group offsets.
 
-Every state change is a JSON record in the coordinator's own log (``DATA/coordinator``), appended and
-synced before the change takes effect, so the log alone says what happened. A commit:
+Every state change is a JSON record in the coordinator's own log (``DATA/coordinator``). Each
+``txn`` record holds the whole state of its transactional id (epoch, transaction number, status,
+streams, offsets), so the last record of an id that reached the disk says all the log knows. A commit:
 
-    1. ``ONGOING``: each stream is recorded *before* the transaction's first batch goes to it, so
-       recovery knows every stream that may hold its data (and the group offsets it carries).
-    2. ``PREPARE_COMMIT`` (or ``PREPARE_ABORT``): the decision, one durable record. From here on the
-       outcome is fixed; recovery finishes it.
-    3. A commit (abort) marker batch is appended to every stream touched; read_committed readers of
-       that stream move past the transaction (or skip its data).
+    1. ``ONGOING``: each stream is recorded before the transaction's first batch goes to it, but
+       this record is *not* waited for: it is only ordered before every later record, so it is
+       durable once any later record is. Recovery does not need it: every stream's log records the
+       producers with an open transaction there, and :meth:`Coordinator.recover` reconciles them
+       (see there). Group offsets (``add_offsets``) are still synced before the answer: unlike
+       streams, no stream log could recover them.
+    2. ``PREPARE_COMMIT`` (or ``PREPARE_ABORT``): the decision, one durable record holding every
+       stream of the transaction. From here on the outcome is fixed; recovery finishes it.
+    3. A commit (abort) marker batch is appended to every stream touched, naming the epoch and the
+       transaction it ends; read_committed readers of that stream move past the transaction (or
+       skip its data).
     4. ``COMPLETE_COMMIT``: group offsets carried by the transaction take effect; the producer may
-       begin its next transaction.
+       begin its next transaction. Not waited for either (recovery redoes steps 3 and 4).
 
 Fencing: ``init`` bumps the transactional id's epoch and aborts what the previous epoch left open;
 any request with an older epoch is refused. Each transaction has a number (``txn``) within its
@@ -27,7 +33,7 @@ import enum
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +42,7 @@ from ..storage.batch import FLAG_JSON
 from ..storage.log import FsyncPolicy, StreamLog
 from ..storage.position import Position
 
-__all__ = ["Coordinator", "TxnError", "TxnMeta", "TxnStatus"]
+__all__ = ["Coordinator", "OpenTxn", "TxnError", "TxnMeta", "TxnStatus"]
 
 log = logging.getLogger("onceflow.txn")
 
@@ -102,7 +108,18 @@ class TxnMeta:
         }
 
 
-MarkerWriter = Callable[[str, str, int, bool], Awaitable[None]]  # (stream, producer id, epoch, commit)
+MarkerWriter = Callable[[str, str, int, int, bool], Awaitable[None]]  # (stream, producer id, epoch, txn, commit)
+UNKNOWN_TXN = -1  # the transaction number of a marker that ends data no coordinator record describes
+
+
+@dataclass(frozen=True, slots=True)
+class OpenTxn:
+    """A producer's transaction that a stream's log holds open after a restart (data, no marker)."""
+
+    stream: str
+    tid: str
+    epoch: int  # the producer epoch of the open data
+    ended: tuple[int, int] | None  # (epoch, txn) named by the producer's last marker in that stream
 
 
 def _log_failure(fut: asyncio.Future[None]) -> None:
@@ -228,7 +245,11 @@ class Coordinator:
 
     async def begin_write(self, tid: str, epoch: int, stream: str) -> TxnMeta:
         """Called before a transactional append to ``stream``: starts the transaction if idle and
-        records the stream durably the first time it is touched."""
+        records the stream the first time it is touched.
+
+        The record is not waited for (see the module docstring): the caller stages its batch right
+        after this returns, without awaiting in between, so a transaction's data in a stream is
+        always staged while the coordinator holds it ONGOING, before its decision."""
         async with self._lock(tid):
             meta = self._current(tid, epoch)
             if meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
@@ -238,11 +259,20 @@ class Coordinator:
                 meta.streams, meta.offsets = set(), {}
                 meta.started = time.monotonic()
                 meta.streams.add(stream)
-                await self._transition(meta, TxnStatus.ONGOING)
+                await self._transition(meta, TxnStatus.ONGOING, durable=False)
             elif stream not in meta.streams:
                 meta.streams.add(stream)
-                await self._write(meta.record())
+                await self._write(meta.record(), durable=False)
             return meta
+
+    def still_open(self, tid: str, epoch: int, txn: int, stream: str) -> bool:
+        """Whether transaction ``txn`` of ``tid`` at ``epoch`` is still open and holds ``stream``
+        (an append that waited between :meth:`begin_write` and staging checks this again)."""
+        meta = self.txns.get(tid)
+        return (
+            meta is not None and meta.epoch == epoch and meta.txn == txn
+            and meta.status is TxnStatus.ONGOING and stream in meta.streams
+        )
 
     async def add_offsets(self, tid: str, epoch: int, group: str, offsets: dict[str, str]) -> TxnMeta:
         """Make ``group``'s offsets part of the open transaction (they count only if it commits)."""
@@ -281,12 +311,15 @@ class Coordinator:
         await self._transition(meta, TxnStatus.PREPARE_COMMIT if commit else TxnStatus.PREPARE_ABORT)
         await self._complete(meta)
 
-    async def _complete(self, meta: TxnMeta) -> None:
+    async def _complete(self, meta: TxnMeta, *, done: frozenset[str] = frozenset()) -> None:
+        """Steps 3 and 4 of a logged decision; ``done``: streams known to hold its marker already."""
         commit = meta.status is TxnStatus.PREPARE_COMMIT
         # Step 3: a marker in every stream the transaction touched (all at once; each is durable).
         assert self.write_marker is not None
         writer = self.write_marker
-        await asyncio.gather(*(writer(stream, meta.producer_id, meta.epoch, commit) for stream in sorted(meta.streams)))
+        await asyncio.gather(*(
+            writer(stream, meta.producer_id, meta.epoch, meta.txn, commit) for stream in sorted(meta.streams - done)
+        ))
         # Step 4: offsets take effect with the completion record. It need not be synced before the
         # answer: if it is lost, recovery sees the decision again and rewrites the markers, which a
         # stream ignores when no transaction of that producer is open there.
@@ -378,12 +411,73 @@ class Coordinator:
                     log.info("aborting transaction %d of %r: a leftover under %r", meta.txn, meta.tid, prefix)
                     await self._finish(meta, commit=False)
 
-    async def recover(self, pending: list[TxnMeta]) -> None:
-        """Finish every transaction whose decision was logged before a crash."""
+    async def recover(self, pending: list[TxnMeta], found: Sequence[OpenTxn] = ()) -> None:
+        """After a restart, before serving: reconcile the transactions the stream logs hold open
+        (``found``) with the coordinator log, and finish every decision logged before the crash.
+
+        The ONGOING records are not synced, so a stream may hold data of a transaction the
+        coordinator log does not (fully) know. For each ``(stream, tid)`` held open, with the
+        replayed state of ``tid``:
+
+        - ONGOING, same epoch: the data is that transaction's (everything of an earlier
+          transaction of the epoch was marked before its COMPLETE record, which precedes this
+          ONGOING one). The stream joins its streams: a commit, an abort or the timeout covers it.
+        - PREPARE_*, same epoch, the stream among its streams: the decision's own data, unless the
+          stream's last marker of that producer already names this transaction (or a later one);
+          then the decision was carried out there (only its unsynced COMPLETE record was lost) and
+          the open data belongs to the next transaction, whose records were lost too.
+        - anything else (no record, EMPTY, COMPLETE_*, another epoch, a stream outside the
+          decision): a transaction that was never decided. It is aborted there.
+
+        Order: first the logged decisions are finished (never over a stream whose open data is not
+        theirs); then every id that loses undecided data of its *current* epoch is fenced with a
+        synced record (a new epoch, as after a timeout: its producer believes the transaction is
+        still open and must not continue it half aborted); only then are the abort markers
+        written. A crash anywhere in between leaves the same or an already fenced situation, which
+        the next recovery handles the same way.
+        """
+        orphans: dict[str, list[OpenTxn]] = {}
+        done: dict[str, set[str]] = {}  # tid -> streams where its logged decision is carried out
+        for o in found:
+            meta = self.txns.get(o.tid)
+            if meta is not None and o.epoch == meta.epoch:
+                if meta.status is TxnStatus.ONGOING:
+                    meta.streams.add(o.stream)
+                    continue
+                if meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT) and o.stream in meta.streams:
+                    if o.ended is None or o.ended[0] != meta.epoch or o.ended[1] < meta.txn:
+                        continue  # the decision's own data: its marker is written below
+                    done.setdefault(o.tid, set()).add(o.stream)
+            orphans.setdefault(o.tid, []).append(o)
         for meta in pending:
             log.info("completing %s of transaction %d of %r after restart", meta.status.value, meta.txn, meta.tid)
             async with self._lock(meta.tid):
-                await self._complete(meta)
+                await self._complete(meta, done=frozenset(done.get(meta.tid, ())))
+        for tid, opens in sorted(orphans.items()):
+            top = max(o.epoch for o in opens)
+            async with self._lock(tid):
+                meta = self.txns.get(tid)
+                if meta is None:
+                    meta = self.txns[tid] = TxnMeta(tid, epoch=top, timeout=self.default_timeout)
+                if top >= meta.epoch:
+                    log.warning("fencing epoch %d of %r: it left undecided data in %s", top, tid, sorted(o.stream for o in opens))
+                    await self._fence(meta, top)
+        assert self.write_marker is not None
+        for tid, opens in sorted(orphans.items()):
+            for o in opens:
+                log.warning("aborting undecided data of %r (epoch %d) in %r after restart", tid, o.epoch, o.stream)
+                await self.write_marker(o.stream, TXN_PRODUCER_PREFIX + tid, o.epoch, UNKNOWN_TXN, False)
+
+    async def _fence(self, meta: TxnMeta, epoch: int) -> None:
+        """Abort ``meta``'s open transaction and move past ``epoch`` with a synced record, so a
+        producer of that epoch is refused from now on. The caller holds the id's lock."""
+        if meta.status is TxnStatus.ONGOING:
+            await self._finish(meta, commit=False)
+        meta.epoch = max(meta.epoch, epoch) + 1
+        meta.txn = 0
+        meta.streams, meta.offsets = set(), {}
+        meta.status = TxnStatus.EMPTY
+        await self._write(meta.record())
 
     async def expire(self) -> list[str]:
         """Abort transactions open longer than their timeout; returns their ids."""
@@ -393,14 +487,9 @@ class Coordinator:
             async with self._lock(meta.tid):
                 if meta.status is TxnStatus.ONGOING and now - meta.started > meta.timeout:
                     log.warning("aborting transaction %d of %r: open longer than %.0f s", meta.txn, meta.tid, meta.timeout)
-                    await self._finish(meta, commit=False)
                     # Fence the producer too: its next append must not quietly begin a new
                     # transaction that a later commit would publish without the aborted part.
-                    meta.epoch += 1
-                    meta.txn = 0
-                    meta.streams, meta.offsets = set(), {}
-                    meta.status = TxnStatus.EMPTY
-                    await self._write(meta.record())
+                    await self._fence(meta, meta.epoch)
         return [m.tid for m in expired]
 
     # ------------------------------------------------------------------ group offsets

@@ -140,19 +140,25 @@ class TxnIndex:
     ``open``: where each producer's transaction that has data here but no marker yet began; the
     earliest of them is the last stable offset (LSO): read_committed readers stop there.
     ``aborted``: per producer, the byte ranges ``[first batch, abort marker)`` of aborted transactions;
-    read_committed readers skip that producer's batches inside them. Rebuilt from the log on recovery.
+    read_committed readers skip that producer's batches inside them.
+    ``ended``: per producer, ``(epoch, transaction number)`` named by its last marker here (the
+    number rides in the marker's sequence fields; -1 when the writer did not know it). The
+    coordinator's recovery uses it to tell whether a logged decision already reached this stream.
+    Rebuilt from the log on recovery.
     """
 
     open: dict[str, Position] = field(default_factory=dict)
     aborted: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    ended: dict[str, tuple[int, int]] = field(default_factory=dict)
 
-    def apply(self, flags: int, producer_id: str | None, start: Position) -> None:
+    def apply(self, flags: int, producer_id: str | None, start: Position, epoch: int = -1, txn: int = -1) -> None:
         if producer_id is None:
             return
         if flags & FLAG_CONTROL:
             began = self.open.pop(producer_id, None)
             if began is not None and not flags & FLAG_COMMIT:
                 self.aborted.setdefault(producer_id, []).append((began.pos, start.pos))
+            self.ended[producer_id] = (epoch, txn)
         elif flags & FLAG_TXN and producer_id not in self.open:
             self.open[producer_id] = start
 
@@ -169,6 +175,7 @@ class TxnIndex:
         return {
             "open": {pid: [p.offset, p.pos] for pid, p in self.open.items()},
             "aborted": {pid: [list(r) for r in ranges] for pid, ranges in self.aborted.items()},
+            "ended": {pid: list(e) for pid, e in self.ended.items()},
         }
 
     @classmethod
@@ -178,6 +185,7 @@ class TxnIndex:
         return cls(
             open={pid: Position(*p) for pid, p in raw["open"].items()},
             aborted={pid: [(a, b) for a, b in ranges] for pid, ranges in raw["aborted"].items()},
+            ended={pid: (e[0], e[1]) for pid, e in raw.get("ended", {}).items()},
         )
 
 
@@ -206,7 +214,7 @@ class _Group:
     chunks: list[bytes] = field(default_factory=list)
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
     producers: list[tuple[str, ProducerState]] = field(default_factory=list)
-    txn_events: list[tuple[int, str | None, Position]] = field(default_factory=list)
+    txn_events: list[tuple[int, str | None, Position, int, int]] = field(default_factory=list)
     tail: TailState | None = None
 
 
@@ -465,7 +473,7 @@ class StreamLog:
                         st[2].append(entry)
                     if flags & (FLAG_TXN | FLAG_CONTROL):
                         txn_pid = bytes(view[p + HEADER_SIZE : p + HEADER_SIZE + pid_len]).decode("utf-8", "replace") if pid_len or epoch >= 0 else None
-                        self.txn.apply(flags, txn_pid, Position(offset, base_pos + p))
+                        self.txn.apply(flags, txn_pid, Position(offset, base_pos + p), epoch, fseq)
                     if flags & FLAG_CLOSE or sseq_len:
                         h = parse_header(data, p, verify=False)
                         tail = tail.after(h, Position(offset + count, base_pos + p + length))
@@ -578,7 +586,7 @@ class StreamLog:
         )
         group.tail = self.pending
         if flags & (FLAG_TXN | FLAG_CONTROL):
-            group.txn_events.append((flags, producer_id, start))
+            group.txn_events.append((flags, producer_id, start, epoch, first_seq))
         if producer_id is not None and not flags & FLAG_CONTROL:  # markers do not move sequences
             state = _advance(self.producer(producer_id), epoch, first_seq, last_seq, start, end)
             self._overlay[producer_id] = (group.gid, state)
@@ -615,8 +623,8 @@ class StreamLog:
     def _commit(self, group: _Group) -> None:
         assert group.tail is not None
         self.durable = group.tail
-        for flags, pid, start in group.txn_events:
-            self.txn.apply(flags, pid, start)
+        for flags, pid, start, epoch, txn in group.txn_events:
+            self.txn.apply(flags, pid, start, epoch, txn)
         for pid, state in group.producers:
             self.producers[pid] = state
             over = self._overlay.get(pid)

@@ -1,0 +1,423 @@
+"""Recovery of transactions whose coordinator records did not all reach the disk.
+
+The coordinator does not wait for its ONGOING records (nor for COMPLETE): a crash can leave a
+stream holding transactional data that the coordinator log knows nothing, or too little, about.
+Each test runs a broker, "kills" it after everything staged reached the disk (no clean close, no
+snapshot; or a clean close where noted), cuts the coordinator log the way a crash before its fsync
+would, restarts, and checks what a user relies on: committed data is there exactly once, undecided or
+aborted data is never visible to read_committed, the last stable offset is the tail, a
+multi-stream transaction is all or nothing, and the transactional id works again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import InProcess
+from onceflow.core.broker import Broker
+from onceflow.server.app import App, AppConfig
+from onceflow.storage.batch import FLAG_JSON
+from onceflow.storage.log import StreamLog
+from onceflow.storage.position import Position
+from test_transactions import JSON, S, Txn, committed, make, uncommitted
+
+pytestmark = pytest.mark.anyio
+Record = dict[str, Any]
+
+
+@asynccontextmanager
+async def serve(data: Path, *, recover: bool = True) -> AsyncIterator[InProcess]:
+    """A broker on ``data`` (recovered as ``onceflow serve`` does before listening), in process."""
+    broker = Broker(data, reorder_wait=2.0)
+    broker.open()
+    if recover:
+        await broker.start()
+    app = App(broker, AppConfig(long_poll_timeout=0.3))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        yield InProcess(broker, app, client, data)
+
+
+async def kill(broker: Broker) -> None:
+    """kill -9, after everything staged reached the files: no flush, no snapshot, no COMPLETE sync."""
+    for task in list(broker._tasks):
+        task.cancel()
+    for s in broker.streams.values():
+        await s.log.drain()
+        s.log.close_files()
+    coord = broker.coordinator._log
+    assert coord is not None
+    await coord.drain()
+    coord.close_files()
+    broker.streams.clear()
+    broker.executor.shutdown(wait=True)
+
+
+def coordinator_records(data: Path) -> list[tuple[Position, bytes, Record]]:
+    """(start, payload, record) of every batch of the coordinator log (one record each)."""
+    log = StreamLog.open(data / "coordinator", Position(0, 0))
+    try:
+        out = []
+        at = log.base
+        while at != log.durable.end:
+            for b in log.read(at, 1 << 20):
+                (rec,) = json.loads(b"[" + b.payload[:-1] + b"]")
+                out.append((b.start, b.payload, rec))
+                at = b.end
+        return out
+    finally:
+        log.close_files()
+
+
+def lose_tail_from(data: Path, first_lost: Callable[[Record], bool]) -> list[Record]:
+    """The coordinator log's fsync did not finish: cut it at the first record matching ``first_lost``.
+    Returns the records lost (so a test can check it cut what it meant to)."""
+    recs = coordinator_records(data)
+    cut = next(i for i, (_, _, rec) in enumerate(recs) if first_lost(rec))
+    (seg,) = sorted((data / "coordinator").glob("*.seg"))
+    with open(seg, "r+b") as f:
+        f.truncate(recs[cut][0].pos)
+    (data / "coordinator" / "producers.snap").unlink(missing_ok=True)
+    return [rec for _, _, rec in recs[cut:]]
+
+
+def lose_records(data: Path, lost: Callable[[Record], bool]) -> list[Record]:
+    """Rewrite the coordinator log without the records matching ``lost`` (anywhere in it)."""
+    recs = coordinator_records(data)
+    directory = data / "coordinator"
+    shutil.rmtree(directory)
+    log = StreamLog.open(directory, Position(0, 0))
+    log.write_initial([(payload, 1, FLAG_JSON) for _, payload, rec in recs if not lost(rec)])
+    log.close_files()
+    (directory / "producers.snap").unlink(missing_ok=True)
+    return [rec for _, _, rec in recs if lost(rec)]
+
+
+def is_txn(tid: str, status: str, txn: int | None = None) -> Callable[[Record], bool]:
+    return lambda r: r.get("tid") == tid and r["status"] == status and (txn is None or r["txn"] == txn)
+
+
+async def assert_settled(c: InProcess, *names: str) -> None:
+    """Nothing is left open: read_committed readers see up to the tail of every stream."""
+    for n in names:
+        head = await c.client.head(S + n)
+        assert head.headers["stream-last-stable-offset"] == head.headers["stream-next-offset"], n
+
+
+async def status(c: InProcess, tid: str) -> dict[str, Any]:
+    r = await c.client.get("/v1/txn/" + tid)
+    assert r.status_code == 200
+    body: dict[str, Any] = r.json()
+    return body
+
+
+async def crash_before_markers(*_: object) -> None:
+    raise OSError("the process dies before the markers")
+
+
+# ---------------------------------------------------------------------- data durable, ONGOING lost
+
+
+@pytest.mark.parametrize("before", ["first transaction", "after a commit"])
+async def test_data_without_its_ongoing_record_is_aborted_and_the_producer_fenced(tmp_path: Path, before: str) -> None:
+    data = tmp_path / "data"
+    async with serve(data) as c:
+        await make(c, "s")
+        t = Txn(c.client, "w")
+        await t.init()
+        if before == "after a commit":
+            await t.send("s", {"n": "committed"})
+            assert (await t.end(commit=True)).status_code == 200
+        lost_txn = t.txn + 1
+        assert (await t.send("s", {"n": "undecided"})).status_code == 200  # acknowledged: durable
+        await kill(c.broker)
+    lost = lose_tail_from(data, is_txn("w", "ongoing", lost_txn))
+    assert [r["status"] for r in lost] == ["ongoing"]
+    kept = [{"n": "committed"}] if before == "after a commit" else []
+    async with serve(data) as c:
+        t.c = c.client  # the same producer, talking to the restarted server
+        assert await committed(c, "s") == kept
+        assert {"n": "undecided"} in await uncommitted(c, "s")
+        await assert_settled(c, "s")
+        # the producer believes its transaction is open: it must not go on with half of it
+        assert (await status(c, "w"))["epoch"] == t.epoch + 1
+        assert (await t.send("s", {"n": "continues"})).status_code == 403
+        assert (await t.end(commit=True)).status_code == 403
+        # a new instance of the same id works from a clean slate
+        fresh = Txn(c.client, "w")
+        await fresh.init()
+        await fresh.send("s", {"n": "redone"})
+        assert (await fresh.end(commit=True)).status_code == 200
+        assert await committed(c, "s") == [*kept, {"n": "redone"}]
+        await assert_settled(c, "s")
+        await c.broker.close()
+
+
+@pytest.mark.parametrize("dies", ["before the abort marker", "after the abort marker"])
+async def test_a_restart_that_dies_while_aborting_is_finished_by_the_next(tmp_path: Path, dies: str) -> None:
+    """Recovery fences the id before it writes the abort marker: whether the marker made it or
+    not, the next restart ends with the data aborted and the old producer refused."""
+    data = tmp_path / "data"
+    async with serve(data) as c:
+        await make(c, "s")
+        t = Txn(c.client, "w")
+        await t.init()
+        await t.send("s", {"n": 1})
+        await kill(c.broker)
+    lose_tail_from(data, is_txn("w", "ongoing", 1))
+    broker = Broker(data)
+    broker.open()
+    real = broker.coordinator.write_marker
+    assert real is not None
+
+    async def dying(stream: str, producer_id: str, epoch: int, txn: int, commit: bool) -> None:
+        if dies == "after the abort marker":
+            await real(stream, producer_id, epoch, txn, commit)
+        raise OSError("the process dies")
+
+    broker.coordinator.write_marker = dying
+    with pytest.raises(OSError):
+        await broker.start()
+    await kill(broker)
+    async with serve(data) as c:
+        t.c = c.client
+        assert await committed(c, "s") == []
+        await assert_settled(c, "s")
+        assert (await status(c, "w"))["epoch"] == t.epoch + 1  # fenced once, not again
+        assert (await t.send("s", {"n": 2})).status_code == 403
+        await c.broker.close()
+
+
+# ---------------------------------------------------------------------- a stream's addition lost, no decision
+
+
+@pytest.mark.parametrize("outcome", ["commit", "abort", "timeout"])
+async def test_a_stream_whose_addition_was_lost_joins_the_open_transaction(tmp_path: Path, outcome: str) -> None:
+    """ONGOING {a} is durable, the record adding b is not, b's data is: after a restart the
+    transaction still covers both, whichever way it ends."""
+    data = tmp_path / "data"
+    async with serve(data) as c:
+        await make(c, "a", "b")
+        t = Txn(c.client, "w")
+        await t.init(timeout_ms=300 if outcome == "timeout" else None)
+        await t.send("a", {"to": "a"})
+        await t.send("b", {"to": "b"})
+        await kill(c.broker)
+    lost = lose_tail_from(data, lambda r: r.get("tid") == "w" and r["status"] == "ongoing" and r["streams"] == ["a", "b"])
+    assert len(lost) == 1
+    async with serve(data) as c:
+        t.c = c.client
+        assert (await status(c, "w"))["streams"] == ["a", "b"]
+        assert await committed(c, "a") == [] and await committed(c, "b") == []  # still open
+        if outcome == "timeout":
+            await asyncio.sleep(0.4)
+            assert await c.broker.coordinator.expire() == ["w"]
+        else:
+            r = await t.end(commit=outcome == "commit")  # the producer's (retried) request
+            assert r.status_code == 200, r.text
+        expected = outcome == "commit"
+        assert await committed(c, "a") == ([{"to": "a"}] if expected else [])
+        assert await committed(c, "b") == ([{"to": "b"}] if expected else [])
+        await assert_settled(c, "a", "b")
+        await c.broker.close()
+
+
+async def test_data_lost_after_its_ongoing_record_is_retried_into_the_same_transaction(tmp_path: Path) -> None:
+    """The ONGOING record is durable but the data never was: the retried append joins the same
+    transaction, whose commit then works."""
+    data = tmp_path / "data"
+    async with serve(data) as c:
+        await make(c, "s")
+        t = Txn(c.client, "w")
+        await t.init()
+        meta = await c.broker.coordinator.begin_write("w", t.epoch, "s")  # ... and the append dies
+        await kill(c.broker)
+    async with serve(data) as c:
+        t.c = c.client
+        r = await t.send("s", {"n": 1})  # the client's retry of the same sequence
+        assert r.status_code == 200 and t.txn == meta.txn
+        assert (await t.end(commit=True)).status_code == 200
+        assert await committed(c, "s") == [{"n": 1}]
+        await assert_settled(c, "s")
+        await c.broker.close()
+
+
+# ---------------------------------------------------------------------- the decision was logged
+
+
+@pytest.mark.parametrize("decision", ["commit", "abort", "members"])
+async def test_a_logged_decision_covers_streams_whose_addition_was_lost(tmp_path: Path, decision: str) -> None:
+    """The decision record alone names every stream: with the ONGOING records gone (which an
+    ordered log cannot do, so this is stricter than any crash) and no marker written, recovery
+    still finishes the transaction in all its streams."""
+    data = tmp_path / "data"
+    async with serve(data) as c:
+        await make(c, "a", "b")
+        coord = c.broker.coordinator
+        if decision == "members":
+            p0, p1 = Txn(c.client, "spark/q/p0"), Txn(c.client, "spark/q/p1")
+            for p in (p0, p1):
+                await p.init()
+            await p0.send("a", {"from": "p0"})
+            await p1.send("a", {"from": "p1"})
+            await p1.send("b", {"from": "p1"})
+            coord.write_marker = crash_before_markers
+            with pytest.raises(OSError):
+                await coord.commit_members("q", 5, [(p.tid, p.epoch, p.txn) for p in (p0, p1)], "spark/q/")
+        else:
+            t = Txn(c.client, "w")
+            await t.init()
+            await t.send("a", {"from": "w"})
+            await t.send("b", {"from": "w"})
+            coord.write_marker = crash_before_markers
+            with pytest.raises(OSError):
+                await coord.end("w", t.epoch, t.txn, commit=decision == "commit")
+        await kill(c.broker)
+    lost = lose_records(data, lambda r: r.get("status") == "ongoing")
+    assert lost
+    async with serve(data) as c:
+        if decision == "members":
+            assert sorted(m["from"] for m in await committed(c, "a")) == ["p0", "p1"]
+            assert await committed(c, "b") == [{"from": "p1"}]
+            assert (await c.client.get("/v1/sinks/q")).json()["batch"] == 5
+        else:
+            want = decision == "commit"
+            assert await committed(c, "a") == ([{"from": "w"}] if want else [])
+            assert await committed(c, "b") == ([{"from": "w"}] if want else [])
+            assert (await status(c, "w"))["status"] == f"complete_{decision}"
+        await assert_settled(c, "a", "b")
+        await c.broker.close()
+
+
+async def test_a_decision_whose_markers_reached_some_streams_is_finished_in_the_others(tmp_path: Path) -> None:
+    """The commit decision is logged and the marker reached stream a, not b: after the restart both
+    hold the data exactly once, and the producer, which lost nothing, goes on without re-init."""
+    data = tmp_path / "data"
+    async with serve(data) as c:
+        await make(c, "a", "b")
+        t = Txn(c.client, "w")
+        await t.init()
+        await t.send("a", {"n": 1})
+        await t.send("b", {"n": 2})
+        real = c.broker.coordinator.write_marker
+        assert real is not None
+
+        async def only_a(stream: str, producer_id: str, epoch: int, txn: int, commit: bool) -> None:
+            if stream != "a":
+                raise OSError("the process dies before b's marker")
+            await real(stream, producer_id, epoch, txn, commit)
+
+        c.broker.coordinator.write_marker = only_a
+        assert (await t.end(commit=True)).status_code >= 500  # the client retries 5xx
+        await kill(c.broker)
+    async with serve(data) as c:
+        t.c = c.client
+        assert await committed(c, "a") == [{"n": 1}]
+        assert await committed(c, "b") == [{"n": 2}]
+        await assert_settled(c, "a", "b")
+        assert (await t.end(commit=True)).status_code == 200  # the client's retry: already done
+        await t.send("a", {"n": 3})
+        assert (await t.end(commit=True)).status_code == 200
+        assert await committed(c, "a") == [{"n": 1}, {"n": 3}]
+        await c.broker.close()
+
+
+@pytest.mark.parametrize("shutdown", ["kill", "clean close"])
+async def test_the_next_transaction_is_not_swept_into_a_decision_whose_completion_was_lost(tmp_path: Path, shutdown: str) -> None:
+    """Transaction N committed (decision, markers) but its COMPLETE record and the next
+    transaction's ONGOING record were lost, while N+1's data reached a stream N also wrote and a
+    stream it did not. Recovery redoes N's decision: that must not commit N+1's data, which sits
+    after N's marker in the shared stream."""
+    data = tmp_path / "data"
+    async with serve(data) as c:
+        await make(c, "a", "b", "c")
+        t = Txn(c.client, "w")
+        await t.init()
+        await t.send("a", {"txn": "N"})
+        await t.send("b", {"txn": "N"})
+        assert (await t.end(commit=True)).status_code == 200
+        n = t.txn
+        await t.send("a", {"txn": "N+1"})
+        await t.send("c", {"txn": "N+1"})
+        if shutdown == "kill":
+            await kill(c.broker)
+        else:
+            await c.broker.close()  # the stream logs' snapshots now hold what their markers ended
+    lost = lose_tail_from(data, is_txn("w", "complete_commit", n))
+    assert [r["status"] for r in lost] == ["complete_commit", "ongoing", "ongoing"]
+    async with serve(data) as c:
+        t.c = c.client
+        assert await committed(c, "a") == [{"txn": "N"}]
+        assert await committed(c, "b") == [{"txn": "N"}]
+        assert await committed(c, "c") == []
+        assert {"txn": "N+1"} in await uncommitted(c, "a")
+        await assert_settled(c, "a", "b", "c")
+        assert (await status(c, "w"))["epoch"] == t.epoch + 1
+        assert (await t.send("c", {"txn": "N+1, continued"})).status_code == 403
+        fresh = Txn(c.client, "w")
+        await fresh.init()
+        await fresh.send("a", {"txn": "redone"})
+        await fresh.send("c", {"txn": "redone"})
+        assert (await fresh.end(commit=True)).status_code == 200
+        assert await committed(c, "a") == [{"txn": "N"}, {"txn": "redone"}]
+        assert await committed(c, "c") == [{"txn": "redone"}]
+        await c.broker.close()
+
+
+async def test_a_member_that_lost_its_records_fails_the_whole_batch(tmp_path: Path) -> None:
+    """Spark tasks: one member's ONGOING record was lost before the batch's commit. After the
+    restart that member is fenced and aborted; committing the batch then commits nothing."""
+    data = tmp_path / "data"
+    async with serve(data) as c:
+        await make(c, "x", "y")
+        p0, p1 = Txn(c.client, "spark/q/p0"), Txn(c.client, "spark/q/p1")
+        for p in (p0, p1):
+            await p.init()
+        await p0.send("x", {"from": "p0"})
+        await p1.send("y", {"from": "p1"})
+        await kill(c.broker)
+    lose_records(data, is_txn("spark/q/p1", "ongoing"))
+    async with serve(data) as c:
+        members = [{"id": p.tid, "epoch": p.epoch, "txn": p.txn} for p in (p0, p1)]
+        r = await c.client.post("/v1/sinks/q/commit", json={"batch": 0, "members": members, "abort_prefix": "spark/q/"})
+        assert r.status_code == 403, r.text
+        assert await committed(c, "x") == [] and await committed(c, "y") == []
+        await assert_settled(c, "x", "y")
+        assert (await c.client.get("/v1/sinks/q")).json()["batch"] is None
+        await c.broker.close()
+
+
+# ---------------------------------------------------------------------- while running
+
+
+async def test_an_append_that_waited_past_the_end_of_its_transaction_is_refused(tmp_path: Path) -> None:
+    """A pipelined append (sequence 2) waits for sequence 1; meanwhile the transaction ends and
+    sequence 1 begins the next one. The waiting append was sent for the ended transaction: it is
+    refused, not slipped into the next one."""
+    data = tmp_path / "data"
+    async with serve(data) as c:
+        await make(c, "s")
+        t = Txn(c.client, "w")
+        await t.init()
+        await t.send("s", {"seq": 0})
+        first = t.txn
+        headers = {"producer-id": "txn:w", "producer-epoch": str(t.epoch), "transaction-id": "w", **JSON}
+        waiting = asyncio.ensure_future(c.client.post(S + "s", json=[{"seq": 2}], headers={**headers, "producer-seq": "2"}))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        assert (await t.end(commit=True)).status_code == 200
+        r1 = await c.client.post(S + "s", json=[{"seq": 1}], headers={**headers, "producer-seq": "1"})
+        assert r1.status_code == 200 and int(r1.headers["transaction-number"]) == first + 1
+        r2 = await waiting
+        assert r2.status_code == 409, r2.text
+        await c.client.post("/v1/txn/w/commit", json={"epoch": t.epoch, "txn": first + 1})
+        assert await committed(c, "s") == [{"seq": 0}, {"seq": 1}]
+        await c.broker.close()
