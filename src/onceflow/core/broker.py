@@ -847,40 +847,24 @@ class Broker:
         """Where reads end: the last stable offset for read_committed, else the durable tail."""
         return s.stable() if committed else s.tail
 
-    def read(self, s: Stream, at: Position, max_bytes: int | None = None, *, committed: bool = True) -> ReadResult:
+    def read(
+        self, s: Stream, at: Position, max_bytes: int | None = None, *, committed: bool = True,
+        until: Position | None = None, max_records: int | None = None,
+    ) -> ReadResult:
         """Durable data from ``at``: at most about ``max_bytes`` (server default otherwise).
 
         read_committed (the default) stops at the last stable offset and leaves out the data of
-        aborted transactions; ``next`` still moves past what was left out.
+        aborted transactions; ``next`` still moves past what was left out. ``until`` and
+        ``max_records`` bound the read further (at least one batch is returned when there is any):
+        readers that replay exact ranges, such as the Spark source, read the same batches twice.
         """
-        end = self.visible_end(s, committed)
-        batches: list[ReadBatch] = []
-        if at.pos < end.pos:
-            try:
-                batches = s.read_range(at, max_bytes or self.max_read_bytes, end if end != s.tail else None)
-            except CorruptBatch as exc:  # only reachable through a forged offset
-                log.warning("read of %r at %s: %s", s.name, at.token(), exc)
-                raise InvalidPosition(f"offset {at.token()} is not a record boundary of this stream") from None
-        nxt = batches[-1].end if batches else at
-        if committed:
-            batches = [b for b in batches if not s.is_aborted(b)]
-        up_to_date = nxt.pos >= end.pos
-        return ReadResult(batches, nxt, up_to_date, up_to_date and s.closed and end == s.tail)
-
-    def read_bounded(
-        self, s: Stream, at: Position, until: Position | None, *, max_bytes: int | None = None,
-        max_records: int | None = None, committed: bool = True,
-    ) -> ReadResult:
-        """Like :meth:`read`, but never past ``until`` and never more than ``max_records`` records
-        (at least one batch is returned when there is any). Used by readers that replay exact
-        ranges, such as the Spark source: a range read twice gives the same batches."""
         end = self.visible_end(s, committed)
         if until is not None and until.pos < end.pos:
             end = until
         batches: list[ReadBatch] = []
         if at.pos < end.pos:
             try:
-                batches = s.read_range(at, max_bytes or self.max_read_bytes, end)
+                batches = s.read_range(at, max_bytes or self.max_read_bytes, end if end != s.tail else None)
             except CorruptBatch as exc:  # only reachable through a forged offset
                 log.warning("read of %r at %s: %s", s.name, at.token(), exc)
                 raise InvalidPosition(f"offset {at.token()} is not a record boundary of this stream") from None

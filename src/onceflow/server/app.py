@@ -568,7 +568,7 @@ class App:
         h = [(b"cache-control", b"no-store")]
         try:
             if fmt == "records":
-                result = self.broker.read_bounded(s, start, until, max_bytes=max_bytes, max_records=max_records, committed=committed)
+                result = self.broker.read(s, start, max_bytes, committed=committed, until=until, max_records=max_records)
                 frames = b"".join(
                     _FRAME.pack(b.header.base_offset, b.header.count, b.header.timestamp, len(b.payload)) + b.payload
                     for b in result.batches if b.header.count
