@@ -239,3 +239,22 @@ async def test_recovery_finishes_a_commit_whose_record_is_durable(tmp_path: Path
             assert (await client.get("/v1/sinks/q")).json()["batch"] == 3
     finally:
         await again.close()
+
+
+async def test_a_storage_error_while_committing_is_a_503_not_a_500(onceflow: InProcess) -> None:
+    a, b = await two_tasks(onceflow, "q")
+
+    async def disk_full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    onceflow.broker.coordinator.write_marker = disk_full
+    r = await onceflow.client.post("/v1/sinks/q/commit", json={"batch": 0, "members": members(a, b)})
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == "1"
+    assert "No space left on device" in r.json()["error"]["message"]
+    assert await committed(onceflow, "x") == []  # decided, but no marker reached the stream yet
+    # once the disk recovers, the server's sweep finishes the logged decision without a restart
+    onceflow.broker.coordinator.write_marker = onceflow.broker._write_marker
+    await onceflow.broker.coordinator.expire()
+    assert sorted(m["from"] for m in await committed(onceflow, "x")) == ["a", "b"]
+    assert await committed(onceflow, "y") == [{"from": "b"}]

@@ -490,6 +490,15 @@ class Coordinator:
                     # Fence the producer too: its next append must not quietly begin a new
                     # transaction that a later commit would publish without the aborted part.
                     await self._fence(meta, meta.epoch)
+        # A decision whose markers could not all be written (an I/O error) is finished here rather
+        # than only at the next restart, so the last stable offset does not stay stuck.
+        for meta in [m for m in self.txns.values() if m.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT)]:
+            if self._lock(meta.tid).locked():
+                continue  # being completed right now
+            async with self._lock(meta.tid):
+                if meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
+                    log.warning("finishing the logged %s of transaction %d of %r", meta.status.value, meta.txn, meta.tid)
+                    await self._complete(meta)
         return [m.tid for m in expired]
 
     # ------------------------------------------------------------------ group offsets

@@ -168,6 +168,10 @@ class App:
                 status, h, body = _error(exc.status, exc.code, str(exc))
             except TxnError as exc:
                 status, h, body = _outcome_response(txn_outcome(exc))
+            except OSError as exc:  # the coordinator log could not be written (disk full, I/O error)
+                log.error("%s %s: %s", method, path, exc)
+                status, h, body = _error(503, "unavailable", f"the transaction log could not be written ({exc.strerror or exc}); "
+                                         "retry: a logged decision is finished on recovery", [(b"retry-after", b"1")])
             await _send(send, status, h, body)
             return
         if path == LIST_PATH and method in ("GET", "HEAD"):
