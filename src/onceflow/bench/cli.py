@@ -61,6 +61,9 @@ def add_bench_parser(sub: Any) -> None:
     r.add_argument("--concurrency", type=int, default=4, help="handlers of the parallel consumer (default: 4)")
     r.add_argument("--out", default=None, help="also write the results as JSON to this file")
     r.set_defaults(func=_bench_processors)
+    from .compare import add_parser as _add_compare
+
+    _add_compare(bsub)
 
 
 def _bench_txn(args: argparse.Namespace) -> int:
