@@ -199,8 +199,14 @@ class Coordinator:
     async def _transition(self, meta: TxnMeta, status: TxnStatus, *, durable: bool = True) -> None:
         if not meta.status.can_become(status):
             raise TxnError("invalid_state", f"transaction {meta.tid!r} cannot go from {meta.status.value} to {status.value}")
-        meta.status = status
-        await self._write(meta.record(), durable=durable)
+        before, meta.status = meta.status, status
+        try:
+            await self._write(meta.record(), durable=durable)
+        except OSError:
+            # the record did not reach the log (the log rolls a failed write back): neither may
+            # the state, or a retry or the sweep would act on a decision that was never stored
+            meta.status = before
+            raise
 
     async def close(self) -> None:
         if self._log is not None:
@@ -371,7 +377,12 @@ class Coordinator:
                 for meta in prepared:
                     meta.status = TxnStatus.PREPARE_COMMIT
                 rec: dict[str, Any] = {"kind": "members", "sink": sink, "batch": batch, "members": [m.record() for m in prepared]}
-                await self._write(rec)  # the commit point of every member
+                try:
+                    await self._write(rec)  # the commit point of every member
+                except OSError:
+                    for meta in prepared:  # not decided after all: still open, a retry may commit them
+                        meta.status = TxnStatus.ONGOING
+                    raise
                 if batch is not None:
                     self.sinks[sink] = batch
                 await asyncio.gather(*(self._complete(meta) for meta in prepared))
