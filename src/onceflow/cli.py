@@ -29,8 +29,14 @@ def _run(coro: object) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .server.guard import GuardConfig, GuardConfigError
     from .server.run import serve
 
+    try:
+        guard = GuardConfig.from_file(args.guard) if args.guard else GuardConfig.from_env()
+    except GuardConfigError as exc:
+        print(f"onceflow serve: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.data.mkdir(parents=True, exist_ok=True)
     try:
@@ -45,6 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 http=args.http,
                 txn_timeout=args.txn_timeout,
                 log_level=args.log_level,
+                guard=guard,
             )
         )
     except KeyboardInterrupt:
@@ -78,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default timeout after which an open transaction is aborted (default: 60)")
     s.add_argument("--http", choices=["native", "uvicorn"], default="native",
                    help="HTTP server: onceflow's own asyncio/httptools server (default) or uvicorn")
+    s.add_argument("--guard", type=Path, default=None, metavar="FILE",
+                   help="JSON file of bearer tokens (read/write scopes per name prefix) and limits; "
+                        "default: $ONCEFLOW_GUARD if set, else no tokens and no limits (see docs/security.md)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
 
@@ -106,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from .chaos.run import add_chaos_parser
+
+    add_chaos_parser(sub)
     return p
 
 

@@ -13,6 +13,7 @@ from typing import Literal
 from ..core.broker import Broker
 from ..storage.log import FsyncPolicy
 from .app import App, AppConfig
+from .guard import Guard, GuardConfig
 from .http import HttpServerProtocol, start_server
 
 __all__ = ["serve"]
@@ -31,6 +32,7 @@ async def serve(
     http: Literal["native", "uvicorn"] = "native",
     txn_timeout: float = 60.0,
     log_level: str = "warning",
+    guard: GuardConfig | None = None,
 ) -> None:
     """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
 
@@ -40,17 +42,18 @@ async def serve(
     broker = Broker(data, fsync=fsync, txn_timeout=txn_timeout)
     broker.open()
     app = App(broker, AppConfig(long_poll_timeout=long_poll_timeout, max_body_bytes=max_body_bytes))
+    handler: App | Guard = app if guard is None else Guard(app, broker, guard)  # tokens and limits (server/guard.py)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if http == "uvicorn":
-        await _serve_uvicorn(app, host, port, log_level, stop)
+        await _serve_uvicorn(handler, host, port, log_level, stop)
         return
     await broker.start()  # finishes transactions decided before a crash, before anyone connects
     app.subscriptions.start()  # resumes wakes, leases and webhook retries kept on disk
     connections: set[HttpServerProtocol] = set()
-    server = await start_server(app, host, port, max_body_bytes, connections)
+    server = await start_server(handler, host, port, max_body_bytes, connections)
     bound = server.sockets[0].getsockname()
     print(f"onceflow listening on http://{host}:{bound[1]}", flush=True)
     await stop.wait()
@@ -66,7 +69,7 @@ async def serve(
     await broker.close()
 
 
-async def _serve_uvicorn(app: App, host: str, port: int, log_level: str, stop: asyncio.Event) -> None:
+async def _serve_uvicorn(app: App | Guard, host: str, port: int, log_level: str, stop: asyncio.Event) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):

@@ -1,0 +1,304 @@
+"""The clients of a chaos run, each a process that records its history (``onceflow chaos`` starts them).
+
+``python -m onceflow.chaos.worker KIND --url URL --history FILE --client NAME [...]``
+
+- ``producer``: an idempotent producer (raw HTTP, so that every request and answer is recorded):
+  batches of 1-4 unique values, each retried with the same ``Producer-Seq`` until it is answered.
+- ``txn``: a transactional producer: transactions over one or two streams, committing about three
+  in four and aborting the rest; a refused commit or a lost server re-initialises (fencing itself).
+- ``group``: a consumer-group member reading read_committed and committing its offsets outside
+  transactions, and reading them back.
+- ``reader``: a read_committed reader of many streams; every read is recorded.
+
+Each worker runs until SIGTERM or SIGKILL. Killed with ``kill -9`` it loses at most the last line of
+its history; a restarted worker writes to the same file under a new producer id, so its values stay
+unique.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import struct
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from .history import HistoryWriter
+
+__all__ = ["main", "parse_records"]
+
+_FRAME = struct.Struct("<qIqI")  # format=records: first record offset, record count, append time, payload length
+_running = True
+
+
+def _stop(signum: int, frame: object) -> None:
+    global _running
+    _running = False
+
+
+def parse_records(body: bytes) -> list[list[Any]]:
+    """``[[record offset, value], ...]`` of a ``format=records`` read of a JSON stream."""
+    out: list[list[Any]] = []
+    p = 0
+    while p < len(body):
+        base, count, _ts, size = _FRAME.unpack_from(body, p)
+        p += _FRAME.size
+        payload = body[p : p + size]
+        p += size
+        values = json.loads(b"[" + payload[:-1] + b"]") if payload else []
+        if len(values) != count:
+            raise ValueError(f"a frame at offset {base} says {count} records but holds {len(values)}")
+        out += [[base + i, v] for i, v in enumerate(values)]
+    return out
+
+
+def _offset_of(token: str) -> int:
+    return int(token.split("_", 1)[0])
+
+
+def _surl(url: str, stream: str) -> str:
+    return f"{url}/v1/stream/{quote(stream, safe='/')}"
+
+
+def _nap(rng: random.Random, lo: float = 0.02, hi: float = 0.08) -> None:
+    time.sleep(rng.uniform(lo, hi))
+
+
+def run_producer(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -> None:
+    pid = f"{args.client}.{os.getpid()}"
+    seqs: dict[str, int] = {}  # Producer-Seq is per stream
+    n = 0
+    with httpx.Client(timeout=args.timeout) as c:
+        while _running:
+            stream = rng.choice(args.stream)
+            values = [{"c": pid, "n": n + i} for i in range(rng.randint(1, 4))]
+            n += len(values)
+            op_id = h.next_id()
+            seq = seqs.get(stream, 0)
+            h.record("append", id=op_id, stream=stream, values=values, producer=pid, seq=seq)
+            headers = {"content-type": "application/json", "producer-id": pid, "producer-epoch": "0",
+                       "producer-seq": str(seq)}
+            body = json.dumps(values).encode()
+            while _running:  # the same sequence number until answered: retries are deduplicated
+                try:
+                    r = c.post(_surl(args.url, stream), content=body, headers=headers)
+                except httpx.TransportError:
+                    _nap(rng, 0.05, 0.2)
+                    continue
+                if r.status_code == 200:
+                    h.record("ack", id=op_id, outcome="ok", offset=_offset_of(r.headers["stream-next-offset"]) - len(values))
+                    seqs[stream] = seq + 1
+                    break
+                if r.status_code == 204:  # a duplicate: stored by an earlier attempt
+                    h.record("ack", id=op_id, outcome="ok", duplicate=True)
+                    seqs[stream] = seq + 1
+                    break
+                if r.status_code >= 500 or r.status_code == 429:
+                    _nap(rng, 0.1, 0.3)
+                    continue
+                # anything else leaves this append indeterminate; start a fresh producer id
+                h.record("note", id=op_id, status=r.status_code, text=r.text[:200])
+                pid, seqs = f"{args.client}.{os.getpid()}.{time.monotonic_ns()}", {}
+                break
+            _nap(rng)  # when stopping, an unanswered append stays indeterminate
+
+
+class _Txn:
+    def __init__(self, args: argparse.Namespace, h: HistoryWriter, rng: random.Random, c: httpx.Client) -> None:
+        self.args, self.h, self.rng, self.c = args, h, rng, c
+        self.tid = args.client
+        self.epoch = -1
+        self.seqs: dict[str, int] = {}
+
+    def post(self, path: str, body: dict[str, Any]) -> httpx.Response | None:
+        """POST until answered with anything but 5xx; None if the worker is stopping."""
+        while _running:
+            try:
+                r = self.c.post(f"{self.args.url}/v1/txn/{self.tid}/{path}", json=body)
+            except httpx.TransportError:
+                _nap(self.rng, 0.05, 0.2)
+                continue
+            if r.status_code < 500:
+                return r
+            _nap(self.rng, 0.1, 0.3)
+        return None
+
+    def init(self) -> bool:
+        r = self.post("init", {"timeout_ms": int(self.args.txn_timeout * 1000)})
+        if r is None or r.status_code != 200:
+            return False
+        self.epoch, self.seqs = int(r.json()["epoch"]), {}
+        return True
+
+    def append(self, stream: str, values: list[Any], label: str) -> int | None:
+        """The transaction number, or None if the append was not acknowledged."""
+        op_id = self.h.next_id()
+        seq = self.seqs.get(stream, 0)
+        self.h.record("append", id=op_id, stream=stream, values=values, txn=label, epoch=self.epoch, seq=seq)
+        headers = {"content-type": "application/json", "producer-id": f"txn:{self.tid}",
+                   "producer-epoch": str(self.epoch), "producer-seq": str(seq), "transaction-id": self.tid}
+        body = json.dumps(values).encode()
+        for _ in range(20):
+            if not _running:
+                return None
+            try:
+                r = self.c.post(_surl(self.args.url, stream), content=body, headers=headers)
+            except httpx.TransportError:
+                _nap(self.rng, 0.05, 0.2)
+                continue
+            if r.status_code in (200, 204):
+                self.seqs[stream] = seq + 1
+                ack: dict[str, Any] = {"outcome": "ok"}
+                if r.status_code == 200:
+                    ack["offset"] = _offset_of(r.headers["stream-next-offset"]) - len(values)
+                self.h.record("ack", id=op_id, **ack)
+                return int(r.headers.get("transaction-number", "-1"))
+            if r.status_code < 500 and r.status_code != 429:
+                self.h.record("note", id=op_id, status=r.status_code, text=r.text[:200])
+                return None
+            _nap(self.rng, 0.1, 0.3)
+        return None
+
+    def run(self) -> None:
+        k = 0
+        while _running:
+            if not self.init():
+                continue
+            while _running:
+                k += 1
+                label = f"{self.tid}.{os.getpid()}:{k}"
+                numbers = []
+                for stream in self.rng.sample(self.args.stream, self.rng.randint(1, len(self.args.stream))):
+                    values = [{"c": label, "n": i, "s": stream} for i in range(self.rng.randint(1, 3))]
+                    numbers.append(self.append(stream, values, label))
+                    _nap(self.rng)
+                if None in numbers or len(set(numbers)) != 1:
+                    self.h.record("txn", txn=label, decision="abort", outcome="unknown")
+                    break  # re-init: it aborts whatever this epoch left open
+                decision = "commit" if self.rng.random() < 0.75 else "abort"
+                r = self.post(decision, {"epoch": self.epoch, "txn": numbers[0]})
+                outcome = "ok" if r is not None and r.status_code == 200 else "unknown"
+                self.h.record("txn", txn=label, decision=decision, outcome=outcome,
+                              status=None if r is None else r.status_code)
+                if outcome != "ok":
+                    break
+                _nap(self.rng, 0.05, 0.15)
+
+
+def run_group(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -> None:
+    group = args.group
+    member_epoch = time.time_ns() // 1_000_000  # a restarted member is newer than its predecessor
+    with httpx.Client(timeout=args.timeout) as c:
+        offsets: dict[str, str] = {}
+        while _running and not offsets:
+            t0 = time.time()
+            try:
+                r = c.get(f"{args.url}/v1/groups/{group}/offsets")
+            except httpx.TransportError:
+                _nap(rng, 0.1, 0.3)
+                continue
+            if r.status_code == 200:
+                got = dict(r.json()["offsets"])
+                h.record("fetch-offsets", group=group, offsets=got, t0=t0)
+                offsets = {s: got.get(s, "-1") for s in args.stream}
+        while _running:
+            for stream in args.stream:
+                start = offsets[stream]
+                try:
+                    r = c.get(_surl(args.url, stream), params={"offset": start, "format": "records",
+                                                               "isolation": "read_committed", "max_bytes": "4096"})
+                except httpx.TransportError:
+                    _nap(rng, 0.1, 0.3)
+                    continue
+                if r.status_code != 200:
+                    continue
+                nxt = r.headers["stream-next-offset"]
+                h.record("read", stream=stream, isolation="read_committed", start=start, next=nxt,
+                         records=parse_records(r.content))
+                if nxt == start:
+                    continue
+                body = {"offsets": {stream: nxt}, "member_epoch": member_epoch}
+                try:
+                    r = c.post(f"{args.url}/v1/groups/{group}/offsets", json=body)
+                except httpx.TransportError:
+                    h.record("commit-offset", group=group, stream=stream, offset=nxt, outcome="unknown")
+                    continue
+                if r.status_code == 200:
+                    h.record("commit-offset", group=group, stream=stream, offset=nxt, outcome="ok")
+                    offsets[stream] = nxt
+                else:
+                    h.record("commit-offset", group=group, stream=stream, offset=nxt, outcome="unknown", status=r.status_code)
+            t0 = time.time()
+            try:
+                r = c.get(f"{args.url}/v1/groups/{group}/offsets")
+                if r.status_code == 200:
+                    h.record("fetch-offsets", group=group, offsets=dict(r.json()["offsets"]), t0=t0)
+            except httpx.TransportError:
+                pass
+            _nap(rng, 0.1, 0.3)
+
+
+def run_reader(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -> None:
+    offsets = dict.fromkeys(args.stream, "-1")
+    with httpx.Client(timeout=args.timeout) as c:
+        while _running:
+            for stream in args.stream:
+                try:
+                    r = c.get(_surl(args.url, stream), params={"offset": offsets[stream], "format": "records",
+                                                               "isolation": "read_committed", "max_bytes": "16384"})
+                except httpx.TransportError:
+                    _nap(rng, 0.1, 0.3)
+                    continue
+                if r.status_code != 200:
+                    continue
+                nxt = r.headers["stream-next-offset"]
+                records = parse_records(r.content)
+                if records:
+                    h.record("read", stream=stream, isolation="read_committed", start=offsets[stream], next=nxt,
+                             records=records)
+                offsets[stream] = nxt
+            _nap(rng, 0.05, 0.15)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m onceflow.chaos.worker", description="One client of a chaos run.")
+    p.add_argument("kind", choices=["producer", "txn", "group", "reader"])
+    p.add_argument("--url", required=True, help="server (or fault proxy) base URL")
+    p.add_argument("--history", required=True, help="JSON-lines file to append this client's history to")
+    p.add_argument("--client", required=True, help="client name (the transactional id for txn)")
+    p.add_argument("--stream", action="append", required=True, help="a stream to use (repeatable)")
+    p.add_argument("--group", default="chaos-group", help="consumer group (group)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3.0, help="HTTP timeout in seconds (default: 3)")
+    p.add_argument("--txn-timeout", type=float, default=5.0, help="transaction timeout in seconds (txn; default: 5)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)
+    rng = random.Random(f"{args.seed}/{args.client}/{os.getpid()}")  # noqa: S311 - a workload, not security
+    # a restarted worker writes to the same file: its own name keeps (client, id) pairs unique
+    with HistoryWriter(args.history, f"{args.client}.{os.getpid()}") as h:
+        if args.kind == "producer":
+            run_producer(args, h, rng)
+        elif args.kind == "txn":
+            with httpx.Client(timeout=args.timeout) as c:
+                _Txn(args, h, rng, c).run()
+        elif args.kind == "group":
+            run_group(args, h, rng)
+        else:
+            run_reader(args, h, rng)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
