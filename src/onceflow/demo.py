@@ -152,7 +152,7 @@ def run_demo(args: argparse.Namespace) -> int:
             _say(f"spark driver #{driver.starts} started (resumes after batch {done})"
                  + ("" if kind == "random" else f"; it will be killed {kind.replace('-', ' ')} of batch {target}"))
             if kind == "random":
-                deadline = time.monotonic() + 180
+                deadline = time.monotonic() + 45  # with no data left, it is killed idle: a crash too
                 while _progress(server.url, "demo-enrich") < done + 1 and time.monotonic() < deadline and driver.wait(0.5) is None:
                     pass
                 time.sleep(rng.uniform(0.2, 3.0))
