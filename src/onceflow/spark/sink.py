@@ -70,7 +70,7 @@ def check_sink_schema(schema: StructType, opts: Options) -> None:
 
 def _write_rows(opts: Options, tid: str, batches: Iterator[pa.RecordBatch]) -> TaskCommit:
     """Write every row inside one transaction of ``tid`` and leave it open for the driver."""
-    types: dict[str, bool] = {}  # stream -> is JSON
+    created: set[str] = set()  # target streams known to exist
     rows = 0
     with Conn(opts.url, deadline=opts.request_deadline) as conn, TransactionalProducer(
         opts.url, tid, timeout_ms=opts.transaction_timeout_ms, delivery_timeout=opts.request_deadline,
@@ -91,9 +91,9 @@ def _write_rows(opts: Options, tid: str, batches: Iterator[pa.RecordBatch]) -> T
                 assert opts.stream is not None
                 groups = {opts.stream: values.to_pylist()}
             for target, vals in groups.items():
-                if target not in types:
-                    ct = conn.ensure_stream(target, opts.content_type)
-                    types[target] = ct.split(";", 1)[0].strip().lower() == "application/json"
+                if target not in created:
+                    conn.ensure_stream(target, opts.content_type)
+                    created.add(target)
                 if any(v is None for v in vals):
                     raise ValueError(f"a row for stream {target!r} has a null value")
                 producer.extend(target, [v.encode() if isinstance(v, str) else v for v in vals])
