@@ -108,14 +108,10 @@ class Conn:
         nxt = resp.headers["stream-next-offset"]
         return StreamInfo(stream, resp.headers.get("content-type", ""), nxt, resp.headers.get("stream-last-stable-offset", nxt))
 
-    def ensure_stream(self, stream: str, content_type: str) -> str:
-        """The stream's content type, creating the stream with ``content_type`` if it is missing."""
-        info = self.head(stream)
-        if info is not None:
-            return info.content_type
-        self.request("PUT", stream_url(self.url, stream), f"create {stream}", ok=(200, 201), headers={"content-type": content_type})
-        info = self.head(stream)
-        return info.content_type if info is not None else content_type
+    def ensure_stream(self, stream: str, content_type: str) -> None:
+        """Create the stream with ``content_type`` if it is missing."""
+        if self.head(stream) is None:
+            self.request("PUT", stream_url(self.url, stream), f"create {stream}", ok=(200, 201), headers={"content-type": content_type})
 
     def read_frames(self, stream: str, start: str, until: str, *, isolation: str) -> Iterator[tuple[list[Frame], str]]:
         """The batches in ``[start, until)``, one response at a time, with each response's next offset."""

@@ -68,38 +68,47 @@ def check_sink_schema(schema: StructType, opts: Options) -> None:
         raise OptionError('say where rows go: .option("stream", "name"), or a string column "stream"')
 
 
-def _write_rows(opts: Options, tid: str, batches: Iterator[pa.RecordBatch]) -> TaskCommit:
-    """Write every row inside one transaction of ``tid`` and leave it open for the driver."""
+def _write_task(opts: Options, prefix: str, batches: Iterator[pa.RecordBatch], sink: str | None = None,
+                batch: int | None = None) -> TaskCommit:
+    """Write this task's rows inside one transaction (``<prefix>p<partition>/a<attempt>``) and
+    leave it open for the driver. With ``sink`` and ``batch``: write nothing when the sink has
+    already committed that batch (a replay)."""
+    partition, attempt = _task()
+    tid = f"{prefix}p{partition}/a{attempt}"
     created: set[str] = set()  # target streams known to exist
     rows = 0
-    with Conn(opts.url, deadline=opts.request_deadline) as conn, TransactionalProducer(
-        opts.url, tid, timeout_ms=opts.transaction_timeout_ms, delivery_timeout=opts.request_deadline,
-    ) as producer:
-        for rb in batches:
-            if rb.num_rows == 0:
-                continue
-            values = rb.column(rb.schema.get_field_index("value"))
-            idx = rb.schema.get_field_index("stream")
-            if idx >= 0:
-                targets = rb.column(idx).to_pylist()
-                groups: dict[str, list[Any]] = {}
-                for target, value in zip(targets, values.to_pylist(), strict=True):
-                    if target is None:
-                        raise ValueError("a row has no stream (the 'stream' column is null)")
-                    groups.setdefault(target, []).append(value)
-            else:
-                assert opts.stream is not None
-                groups = {opts.stream: values.to_pylist()}
-            for target, vals in groups.items():
-                if target not in created:
-                    conn.ensure_stream(target, opts.content_type)
-                    created.add(target)
-                if any(v is None for v in vals):
-                    raise ValueError(f"a row for stream {target!r} has a null value")
-                producer.extend(target, [v.encode() if isinstance(v, str) else v for v in vals])
-                rows += len(vals)
-        producer.flush()
-        return TaskCommit(tid, producer.epoch, producer.txn, rows)
+    with Conn(opts.url, deadline=opts.request_deadline) as conn:
+        if sink is not None and batch is not None:
+            done = conn.sink_progress(sink)
+            if done is not None and batch <= done:
+                return TaskCommit(tid, -1, None, 0, skipped=True)
+        with TransactionalProducer(
+            opts.url, tid, timeout_ms=opts.transaction_timeout_ms, delivery_timeout=opts.request_deadline,
+        ) as producer:
+            for rb in batches:
+                if rb.num_rows == 0:
+                    continue
+                values = rb.column(rb.schema.get_field_index("value"))
+                idx = rb.schema.get_field_index("stream")
+                if idx >= 0:
+                    groups: dict[str, list[Any]] = {}
+                    for target, value in zip(rb.column(idx).to_pylist(), values.to_pylist(), strict=True):
+                        if target is None:
+                            raise ValueError("a row has no stream (the 'stream' column is null)")
+                        groups.setdefault(target, []).append(value)
+                else:
+                    assert opts.stream is not None
+                    groups = {opts.stream: values.to_pylist()}
+                for target, vals in groups.items():
+                    if target not in created:
+                        conn.ensure_stream(target, opts.content_type)
+                        created.add(target)
+                    if any(v is None for v in vals):
+                        raise ValueError(f"a row for stream {target!r} has a null value")
+                    producer.extend(target, [v.encode() if isinstance(v, str) else v for v in vals])
+                    rows += len(vals)
+            producer.flush()
+            return TaskCommit(tid, producer.epoch, producer.txn, rows)
 
 
 def _members(messages: list[WriterCommitMessage | None]) -> list[dict[str, Any]]:
@@ -132,15 +141,7 @@ class OnceflowStreamWriter(DataSourceStreamArrowWriter):
         raw = ctx.getLocalProperty("streaming.sql.batchId") if ctx is not None else None
         if raw is None:
             raise RuntimeError("the onceflow stream writer found no streaming.sql.batchId in its task")
-        batch_id = int(raw)
-        partition, attempt = _task()
-        tid = f"{self.prefix}p{partition}/a{attempt}"
-        with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
-            done = conn.sink_progress(self.sink_id)
-        if done is not None and batch_id <= done:
-            # a replay of a batch this sink already committed: write nothing
-            return TaskCommit(tid, -1, None, 0, skipped=True)
-        return _write_rows(self.opts, tid, iterator)
+        return _write_task(self.opts, self.prefix, iterator, self.sink_id, int(raw))
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803 (Spark's name)
         members = _members(messages)
@@ -176,14 +177,7 @@ class OnceflowBatchWriter(DataSourceArrowWriter):
             self.prefix = f"spark-batch/{self.job}/"
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> TaskCommit:
-        partition, attempt = _task()
-        tid = f"{self.prefix}p{partition}/a{attempt}"
-        if self.batch is not None:
-            with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
-                done = conn.sink_progress(self.job)
-            if done is not None and self.batch <= done:
-                return TaskCommit(tid, -1, None, 0, skipped=True)
-        return _write_rows(self.opts, tid, iterator)
+        return _write_task(self.opts, self.prefix, iterator, self.job, self.batch)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
