@@ -29,11 +29,12 @@ fresh ``init``, never half-committed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,14 @@ class Coordinator:
         if self._log is not None:
             await self._log.close()
 
+    @contextlib.asynccontextmanager
+    async def _locked(self, tids: list[str]) -> AsyncIterator[None]:
+        """Hold the locks of ``tids`` (sorted, so two callers never wait on each other)."""
+        async with contextlib.AsyncExitStack() as stack:
+            for tid in sorted(tids):
+                await stack.enter_async_context(self._lock(tid))
+            yield
+
     def _lock(self, tid: str) -> asyncio.Lock:
         lock = self._locks.get(tid)
         if lock is None:
@@ -351,58 +360,45 @@ class Coordinator:
         tids = sorted({tid for tid, _, _ in members})
         if len(tids) != len(members):
             raise TxnError("bad_request", "a transactional id appears twice among the members")
-        async with self._lock("sink\0" + sink):
-            locks = [self._lock(tid) for tid in tids]
-            for lock in locks:
-                await lock.acquire()
-            try:
-                done = self.sinks.get(sink)
-                if batch is not None and done is not None and batch <= done:
-                    await self._abort_open(members, abort_prefix, held=set(tids))
-                    return False, done
-                prepared: list[TxnMeta] = []
-                for tid, epoch, txn in members:
-                    try:
-                        meta = self._current(tid, epoch)
-                        if txn != meta.txn:
-                            raise TxnError("stale_transaction", f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
-                        if meta.status is TxnStatus.EMPTY and txn == 0:
-                            continue  # the member wrote nothing
-                        if meta.status is not TxnStatus.ONGOING:
-                            raise TxnError("invalid_state", f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
-                    except TxnError:
-                        await self._abort_open(members, abort_prefix, held=set(tids))
-                        raise
-                    prepared.append(meta)
-                for meta in prepared:
-                    meta.status = TxnStatus.PREPARE_COMMIT
-                rec: dict[str, Any] = {"kind": "members", "sink": sink, "batch": batch, "members": [m.record() for m in prepared]}
+        async with self._lock("sink\0" + sink), self._locked(tids):
+            done = self.sinks.get(sink)
+            if batch is not None and done is not None and batch <= done:
+                await self._abort_open(members, abort_prefix, held=set(tids))
+                return False, done
+            prepared: list[TxnMeta] = []
+            for tid, epoch, txn in members:
                 try:
-                    await self._write(rec)  # the commit point of every member
-                except OSError:
-                    for meta in prepared:  # not decided after all: still open, a retry may commit them
-                        meta.status = TxnStatus.ONGOING
+                    meta = self._current(tid, epoch)
+                    if txn != meta.txn:
+                        raise TxnError("stale_transaction", f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
+                    if meta.status is TxnStatus.EMPTY and txn == 0:
+                        continue  # the member wrote nothing
+                    if meta.status is not TxnStatus.ONGOING:
+                        raise TxnError("invalid_state", f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
+                except TxnError:
+                    await self._abort_open(members, abort_prefix, held=set(tids))
                     raise
-                if batch is not None:
-                    self.sinks[sink] = batch
-                await asyncio.gather(*(self._complete(meta) for meta in prepared))
-                await self._abort_open([], abort_prefix, held=set(tids))
-                return True, self.sinks.get(sink)
-            finally:
-                for lock in reversed(locks):
-                    lock.release()
+                prepared.append(meta)
+            for meta in prepared:
+                meta.status = TxnStatus.PREPARE_COMMIT
+            rec: dict[str, Any] = {"kind": "members", "sink": sink, "batch": batch, "members": [m.record() for m in prepared]}
+            try:
+                await self._write(rec)  # the commit point of every member
+            except OSError:
+                for meta in prepared:  # not decided after all: still open, a retry may commit them
+                    meta.status = TxnStatus.ONGOING
+                raise
+            if batch is not None:
+                self.sinks[sink] = batch
+            await asyncio.gather(*(self._complete(meta) for meta in prepared))
+            await self._abort_open([], abort_prefix, held=set(tids))
+            return True, self.sinks.get(sink)
 
     async def abort_members(self, members: list[tuple[str, int, int]], abort_prefix: str | None = None) -> None:
         """Abort the members that are still open, and every open transaction under ``abort_prefix``."""
         tids = sorted({tid for tid, _, _ in members})
-        locks = [self._lock(tid) for tid in tids]
-        for lock in locks:
-            await lock.acquire()
-        try:
+        async with self._locked(tids):
             await self._abort_open(members, abort_prefix, held=set(tids))
-        finally:
-            for lock in reversed(locks):
-                lock.release()
 
     async def _abort_open(self, members: list[tuple[str, int, int]], prefix: str | None, *, held: set[str]) -> None:
         """Abort open transactions: the members' (when still the named epoch and transaction) and,
