@@ -66,11 +66,6 @@ class MemoryReader(DataSourceStreamReader):
             end = min(end, start["n"] + limit.max_rows)
         return {"n": end}
 
-    def getDefaultReadLimit(self) -> Any:
-        from pyspark.sql.streaming.datasource import ReadAllAvailable
-
-        return ReadAllAvailable()
-
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[InputPartition]:
         return [_Slice(a, min(a + self.per_partition, end["n"])) for a in range(start["n"], end["n"], self.per_partition)]
 
@@ -93,9 +88,7 @@ class MemoryReader(DataSourceStreamReader):
 
 class NoopWriter(DataSourceStreamArrowWriter):
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
-        rows = 0
         for rb in iterator:
-            rows += rb.num_rows
             rb.column(0).to_pylist()  # touch the values, as a real sink would
         return WriterCommitMessage()
 
