@@ -93,7 +93,8 @@ paths = st.one_of(
     st.sampled_from(["/v1/streams", "/v1/streams/", "/v1/", "/", S, S + "fz", S + "fz/", S + "nope"]),
 )
 header_names = st.sampled_from([
-    "content-type", "producer-id", "producer-epoch", "producer-seq", "transaction-id", "if-match", "stream-closed",
+    "content-type", "producer-id", "producer-epoch", "producer-seq", "transaction-id", "transaction-commit", "if-match",
+    "stream-closed",
 ])
 header_values = st.one_of(
     st.sampled_from(["application/json", "text/plain", "", "0", "1", "-1", "tz", "txn:tz", "true", "9" * 25]),
@@ -143,7 +144,7 @@ async def test_fuzzed_stream_reads_never_5xx(onceflow: InProcess, params: dict[s
 
 
 @FUZZ_SETTINGS
-@given(headers=st.dictionaries(header_names, header_values, max_size=5), body=bodies)
+@given(headers=st.dictionaries(header_names, header_values, max_size=6), body=bodies)
 async def test_fuzzed_transactional_appends_never_5xx_and_rejections_change_nothing(
     onceflow: InProcess, headers: dict[str, str], body: bytes
 ) -> None:

@@ -34,14 +34,19 @@ class Txn:
         self.epoch, self.txn, self.seqs = body["epoch"], body["txn"], {}
         return body
 
-    async def send(self, stream: str, value: Any, *, epoch: int | None = None) -> httpx.Response:
-        seq = self.seqs.get(stream, 0)
-        r = await self.c.post(S + stream, json=[value], headers={
+    async def send(self, stream: str, value: Any, *, epoch: int | None = None, commit: int | None = None, seq: int | None = None) -> httpx.Response:
+        """One transactional append; ``commit``: as the last append of that transaction
+        (``Transaction-Commit``); ``seq``: resend an earlier sequence number (a retry)."""
+        seq = self.seqs.get(stream, 0) if seq is None else seq
+        headers = {
             "producer-id": "txn:" + self.tid, "producer-epoch": str(self.epoch if epoch is None else epoch),
             "producer-seq": str(seq), "transaction-id": self.tid,
-        })
+        }
+        if commit is not None:
+            headers["transaction-commit"] = str(commit)
+        r = await self.c.post(S + stream, json=[value], headers=headers)
         if r.status_code in (200, 204):
-            self.seqs[stream] = seq + 1
+            self.seqs[stream] = max(self.seqs.get(stream, 0), seq + 1)
             self.txn = int(r.headers["transaction-number"])
         return r
 

@@ -20,7 +20,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..storage.batch import FLAG_CLOSE, FLAG_COMMIT, FLAG_CONTROL, FLAG_JSON, FLAG_TXN, CorruptBatch
-from ..storage.log import FsyncPolicy, InvalidPosition, ReadBatch, StreamLog
+from ..storage.log import FsyncPolicy, InvalidPosition, ReadBatch, Staged, StreamLog
 from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
 from ..storage.position import Position, parse_token
 from .jsonmode import JsonError, encode_messages, split_messages
-from .txn import TXN_PRODUCER_PREFIX, Coordinator, OpenTxn, TxnError, TxnMeta
+from .txn import TXN_PRODUCER_PREFIX, CommitSeen, Coordinator, OpenTxn, TxnError, TxnMeta, TxnStatus
 
 __all__ = [
     "MAX_NAME_BYTES",
@@ -129,6 +129,7 @@ class Outcome:
     expected_seq: int | None = None
     received_seq: int | None = None
     txn: int | None = None  # the transaction number a transactional append joined
+    committed: bool = False  # the append also committed its transaction (Transaction-Commit)
     detail: str = ""
 
 
@@ -291,7 +292,7 @@ class Broker:
     async def start(self) -> None:
         """Reconcile the transactions the streams hold open with the coordinator, finish those
         decided before a crash and abort the undecided ones, then start the background tasks."""
-        await self.coordinator.recover(self._unfinished, self.open_transactions())
+        await self.coordinator.recover(self._unfinished, self.open_transactions(), self.commit_markers())
         self._unfinished = []
         self.start_background()
 
@@ -305,6 +306,15 @@ class Broker:
                 state = s.log.durable_producer(pid)
                 found.append(OpenTxn(s.name, pid[len(TXN_PRODUCER_PREFIX):], state.epoch if state is not None else -1, s.log.txn.ended.get(pid)))
         return found
+
+    def commit_markers(self) -> list[CommitSeen]:
+        """The last commit marker of every transactional producer in every stream (durable state)."""
+        return [
+            CommitSeen(s.name, pid[len(TXN_PRODUCER_PREFIX):], epoch, txn)
+            for s in self.streams.values()
+            for pid, (epoch, txn) in s.log.txn.committed.items()
+            if pid.startswith(TXN_PRODUCER_PREFIX)
+        ]
 
     def start_background(self) -> None:
         """Start the expiry sweeper (and the sync timer for the ``interval`` policy)."""
@@ -359,9 +369,12 @@ class Broker:
         s = self.streams.get(stream)
         if s is None:
             return  # deleted since: its data went with it
+        await self._stage_marker(s, producer_id, epoch, txn, commit).done
+
+    @staticmethod
+    def _stage_marker(s: Stream, producer_id: str, epoch: int, txn: int, commit: bool) -> Staged:
         flags = FLAG_CONTROL | (FLAG_COMMIT if commit else 0) | (FLAG_JSON if s.is_json else 0)
-        staged = s.log.stage(count=0, payload=b"", flags=flags, producer_id=producer_id, epoch=epoch, first_seq=txn, last_seq=txn)
-        await staged.done
+        return s.log.stage(count=0, payload=b"", flags=flags, producer_id=producer_id, epoch=epoch, first_seq=txn, last_seq=txn)
 
     async def _sync_loop(self) -> None:
         while True:
@@ -577,11 +590,14 @@ class Broker:
         stream_seq: str | None = None,
         if_match: Position | None = None,
         transactional_id: str | None = None,
+        commit_txn: int | None = None,
     ) -> Outcome:
         """Append ``body`` (and/or close the stream). Resolves once the batch is durable.
 
         With ``transactional_id`` the append joins that id's open transaction (starting one if
         none is open): its data is invisible to read_committed readers until the commit marker.
+        With ``commit_txn`` as well, it is that transaction's last append and commits it
+        (:meth:`_append_and_commit`).
 
         Requests of one producer can arrive out of order (a pipelining client uses several
         connections). A request at most ``REORDER_WINDOW`` sequence numbers ahead therefore waits up
@@ -602,10 +618,15 @@ class Broker:
             if isinstance(found, Outcome):
                 return found
             try:
-                meta = await self.coordinator.begin_write(transactional_id, producer.epoch, name)
+                meta = await self.coordinator.begin_write(transactional_id, producer.epoch, name, commit=commit_txn)
             except TxnError as exc:
                 return txn_outcome(exc)
+            if meta is None:
+                assert commit_txn is not None
+                return await self._committed_retry(found, producer, transactional_id, commit_txn)
             txn_number = meta.txn
+        elif commit_txn is not None:
+            return Outcome("bad_request", detail="Transaction-Commit needs Transaction-Id (and Producer-Id, Producer-Epoch, Producer-Seq)")
         deadline: float | None = None
         loop = asyncio.get_running_loop()
         while True:
@@ -616,10 +637,17 @@ class Broker:
                 # it waited for earlier sequence numbers and the transaction ended meanwhile: its
                 # data must not land after the transaction's marker, outside any transaction
                 return Outcome("txn_refused", txn=txn_number, detail=f"transaction {txn_number} of {transactional_id!r} ended while this append waited")
-            outcome = await self._append_once(
-                name, body, content_type=content_type, close=close, producer=producer, stream_seq=stream_seq,
-                if_match=if_match, txn=txn_number is not None,
-            )
+            if commit_txn is not None:
+                assert producer is not None and transactional_id is not None
+                outcome = await self._append_and_commit(
+                    name, body, content_type=content_type, producer=producer, stream_seq=stream_seq,
+                    if_match=if_match, tid=transactional_id, txn=commit_txn,
+                )
+            else:
+                outcome = await self._append_once(
+                    name, body, content_type=content_type, close=close, producer=producer, stream_seq=stream_seq,
+                    if_match=if_match, txn=txn_number is not None,
+                )
             if txn_number is not None and outcome.kind in ("appended", "duplicate"):
                 return replace(outcome, txn=txn_number)
             s = outcome.stream
@@ -642,6 +670,79 @@ class Broker:
             finally:
                 s.staged_waiters.discard(fut)
 
+    async def _append_and_commit(
+        self,
+        name: str,
+        body: bytes,
+        *,
+        content_type: str | None,
+        producer: ProducerHeaders,
+        stream_seq: str | None,
+        if_match: Position | None,
+        tid: str,
+        txn: int,
+    ) -> Outcome:
+        """The last append of transaction ``txn`` of ``tid``, committing it (``Transaction-Commit``).
+
+        A transaction that wrote only to this stream and carries no group offsets is committed by
+        its marker alone: the marker is staged right behind the data, so both reach the disk in
+        one write and one fsync, with no decision record (a marker is atomic by itself; recovery
+        learns of such a commit from the marker, see ``Coordinator.recover``). Anything larger
+        takes the ordinary commit once the data is durable: the decision record, then markers.
+        The id's lock is held from the checks to the fsync, so nothing else ends the transaction
+        in between."""
+        coord = self.coordinator
+        async with coord.holding(tid):
+            meta = coord.txns[tid]
+            if meta.epoch == producer.epoch and meta.txn == txn and meta.status is TxnStatus.COMPLETE_COMMIT:
+                found = self._live(name)
+                if isinstance(found, Outcome):
+                    return found
+                return await self._committed_retry(found, producer, tid, txn)  # committed while this waited
+            if not coord.still_open(tid, producer.epoch, txn, name):
+                return Outcome("txn_refused", txn=txn, detail=f"transaction {txn} of {tid!r} ended while this append waited")
+            marker: list[Staged] = []
+
+            def commit_too(s: Stream) -> None:
+                if coord.one_stream(meta, txn, name):
+                    marker.append(self._stage_marker(s, meta.producer_id, meta.epoch, txn, True))
+
+            outcome = await self._append_once(
+                name, body, content_type=content_type, close=False, producer=producer, stream_seq=stream_seq,
+                if_match=if_match, txn=True, after_stage=commit_too,
+            )
+            if outcome.kind == "appended" and marker:
+                await marker[0].done  # written and synced with the data: already done
+                coord.commit_by_marker(meta)
+                return replace(outcome, committed=True)
+            if outcome.kind not in ("appended", "duplicate"):
+                return outcome
+            if outcome.kind == "duplicate" and coord.one_stream(meta, txn, name):
+                # a retry whose first attempt stored the data but not the marker (or lost its answer first)
+                assert outcome.stream is not None
+                try:
+                    await self._stage_marker(outcome.stream, meta.producer_id, meta.epoch, txn, True).done
+                except OSError as exc:
+                    return Outcome("unavailable", stream=outcome.stream, detail=f"the commit was not stored: {exc.strerror or exc}")
+                coord.commit_by_marker(meta)
+                return replace(outcome, committed=True)
+        try:
+            await coord.end(tid, producer.epoch, txn, commit=True)
+        except TxnError as exc:
+            return txn_outcome(exc)
+        except OSError as exc:
+            return Outcome("unavailable", stream=outcome.stream, detail=f"the data was stored, the commit was not: {exc.strerror or exc}")
+        return replace(outcome, committed=True)
+
+    async def _committed_retry(self, s: Stream, producer: ProducerHeaders, tid: str, txn: int) -> Outcome:
+        """An append naming a transaction that already committed: only a retry of one of its
+        appends (a duplicate) is answered, as committed; anything else would land outside it."""
+        state = s.log.producer(producer.producer_id)
+        if state is not None and state.epoch == producer.epoch and producer.seq <= state.last_seq:
+            outcome = await self._settle_duplicate(s, producer, closed=False)
+            return replace(outcome, txn=txn, committed=outcome.kind == "duplicate")
+        return Outcome("txn_refused", txn=txn, detail=f"transaction {txn} of {tid!r} is already committed; this append is not part of it")
+
     async def _append_once(
         self,
         name: str,
@@ -653,6 +754,7 @@ class Broker:
         stream_seq: str | None,
         if_match: Position | None,
         txn: bool = False,
+        after_stage: Callable[[Stream], None] | None = None,
     ) -> Outcome:
         found = self._live(name)
         if isinstance(found, Outcome):
@@ -734,6 +836,8 @@ class Broker:
             last_seq=producer.seq if producer else -1,
             stream_seq=sseq,
         )
+        if after_stage is not None:
+            after_stage(s)  # e.g. a commit marker, into the same write as the data
         if s.staged_waiters:
             s.notify_staged()
         try:

@@ -43,7 +43,7 @@ from ..storage.batch import FLAG_JSON
 from ..storage.log import FsyncPolicy, StreamLog
 from ..storage.position import Position
 
-__all__ = ["Coordinator", "OpenTxn", "TxnError", "TxnMeta", "TxnStatus"]
+__all__ = ["CommitSeen", "Coordinator", "OpenTxn", "TxnError", "TxnMeta", "TxnStatus"]
 
 log = logging.getLogger("onceflow.txn")
 
@@ -64,7 +64,9 @@ class TxnStatus(enum.Enum):
 
 _TRANSITIONS: dict[TxnStatus, set[TxnStatus]] = {
     TxnStatus.EMPTY: {TxnStatus.ONGOING, TxnStatus.EMPTY},
-    TxnStatus.ONGOING: {TxnStatus.ONGOING, TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT},
+    # ONGOING -> COMPLETE_COMMIT: a one-stream transaction committed by its marker alone
+    # (``Transaction-Commit`` on its last append; see Coordinator.commit_by_marker)
+    TxnStatus.ONGOING: {TxnStatus.ONGOING, TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT, TxnStatus.COMPLETE_COMMIT},
     TxnStatus.PREPARE_COMMIT: {TxnStatus.COMPLETE_COMMIT},
     TxnStatus.PREPARE_ABORT: {TxnStatus.COMPLETE_ABORT},
     TxnStatus.COMPLETE_COMMIT: {TxnStatus.ONGOING, TxnStatus.EMPTY},
@@ -121,6 +123,16 @@ class OpenTxn:
     tid: str
     epoch: int  # the producer epoch of the open data
     ended: tuple[int, int] | None  # (epoch, txn) named by the producer's last marker in that stream
+
+
+@dataclass(frozen=True, slots=True)
+class CommitSeen:
+    """The last commit marker of a transactional producer in a stream (durable state)."""
+
+    stream: str
+    tid: str
+    epoch: int
+    txn: int
 
 
 def _log_failure(fut: asyncio.Future[None]) -> None:
@@ -187,15 +199,18 @@ class Coordinator:
             if rec.get("member_epoch") is not None:
                 self.member_epochs[rec["group"]] = max(self.member_epochs.get(rec["group"], -1), rec["member_epoch"])
 
+    def _stage(self, rec: dict[str, Any]) -> asyncio.Future[None]:
+        assert self._log is not None
+        return self._log.stage(count=1, payload=json.dumps(rec, separators=(",", ":")).encode() + b",", flags=FLAG_JSON).done
+
     async def _write(self, rec: dict[str, Any], *, durable: bool = True) -> None:
         """Append a record; wait for its fsync unless ``durable`` is False (then it is only ordered
         before every later record, which is enough for a record recovery can redo)."""
-        assert self._log is not None
-        staged = self._log.stage(count=1, payload=json.dumps(rec, separators=(",", ":")).encode() + b",", flags=FLAG_JSON)
+        done = self._stage(rec)
         if durable:
-            await staged.done
+            await done
         else:
-            staged.done.add_done_callback(_log_failure)
+            done.add_done_callback(_log_failure)
 
     async def _transition(self, meta: TxnMeta, status: TxnStatus, *, durable: bool = True) -> None:
         if not meta.status.can_become(status):
@@ -258,15 +273,28 @@ class Coordinator:
             await self._write(meta.record())
             return meta
 
-    async def begin_write(self, tid: str, epoch: int, stream: str) -> TxnMeta:
+    async def begin_write(self, tid: str, epoch: int, stream: str, *, commit: int | None = None) -> TxnMeta | None:
         """Called before a transactional append to ``stream``: starts the transaction if idle and
         records the stream the first time it is touched.
 
         The record is not waited for (see the module docstring): the caller stages its batch right
         after this returns, without awaiting in between, so a transaction's data in a stream is
-        always staged while the coordinator holds it ONGOING, before its decision."""
+        always staged while the coordinator holds it ONGOING, before its decision.
+
+        ``commit``: the append is the last of transaction number ``commit`` and commits it. That
+        must be the open transaction or, when none is open, the next one; returns None when it
+        already committed (the append can then only be a retry, see ``Broker.append``)."""
         async with self._lock(tid):
             meta = self._current(tid, epoch)
+            if commit is not None:
+                if commit == meta.txn and meta.status is TxnStatus.COMPLETE_COMMIT:
+                    return None
+                expected = meta.txn if meta.status is TxnStatus.ONGOING else meta.txn + 1
+                if commit != expected:
+                    raise TxnError(
+                        "stale_transaction", f"Transaction-Commit names transaction {commit} of {tid!r}, but this append "
+                        f"would belong to transaction {expected}", txn=meta.txn,
+                    )
             if meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
                 raise TxnError("concurrent_transactions", f"transaction {meta.txn} of {tid!r} is being completed")
             if meta.status is not TxnStatus.ONGOING:
@@ -279,6 +307,26 @@ class Coordinator:
                 meta.streams.add(stream)
                 await self._write(meta.record(), durable=False)
             return meta
+
+    def holding(self, tid: str) -> asyncio.Lock:
+        """The lock of ``tid`` (``async with``): no other request changes its state meanwhile."""
+        return self._lock(tid)
+
+    def one_stream(self, meta: TxnMeta, txn: int, stream: str) -> bool:
+        """Whether transaction ``txn`` is open, wrote to ``stream`` only and carries no group
+        offsets: then a commit marker in that stream is atomic by itself and commits it, with no
+        decision record (:meth:`commit_by_marker`)."""
+        return meta.status is TxnStatus.ONGOING and meta.txn == txn and meta.streams == {stream} and not meta.offsets
+
+    def commit_by_marker(self, meta: TxnMeta) -> None:
+        """Record that ``meta``'s one-stream transaction committed: its commit marker is durable
+        (the caller holds the id's lock and checked :meth:`one_stream` when it staged the marker).
+        The record is not waited for: if it is lost, recovery learns the outcome from the marker."""
+        if not meta.status.can_become(TxnStatus.COMPLETE_COMMIT):
+            raise TxnError("invalid_state", f"transaction {meta.tid!r} cannot go from {meta.status.value} to complete_commit")
+        meta.status = TxnStatus.COMPLETE_COMMIT
+        staged = self._stage(meta.record())
+        staged.add_done_callback(_log_failure)
 
     def still_open(self, tid: str, epoch: int, txn: int, stream: str) -> bool:
         """Whether transaction ``txn`` of ``tid`` at ``epoch`` is still open and holds ``stream``
@@ -418,7 +466,7 @@ class Coordinator:
                     log.info("aborting transaction %d of %r: a leftover under %r", meta.txn, meta.tid, prefix)
                     await self._finish(meta, commit=False)
 
-    async def recover(self, pending: list[TxnMeta], found: Sequence[OpenTxn] = ()) -> None:
+    async def recover(self, pending: list[TxnMeta], found: Sequence[OpenTxn] = (), committed: Sequence[CommitSeen] = ()) -> None:
         """After a restart, before serving: reconcile the transactions the stream logs hold open
         (``found``) with the coordinator log, and finish every decision logged before the crash.
 
@@ -426,33 +474,44 @@ class Coordinator:
         coordinator log does not (fully) know. For each ``(stream, tid)`` held open, with the
         replayed state of ``tid``:
 
-        - ONGOING, same epoch: the data is that transaction's (everything of an earlier
+        - ONGOING or PREPARE_*, same epoch, but the stream's last marker of that producer already
+          names this transaction (or a later one): the transaction ended there (by its decision,
+          whose unsynced COMPLETE record was lost, or by a one-stream commit marker, below), so
+          the open data belongs to the next transaction, whose records were lost too. Aborted.
+        - ONGOING, same epoch, otherwise: the data is that transaction's (everything of an earlier
           transaction of the epoch was marked before its COMPLETE record, which precedes this
           ONGOING one). The stream joins its streams: a commit, an abort or the timeout covers it.
-        - PREPARE_*, same epoch, the stream among its streams: the decision's own data, unless the
-          stream's last marker of that producer already names this transaction (or a later one);
-          then the decision was carried out there (only its unsynced COMPLETE record was lost) and
-          the open data belongs to the next transaction, whose records were lost too.
+        - PREPARE_*, same epoch, the stream among its streams: the decision's own data; its
+          marker is written.
         - anything else (no record, EMPTY, COMPLETE_*, another epoch, a stream outside the
           decision): a transaction that was never decided. It is aborted there.
 
+        ``committed`` holds each producer's last commit marker in each stream. One that names a
+        transaction of the current epoch later than the log's last record of it, or the one the
+        log holds ONGOING, is a one-stream transaction committed by its marker alone
+        (``Transaction-Commit``, :meth:`commit_by_marker`) whose unsynced COMPLETE record was lost:
+        no decision record precedes such a marker, so nothing else can have written it. It is
+        recorded as committed, so a retried commit is answered success and its number is never
+        used again.
+
         Order: first the logged decisions are finished (never over a stream whose open data is not
-        theirs); then every id that loses undecided data of its *current* epoch is fenced with a
-        synced record (a new epoch, as after a timeout: its producer believes the transaction is
-        still open and must not continue it half aborted); only then are the abort markers
-        written. A crash anywhere in between leaves the same or an already fenced situation, which
-        the next recovery handles the same way.
+        theirs); then commits by marker are recorded; then every id that loses undecided data of
+        its *current* epoch is fenced with a synced record (a new epoch, as after a timeout: its
+        producer believes the transaction is still open and must not continue it half aborted);
+        only then are the abort markers written. A crash anywhere in between leaves the same or an
+        already fenced situation, which the next recovery handles the same way.
         """
         orphans: dict[str, list[OpenTxn]] = {}
         done: dict[str, set[str]] = {}  # tid -> streams where its logged decision is carried out
         for o in found:
             meta = self.txns.get(o.tid)
             if meta is not None and o.epoch == meta.epoch:
-                if meta.status is TxnStatus.ONGOING:
+                ended_here = o.ended is not None and o.ended[0] == meta.epoch and o.ended[1] >= meta.txn
+                if meta.status is TxnStatus.ONGOING and not ended_here:
                     meta.streams.add(o.stream)
                     continue
                 if meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT) and o.stream in meta.streams:
-                    if o.ended is None or o.ended[0] != meta.epoch or o.ended[1] < meta.txn:
+                    if not ended_here:
                         continue  # the decision's own data: its marker is written below
                     done.setdefault(o.tid, set()).add(o.stream)
             orphans.setdefault(o.tid, []).append(o)
@@ -460,6 +519,14 @@ class Coordinator:
             log.info("completing %s of transaction %d of %r after restart", meta.status.value, meta.txn, meta.tid)
             async with self._lock(meta.tid):
                 await self._complete(meta, done=frozenset(done.get(meta.tid, ())))
+        for c in sorted(committed, key=lambda c: c.txn):
+            meta = self.txns.get(c.tid)
+            if meta is None or c.epoch != meta.epoch or c.txn < 1:
+                continue
+            if c.txn > meta.txn or (c.txn == meta.txn and meta.status is TxnStatus.ONGOING):
+                log.info("transaction %d of %r was committed by its marker in %r; recording it", c.txn, c.tid, c.stream)
+                meta.txn, meta.status, meta.streams, meta.offsets = c.txn, TxnStatus.COMPLETE_COMMIT, {c.stream}, {}
+                await self._write(meta.record())
         for tid, opens in sorted(orphans.items()):
             top = max(o.epoch for o in opens)
             async with self._lock(tid):

@@ -54,12 +54,12 @@ CURSOR_INTERVAL = 20
 _EXPOSE = (
     "Stream-Next-Offset, Stream-Cursor, Stream-Up-To-Date, Stream-Closed, Stream-TTL, Stream-Expires-At, "
     "Producer-Epoch, Producer-Seq, Producer-Expected-Seq, Producer-Received-Seq, Stream-SSE-Data-Encoding, "
-    "ETag, Content-Type, Location, Stream-Last-Stable-Offset, Transaction-Number"
+    "ETag, Content-Type, Location, Stream-Last-Stable-Offset, Transaction-Number, Transaction-Committed"
 )
 _ALLOW_HEADERS = (
     "Content-Type, Authorization, Stream-Seq, Stream-TTL, Stream-Expires-At, Stream-Closed, Producer-Id, "
     "Producer-Epoch, Producer-Seq, Stream-Forked-From, Stream-Fork-Offset, Stream-Fork-Sub-Offset, "
-    "If-None-Match, If-Match, Cache-Control, Transaction-Id"
+    "If-None-Match, If-Match, Cache-Control, Transaction-Id, Transaction-Commit"
 )
 COMMON = [
     (b"access-control-allow-origin", b"*"),
@@ -403,6 +403,10 @@ class App:
         content_type = headers.get("content-type")
         if body and not content_type:
             raise BadRequest("Content-Type is required when appending data")
+        commit_txn: int | None = None
+        raw_commit = headers.get("transaction-commit")
+        if raw_commit is not None:
+            commit_txn = _parse_txn_number(raw_commit)
         outcome = await self.broker.append(
             name,
             body,
@@ -412,6 +416,7 @@ class App:
             stream_seq=headers.get("stream-seq"),
             if_match=if_match,
             transactional_id=headers.get("transaction-id"),
+            commit_txn=commit_txn,
         )
         return _outcome_response(outcome)
 
@@ -673,6 +678,13 @@ def _json_response(status: int, value: object) -> tuple[int, list[tuple[bytes, b
     return status, [(b"content-type", b"application/json"), (b"cache-control", b"no-store")], json.dumps(value, separators=(",", ":")).encode()
 
 
+def _parse_txn_number(raw: str) -> int:
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+        raise BadRequest(f"Transaction-Commit must be the number of the transaction to commit (a non-negative integer), got {raw!r}")
+    return int(text)
+
+
 def _txn_json(meta: TxnMeta) -> dict[str, object]:
     return {
         "transactional_id": meta.tid,
@@ -801,6 +813,8 @@ def _outcome_response(o: Outcome) -> tuple[int, list[tuple[bytes, bytes]], bytes
                 status = 200  # a new append by an idempotent producer (204 is its duplicate)
             if o.txn is not None:
                 h.append(_h("transaction-number", o.txn))
+            if o.committed:
+                h.append((b"transaction-committed", b"true"))
         return status, h, b""
     extra: list[tuple[bytes, bytes]] = []
     if o.kind in ("stream_closed", "tail_mismatch") and o.next is not None:

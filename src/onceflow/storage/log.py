@@ -141,15 +141,18 @@ class TxnIndex:
     earliest of them is the last stable offset (LSO): read_committed readers stop there.
     ``aborted``: per producer, the byte ranges ``[first batch, abort marker)`` of aborted transactions;
     read_committed readers skip that producer's batches inside them.
-    ``ended``: per producer, ``(epoch, transaction number)`` named by its last marker here (the
+    ``ended``: per producer, the latest ``(epoch, transaction number)`` its markers here named (the
     number rides in the marker's sequence fields; -1 when the writer did not know it). The
     coordinator's recovery uses it to tell whether a logged decision already reached this stream.
+    ``committed``: the same for its *commit* markers; recovery uses it to learn
+    of a one-stream transaction committed by its marker alone (``Transaction-Commit``).
     Rebuilt from the log on recovery.
     """
 
     open: dict[str, Position] = field(default_factory=dict)
     aborted: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     ended: dict[str, tuple[int, int]] = field(default_factory=dict)
+    committed: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def apply(self, flags: int, producer_id: str | None, start: Position, epoch: int = -1, txn: int = -1) -> None:
         if producer_id is None:
@@ -158,7 +161,11 @@ class TxnIndex:
             began = self.open.pop(producer_id, None)
             if began is not None and not flags & FLAG_COMMIT:
                 self.aborted.setdefault(producer_id, []).append((began.pos, start.pos))
-            self.ended[producer_id] = (epoch, txn)
+            # the latest one named, not the last written: recovery may rewrite an earlier
+            # transaction's marker after a later one's (harmless when nothing is open)
+            self.ended[producer_id] = max((epoch, txn), self.ended.get(producer_id, (epoch, txn)))
+            if flags & FLAG_COMMIT:
+                self.committed[producer_id] = max((epoch, txn), self.committed.get(producer_id, (epoch, txn)))
         elif flags & FLAG_TXN and producer_id not in self.open:
             self.open[producer_id] = start
 
@@ -176,6 +183,7 @@ class TxnIndex:
             "open": {pid: [p.offset, p.pos] for pid, p in self.open.items()},
             "aborted": {pid: [list(r) for r in ranges] for pid, ranges in self.aborted.items()},
             "ended": {pid: list(e) for pid, e in self.ended.items()},
+            "committed": {pid: list(e) for pid, e in self.committed.items()},
         }
 
     @classmethod
@@ -186,6 +194,7 @@ class TxnIndex:
             open={pid: Position(*p) for pid, p in raw["open"].items()},
             aborted={pid: [(a, b) for a, b in ranges] for pid, ranges in raw["aborted"].items()},
             ended={pid: (e[0], e[1]) for pid, e in raw.get("ended", {}).items()},
+            committed={pid: (e[0], e[1]) for pid, e in raw.get("committed", {}).items()},
         )
 
 
