@@ -9,7 +9,7 @@
             producer.send_offsets_to_transaction("copy", consumer.positions())
 
 Appends are buffered per stream and sent (one POST per stream and up to ``max_batch_bytes``) when
-the buffer fills, on ``flush()`` and before the commit. Each POST is idempotent (``txn:<id>``,
+the buffer fills, on ``flush()`` and with the commit, which rides on the last POST. Each POST is idempotent (``txn:<id>``,
 epoch, a per-stream sequence), so retries after timeouts or 5xx never duplicate. A 403 means a newer
 instance of the same transactional id took over: this one is fenced for good (make a new one).
 """
@@ -57,6 +57,7 @@ class AsyncTransactionalProducer:
         self.producer_id = ""
         self.epoch = -1
         self.txn: int | None = None  # the server's number of the open transaction, once known
+        self._ended = 0  # the number of the last transaction this instance ended (0 after init)
         self._seqs: dict[str, int] = {}
         self._buffers: dict[str, list[bytes]] = {}
         self._buffer_bytes: dict[str, int] = {}
@@ -109,7 +110,7 @@ class AsyncTransactionalProducer:
         """Claim the transactional id: a new epoch; the previous holder is fenced and whatever it
         left open is aborted."""
         body = await self._post_json(self._url("init"), {"timeout_ms": self.timeout_ms}, f"init {self.transactional_id}")
-        self.producer_id, self.epoch, self.txn = body["producer_id"], body["epoch"], None
+        self.producer_id, self.epoch, self.txn, self._ended = body["producer_id"], body["epoch"], None, body["txn"]
         self._seqs.clear()
         self._buffers.clear()
         self._buffer_bytes.clear()
@@ -165,11 +166,13 @@ class AsyncTransactionalProducer:
         if size >= self.max_batch_bytes:
             await self._send(stream)
 
-    async def _send(self, stream: str) -> None:
+    async def _send(self, stream: str, *, commit: int | None = None) -> bool:
+        """POST the buffered messages of ``stream``; with ``commit``, as the last append of that
+        transaction, which commits it. Returns whether the server says it committed."""
         msgs = self._buffers.pop(stream, [])
         self._buffer_bytes.pop(stream, None)
         if not msgs:
-            return
+            return False
         ct = await self._content_type(stream)
         body = b"[" + b",".join(msgs) + b"]" if is_json_type(ct) else b"".join(msgs)
         seq = self._seqs.get(stream, 0)
@@ -180,6 +183,8 @@ class AsyncTransactionalProducer:
             "producer-seq": str(seq),
             "transaction-id": self.transactional_id,
         }
+        if commit is not None:
+            headers["transaction-commit"] = str(commit)
         resp = await self._request("POST", stream_url(self.base_url, stream), f"append to {stream}", content=body, headers=headers)
         if resp.status_code not in (200, 204):
             raise self._note(error_from_response(resp, f"transactional append to {stream}"))
@@ -194,6 +199,7 @@ class AsyncTransactionalProducer:
                 )
                 raise self._fenced
             self.txn = int(number)
+        return bool(resp.headers.get("transaction-committed") == "true")
 
     async def flush(self) -> None:
         """Send every buffered message (still inside the transaction)."""
@@ -211,13 +217,23 @@ class AsyncTransactionalProducer:
         self.txn = body["txn"]
 
     async def commit(self) -> None:
-        """Send what is buffered, then commit. A no-op when the transaction wrote nothing."""
+        """Send what is buffered, then commit. A no-op when the transaction wrote nothing.
+
+        The last buffered batch carries the commit (``Transaction-Commit``), so a transaction
+        whose messages fit one request is one request; a transaction that wrote to one stream only
+        and carries no offsets is then stored with one fsync on the server."""
         self._check()
-        await self.flush()
+        pending = [stream for stream, msgs in self._buffers.items() if msgs]
+        committed = False
+        if pending:
+            await asyncio.gather(*(self._send(stream) for stream in pending[:-1]))
+            number = self.txn if self.txn is not None else self._ended + 1
+            committed = await self._send(pending[-1], commit=number)
         if self.txn is None:
             return
-        await self._post_json(self._url("commit"), {"epoch": self.epoch, "txn": self.txn}, f"commit {self.transactional_id}")
-        self.txn = None
+        if not committed:  # nothing was left to send (or a server without Transaction-Commit)
+            await self._post_json(self._url("commit"), {"epoch": self.epoch, "txn": self.txn}, f"commit {self.transactional_id}")
+        self._ended, self.txn = self.txn, None
 
     async def abort(self) -> None:
         """Drop what is buffered and abort what was sent."""
@@ -227,7 +243,7 @@ class AsyncTransactionalProducer:
             self.txn = None
             return
         await self._post_json(self._url("abort"), {"epoch": self.epoch, "txn": self.txn}, f"abort {self.transactional_id}")
-        self.txn = None
+        self._ended, self.txn = self.txn, None
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncTransactionalProducer]:
