@@ -22,7 +22,7 @@ def add_bench_parser(sub: Any) -> None:
                         "or auto: wrk when it can be had (default)")
     a.set_defaults(func=_bench_append)
     t = bsub.add_parser("txn", help="transactions of N messages beside plain idempotent appends, same run")
-    t.add_argument("--seconds", type=float, default=10.0, help="duration of each side (default: 10)")
+    t.add_argument("--seconds", type=float, default=10.0, help="time spent on each side, in alternating 1 s bursts (default: 10)")
     t.add_argument("--txn-messages", type=int, default=1000, help="messages per transaction and stream (default: 1000)")
     t.add_argument("--streams", type=int, default=1, help="streams written by each transaction (default: 1)")
     t.add_argument("--out", default=None, help="also write the results as JSON to this file")
