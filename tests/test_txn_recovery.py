@@ -421,3 +421,114 @@ async def test_an_append_that_waited_past_the_end_of_its_transaction_is_refused(
         await c.client.post("/v1/txn/w/commit", json={"epoch": t.epoch, "txn": first + 1})
         assert await committed(c, "s") == [{"seq": 0}, {"seq": 1}]
         await c.broker.close()
+
+
+# ---------------------------------------------------------------------- compaction
+
+
+def coordinator_state(broker: Broker) -> dict[str, Any]:
+    coord = broker.coordinator
+    return {
+        "txns": {tid: meta.record() for tid, meta in coord.txns.items()},
+        "groups": coord.groups, "member_epochs": coord.member_epochs, "sinks": coord.sinks,
+    }
+
+
+async def busy_coordinator(c: InProcess) -> None:
+    """Many records: committed, aborted and open transactions, offsets in and outside them
+    (one group reset below what a transaction committed), a sink's batch."""
+    await make(c, "a", "in")
+    start = (await c.client.head(S + "in")).headers["stream-next-offset"]
+    r = await c.client.post(S + "in", json=[1, 2, 3], headers={"content-type": "application/json"})
+    tail = r.headers["stream-next-offset"]
+    w = Txn(c.client, "w")
+    await w.init()
+    for n in range(40):
+        assert (await w.send("a", {"n": n})).status_code == 200
+        if n % 5 == 0:
+            off = await c.client.post("/v1/txn/w/offsets", json={"epoch": w.epoch, "group": "copy", "offsets": {"in": tail}})
+            assert off.status_code == 200
+        assert (await w.end(commit=n % 4 != 3)).status_code == 200
+    # the last transaction carries offsets and commits; the group is then reset below them
+    assert (await w.send("a", {"n": "last"})).status_code == 200
+    assert (await c.client.post("/v1/txn/w/offsets", json={"epoch": w.epoch, "group": "copy", "offsets": {"in": tail}})).status_code == 200
+    assert (await w.end(commit=True)).status_code == 200
+    assert (await c.client.post("/v1/groups/reset/offsets", json={"offsets": {"in": tail}, "member_epoch": 3})).status_code == 200
+    back = await c.client.post("/v1/groups/copy/offsets", json={"offsets": {"in": start}, "reset": True, "member_epoch": 7})
+    assert back.status_code == 200 and back.json()["offsets"] == {"in": start}
+    s = Txn(c.client, "spark/k/p0/a0")
+    await s.init()
+    await s.send("a", {"spark": 1})
+    r = await c.client.post("/v1/sinks/k/commit", json={"batch": 4, "members": [{"id": s.tid, "epoch": s.epoch, "txn": s.txn}]})
+    assert r.status_code == 200
+    o = Txn(c.client, "open")
+    await o.init()
+    await o.send("a", {"open": True})  # left open
+
+
+async def test_a_large_coordinator_log_is_compacted_at_open_and_replays_to_the_same_state(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    async with serve(data) as c:
+        await busy_coordinator(c)
+        await kill(c.broker)
+    big = sum(f.stat().st_size for f in (data / "coordinator").glob("*.seg"))
+    broker = Broker(data)
+    broker.open()
+    expected = coordinator_state(broker)
+    await kill(broker)
+    broker = Broker(data)
+    broker.coordinator.compact_bytes = 1000
+    broker.open()
+    assert coordinator_state(broker) == expected
+    await kill(broker)
+    small = sum(f.stat().st_size for f in (data / "coordinator").glob("*.seg"))
+    assert small < big / 5, (small, big)
+    assert sorted(p.name for p in data.iterdir() if p.name.startswith("coordinator")) == ["coordinator"]
+    async with serve(data) as c:  # the compacted log, replayed, serves like the original
+        assert coordinator_state(c.broker) == expected
+        assert c.broker.coordinator.groups["copy"]["in"] < c.broker.coordinator.groups["reset"]["in"]  # the reset held
+        o = Txn(c.client, "open")
+        o.epoch, o.txn = expected["txns"]["open"]["epoch"], expected["txns"]["open"]["txn"]
+        assert (await o.end(commit=True)).status_code == 200
+        assert {"open": True} in await committed(c, "a")
+        await assert_settled(c, "a")
+        await c.broker.close()
+
+
+@pytest.mark.parametrize("dies", ["before the first rename", "between the renames"])
+async def test_a_compaction_cut_short_leaves_a_log_that_replays_to_the_same_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dies: str
+) -> None:
+    import onceflow.core.txn as txn_module
+
+    data = tmp_path / "data"
+    async with serve(data) as c:
+        await busy_coordinator(c)
+        await kill(c.broker)
+    broker = Broker(data)
+    broker.open()
+    expected = coordinator_state(broker)
+    await kill(broker)
+    real_rename = txn_module.os.rename
+    calls: list[str] = []
+
+    def rename(src: Any, dst: Any) -> None:
+        calls.append(str(dst))
+        if dies == "before the first rename" or len(calls) == 2:
+            raise OSError("the process dies")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(txn_module.os, "rename", rename)
+    broker = Broker(data)
+    broker.coordinator.compact_bytes = 1000
+    with pytest.raises(OSError):
+        broker.open()
+    broker.coordinator._log.close_files()  # type: ignore[union-attr]
+    broker.executor.shutdown(wait=True)
+    monkeypatch.undo()
+    assert (data / "coordinator.new").exists()
+    broker = Broker(data)
+    broker.open()  # finishes or drops the compaction, then replays
+    assert coordinator_state(broker) == expected
+    await kill(broker)
+    assert sorted(p.name for p in data.iterdir() if p.name.startswith("coordinator")) == ["coordinator"]

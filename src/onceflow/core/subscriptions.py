@@ -42,7 +42,7 @@ from urllib.parse import quote, urlsplit
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..storage.log import InvalidPosition, StreamLog
+from ..storage.log import InvalidPosition, StreamLog, fsync_dir
 from ..storage.position import ZERO, Position, parse_token
 from .broker import Broker, Stream, validate_name
 
@@ -649,7 +649,7 @@ class Subscriptions:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         return data
 
     def signing_key(self) -> Ed25519PrivateKey:
@@ -773,7 +773,7 @@ class Subscriptions:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 if durable:
-                    _fsync_dir(path.parent)
+                    fsync_dir(path.parent)
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -784,7 +784,7 @@ class Subscriptions:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
         if durable:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
 
     async def _commit(self, sub: Subscription) -> None:
         """Write a request's change and wait for it; a 503 if the disk refused."""
@@ -1345,11 +1345,3 @@ class Subscriptions:
             "status": sub.status,
             "description": sub.config.description,
         }
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

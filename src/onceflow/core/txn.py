@@ -33,6 +33,8 @@ import contextlib
 import enum
 import json
 import logging
+import os
+import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ..storage.batch import FLAG_JSON
-from ..storage.log import FsyncPolicy, StreamLog
+from ..storage.log import FsyncPolicy, StreamLog, fsync_dir
 from ..storage.position import Position
 
 __all__ = ["CommitSeen", "Coordinator", "OpenTxn", "TxnError", "TxnMeta", "TxnStatus"]
@@ -143,10 +145,11 @@ def _log_failure(fut: asyncio.Future[None]) -> None:
 class Coordinator:
     """Transactions and group offsets, persisted in one coordinator log."""
 
-    def __init__(self, directory: Path, *, policy: FsyncPolicy, default_timeout: float = 60.0) -> None:
+    def __init__(self, directory: Path, *, policy: FsyncPolicy, default_timeout: float = 60.0, compact_bytes: int = 64 << 20) -> None:
         self.directory = directory
         self.policy = policy
         self.default_timeout = default_timeout
+        self.compact_bytes = compact_bytes  # rewrite the log at open when it is larger than this
         self.txns: dict[str, TxnMeta] = {}
         self.groups: dict[str, dict[str, str]] = {}  # group -> stream -> committed offset
         self.member_epochs: dict[str, int] = {}  # group -> highest member epoch seen
@@ -158,7 +161,9 @@ class Coordinator:
     # ------------------------------------------------------------------ persistence
 
     def open(self) -> list[TxnMeta]:
-        """Replay the coordinator log; returns transactions whose decision is logged but unfinished."""
+        """Replay the coordinator log; returns transactions whose decision is logged but unfinished.
+        A log larger than ``compact_bytes`` is then rewritten to hold only the current state."""
+        self._finish_compaction()
         self._log = StreamLog.open(self.directory, Position(0, 0), policy=self.policy)
         at = self._log.base
         while at != self._log.durable.end:
@@ -166,10 +171,55 @@ class Coordinator:
                 for rec in json.loads(b"[" + batch.payload[:-1] + b"]"):
                     self._replay(rec)
                 at = batch.end
+        if at.pos - self._log.base.pos > self.compact_bytes:
+            self._compact()
         for meta in self.txns.values():
             if meta.status is TxnStatus.ONGOING:
                 meta.started = time.monotonic()  # the timeout runs afresh after a restart
         return [m for m in self.txns.values() if m.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT)]
+
+    # Compaction. Every record holds the whole state of what it names (a transactional id, a
+    # group's offsets, a sink's batch), so the current state, written as one record per item, is
+    # a log that replays to the same state. It is written to DIR.new and synced, then swapped in
+    # with two renames; at open, a DIR.new without DIR (a crash between the renames) is complete
+    # and takes its place, and any other leftover of a compaction is removed.
+
+    def _state_records(self) -> list[dict[str, Any]]:
+        recs: list[dict[str, Any]] = [meta.record() for meta in self.txns.values()]
+        # after the transactions: a committed transaction's offsets are applied when it replays,
+        # and a group's offsets reset below them since must win
+        for group in sorted(set(self.groups) | set(self.member_epochs)):
+            recs.append({"kind": "offsets", "group": group, "offsets": self.groups.get(group, {}),
+                         "member_epoch": self.member_epochs.get(group), "reset": True})
+        for sink, batch in sorted(self.sinks.items()):
+            recs.append({"kind": "members", "sink": sink, "batch": batch, "members": []})
+        return recs
+
+    def _compact(self) -> None:
+        assert self._log is not None
+        before = self._log.durable.end.pos - self._log.base.pos
+        new, old = self.directory.with_name(self.directory.name + ".new"), self.directory.with_name(self.directory.name + ".old")
+        shutil.rmtree(new, ignore_errors=True)
+        fresh = StreamLog.open(new, Position(0, 0), policy=self.policy)
+        fresh.write_initial([(json.dumps(r, separators=(",", ":")).encode() + b",", 1, FLAG_JSON) for r in self._state_records()])
+        after = fresh.durable.end.pos
+        fresh.close_files()
+        fsync_dir(new)
+        self._log.close_files()
+        os.rename(self.directory, old)
+        os.rename(new, self.directory)
+        fsync_dir(self.directory.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        self._log = StreamLog.open(self.directory, Position(0, 0), policy=self.policy)
+        log.info("compacted the coordinator log from %d to %d bytes", before, after)
+
+    def _finish_compaction(self) -> None:
+        new, old = self.directory.with_name(self.directory.name + ".new"), self.directory.with_name(self.directory.name + ".old")
+        if new.exists() and not self.directory.exists():
+            os.rename(new, self.directory)
+            fsync_dir(self.directory.parent)
+        shutil.rmtree(new, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
     def _replay(self, rec: dict[str, Any]) -> None:
         if rec["kind"] == "txn":

@@ -247,7 +247,8 @@ def _parse_segment_name(name: str) -> Position | None:
     return Position(int(parts[1]), int(parts[0]))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the creation, removal or renaming of entries in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -504,13 +505,13 @@ class StreamLog:
             os.close(seg.fd)
             seg.path.unlink(missing_ok=True)
         del self._segments[i:]
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def _add_segment(self, base: Position) -> None:
         path = self.directory / _segment_name(base)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         self._segments.append(_Segment(base, path, fd, os.fstat(fd).st_size))
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def _segment_index(self, pos: int) -> int:
         bases = [s.base.pos for s in self._segments]
