@@ -142,15 +142,25 @@ async def test_a_commit_append_ends_a_transaction_of_several_streams_or_with_off
 # ---------------------------------------------------------------------- crashes
 
 
-@pytest.mark.parametrize("lost", ["complete", "ongoing and complete"])
-async def test_a_commit_by_marker_survives_losing_the_coordinators_records(tmp_path: Path, lost: str) -> None:
-    data = tmp_path / "data"
+async def commit_one_and_kill(data: Path, then_open_another: bool = False) -> Txn:
+    """A server on ``data`` where producer "w" commits transaction 1 ({"n": 1} into "s") with its
+    append, (optionally) leaves transaction 2 open with {"n": "undecided"}, and is killed."""
     async with serve(data) as c:
         await make(c, "s")
         t = Txn(c.client, "w")
         await t.init()
         assert (await t.send("s", {"n": 1}, commit=1)).status_code == 200
+        if then_open_another:
+            assert (await t.send("s", {"n": "undecided"})).status_code == 200
+            assert t.txn == 2
         await kill(c.broker)
+    return t
+
+
+@pytest.mark.parametrize("lost", ["complete", "ongoing and complete"])
+async def test_a_commit_by_marker_survives_losing_the_coordinators_records(tmp_path: Path, lost: str) -> None:
+    data = tmp_path / "data"
+    t = await commit_one_and_kill(data)
     gone = lose_records(data, lambda r: r.get("tid") == "w" and r["txn"] == 1 and (lost != "complete" or r["status"] == "complete_commit"))
     assert {r["status"] for r in gone} == ({"complete_commit"} if lost == "complete" else {"ongoing", "complete_commit"})
     async with serve(data) as c:
@@ -171,14 +181,7 @@ async def test_the_next_transactions_data_is_not_taken_for_a_commit_by_marker(tm
     """Transaction 1 committed by its marker, transaction 2's data durable after it, and the
     coordinator log lost everything after ONGOING 1: the restart must not read 2's data as 1's."""
     data = tmp_path / "data"
-    async with serve(data) as c:
-        await make(c, "s")
-        t = Txn(c.client, "w")
-        await t.init()
-        assert (await t.send("s", {"n": 1}, commit=1)).status_code == 200
-        assert (await t.send("s", {"n": "undecided"})).status_code == 200
-        assert t.txn == 2
-        await kill(c.broker)
+    t = await commit_one_and_kill(data, then_open_another=True)
     gone = lose_records(data, lambda r: r.get("tid") == "w" and (is_txn("w", "complete_commit", 1)(r) or r["txn"] == 2))
     assert [r["status"] for r in gone] == ["complete_commit", "ongoing"]
     async with serve(data) as c:
@@ -196,12 +199,7 @@ async def test_the_next_transactions_data_is_not_taken_for_a_commit_by_marker(tm
 
 async def test_data_whose_commit_marker_was_torn_is_committed_by_the_retry(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    async with serve(data) as c:
-        await make(c, "s")
-        t = Txn(c.client, "w")
-        await t.init()
-        assert (await t.send("s", {"n": 1}, commit=1)).status_code == 200
-        await kill(c.broker)
+    t = await commit_one_and_kill(data)
     (seg,) = sorted((data / "streams").glob("*/*.seg"))
     with open(seg, "r+b") as f:  # the marker, last in the file, torn by the crash
         f.truncate(seg.stat().st_size - 1)
