@@ -172,7 +172,12 @@ class Coordinator:
                     self._replay(rec)
                 at = batch.end
         if at.pos - self._log.base.pos > self.compact_bytes:
-            self._compact()
+            try:
+                self._compact()
+            except OSError as exc:
+                log.warning("could not compact the coordinator log (%s); going on with it as it is", exc)
+                self._finish_compaction()  # whichever complete log is left is the log again
+                self._log = StreamLog.open(self.directory, Position(0, 0), policy=self.policy)
         for meta in self.txns.values():
             if meta.status is TxnStatus.ONGOING:
                 meta.started = time.monotonic()  # the timeout runs afresh after a restart
@@ -182,7 +187,8 @@ class Coordinator:
     # group's offsets, a sink's batch), so the current state, written as one record per item, is
     # a log that replays to the same state. It is written to DIR.new and synced, then swapped in
     # with two renames; at open, a DIR.new without DIR (a crash between the renames) is complete
-    # and takes its place, and any other leftover of a compaction is removed.
+    # and takes its place, and any other leftover of a compaction is removed. A compaction that
+    # fails (a full disk) is given up: the server goes on with the log as it was.
 
     def _state_records(self) -> list[dict[str, Any]]:
         recs: list[dict[str, Any]] = [meta.record() for meta in self.txns.values()]
@@ -195,10 +201,13 @@ class Coordinator:
             recs.append({"kind": "members", "sink": sink, "batch": batch, "members": []})
         return recs
 
+    def _beside(self, suffix: str) -> Path:
+        return self.directory.with_name(self.directory.name + suffix)
+
     def _compact(self) -> None:
         assert self._log is not None
         before = self._log.durable.end.pos - self._log.base.pos
-        new, old = self.directory.with_name(self.directory.name + ".new"), self.directory.with_name(self.directory.name + ".old")
+        new, old = self._beside(".new"), self._beside(".old")
         shutil.rmtree(new, ignore_errors=True)
         fresh = StreamLog.open(new, Position(0, 0), policy=self.policy)
         fresh.write_initial([(json.dumps(r, separators=(",", ":")).encode() + b",", 1, FLAG_JSON) for r in self._state_records()])
@@ -214,10 +223,15 @@ class Coordinator:
         log.info("compacted the coordinator log from %d to %d bytes", before, after)
 
     def _finish_compaction(self) -> None:
-        new, old = self.directory.with_name(self.directory.name + ".new"), self.directory.with_name(self.directory.name + ".old")
-        if new.exists() and not self.directory.exists():
-            os.rename(new, self.directory)
-            fsync_dir(self.directory.parent)
+        new, old = self._beside(".new"), self._beside(".old")
+        if not self.directory.exists():
+            # the new log is complete once it is renamed at all; the old one is kept only in case
+            # the swap failed in a way that left no new log
+            for found in (new, old):
+                if found.exists():
+                    os.rename(found, self.directory)
+                    fsync_dir(self.directory.parent)
+                    break
         shutil.rmtree(new, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
 
