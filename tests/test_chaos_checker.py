@@ -44,8 +44,16 @@ def v(client: str, n: int) -> dict[str, Any]:
     return {"c": client, "n": n}
 
 
+EVENTS = [{"id": 1, "user": "u1", "amount": 10.0}, {"id": 2, "user": "u2", "amount": 5.0}, {"id": 3, "user": "u1", "amount": 1.5}]
+
+
+def enriched(e: dict[str, Any], offset: int) -> dict[str, Any]:
+    return {**e, "tier": "small", "source_offset": offset}
+
+
 def clean() -> H:
-    """Two producers, an indeterminate append, a committed and an aborted transaction, a copier, a group."""
+    """Two producers, an indeterminate append, a committed and an aborted transaction, a copier, a group,
+    a sink into a target outside the server, and a Spark pipeline."""
     h = H()
     h.append("p1", 1, "a", [v("p1", 0), v("p1", 1)], offset=0)
     h.append("p2", 1, "a", [v("p2", 0)], offset=2)
@@ -68,6 +76,27 @@ def clean() -> H:
     h.read("final", "c", [(0, v("t", 1))], final=True)
     h.read("final", "x", [(0, v("p1", 0)), (1, v("p2", 1))], final=True)
     h.read("final", "y", [(0, v("p2", 0)), (1, v("p1", 1))], final=True)
+    # a sink of a into a Redis list, in its own order
+    h.op("run", "copy", inputs=["a"], outputs=["redis:s"])
+    h.op("run", "target", name="redis:s", values=[v("p1", 0), v("p2", 0), v("p1", 1), v("p2", 1)])
+    # a pipeline: events e enriched into en, running counts per user in cn (the last per user counts)
+    h.op("run", "pipeline", events="e", enriched="en", counts="cn")
+    h.read("final", "e", list(enumerate(EVENTS)), final=True)
+    h.read("final", "en", [(i, enriched(e, i)) for i, e in enumerate(EVENTS)], final=True)
+    h.read("final", "cn", [(0, {"user": "u1", "events": 1, "amount": 10.0}), (1, {"user": "u2", "events": 1, "amount": 5.0}),
+                           (2, {"user": "u1", "events": 2, "amount": 11.5})], final=True)
+    return h
+
+
+def replace_target(h: H, values: list[Any]) -> H:
+    h.ops = [o for o in h.ops if o["op"] != "target"]
+    h.op("run", "target", name="redis:s", values=values)
+    return h
+
+
+def replace_final(h: H, stream: str, records: list[tuple[int, Any]]) -> H:
+    h.ops = [o for o in h.ops if not (o["op"] == "read" and o.get("final") and o["stream"] == stream)]
+    h.read("final", stream, records, final=True)
     return h
 
 
@@ -113,6 +142,60 @@ def test_duplicate_across_copy_outputs() -> None:
     h = clean()
     h.read("final", "x", [(0, v("p1", 0)), (1, v("p2", 1)), (2, v("p1", 1))], final=True)
     assert "duplicate" in kinds(h)
+
+
+def test_a_sink_target_missing_an_input_value_is_a_loss() -> None:
+    h = replace_target(clean(), [v("p1", 0), v("p2", 0), v("p1", 1)])  # p2/1 never reached Redis
+    assert kinds(h) == {"lost-write"}
+
+
+def test_a_value_twice_in_a_sink_target_is_a_duplicate() -> None:
+    h = replace_target(clean(), [v("p1", 0), v("p2", 0), v("p1", 1), v("p2", 1), v("p1", 1)])
+    assert kinds(h) == {"duplicate"}
+
+
+def test_a_sink_target_holding_aborted_data_is_an_aborted_read() -> None:
+    h = replace_target(clean(), [v("p1", 0), v("t", 2), v("p2", 0), v("p1", 1), v("p2", 1)])  # t:2 (aborted) is in no input
+    assert kinds(h) == {"aborted-read"}
+
+
+def test_a_sink_whose_target_was_not_read_back_is_skipped_with_a_note() -> None:
+    h = clean()
+    h.ops = [o for o in h.ops if o["op"] != "target"]
+    result = check(h.ops)
+    assert result.ok and any("redis:s" in n for n in result.notes)
+
+
+def test_an_event_enriched_twice_is_a_duplicate() -> None:
+    h = replace_final(clean(), "en", [(0, enriched(EVENTS[0], 0)), (1, enriched(EVENTS[1], 1)), (2, enriched(EVENTS[2], 2)),
+                                      (3, enriched(EVENTS[1], 1))])  # a batch written again
+    result = check(h.ops)
+    assert {a.kind for a in result.anomalies} == {"duplicate"}
+    assert any("event 2 was enriched 2 times" in a.detail for a in result.anomalies)
+
+
+def test_an_event_never_enriched_is_a_loss() -> None:
+    h = replace_final(clean(), "en", [(0, enriched(EVENTS[0], 0)), (1, enriched(EVENTS[2], 2))])
+    assert kinds(h) == {"lost-write"}
+
+
+def test_an_enriched_event_not_in_the_input_is_an_aborted_read() -> None:
+    h = replace_final(clean(), "en", [*((i, enriched(e, i)) for i, e in enumerate(EVENTS)),
+                                      (3, enriched({"id": 9, "user": "u2", "amount": 1.0}, 9))])
+    assert kinds(h) == {"aborted-read"}
+
+
+def test_a_wrong_running_count_is_a_wrong_aggregate() -> None:
+    h = replace_final(clean(), "cn", [(0, {"user": "u1", "events": 1, "amount": 10.0}), (1, {"user": "u2", "events": 1, "amount": 5.0}),
+                                      (2, {"user": "u1", "events": 3, "amount": 11.5})])  # an event counted twice
+    assert kinds(h) == {"wrong-aggregate"}
+
+
+def test_a_pipeline_whose_output_was_not_read_back_is_skipped_with_a_note() -> None:
+    h = clean()
+    h.ops = [o for o in h.ops if not (o["op"] == "read" and o["stream"] == "cn")]
+    result = check(h.ops)
+    assert result.ok and any("pipeline" in n for n in result.notes)
 
 
 def test_copy_that_missed_an_input_is_a_loss() -> None:

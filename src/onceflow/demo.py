@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["add_demo_parser", "run_demo"]
+__all__ = ["PipelineCheck", "add_demo_parser", "check_pipeline", "run_demo", "spark_missing"]
 
 
 def _say(msg: str) -> None:
@@ -113,13 +113,9 @@ def _produce(url: str, n: int, drop: float, seed: int, seconds: float, stats: di
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    try:
-        import pyspark  # noqa: F401
-    except ImportError:
-        print("onceflow demo needs PySpark: pip install 'onceflow[spark]' (./run.sh does this)", file=sys.stderr)
-        return 2
-    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-        print("onceflow demo needs Java 17+ for Spark (./run.sh installs it from Debian's packages)", file=sys.stderr)
+    missing = spark_missing()
+    if missing is not None:
+        print(f"onceflow demo needs {missing}", file=sys.stderr)
         return 2
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="onceflow-demo-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -201,16 +197,41 @@ def run_demo(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _verify(url: str, expected: int, stats: dict[str, int], driver: _Driver) -> int:
-    events = _read_all(url, "demo/events")
-    enriched = _read_all(url, "demo/enriched")
-    counts = _read_all(url, "demo/counts")
-    produced_ids = [e["id"] for e in events]
+def spark_missing() -> str | None:
+    """What the demo pipeline lacks to run here (PySpark, Java), or None when it can run."""
+    import importlib.util
+
+    if importlib.util.find_spec("pyspark") is None:
+        return "PySpark: pip install 'onceflow[spark]' (./run.sh does this)"
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        return "Java 17+ for Spark (./run.sh installs it from Debian's packages)"
+    return None
+
+
+@dataclass(frozen=True)
+class PipelineCheck:
+    """The demo pipeline's output against its input: ``events``, ``enriched`` and ``counts`` as read
+    back (read_committed). Ids are the events' ``id``; users whose latest count record disagrees with
+    the events are in ``wrong_counts``."""
+
+    events: int
+    enriched: int
+    users: int
+    source_duplicates: list[int]  # ids twice in the input
+    duplicates: list[int]  # ids enriched more than once (each extra copy once)
+    missing: list[int]  # ids of the input never enriched
+    extra: list[int]  # enriched ids that are not in the input
+    wrong_counts: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not (self.source_duplicates or self.duplicates or self.missing or self.extra or self.wrong_counts)
+
+
+def check_pipeline(events: list[Any], enriched: list[Any], counts: list[Any]) -> PipelineCheck:
+    """Every event enriched exactly once, and each user's last count record equal to its events."""
+    produced = Counter(e["id"] for e in events)
     written = Counter(e["id"] for e in enriched)
-    dup_source = len(produced_ids) - len(set(produced_ids))
-    duplicates = sum(c - 1 for c in written.values() if c > 1)
-    missing = len(set(produced_ids) - set(written))
-    extra = len(set(written) - set(produced_ids))
     truth: dict[str, tuple[int, float]] = {}
     for e in events:
         n, amount = truth.get(e["user"], (0, 0.0))
@@ -218,17 +239,30 @@ def _verify(url: str, expected: int, stats: dict[str, int], driver: _Driver) -> 
     latest = {c["user"]: c for c in counts}
     wrong_counts = sorted(u for u, (n, amount) in truth.items()
                           if u not in latest or latest[u]["events"] != n or abs(latest[u]["amount"] - amount) > 1e-6 * max(1.0, amount))
+    return PipelineCheck(
+        events=len(events), enriched=len(enriched), users=len(truth),
+        source_duplicates=sorted(i for i, c in produced.items() for _ in range(c - 1)),
+        duplicates=sorted(i for i, c in written.items() for _ in range(c - 1)),
+        missing=sorted(set(produced) - set(written)), extra=sorted(set(written) - set(produced)),
+        wrong_counts=wrong_counts,
+    )
+
+
+def _verify(url: str, expected: int, stats: dict[str, int], driver: _Driver) -> int:
+    result = check_pipeline(_read_all(url, "demo/events"), _read_all(url, "demo/enriched"), _read_all(url, "demo/counts"))
+    dup_source, duplicates, missing = len(result.source_duplicates), len(result.duplicates), len(result.missing)
+    extra, wrong_counts = len(result.extra), result.wrong_counts
     rows = [
         ("events the producer sent", f"{expected:,}"),
         ("acknowledgements dropped (retried)", f"{stats['acks_dropped']:,}"),
-        ("events in demo/events", f"{len(events):,}"),
+        ("events in demo/events", f"{result.events:,}"),
         ("  duplicates there", f"{dup_source:,}"),
         ("spark driver crashes", f"{len(driver.kills)}"),
-        ("events read and written to demo/enriched", f"{len(enriched):,}"),
+        ("events read and written to demo/enriched", f"{result.enriched:,}"),
         ("  duplicates", f"{duplicates:,}"),
         ("  missing", f"{missing:,}"),
         ("  not from the input", f"{extra:,}"),
-        ("users whose running count is wrong", f"{len(wrong_counts)} of {len(truth)}"),
+        ("users whose running count is wrong", f"{len(wrong_counts)} of {result.users}"),
     ]
     width = max(len(k) for k, _ in rows)
     print()
@@ -242,7 +276,7 @@ def _verify(url: str, expected: int, stats: dict[str, int], driver: _Driver) -> 
         print("  the driver's own notes on its planned crashes:")
         for line in planned.read_text().splitlines():
             print(f"    {line.removeprefix('pipeline: crashing on purpose: ')}")
-    ok = len(events) == expected and dup_source == 0 and duplicates == 0 and missing == 0 and extra == 0 and not wrong_counts
+    ok = result.events == expected and result.ok
     if ok:
         print(f"\nexactly-once: OK ({expected:,} events, {len(driver.kills)} driver crashes, "
               f"{stats['acks_dropped']} dropped acks: 0 duplicates, 0 missing)")

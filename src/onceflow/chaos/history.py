@@ -28,21 +28,34 @@ has ``client`` (who), ``op`` (what), ``t`` (wall-clock seconds) and the fields o
     ``t0`` is when the request was sent.
 ``copy``
     Declares that the ``outputs`` together must hold every message of the ``inputs`` exactly once
-    (transactional copiers): checked against the final reads.
+    (transactional copiers, sinks): checked against the final reads. An output may be a stream or
+    a ``target``.
+``target``
+    The final content of something outside the server that a client writes to (a sink's Redis
+    list): ``name`` and ``values``, read back at the end of a run like a final read.
+``pipeline``
+    Declares a Spark pipeline of the demo's shape (:mod:`onceflow.spark.pipeline`): every event of
+    stream ``events`` must be in stream ``enriched`` exactly once, and the last record of each user
+    in stream ``counts`` must count that user's events (checked on the final reads with
+    :func:`onceflow.demo.check_pipeline`).
 
 Values must be unique within a run (every client writes values carrying its id and a counter), so a
 value identifies the write that produced it. The checker (:func:`check`) reports:
 
 - ``lost-write``: an acknowledged append (or a transaction whose commit was acknowledged) missing
-  from the final read, or a copier's input missing from its outputs;
-- ``duplicate``: a value twice in a stream's final read, or twice across a copier's outputs;
+  from the final read, a copier's (or sink's) input missing from its outputs, or a pipeline's event
+  never enriched;
+- ``duplicate``: a value twice in a stream's final read or a target, twice across a copier's
+  outputs, or an event enriched twice;
 - ``aborted-read``: a read_committed read returned data of an aborted transaction, or data that is
-  not in the final committed log at that offset (an abort or a loss made visible);
+  not in the final committed log at that offset (an abort or a loss made visible); an output of a
+  copy (or sink, or pipeline) that is in no input;
 - ``partial-transaction``: some but not all values of a transaction are in the final log;
 - ``non-monotonic-read``: record offsets within one read do not strictly increase, or fall outside
   the read's ``[start, next)`` range;
 - ``offset-conflict``: the same offset of a stream was seen (read or acknowledged) with two values;
-- ``offset-backwards``: a group's committed offset was seen lower than one acknowledged earlier.
+- ``offset-backwards``: a group's committed offset was seen lower than one acknowledged earlier;
+- ``wrong-aggregate``: a pipeline's last count record of a user does not count that user's events.
 """
 
 from __future__ import annotations
@@ -56,6 +69,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
+
+from ..demo import check_pipeline
 
 __all__ = [
     "ANOMALY_KINDS",
@@ -76,6 +91,7 @@ AnomalyKind = Literal[
     "non-monotonic-read",
     "offset-conflict",
     "offset-backwards",
+    "wrong-aggregate",
 ]
 ANOMALY_KINDS: tuple[AnomalyKind, ...] = (
     "lost-write",
@@ -85,6 +101,7 @@ ANOMALY_KINDS: tuple[AnomalyKind, ...] = (
     "non-monotonic-read",
     "offset-conflict",
     "offset-backwards",
+    "wrong-aggregate",
 )
 
 
@@ -216,6 +233,8 @@ class _Checker:
         self.txn_end: dict[str, Mapping[str, Any]] = {}
         self.final: dict[str, dict[int, str]] = {}  # stream -> offset -> value key
         self.final_counts: dict[str, Counter[str]] = {}
+        self.final_values: dict[str, list[Any]] = {}  # stream -> its final read's values, in order
+        self.targets: dict[str, Counter[str]] = {}  # target name -> value key -> count
         self.seen: dict[tuple[str, int], tuple[str, str]] = {}  # (stream, offset) -> (value key, who)
 
     def add(self, kind: AnomalyKind, stream: str | None, detail: str) -> None:
@@ -235,6 +254,8 @@ class _Checker:
                 self.txn_end[str(o["txn"])] = o
             elif op == "read" and o.get("final"):
                 self._final_read(o)
+            elif op == "target":
+                self.targets[str(o["name"])] = Counter(value_key(v) for v in o["values"])
         if not self.final:
             self.result.notes.append("no final reads: loss, duplicate and visibility checks were skipped")
         for o in self.ops:
@@ -244,6 +265,7 @@ class _Checker:
         self._lost_and_duplicates()
         self._transactions()
         self._copies()
+        self._pipelines()
         self._group_offsets()
         return self.result
 
@@ -253,6 +275,7 @@ class _Checker:
         stream = str(o["stream"])
         recs = self.final[stream] = {}  # the last final read of a stream is its final content
         counts = self.final_counts[stream] = Counter()
+        self.final_values[stream] = [v for _, v in o["records"]]
         for off, v in o["records"]:
             k = value_key(v)
             recs[int(off)] = k
@@ -296,6 +319,10 @@ class _Checker:
             for k, n in counts.items():
                 if n > 1:
                     self.add("duplicate", stream, f"{k} is in the final log {n} times")
+        for name, counts in self.targets.items():
+            for k, n in counts.items():
+                if n > 1:
+                    self.add("duplicate", name, f"{k} is in the target {n} times")
         for (client, op_id), append in self.appends.items():
             stream = str(append["stream"])
             if stream not in self.final:
@@ -345,15 +372,16 @@ class _Checker:
             if o["op"] != "copy":
                 continue
             inputs, outputs = [str(s) for s in o["inputs"]], [str(s) for s in o["outputs"]]
-            if not all(s in self.final_counts for s in (*inputs, *outputs)):
-                self.result.notes.append(f"copy {inputs} -> {outputs}: not every stream was read back; skipped")
+            contents = {**self.final_counts, **self.targets}
+            if not all(s in self.final_counts for s in inputs) or not all(s in contents for s in outputs):
+                self.result.notes.append(f"copy {inputs} -> {outputs}: not every stream or target was read back; skipped")
                 continue
             want = Counter[str]()
             for s in inputs:
                 want.update(set(self.final_counts[s]))
             got = Counter[str]()
             for s in outputs:
-                got.update(self.final_counts[s])
+                got.update(contents[s])
             name = f"{','.join(inputs)}->{','.join(outputs)}"
             for k, n in got.items():
                 if n > 1:
@@ -365,6 +393,26 @@ class _Checker:
             for k in got:
                 if k not in want:
                     self.add("aborted-read", name, f"{k} is in an output but in no input")
+
+    def _pipelines(self) -> None:
+        for o in self.ops:
+            if o["op"] != "pipeline":
+                continue
+            events, enriched, counts = str(o["events"]), str(o["enriched"]), str(o["counts"])
+            if not all(s in self.final_values for s in (events, enriched, counts)):
+                self.result.notes.append(f"pipeline {events} -> {enriched}, {counts}: not every stream was read back; skipped")
+                continue
+            r = check_pipeline(self.final_values[events], self.final_values[enriched], self.final_values[counts])
+            self.result.values_checked += r.events
+            # ids twice in the input are duplicates of the input stream, reported there already
+            for i in sorted(set(r.duplicates)):
+                self.add("duplicate", enriched, f"event {i} was enriched {r.duplicates.count(i) + 1} times")
+            for i in r.missing:
+                self.add("lost-write", enriched, f"event {i} of {events} was never enriched")
+            for i in r.extra:
+                self.add("aborted-read", enriched, f"event {i} was enriched but is not in {events}")
+            for user in r.wrong_counts:
+                self.add("wrong-aggregate", counts, f"the last count of {user} does not match its events in {events}")
 
     # ---------------------------------------------------------------- consumer groups
 

@@ -4,11 +4,17 @@
 
 - ``producer``: an idempotent producer (raw HTTP, so that every request and answer is recorded):
   batches of 1-4 unique values, each retried with the same ``Producer-Seq`` until it is answered.
+  With ``--events`` its values are events for the Spark pipeline (``{"id", "user", "amount"}``,
+  ids unique in the run).
 - ``txn``: a transactional producer: transactions over one or two streams, committing about three
   in four and aborting the rest; a refused commit or a lost server re-initialises (fencing itself).
 - ``group``: a consumer-group member reading read_committed and committing its offsets outside
   transactions, and reading them back.
 - ``reader``: a read_committed reader of many streams; every read is recorded.
+- ``sink``: a :class:`~onceflow.sinks.SinkRunner` feeding the streams (read_committed) into a
+  :class:`~onceflow.sinks.RedisAtomicSink` (``--redis``, job ``--job``); records each restore and
+  each committed checkpoint. After an error it starts a new runner, which restores from Redis.
+  SIGTERM ends it at once, like a crash (the sink is built to survive one).
 
 Each worker runs until SIGTERM or SIGKILL. Killed with ``kill -9`` it loses at most the last line of
 its history; a restarted worker writes to the same file under a new producer id, so its values stay
@@ -76,10 +82,17 @@ def run_producer(args: argparse.Namespace, h: HistoryWriter, rng: random.Random)
     pid = f"{args.client}.{os.getpid()}"
     seqs: dict[str, int] = {}  # Producer-Seq is per stream
     n = 0
+    # event ids: this process's start in ms, times a million, plus a counter (unique across restarts)
+    id_base = time.time_ns() // 1_000_000 * 1_000_000
     with httpx.Client(timeout=args.timeout) as c:
         while _running:
             stream = rng.choice(args.stream)
-            values = [{"c": pid, "n": n + i} for i in range(rng.randint(1, 4))]
+            values: list[dict[str, Any]]
+            if args.events:
+                values = [{"id": id_base + n + i, "user": f"user-{rng.randrange(8)}", "amount": round(rng.uniform(1, 100), 2)}
+                          for i in range(rng.randint(1, 4))]
+            else:
+                values = [{"c": pid, "n": n + i} for i in range(rng.randint(1, 4))]
             n += len(values)
             op_id = h.next_id()
             seq = seqs.get(stream, 0)
@@ -268,9 +281,27 @@ def run_reader(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -
             _nap(rng, 0.05, 0.15)
 
 
+def run_sink(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -> None:
+    from ..sinks import RedisAtomicSink, SinkRunner, Step
+
+    def on_step(step: Step, checkpoint_id: int) -> None:
+        if step in ("restored", "committed"):
+            h.record("sink-" + step, job=args.job, checkpoint=checkpoint_id)
+
+    while True:  # until SIGTERM or SIGKILL
+        try:
+            sink = RedisAtomicSink(args.redis, job=args.job)
+            with SinkRunner(args.url, sink, job=args.job, streams=args.stream, live=True, checkpoint_messages=100,
+                            checkpoint_interval=0.5, max_read_bytes=8192, on_step=on_step) as runner:
+                runner.run()
+        except Exception as exc:  # noqa: BLE001 - a server fault: start again from the last checkpoint
+            h.record("note", job=args.job, error=repr(exc)[:300])
+            _nap(rng, 0.2, 0.5)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m onceflow.chaos.worker", description="One client of a chaos run.")
-    p.add_argument("kind", choices=["producer", "txn", "group", "reader"])
+    p.add_argument("kind", choices=["producer", "txn", "group", "reader", "sink"])
     p.add_argument("--url", required=True, help="server (or fault proxy) base URL")
     p.add_argument("--history", required=True, help="JSON-lines file to append this client's history to")
     p.add_argument("--client", required=True, help="client name (the transactional id for txn)")
@@ -279,12 +310,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3.0, help="HTTP timeout in seconds (default: 3)")
     p.add_argument("--txn-timeout", type=float, default=5.0, help="transaction timeout in seconds (txn; default: 5)")
+    p.add_argument("--events", action="store_true", help="write Spark pipeline events (producer)")
+    p.add_argument("--redis", help="Redis URL of the sink's target (sink)")
+    p.add_argument("--job", default="chaos-sink", help="the sink's job name (sink)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop)
+    if args.kind == "sink" and not args.redis:
+        build_parser().error("sink needs --redis")
+    if args.kind != "sink":  # a sink is ended by SIGTERM at once, as by a crash
+        signal.signal(signal.SIGTERM, _stop)
     rng = random.Random(f"{args.seed}/{args.client}/{os.getpid()}")  # noqa: S311 - a workload, not security
     # a restarted worker writes to the same file: its own name keeps (client, id) pairs unique
     with HistoryWriter(args.history, f"{args.client}.{os.getpid()}") as h:
@@ -295,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _Txn(args, h, rng, c).run()
         elif args.kind == "group":
             run_group(args, h, rng)
+        elif args.kind == "sink":
+            run_sink(args, h, rng)
         else:
             run_reader(args, h, rng)
     return 0
