@@ -152,6 +152,41 @@ async def test_a_hanging_transaction_is_aborted_after_its_timeout(onceflow: InPr
     assert await committed(onceflow, "h") == [{"n": "after"}]
 
 
+async def test_a_retried_init_gets_the_same_epoch_and_fences_nothing(onceflow: InProcess) -> None:
+    """An init whose answer was lost is sent again; or the original arrives late, after its retry
+    was answered and the producer began to work. Same request id: same epoch, nothing aborted."""
+    await make(onceflow, "r")
+
+    async def init(request_id: object, timeout_ms: int | None = None) -> httpx.Response:
+        body: dict[str, object] = {"request_id": request_id}
+        if timeout_ms is not None:
+            body["timeout_ms"] = timeout_ms
+        return await onceflow.client.post(T + "r/init", json=body)
+
+    first = (await init("a1")).json()
+    assert (await init("a1")).json()["epoch"] == first["epoch"]
+    t = Txn(onceflow.client, "r")
+    t.epoch = first["epoch"]
+    assert (await t.send("r", {"n": 1})).status_code == 200
+    late = await init("a1")  # the late original: must not fence the producer nor abort its work
+    assert late.status_code == 200 and late.json()["epoch"] == t.epoch and late.json()["status"] == "ongoing"
+    assert (await t.end(commit=True)).status_code == 200
+    assert await committed(onceflow, "r") == [{"n": 1}]
+    # another instance (another request id) fences as always
+    assert (await init("b2")).json()["epoch"] == t.epoch + 1
+    assert (await t.send("r", {"n": 2})).status_code == 403
+    # an epoch the server began on its own (a timeout) is not the one that init asked for
+    assert (await init("c3", timeout_ms=100)).json()["epoch"] == t.epoch + 2
+    t.epoch += 2
+    await t.send("r", {"n": "hangs"})
+    await asyncio.sleep(0.2)
+    assert await onceflow.broker.coordinator.expire() == ["r"]
+    assert (await init("c3")).json()["epoch"] == t.epoch + 2  # after the fence: a new epoch
+    for bad in ("", 7, "x" * 201):
+        r = await init(bad)
+        assert r.status_code == 400 and "request_id" in r.json()["error"]["message"]
+
+
 async def test_ten_streams_commit_or_abort_as_one(onceflow: InProcess) -> None:
     names = [f"ten/{i}" for i in range(10)]
     await make(onceflow, *names)

@@ -31,6 +31,7 @@ import signal
 import struct
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
@@ -145,7 +146,8 @@ class _Txn:
         return None
 
     def init(self) -> bool:
-        r = self.post("init", {"timeout_ms": int(self.args.txn_timeout * 1000)})
+        # one request id for every retry of this init, so that a lost answer cannot fence us
+        r = self.post("init", {"timeout_ms": int(self.args.txn_timeout * 1000), "request_id": uuid.uuid4().hex})
         if r is None or r.status_code != 200:
             return False
         self.epoch, self.seqs = int(r.json()["epoch"]), {}

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import random
+import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -109,7 +110,10 @@ class AsyncTransactionalProducer:
     async def init(self) -> None:
         """Claim the transactional id: a new epoch; the previous holder is fenced and whatever it
         left open is aborted."""
-        body = await self._post_json(self._url("init"), {"timeout_ms": self.timeout_ms}, f"init {self.transactional_id}")
+        # one request id for the retries of this init: a retry (or a late original) gets the same
+        # epoch back instead of fencing this very producer with a newer one
+        request = {"timeout_ms": self.timeout_ms, "request_id": uuid.uuid4().hex}
+        body = await self._post_json(self._url("init"), request, f"init {self.transactional_id}")
         self.producer_id, self.epoch, self.txn, self._ended = body["producer_id"], body["epoch"], None, body["txn"]
         self._seqs.clear()
         self._buffers.clear()

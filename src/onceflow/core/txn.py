@@ -95,6 +95,7 @@ class TxnMeta:
     offsets: dict[str, dict[str, str]] = field(default_factory=dict)  # group -> stream -> offset
     timeout: float = 60.0
     started: float = 0.0  # monotonic time the transaction began
+    init_id: str | None = None  # the request id of the init that began this epoch (retries repeat it)
 
     @property
     def producer_id(self) -> str:
@@ -110,6 +111,7 @@ class TxnMeta:
             "streams": sorted(self.streams),
             "offsets": self.offsets,
             "timeout": self.timeout,
+            "init_id": self.init_id,
         }
 
 
@@ -245,6 +247,7 @@ class Coordinator:
                 streams=set(rec["streams"]),
                 offsets=rec["offsets"],
                 timeout=rec["timeout"],
+                init_id=rec.get("init_id"),
             )
             self.txns[meta.tid] = meta
             if meta.status is TxnStatus.COMPLETE_COMMIT:
@@ -318,11 +321,17 @@ class Coordinator:
             raise TxnError("bad_epoch", f"epoch {epoch} of {tid!r} was never issued (current: {meta.epoch})")
         return meta
 
-    async def init(self, tid: str, txn_timeout: float | None = None) -> TxnMeta:
+    async def init(self, tid: str, txn_timeout: float | None = None, *, request_id: str | None = None) -> TxnMeta:
         """Register (or re-register) ``tid``: a new epoch fences the old one, whose open
-        transaction is aborted first."""
+        transaction is aborted first.
+
+        ``request_id`` makes a retried init harmless: the init that began the current epoch, sent
+        again (its answer was lost, or the original arrives late, after its retry), gets the same
+        epoch instead of a new one that would fence the producer that asked for it."""
         async with self._lock(tid):
             meta = self.txns.get(tid)
+            if meta is not None and request_id is not None and meta.init_id == request_id and meta.epoch >= 0:
+                return meta
             if meta is None:
                 meta = self.txns[tid] = TxnMeta(tid)
             if meta.status is TxnStatus.ONGOING:
@@ -334,6 +343,7 @@ class Coordinator:
             meta.timeout = txn_timeout if txn_timeout is not None else self.default_timeout
             meta.streams, meta.offsets = set(), {}
             meta.status = TxnStatus.EMPTY
+            meta.init_id = request_id
             await self._write(meta.record())
             return meta
 
@@ -615,6 +625,7 @@ class Coordinator:
         meta.txn = 0
         meta.streams, meta.offsets = set(), {}
         meta.status = TxnStatus.EMPTY
+        meta.init_id = None  # this epoch was not asked for: a late init must begin a new one
         await self._write(meta.record())
 
     async def expire(self) -> list[str]:
