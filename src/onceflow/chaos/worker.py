@@ -131,6 +131,8 @@ class _Txn:
         self.tid = args.client
         self.epoch = -1
         self.seqs: dict[str, int] = {}
+        self.ended = 0  # the number of the last transaction this epoch ended
+        self.committed = False  # whether the last append's answer said it committed its transaction
 
     def post(self, path: str, body: dict[str, Any]) -> httpx.Response | None:
         """POST until answered with anything but 5xx; None if the worker is stopping."""
@@ -150,16 +152,21 @@ class _Txn:
         r = self.post("init", {"timeout_ms": int(self.args.txn_timeout * 1000), "request_id": uuid.uuid4().hex})
         if r is None or r.status_code != 200:
             return False
-        self.epoch, self.seqs = int(r.json()["epoch"]), {}
+        self.epoch, self.seqs, self.ended = int(r.json()["epoch"]), {}, int(r.json()["txn"])
         return True
 
-    def append(self, stream: str, values: list[Any], label: str) -> int | None:
-        """The transaction number, or None if the append was not acknowledged."""
+    def append(self, stream: str, values: list[Any], label: str, commit: int | None = None) -> int | None:
+        """The transaction number, or None if the append was not acknowledged. With ``commit``, the
+        append is the transaction's last and commits it (``Transaction-Commit``); ``self.committed``
+        says whether the answer confirmed that."""
         op_id = self.h.next_id()
         seq = self.seqs.get(stream, 0)
+        self.committed = False
         self.h.record("append", id=op_id, stream=stream, values=values, txn=label, epoch=self.epoch, seq=seq)
         headers = {"content-type": "application/json", "producer-id": f"txn:{self.tid}",
                    "producer-epoch": str(self.epoch), "producer-seq": str(seq), "transaction-id": self.tid}
+        if commit is not None:
+            headers["transaction-commit"] = str(commit)
         body = json.dumps(values).encode()
         for _ in range(20):
             if not _running:
@@ -175,6 +182,7 @@ class _Txn:
                 if r.status_code == 200:
                     ack["offset"] = _offset_of(r.headers["stream-next-offset"]) - len(values)
                 self.h.record("ack", id=op_id, **ack)
+                self.committed = r.headers.get("transaction-committed") == "true"
                 return int(r.headers.get("transaction-number", "-1"))
             if r.status_code < 500 and r.status_code != 429:
                 self.h.record("note", id=op_id, status=r.status_code, text=r.text[:200])
@@ -190,21 +198,30 @@ class _Txn:
             while _running:
                 k += 1
                 label = f"{self.tid}.{os.getpid()}:{k}"
-                numbers = []
-                for stream in self.rng.sample(self.args.stream, self.rng.randint(1, len(self.args.stream))):
-                    values = [{"c": label, "n": i, "s": stream} for i in range(self.rng.randint(1, 3))]
-                    numbers.append(self.append(stream, values, label))
+                decision = "commit" if self.rng.random() < 0.75 else "abort"
+                with_last = decision == "commit" and self.rng.random() < 0.5  # commit on the last append
+                numbers: list[int | None] = []
+                streams = self.rng.sample(self.args.stream, self.rng.randint(1, len(self.args.stream)))
+                for i, stream in enumerate(streams):
+                    values = [{"c": label, "n": j, "s": stream} for j in range(self.rng.randint(1, 3))]
+                    last = with_last and i == len(streams) - 1
+                    number = (numbers[0] if numbers else self.ended + 1) if last else None
+                    numbers.append(self.append(stream, values, label, commit=number))
                     _nap(self.rng)
                 if None in numbers or len(set(numbers)) != 1:
-                    self.h.record("txn", txn=label, decision="abort", outcome="unknown")
+                    self.h.record("txn", txn=label, decision="commit" if with_last else "abort", outcome="unknown")
                     break  # re-init: it aborts whatever this epoch left open
-                decision = "commit" if self.rng.random() < 0.75 else "abort"
-                r = self.post(decision, {"epoch": self.epoch, "txn": numbers[0]})
-                outcome = "ok" if r is not None and r.status_code == 200 else "unknown"
-                self.h.record("txn", txn=label, decision=decision, outcome=outcome,
-                              status=None if r is None else r.status_code)
+                if with_last:
+                    outcome = "ok" if self.committed else "unknown"
+                    self.h.record("txn", txn=label, decision=decision, outcome=outcome, via="append")
+                else:
+                    r = self.post(decision, {"epoch": self.epoch, "txn": numbers[0]})
+                    outcome = "ok" if r is not None and r.status_code == 200 else "unknown"
+                    self.h.record("txn", txn=label, decision=decision, outcome=outcome,
+                                  status=None if r is None else r.status_code)
                 if outcome != "ok":
                     break
+                self.ended = numbers[0] or self.ended
                 _nap(self.rng, 0.05, 0.15)
 
 
