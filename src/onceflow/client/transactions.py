@@ -28,7 +28,7 @@ import httpx
 
 from ._errors import OnceflowError, TransportError, error_from_response
 from ._loop import background_loop, run_sync
-from ._protocol import is_json_type, stream_url, tls_verify
+from ._protocol import auth_headers, is_json_type, stream_url, tls_verify
 
 __all__ = ["AsyncTransactionalProducer", "GroupOffsetStore", "TransactionalProducer"]
 
@@ -46,6 +46,7 @@ class AsyncTransactionalProducer:
         retry_backoff: tuple[float, float] = (0.05, 2.0),
         delivery_timeout: float = 60.0,
         client: httpx.AsyncClient | None = None,
+        token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.transactional_id = transactional_id
@@ -54,7 +55,7 @@ class AsyncTransactionalProducer:
         self.retry_backoff = retry_backoff
         self.delivery_timeout = delivery_timeout
         self._own = client is None
-        self._client = client or httpx.AsyncClient(timeout=30.0, verify=tls_verify(self.base_url))
+        self._client = client or httpx.AsyncClient(timeout=30.0, verify=tls_verify(self.base_url), headers=auth_headers(token))
         self.producer_id = ""
         self.epoch = -1
         self.txn: int | None = None  # the server's number of the open transaction, once known
@@ -269,7 +270,11 @@ class TransactionalProducer:
     def __init__(self, base_url: str, transactional_id: str, **kw: Any) -> None:
         background_loop()
         self._core = AsyncTransactionalProducer(base_url, transactional_id, **kw)
-        run_sync(self._core.init())
+        try:
+            run_sync(self._core.init())
+        except BaseException:
+            run_sync(self._core.close())  # no one else holds it to close
+            raise
 
     @property
     def epoch(self) -> int:
@@ -339,7 +344,7 @@ class GroupOffsetStore:
         return f"{self.base_url}/v1/groups/{group}/offsets"
 
     def load(self, group: str, stream: str) -> str | None:
-        with httpx.Client(timeout=30.0, verify=tls_verify(self.base_url)) as c:
+        with httpx.Client(timeout=30.0, verify=tls_verify(self.base_url), headers=auth_headers()) as c:
             try:
                 resp = c.get(self._url(group))
             except httpx.TransportError as exc:
@@ -353,7 +358,7 @@ class GroupOffsetStore:
         body: dict[str, Any] = {"offsets": dict(offsets)}
         if self.member_epoch is not None:
             body["member_epoch"] = self.member_epoch
-        with httpx.Client(timeout=30.0, verify=tls_verify(self.base_url)) as c:
+        with httpx.Client(timeout=30.0, verify=tls_verify(self.base_url), headers=auth_headers()) as c:
             try:
                 resp = c.post(self._url(group), json=body)
             except httpx.TransportError as exc:
