@@ -154,3 +154,44 @@ def test_serve_with_a_guard_file(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "onceflow.cli", "serve", "--data", str(tmp_path / "d2"), "--guard", str(cfg)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "guard configuration" in r.stderr
+
+
+def test_the_python_clients_send_the_token_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every client of onceflow's library authenticates with $ONCEFLOW_TOKEN (or an explicit
+    token); without one a guarded server refuses it with a clear 401."""
+    from onceflow.client import (
+        Consumer,
+        GroupOffsetStore,
+        IdempotentProducer,
+        OnceflowError,
+        Stream,
+        TransactionalProducer,
+    )
+
+    cfg = tmp_path / "guard.json"
+    cfg.write_text(json.dumps(CONFIG))
+    srv = ServerProcess(tmp_path / "data", "--guard", str(cfg))
+    srv.start()
+    try:
+        monkeypatch.delenv("ONCEFLOW_TOKEN", raising=False)
+        with pytest.raises(OnceflowError) as refused, Stream.connect(srv.url, "pub/s") as s:
+            s.create("application/json")
+        assert refused.value.status == 401
+        monkeypatch.setenv("ONCEFLOW_TOKEN", "report")  # read and write on pub/
+        with Stream.connect(srv.url, "pub/s") as s:
+            s.create("application/json")
+            s.append({"n": 0})
+        with IdempotentProducer(srv.url, "pub/s") as p:
+            p.extend({"n": i} for i in range(1, 4))
+        monkeypatch.setenv("ONCEFLOW_TOKEN", "admin")  # groups and transactional ids are named by id
+        with TransactionalProducer(srv.url, "pub/copier") as tp, tp.transaction():
+            tp.append("pub/s", {"n": 4})
+        with Consumer(srv.url, group="pub/g", streams=["pub/s"], live=None, store=GroupOffsetStore(srv.url)) as consumer:
+            got = [m.value for m in consumer]
+        assert got == [{"n": i} for i in range(5)]
+        # an explicit token wins over the environment
+        with pytest.raises(OnceflowError) as wrong, TransactionalProducer(srv.url, "pub/other", token="ingest"):  # noqa: S106 - a test token
+            pass
+        assert wrong.value.status == 403
+    finally:
+        srv.kill()

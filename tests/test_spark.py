@@ -221,3 +221,27 @@ def test_misconfiguration_gets_a_message_that_says_what_to_do(registered: Any, s
         (src.selectExpr("offset").writeStream.format("onceflow").option("url", srv.url).option("stream", "cfg/out")
          .option("sinkId", "cfg").option("checkpointLocation", str(tmp_path / "c2")).start().awaitTermination(30))
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_the_token_option_reads_and_writes_a_guarded_server(registered: Any, tmp_path: Path) -> None:
+    cfg = tmp_path / "guard.json"
+    # the streams, the sink's task transactions (spark/<sinkId>/...) and the sink id itself
+    rw = ["read", "write"]
+    cfg.write_text(json.dumps({"tokens": {"etl": [{"prefix": p, "scopes": rw} for p in ("sec/", "spark/sec-out/", "sec-out")]}}))
+    guarded = ServerProcess(tmp_path / "data", "--guard", str(cfg))
+    guarded.start()
+    try:
+        auth = {**JSON, "authorization": "Bearer etl"}
+        assert httpx.put(f"{guarded.url}/v1/stream/sec/in", headers=auth).status_code == 201
+        assert httpx.post(f"{guarded.url}/v1/stream/sec/in", content=json.dumps([{"n": i} for i in range(20)]), headers=auth).status_code == 204
+        reader = registered.read.format("onceflow").option("url", guarded.url).option("streams", "sec/in")
+        with pytest.raises(Exception, match="401"):
+            reader.load().collect()
+        df = reader.option("token", "etl").load()
+        assert df.count() == 20
+        (df.select("value").write.format("onceflow").option("url", guarded.url).option("token", "etl")
+           .option("stream", "sec/out").option("sinkId", "sec-out").option("batchId", 0).mode("append").save())
+        r = httpx.get(f"{guarded.url}/v1/stream/sec/out", params={"offset": "-1"}, headers=auth)
+        assert sorted(m["n"] for m in r.json()) == list(range(20))
+    finally:
+        guarded.kill()

@@ -131,6 +131,9 @@ def error_from_response(resp: httpx.Response, what: str = "") -> OnceflowError:
     h = resp.headers
     if status == 400:
         return BadRequestError(msg, status=status, code=code)
+    if status == 401:
+        hint = "the server wants a bearer token it knows: set $ONCEFLOW_TOKEN (in Spark, the option token)"
+        return OnceflowError(f"{msg} (401: {hint})", status=status, code=code or "unauthorized")
     if status == 403:
         epoch = h.get("producer-epoch")
         return ProducerFencedError(msg, status=status, code=code or "stale_epoch", current_epoch=int(epoch) if epoch and epoch.isdigit() else None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,8 +18,10 @@ from ._errors import OnceflowError, error_from_response
 from ._types import AppendResult, Chunk, StreamInfo
 
 __all__ = [
+    "TOKEN_ENV",
     "SSEParser",
     "append_headers",
+    "auth_headers",
     "create_headers",
     "encode_json_messages",
     "is_json_type",
@@ -42,6 +45,16 @@ def stream_url(base_url: str, name: str) -> str:
     if STREAM_PATH.rstrip("/") in base:
         return f"{base}/{name}" if name else base
     return f"{base}{STREAM_PATH}{name}"
+
+
+TOKEN_ENV = "ONCEFLOW_TOKEN"  # noqa: S105 - the name of the variable, not a secret
+
+
+def auth_headers(token: str | None = None) -> dict[str, str]:
+    """``Authorization: Bearer`` for a server run with ``--guard`` (docs/security.md): ``token``,
+    else ``$ONCEFLOW_TOKEN``; nothing when neither is set."""
+    token = token if token is not None else os.environ.get(TOKEN_ENV)
+    return {"authorization": f"Bearer {token}"} if token else {}
 
 
 def tls_verify(url: str) -> bool:

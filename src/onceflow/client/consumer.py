@@ -30,7 +30,7 @@ import httpx
 
 from ._errors import OnceflowError, TransportError, error_from_response
 from ._loop import run_sync
-from ._protocol import parse_chunk, read_params, stream_url, tls_verify
+from ._protocol import auth_headers, parse_chunk, read_params, stream_url, tls_verify
 from ._types import Chunk, Delivery, Message
 
 __all__ = ["AsyncConsumer", "Consumer", "FileOffsetStore", "MemoryOffsetStore", "OffsetStore", "list_streams"]
@@ -158,7 +158,7 @@ class AsyncConsumer:
         self.discover_interval = discover_interval
         self.max_read_bytes = max_read_bytes  # onceflow only: bound each read (and so each poll)
         self._own_client = client is None
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=90.0), verify=tls_verify(base_url))
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=90.0), verify=tls_verify(base_url), headers=auth_headers())
         self._queue: asyncio.Queue[Chunk | OnceflowError] = asyncio.Queue(maxsize=buffer)
         self._readers: dict[str, asyncio.Task[None]] = {}
         self._uncommitted: dict[str, str] = {}

@@ -53,7 +53,7 @@ from ._errors import (
     error_from_response,
 )
 from ._loop import background_loop, run_sync
-from ._protocol import is_json_type, stream_url, tls_verify
+from ._protocol import auth_headers, is_json_type, stream_url, tls_verify
 
 __all__ = ["AsyncIdempotentProducer", "IdempotentProducer", "ProducerStats"]
 
@@ -152,6 +152,7 @@ class AsyncIdempotentProducer:
             timeout=request_timeout,
             limits=httpx.Limits(max_connections=max_in_flight + 2, max_keepalive_connections=max_in_flight + 2),
             verify=tls_verify(self.url),
+            headers=auth_headers(),
         )
         self._lock = threading.Lock()
         self._current: list[bytes] = []

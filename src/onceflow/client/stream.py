@@ -15,6 +15,7 @@ from ._errors import OnceflowError, TransportError, error_from_response
 from ._protocol import (
     SSEParser,
     append_headers,
+    auth_headers,
     create_headers,
     encode_json_messages,
     is_json_type,
@@ -80,7 +81,7 @@ class Stream(_Base):
     def __init__(self, url: str, *, client: httpx.Client | None = None, content_type: str | None = None) -> None:
         super().__init__(url, content_type)
         self._own = client is None
-        self._client = client or httpx.Client(timeout=DEFAULT_TIMEOUT, verify=tls_verify(url))
+        self._client = client or httpx.Client(timeout=DEFAULT_TIMEOUT, verify=tls_verify(url), headers=auth_headers())
 
     @classmethod
     def connect(cls, base_url: str, name: str, **kw: Any) -> Stream:
@@ -236,7 +237,7 @@ class AsyncStream(_Base):
     def __init__(self, url: str, *, client: httpx.AsyncClient | None = None, content_type: str | None = None) -> None:
         super().__init__(url, content_type)
         self._own = client is None
-        self._client = client or httpx.AsyncClient(timeout=DEFAULT_TIMEOUT, verify=tls_verify(url))
+        self._client = client or httpx.AsyncClient(timeout=DEFAULT_TIMEOUT, verify=tls_verify(url), headers=auth_headers())
 
     @classmethod
     def connect(cls, base_url: str, name: str, **kw: Any) -> AsyncStream:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from ._errors import ConflictError
-from ._protocol import create_headers, parse_info, stream_url
+from ._protocol import auth_headers, create_headers, parse_info, stream_url, tls_verify
 from .producer import IdempotentProducer, ProducerStats
 
 __all__ = ["TopicProducer", "partition_for", "partition_names"]
@@ -51,7 +51,7 @@ class TopicProducer:
             raise ValueError("a topic needs at least one partition")
         self.topic = topic
         self.partitions = partitions
-        with httpx.Client(timeout=30.0) as client:
+        with httpx.Client(timeout=30.0, verify=tls_verify(base_url), headers=auth_headers()) as client:
             for name in partition_names(topic, partitions):
                 resp = client.put(stream_url(base_url, name), headers=create_headers(content_type, ttl=None, expires_at=None, closed=False))
                 try:

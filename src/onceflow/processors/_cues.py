@@ -48,7 +48,7 @@ import httpx
 from ..client import AsyncStream, OnceflowError, PreconditionFailedError, StreamNotFoundError, TransportError
 from ..client._errors import error_from_response
 from ..client._loop import background_loop, run_sync
-from ..client._protocol import is_json_type, parse_chunk, read_params, stream_url, tls_verify
+from ..client._protocol import auth_headers, is_json_type, parse_chunk, read_params, stream_url, tls_verify
 from ..client._types import Chunk
 from ._errors import ProcessorError, ProcessorFencedError
 
@@ -192,7 +192,7 @@ class _Http:
     def __init__(self, base_url: str, client: httpx.AsyncClient | None, retry_timeout: float) -> None:
         self.base_url = base_url.rstrip("/")
         self.own = client is None
-        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=60.0), verify=tls_verify(self.base_url))
+        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=60.0), verify=tls_verify(self.base_url), headers=auth_headers())
         self.retry_timeout = retry_timeout
         self._handles: dict[str, AsyncStream] = {}
 

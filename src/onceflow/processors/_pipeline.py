@@ -47,7 +47,7 @@ from ..client import (
     TransportError,
 )
 from ..client._errors import error_from_response
-from ..client._protocol import stream_url, tls_verify
+from ..client._protocol import auth_headers, stream_url, tls_verify
 from ._errors import ProcessorError
 from ._watermark import Acker
 
@@ -403,7 +403,7 @@ class Pipeline:
         self.txn_timeout_ms = txn_timeout_ms
         self.stats = PipelineStats()
         self._own_client = client is None
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=90.0), verify=tls_verify(self.base_url))
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=90.0), verify=tls_verify(self.base_url), headers=auth_headers())
         self._stop = asyncio.Event()
         self._commit_lock = asyncio.Lock()
         self._ran = False

@@ -19,7 +19,7 @@ from urllib.parse import quote
 import httpx
 
 from ..client._errors import OnceflowError, TransportError, error_from_response
-from ..client._protocol import stream_url, tls_verify
+from ..client._protocol import auth_headers, stream_url, tls_verify
 
 __all__ = ["Conn", "Frame", "StreamInfo", "record_offset"]
 
@@ -60,10 +60,10 @@ class Frame:
 class Conn:
     """A connection to one onceflow server."""
 
-    def __init__(self, url: str, *, deadline: float = 60.0, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, *, deadline: float = 60.0, timeout: float = 30.0, token: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.deadline = deadline
-        self.client = httpx.Client(timeout=timeout, verify=tls_verify(self.url))
+        self.client = httpx.Client(timeout=timeout, verify=tls_verify(self.url), headers=auth_headers(token))
 
     def close(self) -> None:
         self.client.close()

@@ -11,7 +11,6 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from ._http import Conn
 from .options import OptionError, Options
 from .sink import OnceflowBatchWriter, OnceflowStreamWriter, check_sink_schema
 from .source import OnceflowBatchReader, OnceflowStreamReader, is_text_type, source_schema
@@ -40,7 +39,7 @@ class OnceflowDataSource(DataSource):
             if forced not in ("string", "binary"):
                 raise OptionError(f"option valueType must be string or binary, got {forced!r}")
             return forced == "string"
-        with Conn(opts.url, deadline=opts.request_deadline) as conn:
+        with opts.connect() as conn:
             if opts.pattern is not None:
                 types = [s.content_type for s in conn.list_streams(opts.pattern)]
             else:

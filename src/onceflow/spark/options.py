@@ -6,6 +6,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ._http import Conn
+
 __all__ = ["OptionError", "Options"]
 
 DEFAULT_URL = "http://127.0.0.1:4437"
@@ -39,6 +41,7 @@ class Options:
     max_records_per_trigger: int | None
     max_records_per_partition: int
     request_deadline: float
+    token: str | None  # bearer token for a server run with --guard (else $ONCEFLOW_TOKEN where the code runs)
     # sink
     stream: str | None
     sink_id: str | None
@@ -78,12 +81,17 @@ class Options:
             max_records_per_trigger=_int(opts, "maxrecordspertrigger", None),
             max_records_per_partition=_int(opts, "maxrecordsperpartition", 1_000_000) or 1_000_000,
             request_deadline=float(_int(opts, "requesttimeoutseconds", 120) or 120),
+            token=opts.get("token") or None,
             stream=opts.get("stream"),
             sink_id=sink_id,
             content_type=opts.get("contenttype", "application/json"),
             transaction_timeout_ms=_int(opts, "transactiontimeoutms", 300_000) or 300_000,
             batch_id=_int(opts, "batchid", None, low=0),
         )
+
+    def connect(self) -> Conn:
+        """A connection to the server these options name."""
+        return Conn(self.url, deadline=self.request_deadline, token=self.token)
 
     def check_source(self) -> None:
         if bool(self.streams) == (self.pattern is not None):

@@ -32,7 +32,6 @@ from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowW
 from pyspark.sql.types import BinaryType, StringType, StructType
 
 from ..client.transactions import TransactionalProducer
-from ._http import Conn
 from .options import OptionError, Options
 
 __all__ = ["OnceflowBatchWriter", "OnceflowStreamWriter", "TaskCommit", "check_sink_schema"]
@@ -77,13 +76,13 @@ def _write_task(opts: Options, prefix: str, batches: Iterator[pa.RecordBatch], s
     tid = f"{prefix}p{partition}/a{attempt}"
     created: set[str] = set()  # target streams known to exist
     rows = 0
-    with Conn(opts.url, deadline=opts.request_deadline) as conn:
+    with opts.connect() as conn:
         if sink is not None and batch is not None:
             done = conn.sink_progress(sink)
             if done is not None and batch <= done:
                 return TaskCommit(tid, -1, None, 0, skipped=True)
         with TransactionalProducer(
-            opts.url, tid, timeout_ms=opts.transaction_timeout_ms, delivery_timeout=opts.request_deadline,
+            opts.url, tid, timeout_ms=opts.transaction_timeout_ms, delivery_timeout=opts.request_deadline, token=opts.token,
         ) as producer:
             for rb in batches:
                 if rb.num_rows == 0:
@@ -145,14 +144,14 @@ class OnceflowStreamWriter(DataSourceStreamArrowWriter):
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803 (Spark's name)
         members = _members(messages)
-        with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
+        with self.opts.connect() as conn:
             result = conn.commit_members(self.sink_id, batchId, members, self.prefix)
         if result["status"] == "already_committed":
             log.info("onceflow sink %s: batch %d was already committed (last: %s); nothing added", self.sink_id, batchId, result["batch"])
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
         members = _members(messages)
-        with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
+        with self.opts.connect() as conn:
             conn.abort_members(self.sink_id, members, self.prefix)
 
 
@@ -180,11 +179,11 @@ class OnceflowBatchWriter(DataSourceArrowWriter):
         return _write_task(self.opts, self.prefix, iterator, self.job, self.batch)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
+        with self.opts.connect() as conn:
             result = conn.commit_members(self.job, self.batch, _members(messages), self.prefix)
         if result["status"] == "already_committed":
             log.info("onceflow sink %s: batch %s was already committed; nothing added", self.job, self.batch)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
+        with self.opts.connect() as conn:
             conn.abort_members(self.job, _members(messages), self.prefix)

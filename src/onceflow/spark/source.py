@@ -108,7 +108,7 @@ _ARROW_BINARY = _arrow_schema(pa.binary())
 
 
 def read_partition(opts: Options, part: RangePartition, text_values: bool) -> Iterator[pa.RecordBatch]:
-    with Conn(opts.url, deadline=opts.request_deadline) as conn:
+    with opts.connect() as conn:
         for frames, _ in conn.read_frames(part.stream, part.start, part.end, isolation=opts.isolation):
             if frames:
                 yield frames_to_arrow(part.stream, part.content_type, frames, text_values)
@@ -162,7 +162,7 @@ class OnceflowBatchReader(DataSourceReader):
 
     def partitions(self) -> Sequence[InputPartition]:
         streams = _Streams(self.opts)
-        with Conn(self.opts.url, deadline=self.opts.request_deadline) as conn:
+        with self.opts.connect() as conn:
             ends = streams.ends(conn)
             starts = self.opts.starting(ends)
             limit = self.opts.ending(ends)
@@ -195,7 +195,7 @@ class OnceflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def conn(self) -> Conn:
         """The driver's connection (made on first use: the reader is pickled for the tasks)."""
         if self._conn is None:
-            self._conn = Conn(self.opts.url, deadline=self.opts.request_deadline)
+            self._conn = self.opts.connect()
         return self._conn
 
     def __getstate__(self) -> dict[str, Any]:
