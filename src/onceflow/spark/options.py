@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._http import Conn
 
@@ -41,7 +41,7 @@ class Options:
     max_records_per_trigger: int | None
     max_records_per_partition: int
     request_deadline: float
-    token: str | None  # bearer token for a server run with --guard (else $ONCEFLOW_TOKEN where the code runs)
+    token: str | None = field(repr=False)  # bearer token for --guard (else $ONCEFLOW_TOKEN where the code runs); never printed
     # sink
     stream: str | None
     sink_id: str | None
