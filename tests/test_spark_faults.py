@@ -42,7 +42,9 @@ def test_driver_kill9_after_commit_inside_write_and_at_random_is_exactly_once(tm
     # the planned crashes really happened where they were meant to
     assert "crashing on purpose: after the sink committed batch" in crashes
     assert "crashing on purpose: inside write() of batch" in crashes
-    assert log.count("=== driver start") == 6  # 5 killed, 1 to finish
+    # 5 killed and 1 to finish; more if Spark failed by itself before a planned crash (the demo then
+    # restarts it and plans that crash again: see "exited by itself" in its report)
+    assert log.count("=== driver start") >= 6
 
     # check the data again here, from the server's files
     srv = ServerProcess(work / "data")
