@@ -361,6 +361,7 @@ class Broker:
                 await self.coordinator.expire()
             except OSError as exc:
                 log.error("could not abort expired transactions: %s", exc)
+            await self.coordinator.maybe_compact()
 
     async def _write_marker(self, stream: str, producer_id: str, epoch: int, txn: int, commit: bool) -> None:
         """Append a marker ending transaction ``txn`` (-1: unknown) of ``producer_id`` to ``stream``

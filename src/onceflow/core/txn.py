@@ -158,6 +158,8 @@ class Coordinator:
         self.sinks: dict[str, int] = {}  # sink id -> last batch committed through commit_members
         self._log: StreamLog | None = None
         self._locks: dict[str, asyncio.Lock] = {}
+        self._awaiting = 0  # durable writes whose callers have not yet applied them in memory
+        self.compactions = 0
         self.write_marker: MarkerWriter | None = None
 
     # ------------------------------------------------------------------ persistence
@@ -174,23 +176,19 @@ class Coordinator:
                     self._replay(rec)
                 at = batch.end
         if at.pos - self._log.base.pos > self.compact_bytes:
-            try:
-                self._compact()
-            except OSError as exc:
-                log.warning("could not compact the coordinator log (%s); going on with it as it is", exc)
-                self._finish_compaction()  # whichever complete log is left is the log again
-                self._log = StreamLog.open(self.directory, Position(0, 0), policy=self.policy)
+            self._compact_or_go_on()
         for meta in self.txns.values():
             if meta.status is TxnStatus.ONGOING:
                 meta.started = time.monotonic()  # the timeout runs afresh after a restart
         return [m for m in self.txns.values() if m.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT)]
 
-    # Compaction. Every record holds the whole state of what it names (a transactional id, a
-    # group's offsets, a sink's batch), so the current state, written as one record per item, is
-    # a log that replays to the same state. It is written to DIR.new and synced, then swapped in
-    # with two renames; at open, a DIR.new without DIR (a crash between the renames) is complete
-    # and takes its place, and any other leftover of a compaction is removed. A compaction that
-    # fails (a full disk) is given up: the server goes on with the log as it was.
+    # Compaction, at open and while serving. Every record holds the whole state of what it names
+    # (a transactional id, a group's offsets, a sink's batch), so the current state, written as
+    # one record per item, is a log that replays to the same state. It is written to DIR.new and
+    # synced, then swapped in with two renames; at open, a DIR.new without DIR (a crash between
+    # the renames) is complete and takes its place, and any other leftover of a compaction is
+    # removed. A compaction that fails (a full disk) is given up: the server goes on with the log
+    # as it was.
 
     def _state_records(self) -> list[dict[str, Any]]:
         recs: list[dict[str, Any]] = [meta.record() for meta in self.txns.values()]
@@ -202,6 +200,31 @@ class Coordinator:
         for sink, batch in sorted(self.sinks.items()):
             recs.append({"kind": "members", "sink": sink, "batch": batch, "members": []})
         return recs
+
+    def _compact_or_go_on(self) -> None:
+        try:
+            self._compact()
+        except OSError as exc:
+            log.warning("could not compact the coordinator log (%s); going on with it as it is", exc)
+            self._finish_compaction()  # whichever complete log is left is the log again
+            self._log = StreamLog.open(self.directory, Position(0, 0), policy=self.policy)
+
+    async def maybe_compact(self, tries: int = 20) -> bool:
+        """While serving (the server's sweep calls this every second): compact the log once it is
+        larger than ``compact_bytes``. Only at an instant when nothing is staged or being written
+        and no caller waits to apply a durable record, found and used without awaiting in between:
+        then every state change is both in memory and on disk, and no request can stage a record
+        into the old log while the new one is written and swapped in (all of it runs on the event
+        loop, blocking it briefly: the state is small). Returns whether it compacted."""
+        for _ in range(tries):
+            logf = self._log
+            if logf is None or logf.durable.end.pos - logf.base.pos <= self.compact_bytes:
+                return False
+            if logf.idle and not self._awaiting:
+                self._compact_or_go_on()
+                return True
+            await asyncio.sleep(0.005)
+        return False
 
     def _beside(self, suffix: str) -> Path:
         return self.directory.with_name(self.directory.name + suffix)
@@ -222,6 +245,7 @@ class Coordinator:
         fsync_dir(self.directory.parent)
         shutil.rmtree(old, ignore_errors=True)
         self._log = StreamLog.open(self.directory, Position(0, 0), policy=self.policy)
+        self.compactions += 1
         log.info("compacted the coordinator log from %d to %d bytes", before, after)
 
     def _finish_compaction(self) -> None:
@@ -275,7 +299,13 @@ class Coordinator:
         before every later record, which is enough for a record recovery can redo)."""
         done = self._stage(rec)
         if durable:
-            await done
+            # some callers change memory only once the record is durable (group offsets, a sink's
+            # batch): until they have, compaction must not take the state in memory for all of it
+            self._awaiting += 1
+            try:
+                await done
+            finally:
+                self._awaiting -= 1  # the caller's change follows at once, before anything else runs
         else:
             done.add_done_callback(_log_failure)
 

@@ -691,6 +691,11 @@ class StreamLog:
         fd = self._segments[-1].fd
         await asyncio.get_running_loop().run_in_executor(self._executor, os.fdatasync, fd)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing is staged or being written: the files hold everything this log was given."""
+        return self._flusher is None and self._group is None
+
     async def drain(self) -> None:
         """Wait until nothing is staged or being written."""
         while self._flusher is not None:
