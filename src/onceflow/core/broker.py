@@ -361,7 +361,10 @@ class Broker:
                 await self.coordinator.expire()
             except OSError as exc:
                 log.error("could not abort expired transactions: %s", exc)
-            await self.coordinator.maybe_compact()
+            try:
+                await self.coordinator.maybe_compact()  # a failed compaction is given up inside
+            except OSError as exc:  # ... unless not even the old log could be opened again
+                log.error("the coordinator log could not be reopened after a failed compaction: %s", exc)
 
     async def _write_marker(self, stream: str, producer_id: str, epoch: int, txn: int, commit: bool) -> None:
         """Append a marker ending transaction ``txn`` (-1: unknown) of ``producer_id`` to ``stream``

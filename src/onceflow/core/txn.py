@@ -204,8 +204,8 @@ class Coordinator:
     def _compact_or_go_on(self) -> None:
         try:
             self._compact()
-        except OSError as exc:
-            log.warning("could not compact the coordinator log (%s); going on with it as it is", exc)
+        except Exception as exc:  # noqa: BLE001 - compaction is an optimisation: never lose the log over it
+            log.warning("could not compact the coordinator log (%r); going on with it as it is", exc)
             self._finish_compaction()  # whichever complete log is left is the log again
             self._log = StreamLog.open(self.directory, Position(0, 0), policy=self.policy)
 
