@@ -197,6 +197,36 @@ async def test_the_next_transactions_data_is_not_taken_for_a_commit_by_marker(tm
         await c.broker.close()
 
 
+async def test_the_next_transactions_data_in_another_stream_is_not_taken_for_a_commit_by_marker(tmp_path: Path) -> None:
+    """Found by `onceflow chaos` (seed 1, in CI): transaction 1 committed by its marker in "s", the
+    coordinator log kept only its ONGOING record; transaction 2 wrote to "s" and to "t", and none of
+    its records survived. Recovery took 2's open data in "t" for transaction 1's (ONGOING, another
+    stream), then recorded 1 as committed by its marker, which left that data open and owned by
+    nothing, until a later commit marker in "t" published it: part of an aborted transaction."""
+    data = tmp_path / "data"
+    async with serve(data) as c:
+        await make(c, "s", "t")
+        t = Txn(c.client, "w")
+        await t.init()
+        assert (await t.send("s", {"n": 1}, commit=1)).status_code == 200
+        assert (await t.send("s", {"n": "2s"})).status_code == 200
+        assert (await t.send("t", {"n": "2t"})).status_code == 200
+        assert t.txn == 2
+        await kill(c.broker)
+    gone = lose_records(data, lambda r: r.get("tid") == "w" and (is_txn("w", "complete_commit", 1)(r) or r["txn"] == 2))
+    assert [r["status"] for r in gone] == ["complete_commit", "ongoing", "ongoing"]
+    async with serve(data) as c:
+        t.c = c.client
+        assert await committed(c, "s") == [{"n": 1}] and await committed(c, "t") == []
+        await assert_settled(c, "s", "t")  # nothing left open: transaction 2 aborted in both streams
+        assert (await status(c, "w"))["epoch"] == t.epoch + 1
+        fresh = Txn(c.client, "w")
+        await fresh.init()
+        assert (await fresh.send("t", {"n": "later"}, commit=1)).status_code == 200
+        assert await committed(c, "t") == [{"n": "later"}]  # and 2's data stays out of it
+        await c.broker.close()
+
+
 async def test_data_whose_commit_marker_was_torn_is_committed_by_the_retry(tmp_path: Path) -> None:
     data = tmp_path / "data"
     t = await commit_one_and_kill(data)

@@ -598,13 +598,19 @@ class Coordinator:
         recorded as committed, so a retried commit is answered success and its number is never
         used again.
 
-        Order: first the logged decisions are finished (never over a stream whose open data is not
-        theirs); then commits by marker are recorded; then every id that loses undecided data of
-        its *current* epoch is fenced with a synced record (a new epoch, as after a timeout: its
+        Order: first the commits by marker are recorded (for an id with a logged decision still to
+        finish: right after it is finished), so that open data is judged against what each id
+        really did last; then the logged decisions are finished (never over a stream whose open
+        data is not theirs); then every id that loses undecided data of its *current* epoch is
+        fenced with a synced record (a new epoch, as after a timeout: its
         producer believes the transaction is still open and must not continue it half aborted);
         only then are the abort markers written. A crash anywhere in between leaves the same or an
         already fenced situation, which the next recovery handles the same way.
         """
+        # Commits by marker first (except over a logged decision still to finish): an id the log
+        # holds ONGOING whose transaction in fact committed by its marker must not have the next
+        # transaction's open data in another stream taken for that one's (a chaos run found this).
+        await self._adopt_commits(committed)
         orphans: dict[str, list[OpenTxn]] = {}
         done: dict[str, set[str]] = {}  # tid -> streams where its logged decision is carried out
         for o in found:
@@ -623,14 +629,7 @@ class Coordinator:
             log.info("completing %s of transaction %d of %r after restart", meta.status.value, meta.txn, meta.tid)
             async with self._lock(meta.tid):
                 await self._complete(meta, done=frozenset(done.get(meta.tid, ())))
-        for c in sorted(committed, key=lambda c: c.txn):
-            meta = self.txns.get(c.tid)
-            if meta is None or c.epoch != meta.epoch or c.txn < 1:
-                continue
-            if c.txn > meta.txn or (c.txn == meta.txn and meta.status is TxnStatus.ONGOING):
-                log.info("transaction %d of %r was committed by its marker in %r; recording it", c.txn, c.tid, c.stream)
-                meta.txn, meta.status, meta.streams, meta.offsets = c.txn, TxnStatus.COMPLETE_COMMIT, {c.stream}, {}
-                await self._write(meta.record())
+        await self._adopt_commits(committed)  # those of ids whose decision was finished just now
         for tid, opens in sorted(orphans.items()):
             top = max(o.epoch for o in opens)
             async with self._lock(tid):
@@ -645,6 +644,21 @@ class Coordinator:
             for o in opens:
                 log.warning("aborting undecided data of %r (epoch %d) in %r after restart", tid, o.epoch, o.stream)
                 await self.write_marker(o.stream, TXN_PRODUCER_PREFIX + tid, o.epoch, UNKNOWN_TXN, False)
+
+    async def _adopt_commits(self, committed: Sequence[CommitSeen]) -> None:
+        """Record the one-stream transactions that ``committed`` (commit markers) shows committed
+        by their marker alone while the log does not know it. An id whose logged decision is not
+        finished yet (PREPARE_*) is left for a second call, once it is."""
+        for c in sorted(committed, key=lambda c: c.txn):
+            meta = self.txns.get(c.tid)
+            if meta is None or c.epoch != meta.epoch or c.txn < 1:
+                continue
+            if meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
+                continue
+            if c.txn > meta.txn or (c.txn == meta.txn and meta.status is TxnStatus.ONGOING):
+                log.info("transaction %d of %r was committed by its marker in %r; recording it", c.txn, c.tid, c.stream)
+                meta.txn, meta.status, meta.streams, meta.offsets = c.txn, TxnStatus.COMPLETE_COMMIT, {c.stream}, {}
+                await self._write(meta.record())
 
     async def _fence(self, meta: TxnMeta, epoch: int) -> None:
         """Abort ``meta``'s open transaction and move past ``epoch`` with a synced record, so a
