@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from .._files import replace_file
 from ._errors import OnceflowError, TransportError, error_from_response
 from ._loop import run_sync
 from ._protocol import auth_headers, parse_chunk, read_params, stream_url, tls_verify
@@ -96,12 +96,7 @@ class FileOffsetStore:
                     changed = True
             if not changed:
                 return
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            with open(tmp, "w") as f:
-                json.dump(data, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            replace_file(self.path, json.dumps(data).encode())
 
 
 async def list_streams(client: httpx.AsyncClient, base_url: str, prefix: str = "") -> list[str]:

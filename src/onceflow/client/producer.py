@@ -44,6 +44,7 @@ from typing import Any
 
 import httpx
 
+from .._files import replace_file
 from ._errors import (
     BadRequestError,
     OnceflowError,
@@ -88,12 +89,7 @@ def _epoch_from_file(path: Path) -> int:
     except FileNotFoundError:
         last = -1
     epoch = last + 1
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(str(epoch))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_file(path, str(epoch).encode())
     return epoch
 
 

@@ -28,7 +28,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import os
 import random
 import secrets
 import time
@@ -42,7 +41,8 @@ from urllib.parse import quote, urlsplit
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..storage.log import InvalidPosition, StreamLog, fsync_dir
+from .._files import fsync_dir, replace_file
+from ..storage.log import InvalidPosition, StreamLog
 from ..storage.position import ZERO, Position, parse_token
 from .broker import Broker, Stream, validate_name
 
@@ -641,15 +641,7 @@ class Subscriptions:
             pass
         self._ensure_dir()
         data = make()
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        fsync_dir(self.directory)
+        replace_file(path, data, mode=0o600)
         return data
 
     def signing_key(self) -> Ed25519PrivateKey:
@@ -776,15 +768,7 @@ class Subscriptions:
                     fsync_dir(path.parent)
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if durable:
-            fsync_dir(path.parent)
+        replace_file(path, data, sync=durable)
 
     async def _commit(self, sub: Subscription) -> None:
         """Write a request's change and wait for it; a 503 if the disk refused."""

@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._files import fsync_dir
 from ..storage.batch import FLAG_JSON
-from ..storage.log import FsyncPolicy, StreamLog, fsync_dir
+from ..storage.log import FsyncPolicy, StreamLog
 from ..storage.position import Position
 
 __all__ = ["CommitSeen", "Coordinator", "OpenTxn", "TxnError", "TxnMeta", "TxnStatus"]

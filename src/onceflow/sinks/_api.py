@@ -24,7 +24,6 @@ The kinds, and the fault window each one closes (see docs/sinks.md):
 from __future__ import annotations
 
 import json
-import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
+from .._files import replace_file
 from ..client import Message
 
 __all__ = [
@@ -153,17 +153,7 @@ class FileCheckpointStore:
         with self._lock:
             data = self._read()
             data[job] = checkpoint.to_json()
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            with open(tmp, "w") as f:
-                json.dump(data, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            dir_fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            replace_file(self.path, json.dumps(data).encode())
 
 
 KeyFunction = Callable[[Message], str]

@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import crc32c
 
+from .._files import fsync_dir, replace_file
 from .batch import (
     FLAG_CLOSE,
     FLAG_COMMIT,
@@ -247,15 +248,6 @@ def _parse_segment_name(name: str) -> Position | None:
     return Position(int(parts[1]), int(parts[0]))
 
 
-def fsync_dir(path: Path) -> None:
-    """Make the creation, removal or renaming of entries in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_all(fd: int, data: bytes, at: int, sync: bool) -> None:
     view = memoryview(data)
     while view:
@@ -378,12 +370,7 @@ class StreamLog:
                 for pid, p in self.producers.items()
             },
         }
-        tmp = self.directory / (SNAPSHOT_NAME + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(raw, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.directory / SNAPSHOT_NAME)
+        replace_file(self.directory / SNAPSHOT_NAME, json.dumps(raw).encode(), sync_dir=False)
         self._snapshot_pos = tail.end.pos
 
     def _recover(self, use_snapshot: bool) -> None:

@@ -8,10 +8,10 @@ leaves a directory that recovery discards. Updates (soft delete) are atomic repl
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .._files import replace_file
 from .position import Position
 
 __all__ = ["META_NAME", "StreamMeta", "read_meta", "write_meta"]
@@ -39,17 +39,7 @@ class StreamMeta:
 
 
 def write_meta(directory: Path, meta: StreamMeta) -> None:
-    tmp = directory / (META_NAME + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(asdict(meta), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / META_NAME)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_file(directory / META_NAME, json.dumps(asdict(meta)).encode())
 
 
 def read_meta(directory: Path) -> StreamMeta:
