@@ -225,6 +225,21 @@ class _Txn:
                 _nap(self.rng, 0.05, 0.15)
 
 
+def _read_committed(c: httpx.Client, args: argparse.Namespace, rng: random.Random, stream: str, start: str,
+                    max_bytes: int) -> tuple[str, list[list[Any]]] | None:
+    """One read_committed ``format=records`` read of ``stream`` from ``start``: (next offset,
+    records), or None when it got no answer (after a short nap) or not a 200."""
+    try:
+        r = c.get(_surl(args.url, stream), params={"offset": start, "format": "records",
+                                                   "isolation": "read_committed", "max_bytes": str(max_bytes)})
+    except httpx.TransportError:
+        _nap(rng, 0.1, 0.3)
+        return None
+    if r.status_code != 200:
+        return None
+    return r.headers["stream-next-offset"], parse_records(r.content)
+
+
 def run_group(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -> None:
     group = args.group
     member_epoch = time.time_ns() // 1_000_000  # a restarted member is newer than its predecessor
@@ -244,17 +259,11 @@ def run_group(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) ->
         while _running:
             for stream in args.stream:
                 start = offsets[stream]
-                try:
-                    r = c.get(_surl(args.url, stream), params={"offset": start, "format": "records",
-                                                               "isolation": "read_committed", "max_bytes": "4096"})
-                except httpx.TransportError:
-                    _nap(rng, 0.1, 0.3)
+                answer = _read_committed(c, args, rng, stream, start, 4096)
+                if answer is None:
                     continue
-                if r.status_code != 200:
-                    continue
-                nxt = r.headers["stream-next-offset"]
-                h.record("read", stream=stream, isolation="read_committed", start=start, next=nxt,
-                         records=parse_records(r.content))
+                nxt, records = answer
+                h.record("read", stream=stream, isolation="read_committed", start=start, next=nxt, records=records)
                 if nxt == start:
                     continue
                 body = {"offsets": {stream: nxt}, "member_epoch": member_epoch}
@@ -283,16 +292,10 @@ def run_reader(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -
     with httpx.Client(timeout=args.timeout) as c:
         while _running:
             for stream in args.stream:
-                try:
-                    r = c.get(_surl(args.url, stream), params={"offset": offsets[stream], "format": "records",
-                                                               "isolation": "read_committed", "max_bytes": "16384"})
-                except httpx.TransportError:
-                    _nap(rng, 0.1, 0.3)
+                answer = _read_committed(c, args, rng, stream, offsets[stream], 16384)
+                if answer is None:
                     continue
-                if r.status_code != 200:
-                    continue
-                nxt = r.headers["stream-next-offset"]
-                records = parse_records(r.content)
+                nxt, records = answer
                 if records:
                     h.record("read", stream=stream, isolation="read_committed", start=offsets[stream], next=nxt,
                              records=records)
