@@ -143,13 +143,13 @@ class ReadResult:
 
 @dataclass(eq=False)
 class Stream:
-    """One live stream: its metadata, its own log and, for a fork, its parent."""
+    """One live stream: its metadata, its own log and, for a fork, its parent and its forks."""
 
     meta: StreamMeta
     directory: Path
     log: StreamLog
     parent: Stream | None = None
-    forks: int = 0
+    children: set[Stream] = field(default_factory=set)  # live forks of this stream (soft-deleted ones too)
     last_access: float = field(default_factory=time.monotonic)
     waiters: set[asyncio.Future[None]] = field(default_factory=set)
     staged_waiters: set[asyncio.Future[None]] = field(default_factory=set)  # out-of-order producer requests
@@ -162,6 +162,11 @@ class Stream:
     def __post_init__(self) -> None:
         self.media_type = normalize_content_type(self.meta.content_type)
         self.is_json = self.media_type == "application/json"
+        self._told_stable: Position | None = None  # the LSO the forks were last told about (notify)
+
+    @property
+    def forks(self) -> int:
+        return len(self.children)
 
     @property
     def tail(self) -> Position:
@@ -186,16 +191,44 @@ class Stream:
                 fut.set_result(None)
 
     def notify(self) -> None:
+        """Wake the live readers; and, when this stream's LSO moved, those of the forks whose LSO
+        it held (their read_committed view of this stream's range just changed): the forks' log
+        listeners are told, so their own readers, forks and subscriptions learn of it."""
         for fut in self.waiters:
             if not fut.done():
                 fut.set_result(None)
         self.waiters.clear()
+        if self.children:
+            # the LSO only grows, and a fork's depends on this one only while it is before the fork
+            # point; unknown before the first change (None): tell every fork
+            before, now = self._told_stable, self.stable()
+            if now != before:
+                self._told_stable = now
+                for child in list(self.children):
+                    if before is None or before.pos < child.log.base.pos:
+                        child.log.tell_listeners()
 
     # -- transactions
 
     def stable(self) -> Position:
-        """The last stable offset: read_committed readers see nothing at or past it."""
+        """The last stable offset: read_committed readers see nothing at or past it.
+
+        A fork's LSO is its parent's when that lies before the fork point: the parent's range
+        is then read through the parent's transactions, exactly as the parent's readers see it."""
+        if self.parent is not None:
+            above = self.parent.stable()
+            if above.pos < self.log.base.pos:
+                return above
         return self.log.txn.stable(self.tail)
+
+    def is_open_txn(self, batch: ReadBatch) -> bool:
+        """``batch`` belongs to a transaction that has not ended yet."""
+        if not batch.header.flags & FLAG_TXN or batch.header.flags & FLAG_CONTROL:
+            return False
+        if batch.start.pos < self.log.base.pos and self.parent is not None:
+            return self.parent.is_open_txn(batch)
+        began = self.log.txn.open.get(batch.header.producer_id or "")
+        return began is not None and began.pos <= batch.start.pos
 
     def is_aborted(self, batch: ReadBatch) -> bool:
         if not batch.header.flags & FLAG_TXN:
@@ -286,7 +319,7 @@ class Broker:
                 if s.parent is None:
                     log.error("fork %r lost its parent %r", s.name, s.meta.fork_parent)
                 else:
-                    s.parent.forks += 1
+                    s.parent.children.add(s)
         self._unfinished = self.coordinator.open()
 
     async def start(self) -> None:
@@ -500,8 +533,8 @@ class Broker:
                 return Outcome("bad_request", detail=f"Stream-Fork-Offset: {exc}")
             if sub_offset:
                 prefix_or_error = self._fork_prefix(parent, base, sub_offset)
-                if isinstance(prefix_or_error, str):
-                    return Outcome("bad_request", detail=prefix_or_error)
+                if isinstance(prefix_or_error, Outcome):
+                    return prefix_or_error
                 prefix = prefix_or_error
             if ttl_seconds is None and expires_at is None:
                 inherited = True
@@ -555,22 +588,38 @@ class Broker:
             return Outcome("unavailable", detail=f"could not create the stream on disk: {exc.strerror}")
         stream = Stream(meta, directory, slog, parent=parent)
         if parent is not None:
-            parent.forks += 1
+            parent.children.add(stream)
         self._register(stream)
         return Outcome("created", stream=stream, next=stream.tail, closed=stream.closed)
 
-    def _fork_prefix(self, parent: Stream, base: Position, sub: int) -> tuple[bytes, int] | str:
-        batches = parent.read_range(base, 1) if base != parent.tail else []
+    @staticmethod
+    def _fork_prefix(parent: Stream, base: Position, sub: int) -> tuple[bytes, int] | Outcome:
+        """The first ``sub`` messages (JSON) or bytes of the batch at ``base`` in ``parent``, which
+        a sub-offset fork copies into its own log as plain data.
+
+        Data of a transaction is copied only once committed: while it is open the answer is a
+        ``txn_refused`` (409, retry once it ended); aborted data is no data (400, as for a
+        sub-offset past the data)."""
+        batches = parent.read_range(base, 1) if base.pos < parent.tail.pos else []
         if not batches:
-            return "Stream-Fork-Sub-Offset points past the end of the source stream"
-        payload = batches[0].payload
+            return Outcome("bad_request", detail="Stream-Fork-Sub-Offset points past the end of the source stream")
+        batch = batches[0]
+        if parent.is_open_txn(batch):
+            return Outcome(
+                "txn_refused",
+                detail="Stream-Fork-Sub-Offset names data of a transaction that is still open; "
+                "fork there once it has committed, or fork at Stream-Fork-Offset alone",
+            )
+        if parent.is_aborted(batch):
+            return Outcome("bad_request", detail="Stream-Fork-Sub-Offset names data of an aborted transaction, which is no data")
+        payload = batch.payload
         if parent.is_json:
             msgs = split_messages(payload)
             if sub > len(msgs):
-                return "Stream-Fork-Sub-Offset is past the next message boundary"
+                return Outcome("bad_request", detail="Stream-Fork-Sub-Offset is past the next message boundary")
             return b"".join(m + b"," for m in msgs[:sub]), sub
         if sub > len(payload):
-            return "Stream-Fork-Sub-Offset is past the next data boundary"
+            return Outcome("bad_request", detail="Stream-Fork-Sub-Offset is past the next data boundary")
         return payload[:sub], 1
 
     # ------------------------------------------------------------------ append / close
@@ -909,8 +958,8 @@ class Broker:
         self._trash(s.directory)
         parent = s.parent
         if parent is not None:
-            parent.forks -= 1
-            if parent.forks == 0 and parent.meta.soft_deleted:
+            parent.children.discard(s)
+            if not parent.children and parent.meta.soft_deleted:
                 self._delete(parent)
 
     def _expire(self, s: Stream) -> None:

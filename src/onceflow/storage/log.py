@@ -520,6 +520,12 @@ class StreamLog:
         """Call ``fn`` (on the loop) each time the durable tail moves."""
         self._listeners.append(fn)
 
+    def tell_listeners(self) -> None:
+        """Call the listeners although this log did not change: what it shows did (a fork, when
+        the last stable offset of the stream it forked moves)."""
+        for fn in list(self._listeners):
+            fn()
+
     # ------------------------------------------------------------------ writes
 
     def write_initial(self, batches: list[tuple[bytes, int, int]]) -> None:
