@@ -331,3 +331,75 @@ async def test_a_sub_offset_fork_taken_before_an_abort_never_shows_the_aborted_d
         await t.end(commit=False)
         assert await read(onceflow, "f") == [{"plain": 1}], "aborted data is visible through the fork"
     assert r.status_code == 409
+
+
+# ---------------------------------------------------------------------- poison messages (issue 15, item 13)
+
+
+POISON = [
+    b"1e400",  # valid JSON, decodes to inf, cannot be encoded again
+    b"-1E+999",
+    b'{"n": 1e400, "m": [ -1e999 ]}',  # with whitespace: the text is compacted, not re-encoded
+    b'["\\ud800"]',  # a lone surrogate escape: valid JSON, no UTF-8 form
+    b'{"k": "\\udfff and more"}',
+    b'{"a":1,"a":2}',  # duplicate keys: re-encoding would change the message
+    b'"a,b],[{c\\"}"',  # commas, brackets and escapes inside a string
+    b'{"x": [1, {"y": "]},"}], "z": "\\\\"}',
+    b'"\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80 \\u00e9"',  # unicode, raw and escaped
+    b"1.0",  # re-encoding keeps it, but 1.00 would become 1.0
+    b"1.000",
+    b"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]",
+]
+
+
+def deep(depth: int) -> bytes:
+    return b"[" * depth + b"0" + b"]" * depth
+
+
+@pytest.mark.parametrize("message", [*POISON, None], ids=[*(p[:24].decode("utf-8", "replace") for p in POISON), "deepest-accepted"])
+async def test_a_sub_offset_fork_copies_any_message_an_append_accepted(onceflow: InProcess, message: bytes | None) -> None:
+    """Whatever JSON an append accepted, a sub-offset fork copies it byte for byte, or refuses with a 4xx."""
+    assert (await onceflow.client.put(S + "src", headers=JSON)).status_code == 201
+    if message is None:  # the deepest nesting an append accepts (it depends on the interpreter)
+        assert (await onceflow.client.put(S + "probe", headers=JSON)).status_code == 201
+        lo, hi = 1, 1 << 14  # 32 KiB at most: under the fixture's body limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            r = await onceflow.client.post(S + "probe", content=deep(mid), headers=JSON)
+            assert r.status_code in (204, 400), r.text
+            lo, hi = (mid, hi) if r.status_code == 204 else (lo, mid - 1)
+        message = deep(lo - 1)  # one level more inside the array below
+    body = b"[" + message + b"," + b'"second"]'
+    r = await onceflow.client.post(S + "src", content=body, headers=JSON)
+    assert r.status_code in (204, 400), r.text
+    if r.status_code == 400:
+        return  # refused at the door: nothing to fork
+    whole = await onceflow.client.get(S + "src", params={"offset": "-1"})
+    assert whole.status_code == 200
+    r = await fork(onceflow, "f", "src", offset="0000000000000000_0000000000000000", sub=1)
+    assert r.status_code in (201, 400, 409), r.text
+    if r.status_code != 201:
+        assert (await onceflow.client.head(S + "f")).status_code == 404  # nothing half-created
+        return
+    got = await onceflow.client.get(S + "f", params={"offset": "-1"})
+    assert got.status_code == 200
+    # the fork holds exactly the first message as the source stores it, byte for byte
+    source_text, fork_text = whole.content, got.content
+    assert fork_text.startswith(b"[") and fork_text.endswith(b"]") and source_text.startswith(fork_text[:-1] + b",")
+    assert fork_text[:-1] + b',"second"]' == source_text
+    if not message.startswith(b"[[[["):  # the test's own parser may not reach that deep
+        assert json.loads(fork_text) == json.loads(source_text)[:1]
+    r = await fork(onceflow, "f2", "src", offset="0000000000000000_0000000000000000", sub=2)
+    assert r.status_code == 201, r.text
+    assert (await onceflow.client.get(S + "f2", params={"offset": "-1"})).content == source_text
+    r = await fork(onceflow, "f3", "src", offset="0000000000000000_0000000000000000", sub=3)
+    assert r.status_code == 400 and "past the next message boundary" in r.text
+
+
+async def test_json_nested_deeper_than_the_parser_reaches_is_a_400(onceflow: InProcess) -> None:
+    assert (await onceflow.client.put(S + "deep", headers=JSON)).status_code == 201
+    for body in (deep(10_000), b" " + deep(10_000)):
+        r = await onceflow.client.post(S + "deep", content=body, headers=JSON)
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+        r = await onceflow.client.put(S + "deep-create", content=body, headers=JSON)
+        assert r.status_code == 400 and (await onceflow.client.head(S + "deep-create")).status_code == 404

@@ -31,7 +31,7 @@ from ..storage.batch import FLAG_CLOSE, FLAG_COMMIT, FLAG_CONTROL, FLAG_JSON, FL
 from ..storage.log import FsyncPolicy, InvalidPosition, ReadBatch, Staged, StreamLog
 from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
 from ..storage.position import Position, parse_token
-from .jsonmode import JsonError, encode_messages, split_messages
+from .jsonmode import JsonError, encode_messages, first_messages
 from .txn import TXN_PRODUCER_PREFIX, CommitSeen, Coordinator, OpenTxn, TxnError, TxnMeta, TxnStatus
 
 __all__ = [
@@ -595,7 +595,7 @@ class Broker:
     @staticmethod
     def _fork_prefix(parent: Stream, base: Position, sub: int) -> tuple[bytes, int] | Outcome:
         """The first ``sub`` messages (JSON) or bytes of the batch at ``base`` in ``parent``, which
-        a sub-offset fork copies into its own log as plain data.
+        a sub-offset fork copies into its own log as plain data, byte for byte.
 
         Data of a transaction is copied only once committed: while it is open the answer is a
         ``txn_refused`` (409, retry once it ended); aborted data is no data (400, as for a
@@ -614,10 +614,13 @@ class Broker:
             return Outcome("bad_request", detail="Stream-Fork-Sub-Offset names data of an aborted transaction, which is no data")
         payload = batch.payload
         if parent.is_json:
-            msgs = split_messages(payload)
-            if sub > len(msgs):
+            if sub > batch.header.count:
                 return Outcome("bad_request", detail="Stream-Fork-Sub-Offset is past the next message boundary")
-            return b"".join(m + b"," for m in msgs[:sub]), sub
+            try:
+                return first_messages(payload, sub), sub
+            except JsonError as exc:  # only a damaged log; never what an append stored
+                log.error("stream %r: the batch at %s does not split into messages: %s", parent.name, base.token(), exc)
+                return Outcome("unavailable", detail=f"the source stream's data at Stream-Fork-Offset cannot be split: {exc}")
         if sub > len(payload):
             return Outcome("bad_request", detail="Stream-Fork-Sub-Offset is past the next data boundary")
         return payload[:sub], 1

@@ -6,7 +6,7 @@ import json
 import re
 from typing import Any
 
-__all__ = ["JsonError", "encode_messages", "wrap_payloads"]
+__all__ = ["JsonError", "encode_messages", "first_messages", "wrap_payloads"]
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
@@ -26,6 +26,7 @@ _decode = json.JSONDecoder(parse_constant=_reject_constant).decode
 # (after validation) instead of being encoded again, which halves the cost of a JSON append.
 _STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _WHITESPACE = re.compile(rb"[ \t\n\r]")
+_STRINGS_KEPT = re.compile(b"(" + _STRINGS.pattern + b")")  # split() keeps what a group matched
 
 
 def _is_compact(body: bytes) -> bool:
@@ -34,11 +35,21 @@ def _is_compact(body: bytes) -> bool:
     return _WHITESPACE.search(_STRINGS.sub(b"", body)) is None
 
 
+def _strip_whitespace(body: bytes) -> bytes:
+    """``body`` (valid JSON) without the whitespace outside its strings: the same text, compact."""
+    parts = _STRINGS_KEPT.split(body)  # [outside, string, outside, string, ..., outside]
+    parts[::2] = [p.translate(None, b" \t\n\r") for p in parts[::2]]
+    return b"".join(parts)
+
+
 def encode_messages(body: bytes, *, allow_empty: bool) -> tuple[bytes, int]:
     """Stored payload and message count for a JSON body.
 
     A top-level array is flattened one level (each element is a message); any other value is one
     message. ``[]`` is an error for appends and an empty stream for creates (``allow_empty``).
+    Every value the decoder accepts is stored (numbers out of float range and lone surrogate
+    escapes included, as their text); nesting deeper than the decoder's recursion limit is a
+    JsonError. Only JsonError is raised.
     """
     try:
         text = body.decode("utf-8")
@@ -50,18 +61,22 @@ def encode_messages(body: bytes, *, allow_empty: bool) -> tuple[bytes, int]:
         raise
     except ValueError as exc:
         raise JsonError(f"invalid JSON: {exc}") from None
-    compact = _is_compact(body)
+    except RecursionError:
+        raise JsonError("invalid JSON: nested too deeply") from None
+    if not _is_compact(body):
+        try:
+            # one encoder call for the whole value (for an array, "[a,b]" -> "a,b,": the same
+            # bytes as encoding each element)
+            body = _dumps(value).encode()
+        except (ValueError, UnicodeEncodeError, RecursionError):
+            body = _strip_whitespace(body)  # 1e400, "\ud800": no encoding of the value, keep the text
     if not isinstance(value, list):
-        return (body if compact else _dumps(value).encode()) + b",", 1
-    items = value
-    if not items:
+        return body + b",", 1
+    if not value:
         if allow_empty:
             return b"", 0
         raise JsonError("an empty JSON array appends nothing; send at least one message")
-    if compact:
-        return body[1:-1] + b",", len(items)
-    # one encoder call for the whole array, then "[a,b]" -> "a,b,": the same bytes as encoding each
-    return (_dumps(items)[1:-1] + ",").encode(), len(items)
+    return body[1:-1] + b",", len(value)
 
 
 def wrap_payloads(payloads: list[bytes]) -> bytes:
@@ -72,8 +87,31 @@ def wrap_payloads(payloads: list[bytes]) -> bytes:
     return b"[" + joined[:-1] + b"]"
 
 
-def split_messages(payload: bytes) -> list[bytes]:
-    """The individual message texts of one stored JSON payload."""
-    if not payload:
-        return []
-    return [_dumps(v).encode() for v in json.loads(b"[" + payload[:-1] + b"]")]
+# What matters when cutting stored messages apart: strings (skipped whole), brackets and commas.
+_STRUCTURE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]|[\]}]|,')
+
+
+def first_messages(payload: bytes, n: int) -> bytes:
+    """The first ``n`` message texts of a stored JSON payload, each followed by its comma, as stored.
+
+    A stored payload is compact JSON texts each followed by a comma (:func:`encode_messages`). It
+    is cut at the commas outside strings and brackets, without decoding or encoding anything, so
+    whatever an append stored comes back byte for byte however deep or odd it is. Raises JsonError
+    when the payload holds fewer than ``n`` messages.
+    """
+    if n <= 0:
+        return b""
+    depth = 0
+    for m in _STRUCTURE.finditer(payload):
+        c = payload[m.start()]
+        if c == 0x22:  # '"'
+            continue
+        if c in (0x5B, 0x7B):  # '[', '{'
+            depth += 1
+        elif c in (0x5D, 0x7D):  # ']', '}'
+            depth -= 1
+        elif depth == 0:  # a comma between messages
+            n -= 1
+            if n == 0:
+                return payload[: m.end()]
+    raise JsonError("the payload holds fewer messages than asked for")
