@@ -162,7 +162,7 @@ class Stream:
     def __post_init__(self) -> None:
         self.media_type = normalize_content_type(self.meta.content_type)
         self.is_json = self.media_type == "application/json"
-        self._told_stable: Position | None = None  # the LSO the forks were last told about (notify)
+        self._told: tuple[Position | None] | None = None  # the first_open() the forks were last told about
 
     @property
     def forks(self) -> int:
@@ -170,7 +170,21 @@ class Stream:
 
     @property
     def tail(self) -> Position:
-        return self.log.durable.end
+        """The durable tail as clients see it. Once the stream is closed, the end of its data: a
+        close marker (and any transaction marker after it) takes no offset space (PROTOCOL.md 5.3)."""
+        return self.log.durable.client_end
+
+    def past_final(self, at: Position) -> bool:
+        """``at`` is a batch boundary past the tail of this closed stream: an offset after its close
+        marker, which clients were given before closing stopped moving the tail. It means the tail."""
+        end = self.log.durable.end
+        if not self.closed or not self.tail.pos < at.pos <= end.pos or not self.tail.offset <= at.offset <= end.offset:
+            return False
+        try:
+            self.log.check_position(at)
+        except InvalidPosition:
+            return False
+        return True
 
     @property
     def closed(self) -> bool:
@@ -199,27 +213,33 @@ class Stream:
                 fut.set_result(None)
         self.waiters.clear()
         if self.children:
-            # the LSO only grows, and a fork's depends on this one only while it is before the fork
-            # point; unknown before the first change (None): tell every fork
-            before, now = self._told_stable, self.stable()
-            if now != before:
-                self._told_stable = now
+            # a fork's LSO depends on this stream's open transactions only on those that began
+            # before its fork point (later ones begin at or past it); before the first notify
+            # (None) that is not known, so every fork is told
+            now = self.first_open()
+            if self._told is None or self._told[0] != now:
+                before, self._told = self._told, (now,)
                 for child in list(self.children):
-                    if before is None or before.pos < child.log.base.pos:
+                    if before is None or (before[0] is not None and before[0].pos < child.log.base.pos):
                         child.log.tell_listeners()
 
     # -- transactions
 
     def stable(self) -> Position:
-        """The last stable offset: read_committed readers see nothing at or past it.
+        """The last stable offset: read_committed readers see nothing at or past it."""
+        first = self.first_open()
+        return first if first is not None and first.pos < self.tail.pos else self.tail
 
-        A fork's LSO is its parent's when that lies before the fork point: the parent's range
-        is then read through the parent's transactions, exactly as the parent's readers see it."""
+    def first_open(self) -> Position | None:
+        """Where the earliest transaction still open in what this stream shows began, if any.
+
+        For a fork that includes its parent's transactions that began before the fork point: the
+        parent's range is read through them, exactly as the parent's readers see it."""
         if self.parent is not None:
-            above = self.parent.stable()
-            if above.pos < self.log.base.pos:
+            above = self.parent.first_open()
+            if above is not None and above.pos < self.log.base.pos:
                 return above
-        return self.log.txn.stable(self.tail)
+        return self.log.txn.stable(self.tail) if self.log.txn.open else None
 
     def is_open_txn(self, batch: ReadBatch) -> bool:
         """``batch`` belongs to a transaction that has not ended yet."""
@@ -484,6 +504,9 @@ class Broker:
             fork_pos = parse_token(fork_offset)
             if fork_pos is None:
                 return Outcome("bad_request", detail=f"Stream-Fork-Offset is not a valid offset: {fork_offset!r}")
+            source = self.get(fork_from)
+            if source is not None and source.past_final(fork_pos):
+                fork_pos = source.tail
         if content_type is not None and not _CONTENT_TYPE.match(content_type.strip()):
             content_type = None
 
@@ -826,8 +849,8 @@ class Broker:
                 return await self._settle_duplicate(s, producer, closed=True)
             if close and not body and producer is None:
                 await self._await_end(s, pending.end)
-                return Outcome("already_closed", stream=s, next=pending.end, closed=True)
-            return Outcome("stream_closed", stream=s, next=pending.end, closed=True, detail="the stream is closed")
+                return Outcome("already_closed", stream=s, next=pending.client_end, closed=True)
+            return Outcome("stream_closed", stream=s, next=pending.client_end, closed=True, detail="the stream is closed")
 
         # Step 2: the content type must match (not checked for close-only requests).
         if body and content_type != s.meta.content_type and normalize_content_type(content_type) != s.media_type:
@@ -904,7 +927,7 @@ class Broker:
         return Outcome(
             kind,
             stream=s,
-            next=staged.end,
+            next=staged.start if kind == "closed_now" else staged.end,  # a close takes no offset space
             closed=close,
             epoch=producer.epoch if producer else None,
             seq=producer.seq if producer else None,
@@ -927,10 +950,13 @@ class Broker:
         durable = s.log.durable_producer(producer.producer_id)
         if durable is None or (durable.epoch, durable.last_seq) < (producer.epoch, producer.seq):
             return Outcome("unavailable", stream=s, detail="the original append failed; retry it")
+        nxt = entry.end if entry is not None else s.tail
+        if nxt.pos > s.tail.pos:  # the request that closed the stream without data: the tail it left
+            nxt = s.tail
         return Outcome(
             "duplicate",
             stream=s,
-            next=entry.end if entry is not None else s.tail,
+            next=nxt,
             closed=closed or s.closed,
             epoch=producer.epoch,
             seq=durable.last_seq if durable.epoch == producer.epoch else producer.seq,
@@ -994,6 +1020,8 @@ class Broker:
         at = parse_token(offset)
         if at is None:
             return f"offset {offset!r} is not an offset this server issued"
+        if s.past_final(at):
+            return s.tail
         if at.pos > s.tail.pos or at.offset > s.tail.offset:
             return f"offset {offset!r} is beyond the end of the stream"
         try:
@@ -1024,7 +1052,7 @@ class Broker:
         batches: list[ReadBatch] = []
         if at.pos < end.pos:
             try:
-                batches = s.read_range(at, max_bytes or self.max_read_bytes, end if end != s.tail else None)
+                batches = s.read_range(at, max_bytes or self.max_read_bytes, end)
             except CorruptBatch as exc:  # only reachable through a forged offset
                 log.warning("read of %r at %s: %s", s.name, at.token(), exc)
                 raise InvalidPosition(f"offset {at.token()} is not a record boundary of this stream") from None

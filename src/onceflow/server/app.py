@@ -645,7 +645,7 @@ class App:
                 out: list[bytes] = []
                 if result.batches:
                     out.append(_sse_event("data", _sse_payload(s, result, text)))
-                if result.batches or first:
+                if result.batches or first or result.closed:  # a close moves no offset: no data tells it
                     out.append(_sse_event("control", _control(result, cursor)))
                     first = False
                 if out:

@@ -115,22 +115,46 @@ def _advance(prev: ProducerState | None, epoch: int, first: int, last: int, star
 
 @dataclass(frozen=True, slots=True)
 class TailState:
-    """The end of the log and the stream state that only ever changes at the end."""
+    """The end of the log and the stream state that only ever changes at the end.
+
+    ``end`` is where the next batch goes. ``final`` is set once the stream is closed: the end of its
+    data when it closed, which is where clients see the stream end (``client_end``). A close without
+    data is a zero-record batch whose bytes lie past ``final``: the close is durable and atomic like
+    any batch, yet takes no offset space as clients see it (Durable Streams PROTOCOL.md 5.3: a close
+    leaves the tail unchanged). Batches written after the close (transaction markers) do not move it.
+    """
 
     end: Position
     closed: bool = False
     closed_by: tuple[str, int, int] | None = None  # (producer id, epoch, seq) that closed it
     stream_seq: bytes | None = None  # the last Stream-Seq appended
+    final: Position | None = None  # the end of the data at the close (None while open)
 
-    def after(self, h: BatchHeader, end: Position) -> TailState:
-        closed_by = self.closed_by
-        if h.closes and h.producer_id is not None:
-            closed_by = (h.producer_id, h.epoch, h.last_seq)
+    @property
+    def client_end(self) -> Position:
+        """The tail as clients see it: ``final`` once closed, else ``end``."""
+        return self.final if self.final is not None else self.end
+
+    def after(self, h: BatchHeader, start: Position, end: Position) -> TailState:
+        """The state after batch ``h``, which spans ``[start, end)``."""
+        return self.staged(flags=h.flags, count=h.count, producer_id=h.producer_id, epoch=h.epoch,
+                           last_seq=h.last_seq, stream_seq=h.stream_seq, start=start, end=end)
+
+    def staged(
+        self, *, flags: int, count: int, producer_id: str | None, epoch: int, last_seq: int,
+        stream_seq: bytes | None, start: Position, end: Position,
+    ) -> TailState:
+        """The state after a batch with these header fields, spanning ``[start, end)``."""
+        closes = bool(flags & FLAG_CLOSE)
+        final = self.final
+        if closes and not self.closed:
+            final = end if count else start  # a close-only batch ends nothing a client can see
         return TailState(
             end=end,
-            closed=self.closed or h.closes,
-            closed_by=closed_by,
-            stream_seq=h.stream_seq if h.stream_seq is not None else self.stream_seq,
+            closed=self.closed or closes,
+            closed_by=(producer_id, epoch, last_seq) if closes and producer_id is not None else self.closed_by,
+            stream_seq=stream_seq if stream_seq is not None else self.stream_seq,
+            final=final,
         )
 
 
@@ -327,11 +351,14 @@ class StreamLog:
         path = self.directory / SNAPSHOT_NAME
         try:
             raw = json.loads(path.read_text())
+            if raw["closed"] and "final" not in raw:
+                return None  # written before closing kept the tail: scan the log once instead
             tail = TailState(
                 end=Position(*raw["end"]),
                 closed=raw["closed"],
                 closed_by=(raw["closed_by"][0], raw["closed_by"][1], raw["closed_by"][2]) if raw["closed_by"] else None,
                 stream_seq=bytes.fromhex(raw["stream_seq"]) if raw["stream_seq"] is not None else None,
+                final=Position(*raw["final"]) if raw.get("final") is not None else None,
             )
             producers = {
                 pid: ProducerState(
@@ -357,6 +384,7 @@ class StreamLog:
             "closed": tail.closed,
             "closed_by": list(tail.closed_by) if tail.closed_by else None,
             "stream_seq": tail.stream_seq.hex() if tail.stream_seq is not None else None,
+            "final": [tail.final.offset, tail.final.pos] if tail.final is not None else None,
             "txn": self.txn.to_json(),
             "producers": {
                 pid: {
@@ -473,7 +501,7 @@ class StreamLog:
                         self.txn.apply(flags, txn_pid, Position(offset, base_pos + p), epoch, fseq)
                     if flags & FLAG_CLOSE or sseq_len:
                         h = parse_header(data, p, verify=False)
-                        tail = tail.after(h, Position(offset + count, base_pos + p + length))
+                        tail = tail.after(h, Position(offset, base_pos + p), Position(offset + count, base_pos + p + length))
                     offset += count
                     p += length
                 tail = replace(tail, end=Position(offset, base_pos + p))
@@ -540,7 +568,7 @@ class StreamLog:
             _write_all(seg.fd, data, start.pos - seg.base.pos, False)
             seg.size += len(data)
             end = Position(start.offset + count, start.pos + len(data))
-            self.durable = self.durable.after(parse_header(data, 0), end)
+            self.durable = self.durable.after(parse_header(data, 0), start, end)
         os.fsync(seg.fd)
         self.pending = self.durable
 
@@ -579,13 +607,9 @@ class StreamLog:
         group.chunks.append(data)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         group.waiters.append(fut)
-        prev = self.pending
-        closes = bool(flags & FLAG_CLOSE)
-        self.pending = TailState(
-            end,
-            prev.closed or closes,
-            (producer_id, epoch, last_seq) if closes and producer_id is not None else prev.closed_by,
-            stream_seq if stream_seq is not None else prev.stream_seq,
+        self.pending = self.pending.staged(
+            flags=flags, count=count, producer_id=producer_id, epoch=epoch, last_seq=last_seq,
+            stream_seq=stream_seq, start=start, end=end,
         )
         group.tail = self.pending
         if flags & (FLAG_TXN | FLAG_CONTROL):
