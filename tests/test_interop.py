@@ -4,6 +4,13 @@
    HTTP front ends (the native server and uvicorn).
 2. onceflow's client (``onceflow.client``) against the Node reference server
    (``@durable-streams/server`` from npm, installed into ``.ci/interop`` on first use).
+3. The official TypeScript client (``@durable-streams/client`` 0.2.7 from npm, installed into
+   ``.ci/ts-client`` by ``scripts/setup.sh dev`` or on first use) against ``onceflow serve`` on both
+   front ends: ``.ci/ts-client/checks.mjs`` drives it across its API (create with content types, TTL
+   and Expires-At, JSON and byte appends, Stream-Seq, the IdempotentProducer with fencing and
+   autoClaim, catch-up reads, long-poll, SSE for JSON, text and base64 binary, close with and
+   without a final message, where a close without one must leave the tail where it was, HEAD,
+   delete, 404/409/400 errors) and prints one PASS/FAIL line per named check.
 
 What each side does not support, and so is not tested here:
 - ``durable-streams`` 0.1.0 has no idempotent producer (no ``Producer-*`` headers), cannot close a
@@ -11,6 +18,11 @@ What each side does not support, and so is not tested here:
   read ends because the server ends the response), refuses SSE on binary content types (no base64
   SSE), needs an explicit ``offset`` for live reads (both servers answer ``400`` without one), and
   maps every ``409`` of an append to ``SeqConflictError``.
+- ``@durable-streams/client`` 0.2.7 reports most refusals as a ``FetchError`` (status, headers) from
+  its retrying fetch, never reaching its own ``StreamClosedError`` / ``DurableStreamError`` codes,
+  so those checks look at the status and headers; its ``connect()`` does not fail for a missing
+  stream (``head()`` says ``exists: false``); and its SSE session's ``headers`` are synthetic, so the
+  ``Stream-SSE-Data-Encoding`` header is checked through the decoded bytes.
 - The reference server has no ``/v1/streams`` listing (so no prefix consumers or topics), no
   ``If-Match`` conditional appends (onceflow's extension), and its fault injection acts before a
   request is processed (a lost acknowledgement is simulated on the client side instead).
@@ -60,6 +72,7 @@ from onceflow.client import StreamNotFoundError as OnceflowNotFound
 
 ROOT = Path(__file__).resolve().parent.parent
 INTEROP = ROOT / ".ci" / "interop"
+TS_CLIENT = ROOT / ".ci" / "ts-client"
 WAIT = 60.0  # upper bound for anything a test waits on; never a timing assertion
 
 HAVE_NODE = shutil.which("node") is not None and shutil.which("npm") is not None
@@ -489,6 +502,33 @@ async def test_official_async_client_long_poll_and_catch_up(onceflow_url: str) -
         async with writer.stream(live=False) as r:
             assert await r.read_json() == [{"early": 0}, *later]
             assert last is not None and r.offset == last.next_offset
+
+
+# =========================================== 3. the official TypeScript client against onceflow
+
+
+def _install_ts_client() -> None:
+    if (TS_CLIENT / "node_modules" / "@durable-streams" / "client" / "package.json").exists():
+        return
+    subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=TS_CLIENT, check=True, timeout=600)
+
+
+@pytest.mark.skipif(not HAVE_NODE, reason="needs Node.js and npm for @durable-streams/client")
+def test_official_typescript_client_across_its_api(onceflow_url: str) -> None:
+    """Every named check of ``.ci/ts-client/checks.mjs`` passes (the failing ones are listed)."""
+    _install_ts_client()
+    run = subprocess.run(
+        ["node", "checks.mjs", onceflow_url], cwd=TS_CLIENT, capture_output=True, text=True, timeout=300,
+    )
+    lines = run.stdout.splitlines()
+    failed = [line for line in lines if line.startswith("FAIL ")]
+    passed = [line for line in lines if line.startswith("PASS ")]
+    summary = [line for line in lines if line.startswith("SUMMARY ")]
+    report = "\n".join(failed) or (run.stdout[-4000:] + run.stderr[-4000:])
+    assert not failed and run.returncode == 0, f"{len(failed)} of {len(failed) + len(passed)} TypeScript client checks failed:\n{report}"
+    assert summary == [f"SUMMARY passed={len(passed)} failed=0"], report
+    assert len(set(passed)) == len(passed), "two checks share a name"
+    assert len(passed) >= 100, f"only {len(passed)} checks ran:\n{report}"  # the script ran through
 
 
 # ========================================== 2. onceflow's client against the Node reference server
