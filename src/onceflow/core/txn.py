@@ -24,6 +24,12 @@ epoch, and commit/abort must name it, so a delayed commit or abort of an earlier
 touch a later one. Open transactions abort after their timeout, so the LSO always advances; such an
 abort also bumps the epoch, fencing the producer that let it time out (its work must be redone by a
 fresh ``init``, never half-committed).
+
+A decision whose markers could not all be written (a full disk, an I/O error) leaves the
+transaction in ``PREPARE_*`` until the sweep, a retry of the same commit (abort) or an ``init``
+finishes it. Meanwhile every other request of that transactional id is refused as retriable
+(``concurrent_transactions``) and changes nothing: the decision's streams and offsets are what the
+finishing writes.
 """
 
 from __future__ import annotations
@@ -101,6 +107,11 @@ class TxnMeta:
     @property
     def producer_id(self) -> str:
         return TXN_PRODUCER_PREFIX + self.tid
+
+    @property
+    def completing(self) -> bool:
+        """The decision is logged, its markers are not all written yet."""
+        return self.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT)
 
     def record(self) -> dict[str, Any]:
         return {
@@ -342,6 +353,22 @@ class Coordinator:
 
     # ------------------------------------------------------------------ transactions
 
+    def current(self, tid: str, epoch: int) -> TxnMeta:
+        """The state of ``tid`` if ``epoch`` is its current epoch (read only; refused otherwise)."""
+        return self._current(tid, epoch)
+
+    def refuse_while_completing(self, meta: TxnMeta) -> None:
+        """Refuse, as retriable, a request that meets ``meta`` while its decision is being
+        finished: it must not change the decided streams and offsets (or begin the next
+        transaction before the markers of this one are written)."""
+        if meta.completing:
+            outcome = "commit" if meta.status is TxnStatus.PREPARE_COMMIT else "abort"
+            raise TxnError(
+                "concurrent_transactions",
+                f"transaction {meta.txn} of {meta.tid!r} is still being completed (its {outcome} is decided, not all "
+                "of its markers are written yet); retry shortly", txn=meta.txn,
+            )
+
     def _current(self, tid: str, epoch: int) -> TxnMeta:
         meta = self.txns.get(tid)
         if meta is None or meta.epoch < 0:
@@ -358,7 +385,10 @@ class Coordinator:
 
         ``request_id`` makes a retried init harmless: the init that began the current epoch, sent
         again (its answer was lost, or the original arrives late, after its retry), gets the same
-        epoch instead of a new one that would fence the producer that asked for it."""
+        epoch instead of a new one that would fence the producer that asked for it.
+
+        A decision of the old epoch still being completed is finished first (its markers written);
+        if that fails, nothing changes and the init may be retried."""
         async with self._lock(tid):
             meta = self.txns.get(tid)
             if meta is not None and request_id is not None and meta.init_id == request_id and meta.epoch >= 0:
@@ -366,9 +396,9 @@ class Coordinator:
             if meta is None:
                 meta = self.txns[tid] = TxnMeta(tid)
             if meta.status is TxnStatus.ONGOING:
-                await self._finish(meta, commit=False)
-            elif meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
-                await self._complete(meta)
+                await self._finish_decided(meta, self._finish(meta, commit=False))
+            elif meta.completing:
+                await self._finish_decided(meta, self._complete(meta))
             meta.epoch += 1
             meta.txn = 0
             meta.timeout = txn_timeout if txn_timeout is not None else self.default_timeout
@@ -388,9 +418,12 @@ class Coordinator:
 
         ``commit``: the append is the last of transaction number ``commit`` and commits it. That
         must be the open transaction or, when none is open, the next one; returns None when it
-        already committed (the append can then only be a retry, see ``Broker.append``)."""
+        already committed (the append can then only be a retry, see ``Broker.append``).
+
+        Refused as retriable while the id's last decision is being completed (``PREPARE_*``)."""
         async with self._lock(tid):
             meta = self._current(tid, epoch)
+            self.refuse_while_completing(meta)
             if commit is not None:
                 if commit == meta.txn and meta.status is TxnStatus.COMPLETE_COMMIT:
                     return None
@@ -400,8 +433,6 @@ class Coordinator:
                         "stale_transaction", f"Transaction-Commit names transaction {commit} of {tid!r}, but this append "
                         f"would belong to transaction {expected}", txn=meta.txn,
                     )
-            if meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
-                raise TxnError("concurrent_transactions", f"transaction {meta.txn} of {tid!r} is being completed")
             if meta.status is not TxnStatus.ONGOING:
                 meta.txn += 1
                 meta.streams, meta.offsets = set(), {}
@@ -443,9 +474,11 @@ class Coordinator:
         )
 
     async def add_offsets(self, tid: str, epoch: int, group: str, offsets: dict[str, str]) -> TxnMeta:
-        """Make ``group``'s offsets part of the open transaction (they count only if it commits)."""
+        """Make ``group``'s offsets part of the open transaction (they count only if it commits).
+        Refused as retriable while the id's last decision is being completed."""
         async with self._lock(tid):
             meta = self._current(tid, epoch)
+            self.refuse_while_completing(meta)
             if meta.status is not TxnStatus.ONGOING:
                 meta.txn += 1
                 meta.streams, meta.offsets = set(), {}
@@ -459,9 +492,21 @@ class Coordinator:
 
     async def end(self, tid: str, epoch: int, txn: int, *, commit: bool) -> TxnMeta:
         """Commit or abort transaction number ``txn``. Repeating the same request after it completed
-        is a no-op success; a request for any other transaction is refused."""
+        is a no-op success; a request for any other transaction is refused.
+
+        While the id's last decision is being completed (its markers could not all be written),
+        the same request (``txn`` with the decided outcome: a retry) finishes it and is answered
+        as usual; any other is refused as retriable and changes nothing. A decision logged whose
+        markers fail is ``unavailable`` (retriable): the outcome is fixed, and a retry, the
+        sweep or recovery finishes it."""
         async with self._lock(tid):
             meta = self._current(tid, epoch)
+            if meta.completing:
+                decided = TxnStatus.PREPARE_COMMIT if commit else TxnStatus.PREPARE_ABORT
+                if txn != meta.txn or meta.status is not decided:
+                    self.refuse_while_completing(meta)
+                await self._finish_decided(meta, self._complete(meta))
+                return meta
             done = TxnStatus.COMPLETE_COMMIT if commit else TxnStatus.COMPLETE_ABORT
             if txn != meta.txn:
                 raise TxnError("stale_transaction", f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
@@ -471,8 +516,24 @@ class Coordinator:
                 return meta  # nothing was ever written: committing or aborting it is a no-op
             if meta.status is not TxnStatus.ONGOING:
                 raise TxnError("invalid_state", f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
-            await self._finish(meta, commit=commit)
+            await self._finish_decided(meta, self._finish(meta, commit=commit))
             return meta
+
+    @staticmethod
+    async def _finish_decided(meta: TxnMeta, finishing: Awaitable[None]) -> None:
+        """Await ``finishing``; an I/O error after the decision was logged becomes a retriable
+        ``unavailable`` that says the outcome is fixed (before it, the OSError goes up as is)."""
+        try:
+            await finishing
+        except OSError as exc:
+            if not meta.completing:
+                raise
+            outcome = "commit" if meta.status is TxnStatus.PREPARE_COMMIT else "abort"
+            raise TxnError(
+                "unavailable", f"transaction {meta.txn} of {meta.tid!r} is decided ({outcome}) but not all of its markers "
+                f"could be written ({exc.strerror or exc}); retry: the retry, the server's sweep or its recovery finishes it",
+                txn=meta.txn,
+            ) from exc
 
     async def _finish(self, meta: TxnMeta, *, commit: bool) -> None:
         # Step 2: the decision, one durable record.
@@ -480,7 +541,9 @@ class Coordinator:
         await self._complete(meta)
 
     async def _complete(self, meta: TxnMeta, *, done: frozenset[str] = frozenset()) -> None:
-        """Steps 3 and 4 of a logged decision; ``done``: streams known to hold its marker already."""
+        """Steps 3 and 4 of a logged decision; ``done``: streams known to hold its marker already.
+        If a marker fails, the decision stays to be finished (by the sweep, a retry, an init or
+        recovery) and nothing else changes."""
         commit = meta.status is TxnStatus.PREPARE_COMMIT
         # Step 3: a marker in every stream the transaction touched (all at once; each is durable).
         assert self.write_marker is not None
@@ -686,13 +749,16 @@ class Coordinator:
                     await self._fence(meta, meta.epoch)
         # A decision whose markers could not all be written (an I/O error) is finished here rather
         # than only at the next restart, so the last stable offset does not stay stuck.
-        for meta in [m for m in self.txns.values() if m.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT)]:
+        for meta in [m for m in self.txns.values() if m.completing]:
             if self._lock(meta.tid).locked():
                 continue  # being completed right now
             async with self._lock(meta.tid):
-                if meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
+                if meta.completing:
                     log.warning("finishing the logged %s of transaction %d of %r", meta.status.value, meta.txn, meta.tid)
-                    await self._complete(meta)
+                    try:
+                        await self._complete(meta)
+                    except OSError as exc:
+                        log.error("could not finish transaction %d of %r yet: %s", meta.txn, meta.tid, exc)
         return [m.tid for m in expired]
 
     # ------------------------------------------------------------------ group offsets
