@@ -318,3 +318,106 @@ async def test_a_transactional_append_to_a_closed_stream_begins_no_transaction(o
     assert state(await status(onceflow, "w")) == (t.epoch, 0, "empty", [])
     assert (await t.send("s", {"n": 2})).status_code == 200 and t.txn == 1
 
+
+# ---------------------------------------------------------------------- 3. suspicions
+
+
+async def test_a_timed_out_transaction_whose_abort_marker_failed_still_fences_its_producer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """3a: the sweep aborts a transaction open past its timeout; its abort marker fails. Once the
+    sweep finishes the abort, the producer is fenced all the same, also after a restart: its next
+    append must not begin a new transaction that a commit would publish without the aborted part."""
+    data = tmp_path / "data"
+    disk = Disk(monkeypatch)
+    async with serve(data, recover=False) as c:
+        await make(c, "s")
+        t = Txn(c.client, "w")
+        await t.init(timeout_ms=100)
+        assert (await t.send("s", {"n": "part 1"})).status_code == 200
+        await asyncio.sleep(0.15)
+        disk.fail(c.broker.streams["s"].log)
+        await c.broker.coordinator.expire()  # the abort is decided, its marker fails: logged, tried again
+        assert (await status(c, "w"))["status"] == "prepare_abort"
+        disk.heal()
+        await c.broker.coordinator.expire()
+        assert await committed(c, "s") == []
+        await assert_settled(c, "s")
+        late = await t.send("s", {"n": "part 2"})
+        assert late.status_code == 403, late.text
+        await kill(c.broker)
+    async with serve(data) as c:
+        t.c = c.client
+        assert (await t.send("s", {"n": "part 2"})).status_code == 403
+        assert (await t.end(commit=True, txn=2)).status_code == 403
+        assert await committed(c, "s") == []
+        await assert_settled(c, "s")
+        await c.broker.close()
+
+
+async def test_an_init_whose_record_failed_is_not_answered_by_its_retry_with_that_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """3b: the record of a new epoch fails to reach the disk. Its retry (same request id) must not
+    be answered with the epoch only memory holds: after a restart that epoch would be unknown and
+    the zombie of the old one unfenced."""
+    data = tmp_path / "data"
+    disk = Disk(monkeypatch)
+    async with serve(data, recover=False) as c:
+        await make(c, "s")
+        zombie = Txn(c.client, "w")
+        await zombie.init()
+        disk.fail(c.broker.coordinator._log)
+        failed = await c.client.post(T + "w/init", json={"request_id": "new"})
+        assert failed.status_code == 503
+        disk.heal()
+        retry = await c.client.post(T + "w/init", json={"request_id": "new"})
+        assert retry.status_code == 200
+        fresh = Txn(c.client, "w")
+        fresh.epoch = retry.json()["epoch"]
+        assert fresh.epoch == zombie.epoch + 1
+        await kill(c.broker)
+    async with serve(data) as c:
+        zombie.c = fresh.c = c.client
+        assert (await status(c, "w"))["epoch"] == fresh.epoch
+        assert (await zombie.send("s", {"from": "zombie"})).status_code == 403
+        assert (await fresh.send("s", {"from": "fresh"}, commit=1)).status_code == 200
+        assert await committed(c, "s") == [{"from": "fresh"}]
+        await c.broker.close()
+
+
+@pytest.mark.parametrize("open_before", [True, False])
+async def test_offsets_whose_record_failed_are_not_part_of_the_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, open_before: bool,
+) -> None:
+    """An offsets request answered 503 (its record failed) left nothing behind: not in the open
+    transaction (a commit publishes only acknowledged offsets), and with no transaction open, no
+    new transaction number (a retried commit of the last one is still answered) and nothing a
+    compaction would write down as committed."""
+    data = tmp_path / "data"
+    disk = Disk(monkeypatch)
+    async with serve(data, recover=False) as c:
+        await make(c, "in", "s")
+        offs = await offsets_of(c, "in", 2)
+        t = Txn(c.client, "w")
+        await t.init()
+        assert (await send_offsets(c, t, "g", {"in": offs[0]})).status_code == 200
+        assert (await t.send("s", {"n": 1})).status_code == 200
+        if not open_before:
+            assert (await t.end(commit=True)).status_code == 200
+        before = state(await status(c, "w"))
+        disk.fail(c.broker.coordinator._log)
+        assert (await send_offsets(c, t, "g", {"in": offs[1]})).status_code == 503
+        disk.heal()
+        assert state(await status(c, "w")) == before
+        assert (await t.end(commit=True, txn=1)).status_code == 200  # the commit (or its retry)
+        assert await group_offsets(c, "g") == {"in": offs[0]}
+        coord = c.broker.coordinator
+        coord.compact_bytes = 0
+        assert await coord.maybe_compact()
+        await kill(c.broker)
+    async with serve(data) as c:
+        assert await group_offsets(c, "g") == {"in": offs[0]}
+        assert (await status(c, "w"))["txn"] == 1
+        await c.broker.close()
+
