@@ -421,3 +421,21 @@ async def test_offsets_whose_record_failed_are_not_part_of_the_transaction(
         assert (await status(c, "w"))["txn"] == 1
         await c.broker.close()
 
+
+async def test_a_plain_append_cannot_use_a_transactional_producer_id(onceflow: InProcess) -> None:
+    """3c: ``txn:<id>`` belongs to the transactional producer; a plain append under it would use up
+    its sequence numbers (its next append then looks like a duplicate, or a gap)."""
+    await make(onceflow, "s")
+    t = Txn(onceflow.client, "w")
+    await t.init()
+    for close in (False, True):
+        headers = {"producer-id": "txn:w", "producer-epoch": str(t.epoch), "producer-seq": "0", **JSON}
+        if close:
+            headers["stream-closed"] = "true"
+        plain = await onceflow.client.post(S + "s", json=[{"n": "plain"}], headers=headers)
+        assert plain.status_code == 400 and "Transaction-Id" in plain.json()["error"]["message"], plain.text
+    r = await t.send("s", {"n": 1})
+    assert r.status_code == 200
+    assert (await t.end(commit=True)).status_code == 200
+    assert await uncommitted(onceflow, "s") == [{"n": 1}]
+

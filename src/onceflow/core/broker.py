@@ -614,7 +614,9 @@ class Broker:
         number at or below the producer's last there) is answered as the duplicate it is, before
         and without the coordinator (:meth:`_transactional_duplicate`): the delayed original of an
         append whose transaction has ended must not begin the next transaction. So is one to a
-        closed stream (``stream_closed``).
+        closed stream (``stream_closed``). ``Producer-Id: txn:<id>`` is reserved for appends with
+        ``Transaction-Id``: a plain append under it would use up the transactional producer's
+        sequence numbers.
         """
         txn_number: int | None = None
         if transactional_id is not None:
@@ -649,6 +651,11 @@ class Broker:
             txn_number = meta.txn
         elif commit_txn is not None:
             return Outcome("bad_request", detail="Transaction-Commit needs Transaction-Id (and Producer-Id, Producer-Epoch, Producer-Seq)")
+        elif producer is not None and producer.producer_id.startswith(TXN_PRODUCER_PREFIX):
+            return Outcome(
+                "bad_request", detail=f"Producer-Id {producer.producer_id!r} is reserved for transactional appends: "
+                "send Transaction-Id with it, or use another producer id",
+            )
         deadline: float | None = None
         loop = asyncio.get_running_loop()
         while True:
