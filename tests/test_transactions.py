@@ -11,6 +11,7 @@ import pytest
 
 from conftest import InProcess
 from onceflow.core.broker import Broker
+from onceflow.core.txn import TxnError
 
 pytestmark = pytest.mark.anyio
 S = "/v1/stream/"
@@ -282,8 +283,9 @@ async def test_recovery_completes_a_logged_decision_and_keeps_aborts_hidden(once
         raise ConnectionAbortedError("power cut")  # the process dies here
 
     coord.write_marker = crash
-    with pytest.raises(ConnectionAbortedError):
+    with pytest.raises(TxnError, match="decided") as raised:  # retriable: the outcome is fixed
         await coord.end("crashy", t.epoch, t.txn, commit=True)
+    assert isinstance(raised.value.__cause__, ConnectionAbortedError)
     for s in onceflow.broker.streams.values():  # kill -9: no flush, no snapshot
         s.log.close_files()
     assert coord._log is not None

@@ -24,6 +24,7 @@ import pytest
 
 from conftest import InProcess
 from onceflow.core.broker import Broker
+from onceflow.core.txn import TxnError
 from onceflow.server.app import App, AppConfig
 from onceflow.storage.batch import FLAG_JSON
 from onceflow.storage.log import StreamLog
@@ -278,7 +279,7 @@ async def test_a_logged_decision_covers_streams_whose_addition_was_lost(tmp_path
             await t.send("a", {"from": "w"})
             await t.send("b", {"from": "w"})
             coord.write_marker = crash_before_markers
-            with pytest.raises(OSError):
+            with pytest.raises(TxnError, match="decided"):  # logged, its markers failed: retriable
                 await coord.end("w", t.epoch, t.txn, commit=decision == "commit")
         await kill(c.broker)
     lost = lose_records(data, lambda r: r.get("status") == "ongoing")

@@ -113,6 +113,7 @@ OutcomeKind = Literal[
     "deleted",
     "unavailable",
     "txn_refused",
+    "concurrent_transactions",
 ]
 
 
@@ -683,12 +684,20 @@ class Broker:
         to ``reorder_wait`` seconds for the ones before it to be staged, and is validated afresh each
         time one is; only then is it a 409 gap. This is the per-(stream, producer) serialisation the
         protocol asks for, and it spares the client a resend.
+
+        A transactional append that repeats one the stream already holds (same epoch, a sequence
+        number at or below the producer's last there) is answered as the duplicate it is, before
+        and without the coordinator (:meth:`_transactional_duplicate`): the delayed original of an
+        append whose transaction has ended must not begin the next transaction. So is one to a
+        closed stream (``stream_closed``). ``Producer-Id: txn:<id>`` is reserved for appends with
+        ``Transaction-Id``: a plain append under it would use up the transactional producer's
+        sequence numbers.
         """
         txn_number: int | None = None
         if transactional_id is not None:
             if producer is None:
                 return Outcome("bad_request", detail="a transactional append needs Producer-Id, Producer-Epoch and Producer-Seq")
-            expected_pid = "txn:" + transactional_id
+            expected_pid = TXN_PRODUCER_PREFIX + transactional_id
             if producer.producer_id != expected_pid:
                 return Outcome("bad_request", detail=f"a transactional append of {transactional_id!r} must use Producer-Id {expected_pid}")
             if close:
@@ -696,6 +705,17 @@ class Broker:
             found = self._live(name)
             if isinstance(found, Outcome):
                 return found
+            try:
+                self.coordinator.current(transactional_id, producer.epoch)  # fenced or unknown: refused first
+            except TxnError as exc:
+                return txn_outcome(exc)
+            if found.log.pending.closed:
+                return Outcome("stream_closed", stream=found, next=found.log.pending.end, closed=True, detail="the stream is closed")
+            prior = found.log.producer(producer.producer_id)
+            if prior is not None and prior.epoch == producer.epoch and producer.seq <= prior.last_seq:
+                answered = await self._transactional_duplicate(found, producer, transactional_id, commit_txn)
+                if answered is not None:
+                    return answered
             try:
                 meta = await self.coordinator.begin_write(transactional_id, producer.epoch, name, commit=commit_txn)
             except TxnError as exc:
@@ -706,6 +726,11 @@ class Broker:
             txn_number = meta.txn
         elif commit_txn is not None:
             return Outcome("bad_request", detail="Transaction-Commit needs Transaction-Id (and Producer-Id, Producer-Epoch, Producer-Seq)")
+        elif producer is not None and producer.producer_id.startswith(TXN_PRODUCER_PREFIX):
+            return Outcome(
+                "bad_request", detail=f"Producer-Id {producer.producer_id!r} is reserved for transactional appends: "
+                "send Transaction-Id with it, or use another producer id",
+            )
         deadline: float | None = None
         loop = asyncio.get_running_loop()
         while True:
@@ -807,11 +832,66 @@ class Broker:
                 return replace(outcome, committed=True)
         try:
             await coord.end(tid, producer.epoch, txn, commit=True)
-        except TxnError as exc:
+        except TxnError as exc:  # also a decision logged whose markers failed: retriable, see Coordinator.end
             return txn_outcome(exc)
         except OSError as exc:
             return Outcome("unavailable", stream=outcome.stream, detail=f"the data was stored, the commit was not: {exc.strerror or exc}")
         return replace(outcome, committed=True)
+
+    async def _transactional_duplicate(self, s: Stream, producer: ProducerHeaders, tid: str, commit_txn: int | None) -> Outcome | None:
+        """Answer a transactional append that ``s`` already holds (same epoch, a sequence number at
+        or below the producer's last there) without beginning or changing any transaction.
+
+        - Without ``Transaction-Commit``: the duplicate's answer, carrying ``Transaction-Number``
+          only while the transaction it belongs to is still open in ``s`` (the client compares
+          it with its own); one whose transaction has ended there carries none.
+        - The retry of the last append of transaction ``commit_txn``: committed already, it is
+          answered committed; its commit decided but unfinished (a marker failed), the retry
+          finishes it first, as a retry of ``/commit`` would; still open, None: the ordinary path
+          commits it (its data is there, maybe not its marker).
+        - Any other ``Transaction-Commit``: refused (``409``; retriable while the id's last
+          decision is being completed); a duplicate can begin no transaction."""
+        coord = self.coordinator
+        meta = coord.txns[tid]
+        if commit_txn is not None:
+            if commit_txn == meta.txn:
+                if meta.status is TxnStatus.ONGOING and s.name in meta.streams:
+                    return None
+                if meta.status is TxnStatus.PREPARE_COMMIT:
+                    try:
+                        await coord.end(tid, producer.epoch, commit_txn, commit=True)
+                    except TxnError as exc:
+                        return txn_outcome(exc)
+                    except OSError as exc:
+                        return Outcome("unavailable", stream=s, detail=f"the commit could not be finished: {exc.strerror or exc}")
+                    return await self._committed_retry(s, producer, tid, commit_txn)
+                if meta.status is TxnStatus.COMPLETE_COMMIT:
+                    return await self._committed_retry(s, producer, tid, commit_txn)
+            try:
+                coord.refuse_while_completing(meta)
+            except TxnError as exc:
+                return txn_outcome(exc)
+            return Outcome(
+                "txn_refused", txn=meta.txn, detail=f"this append was stored before, it cannot commit transaction {commit_txn} "
+                f"of {tid!r} (the current one is {meta.txn}, {meta.status.value})",
+            )
+        outcome = await self._settle_duplicate(s, producer, closed=False)
+        if outcome.kind != "duplicate":
+            return outcome
+        return replace(outcome, txn=self._open_transaction_of(s, producer, coord.txns[tid]))
+
+    @staticmethod
+    def _open_transaction_of(s: Stream, producer: ProducerHeaders, meta: TxnMeta) -> int | None:
+        """The number of the transaction a durable duplicate in ``s`` belongs to if that
+        transaction is still open there, else None (it ended there, or it is too old to tell)."""
+        if meta.epoch != producer.epoch or meta.status not in (TxnStatus.ONGOING, TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
+            return None
+        state = s.log.producer(producer.producer_id)
+        entry = state.find(producer.seq) if state is not None else None
+        began = s.log.txn.open.get(producer.producer_id)
+        if entry is None or began is None or s.name not in meta.streams:
+            return None
+        return meta.txn if entry.start.pos >= began.pos else None
 
     async def _committed_retry(self, s: Stream, producer: ProducerHeaders, tid: str, txn: int) -> Outcome:
         """An append naming a transaction that already committed: only a retry of one of its
@@ -1113,6 +1193,8 @@ def txn_outcome(exc: TxnError) -> Outcome:
         "unknown_transactional_id": "not_found",
         "bad_epoch": "bad_request",
         "bad_request": "bad_request",
+        "concurrent_transactions": "concurrent_transactions",
+        "unavailable": "unavailable",
     }.get(exc.kind, "txn_refused")  # type: ignore[assignment]
     return Outcome(kind, epoch=exc.extra.get("epoch"), txn=exc.extra.get("txn"), detail=str(exc))
 

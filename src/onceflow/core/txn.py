@@ -23,13 +23,22 @@ any request with an older epoch is refused. Each transaction has a number (``txn
 epoch, and commit/abort must name it, so a delayed commit or abort of an earlier transaction cannot
 touch a later one. Open transactions abort after their timeout, so the LSO always advances; such an
 abort also bumps the epoch, fencing the producer that let it time out (its work must be redone by a
-fresh ``init``, never half-committed).
+fresh ``init``, never half-committed). The fence rides in the abort decision (``fence``), so it
+happens whoever finishes that abort: the sweep, a retry, an ``init`` or recovery.
+
+A decision whose markers could not all be written (a full disk, an I/O error) leaves the
+transaction in ``PREPARE_*`` until the sweep, a retry of the same commit (abort) or an ``init``
+finishes it. Meanwhile every other request of that transactional id is refused as retriable
+(``concurrent_transactions``) and changes nothing: the decision's streams and offsets are what the
+finishing writes. Durable records are written before memory changes (:meth:`Coordinator._store`),
+so a record that fails leaves memory as the disk has it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import json
 import logging
@@ -71,7 +80,8 @@ _TRANSITIONS: dict[TxnStatus, set[TxnStatus]] = {
     # (``Transaction-Commit`` on its last append; see Coordinator.commit_by_marker)
     TxnStatus.ONGOING: {TxnStatus.ONGOING, TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT, TxnStatus.COMPLETE_COMMIT},
     TxnStatus.PREPARE_COMMIT: {TxnStatus.COMPLETE_COMMIT},
-    TxnStatus.PREPARE_ABORT: {TxnStatus.COMPLETE_ABORT},
+    # PREPARE_ABORT -> EMPTY: an abort that fences its producer ends in the new epoch (TxnMeta.fence)
+    TxnStatus.PREPARE_ABORT: {TxnStatus.COMPLETE_ABORT, TxnStatus.EMPTY},
     TxnStatus.COMPLETE_COMMIT: {TxnStatus.ONGOING, TxnStatus.EMPTY},
     TxnStatus.COMPLETE_ABORT: {TxnStatus.ONGOING, TxnStatus.EMPTY},
 }
@@ -97,13 +107,21 @@ class TxnMeta:
     timeout: float = 60.0
     started: float = 0.0  # monotonic time the transaction began
     init_id: str | None = None  # the request id of the init that began this epoch (retries repeat it)
+    # With an abort decision: finishing that abort also fences, moving the id past this epoch
+    # (a timeout, or data recovery found undecided); recorded with the decision, so it is durable.
+    fence: int | None = None
 
     @property
     def producer_id(self) -> str:
         return TXN_PRODUCER_PREFIX + self.tid
 
+    @property
+    def completing(self) -> bool:
+        """The decision is logged, its markers (or its fence) are not all written yet."""
+        return self.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT)
+
     def record(self) -> dict[str, Any]:
-        return {
+        rec: dict[str, Any] = {
             "kind": "txn",
             "tid": self.tid,
             "epoch": self.epoch,
@@ -114,6 +132,9 @@ class TxnMeta:
             "timeout": self.timeout,
             "init_id": self.init_id,
         }
+        if self.fence is not None:
+            rec["fence"] = self.fence
+        return rec
 
 
 MarkerWriter = Callable[[str, str, int, int, bool], Awaitable[None]]  # (stream, producer id, epoch, txn, commit)
@@ -273,6 +294,7 @@ class Coordinator:
                 offsets=rec["offsets"],
                 timeout=rec["timeout"],
                 init_id=rec.get("init_id"),
+                fence=rec.get("fence"),
             )
             self.txns[meta.tid] = meta
             if meta.status is TxnStatus.COMPLETE_COMMIT:
@@ -310,6 +332,18 @@ class Coordinator:
         else:
             done.add_done_callback(_log_failure)
 
+    async def _store(self, meta: TxnMeta, **changes: Any) -> None:
+        """Write the state ``meta`` has after ``changes`` as one durable record, and only then
+        apply them: a record that does not reach the disk leaves memory as the disk has it, so
+        neither a retry nor the sweep acts on a state that was never stored, and no answer names
+        one that a restart would take back. The caller holds the id's lock."""
+        new = dataclasses.replace(meta, **changes)
+        if new.status is not meta.status and not meta.status.can_become(new.status):
+            raise TxnError("invalid_state", f"transaction {meta.tid!r} cannot go from {meta.status.value} to {new.status.value}")
+        await self._write(new.record())
+        for name, value in changes.items():  # at once: nothing runs between the fsync and this
+            setattr(meta, name, value)
+
     async def _transition(self, meta: TxnMeta, status: TxnStatus, *, durable: bool = True) -> None:
         if not meta.status.can_become(status):
             raise TxnError("invalid_state", f"transaction {meta.tid!r} cannot go from {meta.status.value} to {status.value}")
@@ -342,6 +376,22 @@ class Coordinator:
 
     # ------------------------------------------------------------------ transactions
 
+    def current(self, tid: str, epoch: int) -> TxnMeta:
+        """The state of ``tid`` if ``epoch`` is its current epoch (read only; refused otherwise)."""
+        return self._current(tid, epoch)
+
+    def refuse_while_completing(self, meta: TxnMeta) -> None:
+        """Refuse, as retriable, a request that meets ``meta`` while its decision is being
+        finished: it must not change the decided streams and offsets (or begin the next
+        transaction before the markers of this one are written)."""
+        if meta.completing:
+            outcome = "commit" if meta.status is TxnStatus.PREPARE_COMMIT else "abort"
+            raise TxnError(
+                "concurrent_transactions",
+                f"transaction {meta.txn} of {meta.tid!r} is still being completed (its {outcome} is decided, not all "
+                "of its markers are written yet); retry shortly", txn=meta.txn,
+            )
+
     def _current(self, tid: str, epoch: int) -> TxnMeta:
         meta = self.txns.get(tid)
         if meta is None or meta.epoch < 0:
@@ -358,24 +408,29 @@ class Coordinator:
 
         ``request_id`` makes a retried init harmless: the init that began the current epoch, sent
         again (its answer was lost, or the original arrives late, after its retry), gets the same
-        epoch instead of a new one that would fence the producer that asked for it."""
+        epoch instead of a new one that would fence the producer that asked for it.
+
+        A decision of the old epoch still being completed is finished first (its markers written);
+        if that fails, nothing changes and the init may be retried. The new epoch exists only once
+        its record is durable: an init whose record failed leaves the old epoch in force, and its
+        retry writes the new one again."""
         async with self._lock(tid):
             meta = self.txns.get(tid)
             if meta is not None and request_id is not None and meta.init_id == request_id and meta.epoch >= 0:
                 return meta
+            known = meta is not None
             if meta is None:
-                meta = self.txns[tid] = TxnMeta(tid)
+                meta = TxnMeta(tid)
             if meta.status is TxnStatus.ONGOING:
-                await self._finish(meta, commit=False)
-            elif meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
-                await self._complete(meta)
-            meta.epoch += 1
-            meta.txn = 0
-            meta.timeout = txn_timeout if txn_timeout is not None else self.default_timeout
-            meta.streams, meta.offsets = set(), {}
-            meta.status = TxnStatus.EMPTY
-            meta.init_id = request_id
-            await self._write(meta.record())
+                await self._finish_decided(meta, self._finish(meta, commit=False))
+            elif meta.completing:
+                await self._finish_decided(meta, self._complete(meta))
+            await self._store(
+                meta, epoch=meta.epoch + 1, txn=0, timeout=txn_timeout if txn_timeout is not None else self.default_timeout,
+                streams=set(), offsets={}, status=TxnStatus.EMPTY, init_id=request_id, fence=None,
+            )
+            if not known:
+                self.txns[tid] = meta
             return meta
 
     async def begin_write(self, tid: str, epoch: int, stream: str, *, commit: int | None = None) -> TxnMeta | None:
@@ -388,9 +443,12 @@ class Coordinator:
 
         ``commit``: the append is the last of transaction number ``commit`` and commits it. That
         must be the open transaction or, when none is open, the next one; returns None when it
-        already committed (the append can then only be a retry, see ``Broker.append``)."""
+        already committed (the append can then only be a retry, see ``Broker.append``).
+
+        Refused as retriable while the id's last decision is being completed (``PREPARE_*``)."""
         async with self._lock(tid):
             meta = self._current(tid, epoch)
+            self.refuse_while_completing(meta)
             if commit is not None:
                 if commit == meta.txn and meta.status is TxnStatus.COMPLETE_COMMIT:
                     return None
@@ -400,8 +458,6 @@ class Coordinator:
                         "stale_transaction", f"Transaction-Commit names transaction {commit} of {tid!r}, but this append "
                         f"would belong to transaction {expected}", txn=meta.txn,
                     )
-            if meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
-                raise TxnError("concurrent_transactions", f"transaction {meta.txn} of {tid!r} is being completed")
             if meta.status is not TxnStatus.ONGOING:
                 meta.txn += 1
                 meta.streams, meta.offsets = set(), {}
@@ -443,25 +499,39 @@ class Coordinator:
         )
 
     async def add_offsets(self, tid: str, epoch: int, group: str, offsets: dict[str, str]) -> TxnMeta:
-        """Make ``group``'s offsets part of the open transaction (they count only if it commits)."""
+        """Make ``group``'s offsets part of the open transaction (they count only if it commits);
+        with none open, they begin the next one. Synced before the answer, and only then part of
+        the transaction: offsets whose record failed are in no transaction. Refused as retriable
+        while the id's last decision is being completed."""
         async with self._lock(tid):
             meta = self._current(tid, epoch)
+            self.refuse_while_completing(meta)
             if meta.status is not TxnStatus.ONGOING:
-                meta.txn += 1
-                meta.streams, meta.offsets = set(), {}
-                meta.started = time.monotonic()
-                meta.offsets = {group: dict(offsets)}
-                await self._transition(meta, TxnStatus.ONGOING)
+                await self._store(
+                    meta, txn=meta.txn + 1, streams=set(), offsets={group: dict(offsets)},
+                    status=TxnStatus.ONGOING, started=time.monotonic(),
+                )
             else:
-                meta.offsets.setdefault(group, {}).update(offsets)
-                await self._write(meta.record())
+                await self._store(meta, offsets={**meta.offsets, group: {**meta.offsets.get(group, {}), **offsets}})
             return meta
 
     async def end(self, tid: str, epoch: int, txn: int, *, commit: bool) -> TxnMeta:
         """Commit or abort transaction number ``txn``. Repeating the same request after it completed
-        is a no-op success; a request for any other transaction is refused."""
+        is a no-op success; a request for any other transaction is refused.
+
+        While the id's last decision is being completed (its markers could not all be written),
+        the same request (``txn`` with the decided outcome: a retry) finishes it and is answered
+        as usual; any other is refused as retriable and changes nothing. A decision logged whose
+        markers fail is ``unavailable`` (retriable): the outcome is fixed, and a retry, the
+        sweep or recovery finishes it."""
         async with self._lock(tid):
             meta = self._current(tid, epoch)
+            if meta.completing:
+                decided = TxnStatus.PREPARE_COMMIT if commit else TxnStatus.PREPARE_ABORT
+                if txn != meta.txn or meta.status is not decided:
+                    self.refuse_while_completing(meta)
+                await self._finish_decided(meta, self._complete(meta))
+                return meta
             done = TxnStatus.COMPLETE_COMMIT if commit else TxnStatus.COMPLETE_ABORT
             if txn != meta.txn:
                 raise TxnError("stale_transaction", f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
@@ -471,8 +541,24 @@ class Coordinator:
                 return meta  # nothing was ever written: committing or aborting it is a no-op
             if meta.status is not TxnStatus.ONGOING:
                 raise TxnError("invalid_state", f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
-            await self._finish(meta, commit=commit)
+            await self._finish_decided(meta, self._finish(meta, commit=commit))
             return meta
+
+    @staticmethod
+    async def _finish_decided(meta: TxnMeta, finishing: Awaitable[None]) -> None:
+        """Await ``finishing``; an I/O error after the decision was logged becomes a retriable
+        ``unavailable`` that says the outcome is fixed (before it, the OSError goes up as is)."""
+        try:
+            await finishing
+        except OSError as exc:
+            if not meta.completing:
+                raise
+            outcome = "commit" if meta.status is TxnStatus.PREPARE_COMMIT else "abort"
+            raise TxnError(
+                "unavailable", f"transaction {meta.txn} of {meta.tid!r} is decided ({outcome}) but not all of its markers "
+                f"could be written ({exc.strerror or exc}); retry: the retry, the server's sweep or its recovery finishes it",
+                txn=meta.txn,
+            ) from exc
 
     async def _finish(self, meta: TxnMeta, *, commit: bool) -> None:
         # Step 2: the decision, one durable record.
@@ -480,14 +566,21 @@ class Coordinator:
         await self._complete(meta)
 
     async def _complete(self, meta: TxnMeta, *, done: frozenset[str] = frozenset()) -> None:
-        """Steps 3 and 4 of a logged decision; ``done``: streams known to hold its marker already."""
+        """Steps 3 and 4 of a logged decision; ``done``: streams known to hold its marker already.
+        An abort that fences (``meta.fence``) ends in the new epoch instead of COMPLETE_ABORT,
+        synced like an init's. If a marker or that record fails, the decision stays to be
+        finished (by the sweep, a retry, an init or recovery) and nothing else changes."""
         commit = meta.status is TxnStatus.PREPARE_COMMIT
+        assert not (commit and meta.fence is not None)
         # Step 3: a marker in every stream the transaction touched (all at once; each is durable).
         assert self.write_marker is not None
         writer = self.write_marker
         await asyncio.gather(*(
             writer(stream, meta.producer_id, meta.epoch, meta.txn, commit) for stream in sorted(meta.streams - done)
         ))
+        if meta.fence is not None:
+            await self._store(meta, **self._fenced(meta, meta.fence))
+            return
         # Step 4: offsets take effect with the completion record. It need not be synced before the
         # answer: if it is lost, recovery sees the decision again and rewrites the markers, which a
         # stream ignores when no transaction of that producer is open there.
@@ -663,15 +756,31 @@ class Coordinator:
 
     async def _fence(self, meta: TxnMeta, epoch: int) -> None:
         """Abort ``meta``'s open transaction and move past ``epoch`` with a synced record, so a
-        producer of that epoch is refused from now on. The caller holds the id's lock."""
+        producer of that epoch is refused from now on. The caller holds the id's lock.
+
+        The abort decision carries the fence (``meta.fence``): if its markers fail, whoever
+        finishes the abort later (the sweep, an init, recovery) also fences, and until then
+        the id's requests are refused as retriable. Without the decision logged, nothing
+        changes (the OSError goes up; the sweep tries again)."""
         if meta.status is TxnStatus.ONGOING:
-            await self._finish(meta, commit=False)
-        meta.epoch = max(meta.epoch, epoch) + 1
-        meta.txn = 0
-        meta.streams, meta.offsets = set(), {}
-        meta.status = TxnStatus.EMPTY
-        meta.init_id = None  # this epoch was not asked for: a late init must begin a new one
-        await self._write(meta.record())
+            meta.fence = epoch
+            try:
+                await self._finish(meta, commit=False)  # its completion moves the epoch on
+            except OSError:
+                if meta.status is TxnStatus.ONGOING:
+                    meta.fence = None  # the decision itself was not stored
+                raise
+            return
+        await self._store(meta, **self._fenced(meta, epoch))
+
+    @staticmethod
+    def _fenced(meta: TxnMeta, epoch: int) -> dict[str, Any]:
+        """The changes that move ``meta`` past ``epoch``: a new epoch, nothing open. Its init id is
+        cleared: this epoch was not asked for, so a late init must begin a new one."""
+        return {
+            "epoch": max(meta.epoch, epoch) + 1, "txn": 0, "streams": set(), "offsets": {},
+            "status": TxnStatus.EMPTY, "init_id": None, "fence": None,
+        }
 
     async def expire(self) -> list[str]:
         """Abort transactions open longer than their timeout; returns their ids."""
@@ -683,16 +792,22 @@ class Coordinator:
                     log.warning("aborting transaction %d of %r: open longer than %.0f s", meta.txn, meta.tid, meta.timeout)
                     # Fence the producer too: its next append must not quietly begin a new
                     # transaction that a later commit would publish without the aborted part.
-                    await self._fence(meta, meta.epoch)
+                    try:
+                        await self._fence(meta, meta.epoch)
+                    except OSError as exc:  # the next sweep (or whoever finishes the abort) goes on
+                        log.error("could not abort transaction %d of %r yet: %s", meta.txn, meta.tid, exc)
         # A decision whose markers could not all be written (an I/O error) is finished here rather
         # than only at the next restart, so the last stable offset does not stay stuck.
-        for meta in [m for m in self.txns.values() if m.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT)]:
+        for meta in [m for m in self.txns.values() if m.completing]:
             if self._lock(meta.tid).locked():
                 continue  # being completed right now
             async with self._lock(meta.tid):
-                if meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
+                if meta.completing:
                     log.warning("finishing the logged %s of transaction %d of %r", meta.status.value, meta.txn, meta.tid)
-                    await self._complete(meta)
+                    try:
+                        await self._complete(meta)
+                    except OSError as exc:
+                        log.error("could not finish transaction %d of %r yet: %s", meta.txn, meta.tid, exc)
         return [m.tid for m in expired]
 
     # ------------------------------------------------------------------ group offsets

@@ -789,6 +789,9 @@ _STATUS: dict[str, int] = {
     "gone": 410,
     "unavailable": 503,
     "txn_refused": 409,
+    # the id's last decision is still being completed (a marker failed): retriable, like Kafka's
+    # CONCURRENT_TRANSACTIONS; the clients retry 5xx
+    "concurrent_transactions": 503,
 }
 
 
@@ -826,11 +829,11 @@ def _outcome_response(o: Outcome) -> tuple[int, list[tuple[bytes, bytes]], bytes
         extra.append((b"stream-closed", b"true"))
     if o.kind == "stale_epoch" and o.epoch is not None:
         extra.append(_h("producer-epoch", o.epoch))
-    if o.kind == "txn_refused" and o.txn is not None:
+    if o.kind in ("txn_refused", "concurrent_transactions") and o.txn is not None:
         extra.append(_h("transaction-number", o.txn))
     if o.kind == "sequence_gap":
         extra.append(_h("producer-expected-seq", o.expected_seq or 0))
         extra.append(_h("producer-received-seq", o.received_seq or 0))
-    if o.kind == "unavailable":
+    if o.kind in ("unavailable", "concurrent_transactions"):
         extra.append((b"retry-after", b"1"))
     return _error(status, o.kind, o.detail or o.kind.replace("_", " "), extra)
