@@ -15,10 +15,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import os
 import re
-import shutil
-import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,9 +25,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..storage.batch import FLAG_CLOSE, FLAG_COMMIT, FLAG_CONTROL, FLAG_JSON, FLAG_TXN, CorruptBatch
+from ..storage.fs import FileSystem, OsFileSystem
 from ..storage.log import FsyncPolicy, InvalidPosition, ReadBatch, Staged, StreamLog
 from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
 from ..storage.position import Position, parse_token
+from .clock import SYSTEM, Clock
 from .jsonmode import JsonError, encode_messages, split_messages
 from .txn import TXN_PRODUCER_PREFIX, CommitSeen, Coordinator, OpenTxn, TxnError, TxnMeta, TxnStatus
 
@@ -113,6 +112,7 @@ OutcomeKind = Literal[
     "deleted",
     "unavailable",
     "txn_refused",
+    "limit",
 ]
 
 
@@ -149,8 +149,9 @@ class Stream:
     directory: Path
     log: StreamLog
     parent: Stream | None = None
+    clock: Clock = SYSTEM
     forks: int = 0
-    last_access: float = field(default_factory=time.monotonic)
+    last_access: float = 0.0
     waiters: set[asyncio.Future[None]] = field(default_factory=set)
     staged_waiters: set[asyncio.Future[None]] = field(default_factory=set)  # out-of-order producer requests
     deleted: bool = False
@@ -160,6 +161,7 @@ class Stream:
         return self.meta.name
 
     def __post_init__(self) -> None:
+        self.last_access = self.clock.monotonic()
         self.media_type = normalize_content_type(self.meta.content_type)
         self.is_json = self.media_type == "application/json"
 
@@ -172,13 +174,13 @@ class Stream:
         return self.log.durable.closed
 
     def touch(self) -> None:
-        self.last_access = time.monotonic()
+        self.last_access = self.clock.monotonic()
 
     def expired(self) -> bool:
-        if self.meta.expires_at_epoch is not None and time.time() >= self.meta.expires_at_epoch:
+        if self.meta.expires_at_epoch is not None and self.clock.time() >= self.meta.expires_at_epoch:
             return True
         ttl = self.meta.ttl_seconds
-        return ttl is not None and time.monotonic() >= self.last_access + ttl
+        return ttl is not None and self.clock.monotonic() >= self.last_access + ttl
 
     def notify_staged(self) -> None:
         for fut in self.staged_waiters:
@@ -240,8 +242,15 @@ class Broker:
         fsync_interval: float = 1.0,
         reorder_wait: float = 0.5,
         txn_timeout: float = 60.0,
+        max_streams: int = 100_000,
+        fs: FileSystem | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.data_dir = Path(data_dir)
+        # the server's disk: open files bounded (storage/fs.py); the simulator passes its own
+        self.fs: FileSystem = fs or OsFileSystem()
+        self.clock = clock
+        self.max_streams = max_streams
         self.streams_dir = self.data_dir / "streams"
         self.trash_dir = self.data_dir / "trash"
         self.fsync: FsyncPolicy = fsync
@@ -249,7 +258,9 @@ class Broker:
         self.max_read_bytes = max_read_bytes
         self.fsync_interval = fsync_interval
         self.reorder_wait = reorder_wait
-        self.coordinator = Coordinator(self.data_dir / "coordinator", policy=fsync, default_timeout=txn_timeout)
+        self.coordinator = Coordinator(
+            self.data_dir / "coordinator", policy=fsync, default_timeout=txn_timeout, fs=self.fs, clock=clock,
+        )
         self.coordinator.write_marker = self._write_marker
         self._unfinished: list[TxnMeta] = []
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="onceflow-io")
@@ -261,25 +272,24 @@ class Broker:
 
     def open(self) -> None:
         """Recover every stream from disk. Call before serving; blocking."""
-        self.streams_dir.mkdir(parents=True, exist_ok=True)
-        self.trash_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in self.trash_dir.iterdir():
-            shutil.rmtree(leftover, ignore_errors=True)
+        fs = self.fs
+        fs.mkdir(self.streams_dir)
+        fs.mkdir(self.trash_dir)
+        for leftover in fs.listdir(self.trash_dir):
+            fs.rmtree(self.trash_dir / leftover)
         metas: list[tuple[StreamMeta, Path]] = []
-        for d in sorted(self.streams_dir.iterdir()):
-            if not (d / META_NAME).exists():
+        for name in sorted(fs.listdir(self.streams_dir)):
+            d = self.streams_dir / name
+            if not fs.exists(d / META_NAME):
                 log.warning("removing %s: its creation never completed", d)
-                shutil.rmtree(d, ignore_errors=True)
+                fs.rmtree(d)
                 continue
             try:
-                metas.append((read_meta(d), d))
+                metas.append((read_meta(fs, d), d))
             except (OSError, ValueError, TypeError) as exc:
                 log.error("skipping stream directory %s: unreadable metadata: %s", d, exc)
         for meta, d in metas:
-            slog = StreamLog.open(
-                d, meta.base, policy=self.fsync, segment_bytes=self.segment_bytes, executor=self.executor
-            )
-            self._register(Stream(meta, d, slog))
+            self._register(Stream(meta, d, self._open_log(d, meta.base), clock=self.clock))
         for s in self.streams.values():
             if s.meta.fork_parent is not None:
                 s.parent = self.streams.get(s.meta.fork_parent)
@@ -346,6 +356,12 @@ class Broker:
             await s.log.close()
         await self.coordinator.close()
         self.executor.shutdown(wait=True)
+
+    def _open_log(self, directory: Path, base: Position) -> StreamLog:
+        return StreamLog.open(
+            directory, base, policy=self.fsync, segment_bytes=self.segment_bytes, executor=self.executor,
+            fs=self.fs, clock=self.clock.time,
+        )
 
     def _register(self, s: Stream) -> None:
         self.streams[s.name] = s
@@ -478,6 +494,12 @@ class Broker:
                 return Outcome("exists", stream=existing, next=existing.tail, closed=existing.closed)
             return Outcome("config_conflict", stream=existing, detail="a stream with a different configuration exists at this name")
 
+        if len(self.streams) >= self.max_streams:
+            return Outcome(
+                "limit",
+                detail=f"this server holds its limit of {self.max_streams} streams (onceflow serve --max-streams); "
+                "delete streams or raise the limit",
+            )
         parent: Stream | None = None
         inherited = False
         base = ZERO
@@ -522,7 +544,7 @@ class Broker:
         meta = StreamMeta(
             name=name,
             content_type=content_type,
-            created_ms=int(time.time() * 1000),
+            created_ms=int(self.clock.time() * 1000),
             ttl_seconds=ttl_seconds,
             expires_at=expires_at,
             expires_at_epoch=expires_epoch,
@@ -532,13 +554,11 @@ class Broker:
             expiry_inherited=inherited,
         )
         directory = self._dir_for(name)
-        if directory.exists():  # debris of an expired or unfinished stream
+        if self.fs.exists(directory):  # debris of an expired or unfinished stream
             self._trash(directory)
         flags = FLAG_JSON if is_json else 0
         try:
-            slog = StreamLog.open(
-                directory, base, policy=self.fsync, segment_bytes=self.segment_bytes, executor=self.executor
-            )
+            slog = self._open_log(directory, base)
             initial = [(p, c, flags) for p, c in ([prefix] if prefix else []) if c or p]
             if count:
                 initial.append((payload, count, flags))
@@ -549,11 +569,11 @@ class Broker:
                 else:
                     initial.append((b"", 0, flags | FLAG_CLOSE))
             slog.write_initial(initial)
-            write_meta(directory, meta)
+            write_meta(self.fs, directory, meta)
         except OSError as exc:
-            shutil.rmtree(directory, ignore_errors=True)
+            self.fs.rmtree(directory)
             return Outcome("unavailable", detail=f"could not create the stream on disk: {exc.strerror}")
-        stream = Stream(meta, directory, slog, parent=parent)
+        stream = Stream(meta, directory, slog, parent=parent, clock=self.clock)
         if parent is not None:
             parent.forks += 1
         self._register(stream)
@@ -897,7 +917,7 @@ class Broker:
         if s.forks > 0:
             s.meta.soft_deleted = True
             try:
-                write_meta(s.directory, s.meta)
+                write_meta(self.fs, s.directory, s.meta)
             except OSError as exc:
                 log.error("could not persist soft delete of %r: %s", s.name, exc)
             s.notify()
@@ -920,16 +940,16 @@ class Broker:
     def _trash(self, directory: Path) -> None:
         target = self.trash_dir / f"{directory.name}-{uuid.uuid4().hex}"
         try:
-            os.replace(directory, target)
+            self.fs.rename(directory, target)
         except OSError as exc:
             log.error("could not move %s to the trash: %s", directory, exc)
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            shutil.rmtree(target, ignore_errors=True)
+            self.fs.rmtree(target)
             return
-        loop.run_in_executor(self.executor, shutil.rmtree, target, True)
+        loop.run_in_executor(self.executor, self.fs.rmtree, target)
 
     # ------------------------------------------------------------------ reads
 

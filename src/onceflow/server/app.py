@@ -789,6 +789,7 @@ _STATUS: dict[str, int] = {
     "gone": 410,
     "unavailable": 503,
     "txn_refused": 409,
+    "limit": 429,
 }
 
 
