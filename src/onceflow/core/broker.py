@@ -152,8 +152,10 @@ class Stream:
     clock: Clock = SYSTEM
     forks: int = 0
     last_access: float = 0.0
-    waiters: set[asyncio.Future[None]] = field(default_factory=set)
-    staged_waiters: set[asyncio.Future[None]] = field(default_factory=set)  # out-of-order producer requests
+    # dicts used as ordered sets: waiters are woken in the order they came (and deterministically,
+    # which the simulator's exact replays rely on)
+    waiters: dict[asyncio.Future[None], None] = field(default_factory=dict)
+    staged_waiters: dict[asyncio.Future[None], None] = field(default_factory=dict)  # out-of-order producer requests
     deleted: bool = False
 
     @property
@@ -686,13 +688,13 @@ class Broker:
             if remaining <= 0:
                 return outcome
             fut: asyncio.Future[None] = loop.create_future()
-            s.staged_waiters.add(fut)
+            s.staged_waiters[fut] = None
             try:
                 await asyncio.wait_for(fut, remaining)
             except TimeoutError:
                 return outcome
             finally:
-                s.staged_waiters.discard(fut)
+                s.staged_waiters.pop(fut, None)
 
     async def _append_and_commit(
         self,
@@ -882,7 +884,7 @@ class Broker:
         """Wait until ``end`` is durable (a retry may overtake the original's fsync)."""
         while s.log.durable.end.pos < end.pos and s.log.pending.end.pos >= end.pos and not s.deleted:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            s.waiters.add(fut)
+            s.waiters[fut] = None
             await fut
 
     async def _settle_duplicate(self, s: Stream, producer: ProducerHeaders, *, closed: bool) -> Outcome:
@@ -1036,14 +1038,14 @@ class Broker:
         if s.tail != after or s.closed or s.deleted or s.meta.soft_deleted or self._closing:
             return True
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        s.waiters.add(fut)
+        s.waiters[fut] = None
         try:
             await asyncio.wait_for(fut, max_wait)
             return True
         except TimeoutError:
             return False
         finally:
-            s.waiters.discard(fut)
+            s.waiters.pop(fut, None)
 
 
 def txn_outcome(exc: TxnError) -> Outcome:
