@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .chaos.run import add_chaos_parser
 
     add_chaos_parser(sub)
+
+    from .sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
     return p
 
 
