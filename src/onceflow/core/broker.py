@@ -277,6 +277,8 @@ class Broker:
         fs = self.fs
         fs.mkdir(self.streams_dir)
         fs.mkdir(self.trash_dir)
+        fs.sync_dir(self.data_dir)  # names are durable only once their directory is synced
+        fs.sync_dir(self.data_dir.parent)
         for leftover in fs.listdir(self.trash_dir):
             fs.rmtree(self.trash_dir / leftover)
         metas: list[tuple[StreamMeta, Path]] = []
@@ -943,6 +945,9 @@ class Broker:
         target = self.trash_dir / f"{directory.name}-{uuid.uuid4().hex}"
         try:
             self.fs.rename(directory, target)
+            # a delete that was answered must not be undone by a power loss
+            self.fs.sync_dir(directory.parent)
+            self.fs.sync_dir(self.trash_dir)
         except OSError as exc:
             log.error("could not move %s to the trash: %s", directory, exc)
             return

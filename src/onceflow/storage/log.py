@@ -315,7 +315,9 @@ class StreamLog:
         )
         self.base = base
         fs = self.fs
-        fs.mkdir(directory)
+        if not fs.exists(directory):
+            fs.mkdir(directory)
+            fs.sync_dir(directory.parent)  # the log's own name must survive a power loss too
         found = sorted(
             (p for p in (_parse_segment_name(name) for name in fs.listdir(directory)) if p is not None),
             key=lambda p: p.pos,
