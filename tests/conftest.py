@@ -50,9 +50,10 @@ def free_port() -> int:
 class ServerProcess:
     """`onceflow serve` as a child process on a free loopback port; restartable on the same data."""
 
-    def __init__(self, data: Path, *extra: str) -> None:
+    def __init__(self, data: Path, *extra: str, open_files: int | None = None) -> None:
         self.data = data
         self.extra = extra
+        self.open_files = open_files  # RLIMIT_NOFILE (soft and hard) of the server process
         self.port = free_port()
         self.proc: subprocess.Popen[str] | None = None
 
@@ -64,7 +65,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "onceflow.cli", "serve", "--data", str(self.data), "--port", str(self.port),
              "--long-poll-timeout", "0.5", *self.extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=self._limits,
         )
         assert self.proc.stdout is not None
         seen: list[str] = []
@@ -76,6 +77,12 @@ class ServerProcess:
                 self.proc.wait()
                 raise RuntimeError("server did not start:\n" + "".join(seen))
             seen.append(line)
+
+    def _limits(self) -> None:
+        if self.open_files is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
 
     def kill(self) -> None:
         if self.proc is not None:

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import InProcess, ServerProcess
 from onceflow.storage import log as storage_log
+from onceflow.storage.fs import File
 
 S = "/v1/stream/"
 JSON = {"content-type": "application/json"}
@@ -76,8 +77,8 @@ async def test_failed_write_is_not_acknowledged_and_the_retry_is_accepted(oncefl
     await c.post(S + "full", content=b'{"n":0}', headers=producer("p", 0))
     real = storage_log._write_all
 
-    def no_space(fd: int, data: bytes, at: int, sync: bool) -> None:
-        real(fd, data[: len(data) // 2], at, False)  # half the batch reaches the file
+    def no_space(f: File, data: bytes, at: int, sync: bool) -> None:
+        real(f, data[: len(data) // 2], at, False)  # half the batch reaches the file
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(storage_log, "_write_all", no_space)
@@ -111,10 +112,10 @@ async def test_a_retry_racing_the_original_waits_for_its_fsync(onceflow: InProce
     entered = threading.Event()
     real = storage_log._write_all
 
-    def slow(fd: int, data: bytes, at: int, sync: bool) -> None:
+    def slow(f: File, data: bytes, at: int, sync: bool) -> None:
         entered.set()
         gate.wait(10)
-        real(fd, data, at, sync)
+        real(f, data, at, sync)
 
     monkeypatch.setattr(storage_log, "_write_all", slow)
     original = asyncio.ensure_future(c.post(S + "race", content=b'{"n":0}', headers=producer("p", 0)))
@@ -137,7 +138,7 @@ async def test_a_retry_of_a_failed_original_fails_too(onceflow: InProcess, monke
     gate = threading.Event()
     entered = threading.Event()
 
-    def failing(fd: int, data: bytes, at: int, sync: bool) -> None:
+    def failing(f: File, data: bytes, at: int, sync: bool) -> None:
         entered.set()
         gate.wait(10)
         raise OSError(errno.EIO, "I/O error")

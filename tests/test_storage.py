@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import struct
 import tempfile
 from pathlib import Path
@@ -470,3 +471,47 @@ def test_reopen_reproduces_tail_producers_and_bytes(
         # recovery always leaves a snapshot of exactly what it recovered
         snap = json.loads((d / SNAPSHOT_NAME).read_text())
         assert snap["end"] == [written[-1].end.offset, written[-1].end.pos]
+
+
+def test_the_file_system_keeps_at_most_max_open_descriptors_and_reopens_on_use(tmp_path: Path) -> None:
+    from onceflow.storage.fs import OsFileSystem
+
+    fs = OsFileSystem(max_open=4)
+    files = [fs.open_file(tmp_path / f"f{i}", create=True) for i in range(20)]
+    for i, f in enumerate(files):
+        f.pwrite(b"x" * i, 0)
+        assert fs.open_count <= 4
+    for i, f in enumerate(files):  # every file works again after its descriptor was closed
+        assert f.size() == i
+        assert f.pread(i, 0) == b"x" * i
+        f.sync()
+        assert fs.open_count <= 4
+    assert fs.reopened >= 16
+    proc_fds = len(os.listdir("/proc/self/fd"))
+    for f in files:
+        f.close()
+    assert fs.open_count == 0
+    assert len(os.listdir("/proc/self/fd")) <= proc_fds
+    with pytest.raises(OSError):
+        files[0].pread(1, 0)
+
+
+def test_a_log_works_when_its_descriptors_are_taken_by_others(tmp_path: Path) -> None:
+    """Two logs on a two-descriptor file system: each write and read reopens what it needs."""
+    from onceflow.storage.fs import OsFileSystem
+
+    async def go() -> None:
+        fs = OsFileSystem(max_open=2)
+        logs = [StreamLog.open(tmp_path / f"l{i}", ZERO, fs=fs, segment_bytes=200) for i in range(3)]
+        for round_ in range(5):
+            for i, lg in enumerate(logs):
+                await lg.stage(count=1, payload=f"{i}-{round_}".encode()).done
+        for i, lg in enumerate(logs):
+            assert [b.payload for b in lg.read(ZERO, 1 << 20)] == [f"{i}-{r}".encode() for r in range(5)]
+            await lg.close()
+        again = [StreamLog.open(tmp_path / f"l{i}", ZERO, fs=fs) for i in range(3)]
+        assert [lg.durable.end for lg in again] == [lg.durable.end for lg in logs]
+        for lg in again:
+            await lg.close()
+
+    asyncio.run(go())

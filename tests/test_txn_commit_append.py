@@ -19,6 +19,7 @@ import pytest
 import onceflow.storage.log as storage_log
 from conftest import InProcess
 from onceflow.client.transactions import AsyncTransactionalProducer
+from onceflow.storage.fs import File
 from test_transactions import S, Txn, committed, make, uncommitted
 from test_txn_recovery import assert_settled, coordinator_records, is_txn, kill, lose_records, serve, status
 
@@ -39,14 +40,14 @@ async def test_one_request_commits_a_one_stream_transaction_in_one_write(onceflo
     await make(onceflow, "s")
     t = Txn(onceflow.client, "w")
     await t.init()
-    seg_fd = onceflow.broker.streams["s"].log._segments[-1].fd
+    segment = onceflow.broker.streams["s"].log._segments[-1].file
     writes: list[int] = []
     real = storage_log._write_all
 
-    def counting(fd: int, data: bytes, at: int, sync: bool) -> None:
-        if fd == seg_fd:
+    def counting(f: File, data: bytes, at: int, sync: bool) -> None:
+        if f is segment:
             writes.append(len(data))
-        real(fd, data, at, sync)
+        real(f, data, at, sync)
 
     monkeypatch.setattr(storage_log, "_write_all", counting)
     r = await t.send("s", {"n": 1}, commit=1)

@@ -504,8 +504,6 @@ class Died(BaseException):
 async def test_a_compaction_cut_short_leaves_a_log_that_replays_to_the_same_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
 ) -> None:
-    import onceflow.core.txn as txn_module
-
     data = tmp_path / "data"
     async with serve(data) as c:
         await busy_coordinator(c)
@@ -514,18 +512,20 @@ async def test_a_compaction_cut_short_leaves_a_log_that_replays_to_the_same_stat
     broker.open()
     expected = coordinator_state(broker)
     await kill(broker)
-    real_rename = txn_module.os.rename
+    from onceflow.storage.fs import OsFileSystem
+
+    real_rename = OsFileSystem.rename
     calls: list[str] = []
 
-    def rename(src: Any, dst: Any) -> None:
+    def rename(fs: OsFileSystem, src: Path, dst: Path) -> None:
         calls.append(str(dst))
         if fault == "dies before the first rename" or (len(calls) == 2 and fault == "dies between the renames"):
             raise Died
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        real_rename(src, dst)
+        real_rename(fs, src, dst)
 
-    monkeypatch.setattr(txn_module.os, "rename", rename)
+    monkeypatch.setattr(OsFileSystem, "rename", rename)
     broker = Broker(data)
     broker.coordinator.compact_bytes = 1000
     if fault.startswith("dies"):

@@ -50,6 +50,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 max_body_bytes=args.max_body,
                 http=args.http,
                 txn_timeout=args.txn_timeout,
+                max_streams=args.max_streams,
+                max_open_files=args.max_open_files,
                 log_level=args.log_level,
                 guard=guard,
             )
@@ -83,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body accepted, e.g. 64MiB (default); larger bodies get 413")
     s.add_argument("--txn-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="default timeout after which an open transaction is aborted (default: 60)")
+    s.add_argument("--max-streams", type=int, default=100_000, metavar="N",
+                   help="most streams the server holds; creating one more gets 429 (default: 100000)")
+    s.add_argument("--max-open-files", type=int, default=None, metavar="N",
+                   help="most segment and log files kept open at once; idle ones are closed and reopened on use "
+                        "(default: a quarter of the open-file limit, which serve raises to its hard limit, at most 4096)")
     s.add_argument("--http", choices=["native", "uvicorn"], default="native",
                    help="HTTP server: onceflow's own asyncio/httptools server (default) or uvicorn")
     s.add_argument("--guard", type=Path, default=None, metavar="FILE",
@@ -120,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .chaos.run import add_chaos_parser
 
     add_chaos_parser(sub)
+
+    from .sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
     return p
 
 

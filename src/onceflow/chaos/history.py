@@ -92,6 +92,12 @@ AnomalyKind = Literal[
     "offset-conflict",
     "offset-backwards",
     "wrong-aggregate",
+    # liveness, judged by the simulator (onceflow.sim): a client, request or stream that never got
+    # done, and a client that failed with an error no user code should see
+    "stuck",
+    "lso-stuck",
+    "client-error",
+    "spurious-fence",  # a sole producer fenced with nothing of its own open (onceflow.sim)
 ]
 ANOMALY_KINDS: tuple[AnomalyKind, ...] = get_args(AnomalyKind)  # in the order reports list them
 

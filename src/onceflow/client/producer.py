@@ -158,7 +158,7 @@ class AsyncIdempotentProducer:
         self._next_seq = 0
         self._acked_through = -1  # every seq <= this is acknowledged
         self._acked_above: set[int] = set()
-        self._in_flight: set[asyncio.Task[None]] = set()
+        self._in_flight: dict[asyncio.Task[None], None] = {}  # an ordered set: cancelled in the order sent
         self._flushing = 0
         self._error: OnceflowError | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -169,6 +169,11 @@ class AsyncIdempotentProducer:
         self._sender: asyncio.Task[None] | None = None
         self._json = content_type is not None and is_json_type(content_type)
         self._acked_in_epoch = False
+
+    def _now(self) -> float:
+        """The clock of the loop the producer runs on (monotonic; the simulator's, in a simulation)."""
+        loop = self._loop
+        return loop.time() if loop is not None else time.monotonic()
 
     @property
     def _sep(self) -> int:
@@ -255,7 +260,7 @@ class AsyncIdempotentProducer:
         encoded = self._encode(data)
         with self._lock:
             if not self._current:
-                self._current_since = time.monotonic()
+                self._current_since = self._now()
             self._current.append(encoded)
             self._current_bytes += len(encoded) + self._sep
             self.stats.appended += 1
@@ -278,7 +283,7 @@ class AsyncIdempotentProducer:
         sep = self._sep
         with self._lock:
             if not self._current:
-                self._current_since = time.monotonic()
+                self._current_since = self._now()
             sealed = False
             for e in encoded:
                 self._current.append(e)
@@ -328,7 +333,7 @@ class AsyncIdempotentProducer:
         self._flushing += 1
         try:
             self._wake()
-            deadline = None if timeout is None else time.monotonic() + timeout
+            deadline = None if timeout is None else self._now() + timeout
             while self.stats.acked + self.stats.failed < target:
                 if self._error is not None:
                     raise self._error
@@ -336,7 +341,7 @@ class AsyncIdempotentProducer:
                 if deadline is None:
                     await ev.wait()
                     continue
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self._now()
                 if remaining <= 0:
                     raise TimeoutError(f"flush: {target - self.stats.acked} message(s) still unacknowledged")
                 with contextlib.suppress(TimeoutError):
@@ -374,18 +379,18 @@ class AsyncIdempotentProducer:
                 if not self._flushing:
                     if self._in_flight and not self.linger:
                         return None  # accumulate; a completing request wakes us
-                    waited = time.monotonic() - self._current_since
+                    waited = self._now() - self._current_since
                     if self.linger and waited < self.linger:
                         return self.linger - waited
                 self._seal_locked()
             batch = self._sealed.popleft()
             task = self._loop.create_task(self._send(batch))
-            self._in_flight.add(task)
+            self._in_flight[task] = None
             task.add_done_callback(self._batch_done)
         return None
 
     def _batch_done(self, task: asyncio.Task[None]) -> None:
-        self._in_flight.discard(task)
+        self._in_flight.pop(task, None)
         self._wake()
 
     def _signal_progress(self) -> None:
@@ -406,7 +411,7 @@ class AsyncIdempotentProducer:
             raise
 
     async def _deliver(self, batch: _Batch) -> None:
-        started = time.monotonic()
+        started = self._now()
         attempt = 0
         task = asyncio.current_task()
         while True:
@@ -428,7 +433,7 @@ class AsyncIdempotentProducer:
             else:
                 if resp.status_code in (200, 204):
                     if task is not None:
-                        self._in_flight.discard(task)  # before waking flush(), so in_flight_count is 0 then
+                        self._in_flight.pop(task, None)  # before waking flush(), so in_flight_count is 0 then
                     self._ack(batch, duplicate=resp.status_code == 204)
                     return
                 err = error_from_response(resp, f"append to {self.url}")
@@ -447,7 +452,7 @@ class AsyncIdempotentProducer:
                     self._fail(err)
                     self._fail_batch(batch, err)
                     return
-            if time.monotonic() - started > self.delivery_timeout:
+            if self._now() - started > self.delivery_timeout:
                 err = TransportError(f"gave up after {self.delivery_timeout:.0f} s: {err.message}", status=err.status)
                 self._fail(err)
                 self._fail_batch(batch, err)

@@ -15,10 +15,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import os
 import re
-import shutil
-import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,9 +25,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..storage.batch import FLAG_CLOSE, FLAG_COMMIT, FLAG_CONTROL, FLAG_JSON, FLAG_TXN, CorruptBatch
+from ..storage.fs import FileSystem, OsFileSystem
 from ..storage.log import FsyncPolicy, InvalidPosition, ReadBatch, Staged, StreamLog
 from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
 from ..storage.position import Position, parse_token
+from .clock import SYSTEM, Clock
 from .jsonmode import JsonError, encode_messages, first_messages
 from .txn import TXN_PRODUCER_PREFIX, CommitSeen, Coordinator, OpenTxn, TxnError, TxnMeta, TxnStatus
 
@@ -114,6 +113,7 @@ OutcomeKind = Literal[
     "unavailable",
     "txn_refused",
     "concurrent_transactions",
+    "limit",
 ]
 
 
@@ -150,10 +150,13 @@ class Stream:
     directory: Path
     log: StreamLog
     parent: Stream | None = None
-    children: set[Stream] = field(default_factory=set)  # live forks of this stream (soft-deleted ones too)
-    last_access: float = field(default_factory=time.monotonic)
-    waiters: set[asyncio.Future[None]] = field(default_factory=set)
-    staged_waiters: set[asyncio.Future[None]] = field(default_factory=set)  # out-of-order producer requests
+    clock: Clock = SYSTEM
+    # live forks of this stream (soft-deleted ones too); a dict used as an ordered set, like the
+    # waiters: woken in a fixed order (and deterministically, which the simulator's replays rely on)
+    children: dict[Stream, None] = field(default_factory=dict)
+    last_access: float = 0.0
+    waiters: dict[asyncio.Future[None], None] = field(default_factory=dict)
+    staged_waiters: dict[asyncio.Future[None], None] = field(default_factory=dict)  # out-of-order producer requests
     deleted: bool = False
 
     @property
@@ -161,6 +164,7 @@ class Stream:
         return self.meta.name
 
     def __post_init__(self) -> None:
+        self.last_access = self.clock.monotonic()
         self.media_type = normalize_content_type(self.meta.content_type)
         self.is_json = self.media_type == "application/json"
         self._told: tuple[Position | None] | None = None  # the first_open() the forks were last told about
@@ -192,13 +196,13 @@ class Stream:
         return self.log.durable.closed
 
     def touch(self) -> None:
-        self.last_access = time.monotonic()
+        self.last_access = self.clock.monotonic()
 
     def expired(self) -> bool:
-        if self.meta.expires_at_epoch is not None and time.time() >= self.meta.expires_at_epoch:
+        if self.meta.expires_at_epoch is not None and self.clock.time() >= self.meta.expires_at_epoch:
             return True
         ttl = self.meta.ttl_seconds
-        return ttl is not None and time.monotonic() >= self.last_access + ttl
+        return ttl is not None and self.clock.monotonic() >= self.last_access + ttl
 
     def notify_staged(self) -> None:
         for fut in self.staged_waiters:
@@ -294,8 +298,15 @@ class Broker:
         fsync_interval: float = 1.0,
         reorder_wait: float = 0.5,
         txn_timeout: float = 60.0,
+        max_streams: int = 100_000,
+        fs: FileSystem | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.data_dir = Path(data_dir)
+        # the server's disk: open files bounded (storage/fs.py); the simulator passes its own
+        self.fs: FileSystem = fs or OsFileSystem()
+        self.clock = clock
+        self.max_streams = max_streams
         self.streams_dir = self.data_dir / "streams"
         self.trash_dir = self.data_dir / "trash"
         self.fsync: FsyncPolicy = fsync
@@ -303,7 +314,9 @@ class Broker:
         self.max_read_bytes = max_read_bytes
         self.fsync_interval = fsync_interval
         self.reorder_wait = reorder_wait
-        self.coordinator = Coordinator(self.data_dir / "coordinator", policy=fsync, default_timeout=txn_timeout)
+        self.coordinator = Coordinator(
+            self.data_dir / "coordinator", policy=fsync, default_timeout=txn_timeout, fs=self.fs, clock=clock,
+        )
         self.coordinator.write_marker = self._write_marker
         self._unfinished: list[TxnMeta] = []
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="onceflow-io")
@@ -315,32 +328,33 @@ class Broker:
 
     def open(self) -> None:
         """Recover every stream from disk. Call before serving; blocking."""
-        self.streams_dir.mkdir(parents=True, exist_ok=True)
-        self.trash_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in self.trash_dir.iterdir():
-            shutil.rmtree(leftover, ignore_errors=True)
+        fs = self.fs
+        fs.mkdir(self.streams_dir)
+        fs.mkdir(self.trash_dir)
+        fs.sync_dir(self.data_dir)  # names are durable only once their directory is synced
+        fs.sync_dir(self.data_dir.parent)
+        for leftover in fs.listdir(self.trash_dir):
+            fs.rmtree(self.trash_dir / leftover)
         metas: list[tuple[StreamMeta, Path]] = []
-        for d in sorted(self.streams_dir.iterdir()):
-            if not (d / META_NAME).exists():
+        for name in sorted(fs.listdir(self.streams_dir)):
+            d = self.streams_dir / name
+            if not fs.exists(d / META_NAME):
                 log.warning("removing %s: its creation never completed", d)
-                shutil.rmtree(d, ignore_errors=True)
+                fs.rmtree(d)
                 continue
             try:
-                metas.append((read_meta(d), d))
+                metas.append((read_meta(fs, d), d))
             except (OSError, ValueError, TypeError) as exc:
                 log.error("skipping stream directory %s: unreadable metadata: %s", d, exc)
         for meta, d in metas:
-            slog = StreamLog.open(
-                d, meta.base, policy=self.fsync, segment_bytes=self.segment_bytes, executor=self.executor
-            )
-            self._register(Stream(meta, d, slog))
+            self._register(Stream(meta, d, self._open_log(d, meta.base), clock=self.clock))
         for s in self.streams.values():
             if s.meta.fork_parent is not None:
                 s.parent = self.streams.get(s.meta.fork_parent)
                 if s.parent is None:
                     log.error("fork %r lost its parent %r", s.name, s.meta.fork_parent)
                 else:
-                    s.parent.children.add(s)
+                    s.parent.children[s] = None
         self._unfinished = self.coordinator.open()
 
     async def start(self) -> None:
@@ -400,6 +414,12 @@ class Broker:
             await s.log.close()
         await self.coordinator.close()
         self.executor.shutdown(wait=True)
+
+    def _open_log(self, directory: Path, base: Position) -> StreamLog:
+        return StreamLog.open(
+            directory, base, policy=self.fsync, segment_bytes=self.segment_bytes, executor=self.executor,
+            fs=self.fs, clock=self.clock.time,
+        )
 
     def _register(self, s: Stream) -> None:
         self.streams[s.name] = s
@@ -535,6 +555,12 @@ class Broker:
                 return Outcome("exists", stream=existing, next=existing.tail, closed=existing.closed)
             return Outcome("config_conflict", stream=existing, detail="a stream with a different configuration exists at this name")
 
+        if len(self.streams) >= self.max_streams:
+            return Outcome(
+                "limit",
+                detail=f"this server holds its limit of {self.max_streams} streams (onceflow serve --max-streams); "
+                "delete streams or raise the limit",
+            )
         parent: Stream | None = None
         inherited = False
         base = ZERO
@@ -579,7 +605,7 @@ class Broker:
         meta = StreamMeta(
             name=name,
             content_type=content_type,
-            created_ms=int(time.time() * 1000),
+            created_ms=int(self.clock.time() * 1000),
             ttl_seconds=ttl_seconds,
             expires_at=expires_at,
             expires_at_epoch=expires_epoch,
@@ -589,13 +615,11 @@ class Broker:
             expiry_inherited=inherited,
         )
         directory = self._dir_for(name)
-        if directory.exists():  # debris of an expired or unfinished stream
+        if self.fs.exists(directory):  # debris of an expired or unfinished stream
             self._trash(directory)
         flags = FLAG_JSON if is_json else 0
         try:
-            slog = StreamLog.open(
-                directory, base, policy=self.fsync, segment_bytes=self.segment_bytes, executor=self.executor
-            )
+            slog = self._open_log(directory, base)
             initial = [(p, c, flags) for p, c in ([prefix] if prefix else []) if c or p]
             if count:
                 initial.append((payload, count, flags))
@@ -606,13 +630,13 @@ class Broker:
                 else:
                     initial.append((b"", 0, flags | FLAG_CLOSE))
             slog.write_initial(initial)
-            write_meta(directory, meta)
+            write_meta(self.fs, directory, meta)
         except OSError as exc:
-            shutil.rmtree(directory, ignore_errors=True)
+            self.fs.rmtree(directory)
             return Outcome("unavailable", detail=f"could not create the stream on disk: {exc.strerror}")
-        stream = Stream(meta, directory, slog, parent=parent)
+        stream = Stream(meta, directory, slog, parent=parent, clock=self.clock)
         if parent is not None:
-            parent.children.add(stream)
+            parent.children[stream] = None
         self._register(stream)
         return Outcome("created", stream=stream, next=stream.tail, closed=stream.closed)
 
@@ -766,13 +790,13 @@ class Broker:
             if remaining <= 0:
                 return outcome
             fut: asyncio.Future[None] = loop.create_future()
-            s.staged_waiters.add(fut)
+            s.staged_waiters[fut] = None
             try:
                 await asyncio.wait_for(fut, remaining)
             except TimeoutError:
                 return outcome
             finally:
-                s.staged_waiters.discard(fut)
+                s.staged_waiters.pop(fut, None)
 
     async def _append_and_commit(
         self,
@@ -1017,7 +1041,7 @@ class Broker:
         """Wait until ``end`` is durable (a retry may overtake the original's fsync)."""
         while s.log.durable.end.pos < end.pos and s.log.pending.end.pos >= end.pos and not s.deleted:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            s.waiters.add(fut)
+            s.waiters[fut] = None
             await fut
 
     async def _settle_duplicate(self, s: Stream, producer: ProducerHeaders, *, closed: bool) -> Outcome:
@@ -1055,7 +1079,7 @@ class Broker:
         if s.forks > 0:
             s.meta.soft_deleted = True
             try:
-                write_meta(s.directory, s.meta)
+                write_meta(self.fs, s.directory, s.meta)
             except OSError as exc:
                 log.error("could not persist soft delete of %r: %s", s.name, exc)
             s.notify()
@@ -1067,7 +1091,7 @@ class Broker:
         self._trash(s.directory)
         parent = s.parent
         if parent is not None:
-            parent.children.discard(s)
+            parent.children.pop(s, None)
             if not parent.children and parent.meta.soft_deleted:
                 self._delete(parent)
 
@@ -1078,16 +1102,19 @@ class Broker:
     def _trash(self, directory: Path) -> None:
         target = self.trash_dir / f"{directory.name}-{uuid.uuid4().hex}"
         try:
-            os.replace(directory, target)
+            self.fs.rename(directory, target)
+            # a delete that was answered must not be undone by a power loss
+            self.fs.sync_dir(directory.parent)
+            self.fs.sync_dir(self.trash_dir)
         except OSError as exc:
             log.error("could not move %s to the trash: %s", directory, exc)
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            shutil.rmtree(target, ignore_errors=True)
+            self.fs.rmtree(target)
             return
-        loop.run_in_executor(self.executor, shutil.rmtree, target, True)
+        loop.run_in_executor(self.executor, self.fs.rmtree, target)
 
     # ------------------------------------------------------------------ reads
 
@@ -1176,14 +1203,14 @@ class Broker:
         if s.tail != after or s.closed or s.deleted or s.meta.soft_deleted or self._closing:
             return True
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        s.waiters.add(fut)
+        s.waiters[fut] = None
         try:
             await asyncio.wait_for(fut, max_wait)
             return True
         except TimeoutError:
             return False
         finally:
-            s.waiters.discard(fut)
+            s.waiters.pop(fut, None)
 
 
 def txn_outcome(exc: TxnError) -> Outcome:

@@ -42,18 +42,16 @@ import dataclasses
 import enum
 import json
 import logging
-import os
-import shutil
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._files import fsync_dir
 from ..storage.batch import FLAG_JSON
+from ..storage.fs import FileSystem, OsFileSystem
 from ..storage.log import FsyncPolicy, StreamLog
 from ..storage.position import Position
+from .clock import SYSTEM, Clock
 
 __all__ = ["CommitSeen", "Coordinator", "OpenTxn", "TxnError", "TxnMeta", "TxnStatus"]
 
@@ -169,8 +167,13 @@ def _log_failure(fut: asyncio.Future[None]) -> None:
 class Coordinator:
     """Transactions and group offsets, persisted in one coordinator log."""
 
-    def __init__(self, directory: Path, *, policy: FsyncPolicy, default_timeout: float = 60.0, compact_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self, directory: Path, *, policy: FsyncPolicy, default_timeout: float = 60.0, compact_bytes: int = 64 << 20,
+        fs: FileSystem | None = None, clock: Clock = SYSTEM,
+    ) -> None:
         self.directory = directory
+        self.fs: FileSystem = fs or OsFileSystem()
+        self.clock = clock
         self.policy = policy
         self.default_timeout = default_timeout
         self.compact_bytes = compact_bytes  # rewrite the log at open when it is larger than this
@@ -190,7 +193,7 @@ class Coordinator:
         """Replay the coordinator log; returns transactions whose decision is logged but unfinished.
         A log larger than ``compact_bytes`` is then rewritten to hold only the current state."""
         self._finish_compaction()
-        self._log = StreamLog.open(self.directory, Position(0, 0), policy=self.policy)
+        self._log = self._open_log(self.directory)
         at = self._log.base
         while at != self._log.durable.end:
             for batch in self._log.read(at, 4 << 20):
@@ -201,7 +204,7 @@ class Coordinator:
             self._compact_or_go_on()
         for meta in self.txns.values():
             if meta.status is TxnStatus.ONGOING:
-                meta.started = time.monotonic()  # the timeout runs afresh after a restart
+                meta.started = self.clock.monotonic()  # the timeout runs afresh after a restart
         return [m for m in self.txns.values() if m.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT)]
 
     # Compaction, at open and while serving. Every record holds the whole state of what it names
@@ -229,7 +232,7 @@ class Coordinator:
         except Exception as exc:  # noqa: BLE001 - compaction is an optimisation: never lose the log over it
             log.warning("could not compact the coordinator log (%r); going on with it as it is", exc)
             self._finish_compaction()  # whichever complete log is left is the log again
-            self._log = StreamLog.open(self.directory, Position(0, 0), policy=self.policy)
+            self._log = self._open_log(self.directory)
 
     async def maybe_compact(self, tries: int = 20) -> bool:
         """While serving (the server's sweep calls this every second): compact the log once it is
@@ -248,6 +251,9 @@ class Coordinator:
             await asyncio.sleep(0.005)
         return False
 
+    def _open_log(self, directory: Path) -> StreamLog:
+        return StreamLog.open(directory, Position(0, 0), policy=self.policy, fs=self.fs, clock=self.clock.time)
+
     def _beside(self, suffix: str) -> Path:
         return self.directory.with_name(self.directory.name + suffix)
 
@@ -255,33 +261,35 @@ class Coordinator:
         assert self._log is not None
         before = self._log.durable.end.pos - self._log.base.pos
         new, old = self._beside(".new"), self._beside(".old")
-        shutil.rmtree(new, ignore_errors=True)
-        fresh = StreamLog.open(new, Position(0, 0), policy=self.policy)
+        fs = self.fs
+        fs.rmtree(new)
+        fresh = self._open_log(new)
         fresh.write_initial([(json.dumps(r, separators=(",", ":")).encode() + b",", 1, FLAG_JSON) for r in self._state_records()])
         after = fresh.durable.end.pos
         fresh.close_files()
-        fsync_dir(new)
+        fs.sync_dir(new)
         self._log.close_files()
-        os.rename(self.directory, old)
-        os.rename(new, self.directory)
-        fsync_dir(self.directory.parent)
-        shutil.rmtree(old, ignore_errors=True)
-        self._log = StreamLog.open(self.directory, Position(0, 0), policy=self.policy)
+        fs.rename(self.directory, old)
+        fs.rename(new, self.directory)
+        fs.sync_dir(self.directory.parent)
+        fs.rmtree(old)
+        self._log = self._open_log(self.directory)
         self.compactions += 1
         log.info("compacted the coordinator log from %d to %d bytes", before, after)
 
     def _finish_compaction(self) -> None:
         new, old = self._beside(".new"), self._beside(".old")
-        if not self.directory.exists():
+        fs = self.fs
+        if not fs.exists(self.directory):
             # the new log is complete once it is renamed at all; the old one is kept only in case
             # the swap failed in a way that left no new log
             for found in (new, old):
-                if found.exists():
-                    os.rename(found, self.directory)
-                    fsync_dir(self.directory.parent)
+                if fs.exists(found):
+                    fs.rename(found, self.directory)
+                    fs.sync_dir(self.directory.parent)
                     break
-        shutil.rmtree(new, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+        fs.rmtree(new)
+        fs.rmtree(old)
 
     def _replay(self, rec: dict[str, Any]) -> None:
         if rec["kind"] == "txn":
@@ -461,7 +469,7 @@ class Coordinator:
             if meta.status is not TxnStatus.ONGOING:
                 meta.txn += 1
                 meta.streams, meta.offsets = set(), {}
-                meta.started = time.monotonic()
+                meta.started = self.clock.monotonic()
                 meta.streams.add(stream)
                 await self._transition(meta, TxnStatus.ONGOING, durable=False)
             elif stream not in meta.streams:
@@ -509,7 +517,7 @@ class Coordinator:
             if meta.status is not TxnStatus.ONGOING:
                 await self._store(
                     meta, txn=meta.txn + 1, streams=set(), offsets={group: dict(offsets)},
-                    status=TxnStatus.ONGOING, started=time.monotonic(),
+                    status=TxnStatus.ONGOING, started=self.clock.monotonic(),
                 )
             else:
                 await self._store(meta, offsets={**meta.offsets, group: {**meta.offsets.get(group, {}), **offsets}})
@@ -784,7 +792,7 @@ class Coordinator:
 
     async def expire(self) -> list[str]:
         """Abort transactions open longer than their timeout; returns their ids."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         expired = [m for m in self.txns.values() if m.status is TxnStatus.ONGOING and now - m.started > m.timeout]
         for meta in expired:
             async with self._lock(meta.tid):

@@ -792,6 +792,7 @@ _STATUS: dict[str, int] = {
     # the id's last decision is still being completed (a marker failed): retriable, like Kafka's
     # CONCURRENT_TRANSACTIONS; the clients retry 5xx
     "concurrent_transactions": 503,
+    "limit": 429,
 }
 
 

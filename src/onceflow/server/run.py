@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..core.broker import Broker
+from ..storage.fs import OsFileSystem, raise_open_file_limit
 from ..storage.log import FsyncPolicy
 from .app import App, AppConfig
 from .guard import Guard, GuardConfig
@@ -31,6 +32,8 @@ async def serve(
     max_body_bytes: int = 64 << 20,
     http: Literal["native", "uvicorn"] = "native",
     txn_timeout: float = 60.0,
+    max_streams: int = 100_000,
+    max_open_files: int | None = None,
     log_level: str = "warning",
     guard: GuardConfig | None = None,
 ) -> None:
@@ -39,7 +42,10 @@ async def serve(
     Shutdown: stop accepting, end live reads (long-poll / SSE), let in-flight appends become durable
     (up to a few seconds), close connections, then flush and snapshot every stream.
     """
-    broker = Broker(data, fsync=fsync, txn_timeout=txn_timeout)
+    soft, _hard = raise_open_file_limit()
+    if max_open_files is None:
+        max_open_files = max(64, min(4096, soft // 4)) if soft > 0 else 1024
+    broker = Broker(data, fsync=fsync, txn_timeout=txn_timeout, max_streams=max_streams, fs=OsFileSystem(max_open_files))
     broker.open()
     app = App(broker, AppConfig(long_poll_timeout=long_poll_timeout, max_body_bytes=max_body_bytes))
     handler: App | Guard = app if guard is None else Guard(app, broker, guard)  # tokens and limits (server/guard.py)

@@ -26,7 +26,6 @@ import bisect
 import contextlib
 import json
 import logging
-import os
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -36,7 +35,6 @@ from typing import Any, Literal
 
 import crc32c
 
-from .._files import fsync_dir, replace_file
 from .batch import (
     FLAG_CLOSE,
     FLAG_COMMIT,
@@ -50,6 +48,7 @@ from .batch import (
     encode_batch,
     parse_header,
 )
+from .fs import File, FileSystem, OsFileSystem
 from .position import Position
 
 __all__ = [
@@ -256,7 +255,7 @@ class _Group:
 class _Segment:
     base: Position
     path: Path
-    fd: int
+    file: File
     size: int
 
 
@@ -272,14 +271,13 @@ def _parse_segment_name(name: str) -> Position | None:
     return Position(int(parts[1]), int(parts[0]))
 
 
-def _write_all(fd: int, data: bytes, at: int, sync: bool) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, at)
-        view = view[n:]
-        at += n
+_OS = OsFileSystem()  # for logs opened without a file system of their own (tests, tools)
+
+
+def _write_all(f: File, data: bytes, at: int, sync: bool) -> None:
+    f.pwrite(data, at)
     if sync:
-        os.fdatasync(fd)
+        f.sync()
 
 
 class StreamLog:
@@ -293,8 +291,12 @@ class StreamLog:
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         executor: Executor | None = None,
         snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES,
+        fs: FileSystem | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.directory = directory
+        self.fs: FileSystem = fs or _OS
+        self._clock = clock  # wall-clock seconds for batch timestamps (None: the system's)
         self.snapshot_bytes = snapshot_bytes
         self.policy: FsyncPolicy = policy
         self.segment_bytes = segment_bytes
@@ -327,13 +329,21 @@ class StreamLog:
         executor: Executor | None = None,
         use_snapshot: bool = True,
         snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES,
+        fs: FileSystem | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> StreamLog:
         """Open (creating if needed) the log in ``directory`` whose first batch starts at ``base``."""
-        self = cls(directory, policy=policy, segment_bytes=segment_bytes, executor=executor, snapshot_bytes=snapshot_bytes)
+        self = cls(
+            directory, policy=policy, segment_bytes=segment_bytes, executor=executor, snapshot_bytes=snapshot_bytes,
+            fs=fs, clock=clock,
+        )
         self.base = base
-        directory.mkdir(parents=True, exist_ok=True)
+        fs = self.fs
+        if not fs.exists(directory):
+            fs.mkdir(directory)
+            fs.sync_dir(directory.parent)  # the log's own name must survive a power loss too
         found = sorted(
-            (p for p in (_parse_segment_name(f.name) for f in directory.iterdir()) if p is not None),
+            (p for p in (_parse_segment_name(name) for name in fs.listdir(directory)) if p is not None),
             key=lambda p: p.pos,
         )
         if not found:
@@ -342,15 +352,15 @@ class StreamLog:
             return self
         for seg_base in found:
             path = directory / _segment_name(seg_base)
-            fd = os.open(path, os.O_RDWR)
-            self._segments.append(_Segment(seg_base, path, fd, os.fstat(fd).st_size))
+            f = fs.open_file(path, create=False)
+            self._segments.append(_Segment(seg_base, path, f, f.size()))
         self._recover(use_snapshot)
         return self
 
     def _load_snapshot(self) -> tuple[TailState, dict[str, ProducerState], TxnIndex] | None:
         path = self.directory / SNAPSHOT_NAME
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(self.fs.read_bytes(path))
             if raw["closed"] and "final" not in raw:
                 return None  # written before closing kept the tail: scan the log once instead
             tail = TailState(
@@ -398,7 +408,7 @@ class StreamLog:
                 for pid, p in self.producers.items()
             },
         }
-        replace_file(self.directory / SNAPSHOT_NAME, json.dumps(raw).encode(), sync_dir=False)
+        self.fs.replace_file(self.directory / SNAPSHOT_NAME, json.dumps(raw).encode(), sync_dir=False)
         self._snapshot_pos = tail.end.pos
 
     def _recover(self, use_snapshot: bool) -> None:
@@ -425,7 +435,7 @@ class StreamLog:
         # never be trusted later, once the log has grown past it again: replace it with the state
         # just recovered, after making that state's bytes durable.
         if not used or snap is None or snap[0] != tail:
-            os.fsync(self._segments[-1].fd)
+            self._segments[-1].file.sync()
             self._write_snapshot()
         self._snapshot_pos = tail.end.pos
 
@@ -453,7 +463,7 @@ class StreamLog:
                     break
                 rel = (tail.end.pos - seg.base.pos) if i == index else 0
                 base_pos = seg.base.pos + rel
-                data = os.pread(seg.fd, seg.size - rel, rel) if seg.size > rel else b""
+                data = seg.file.pread(seg.size - rel, rel) if seg.size > rel else b""
                 view = memoryview(data)
                 n = len(data)
                 p = 0
@@ -473,8 +483,8 @@ class StreamLog:
                             bad = "checksum mismatch"
                     if bad:
                         log.warning("%s: truncating at byte %d: %s", seg.path, rel + p, bad)
-                        os.ftruncate(seg.fd, rel + p)
-                        os.fsync(seg.fd)
+                        seg.file.truncate(rel + p)
+                        seg.file.sync()
                         seg.size = rel + p
                         tail = replace(tail, end=Position(offset, base_pos + p))
                         self._drop_segments_from(i + 1)
@@ -517,16 +527,16 @@ class StreamLog:
 
     def _drop_segments_from(self, i: int) -> None:
         for seg in self._segments[i:]:
-            os.close(seg.fd)
-            seg.path.unlink(missing_ok=True)
+            seg.file.close()
+            self.fs.unlink(seg.path)
         del self._segments[i:]
-        fsync_dir(self.directory)
+        self.fs.sync_dir(self.directory)
 
     def _add_segment(self, base: Position) -> None:
         path = self.directory / _segment_name(base)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        self._segments.append(_Segment(base, path, fd, os.fstat(fd).st_size))
-        fsync_dir(self.directory)
+        f = self.fs.open_file(path, create=True)
+        self._segments.append(_Segment(base, path, f, f.size()))
+        self.fs.sync_dir(self.directory)
 
     def _segment_index(self, pos: int) -> int:
         bases = [s.base.pos for s in self._segments]
@@ -564,13 +574,16 @@ class StreamLog:
         seg = self._segments[-1]
         for payload, count, flags in batches:
             start = self.durable.end
-            data = encode_batch(base_offset=start.offset, count=count, payload=payload, flags=flags)
-            _write_all(seg.fd, data, start.pos - seg.base.pos, False)
+            data = encode_batch(base_offset=start.offset, count=count, payload=payload, flags=flags, timestamp=self._now_ms())
+            seg.file.pwrite(data, start.pos - seg.base.pos)
             seg.size += len(data)
             end = Position(start.offset + count, start.pos + len(data))
             self.durable = self.durable.after(parse_header(data, 0), start, end)
-        os.fsync(seg.fd)
+        seg.file.sync()
         self.pending = self.durable
+
+    def _now_ms(self) -> int | None:
+        return int(self._clock() * 1000) if self._clock is not None else None
 
     def stage(
         self,
@@ -598,6 +611,7 @@ class StreamLog:
             first_seq=first_seq,
             last_seq=last_seq,
             stream_seq=stream_seq,
+            timestamp=self._now_ms(),
         )
         end = Position(start.offset + count, start.pos + len(data))
         if self._group is None:
@@ -637,7 +651,7 @@ class StreamLog:
                 data = b"".join(group.chunks) if len(group.chunks) > 1 else group.chunks[0]
                 at = self.durable.end.pos - seg.base.pos
                 try:
-                    await loop.run_in_executor(self._executor, _write_all, seg.fd, data, at, self.policy == "always")
+                    await loop.run_in_executor(self._executor, _write_all, seg.file, data, at, self.policy == "always")
                 except OSError as exc:
                     self._rollback(group, exc)
                     continue
@@ -674,7 +688,7 @@ class StreamLog:
         self._overlay.clear()
         seg = self._segments[-1]
         with contextlib.suppress(OSError):
-            os.ftruncate(seg.fd, self.durable.end.pos - seg.base.pos)
+            seg.file.truncate(self.durable.end.pos - seg.base.pos)
             seg.size = self.durable.end.pos - seg.base.pos
         for g in failed:
             for fut in g.waiters:
@@ -688,7 +702,7 @@ class StreamLog:
         """Start a new segment at the durable end (in a worker thread, between groups)."""
         old = self._segments[-1]
         if self.policy != "always":
-            os.fsync(old.fd)
+            old.file.sync()
         self._add_segment(self.durable.end)
         self._write_snapshot()
         self._dirty = False
@@ -696,7 +710,7 @@ class StreamLog:
     def _checkpoint(self) -> None:
         """Snapshot the durable state so a crash recovery scans at most ``snapshot_bytes``."""
         if self.policy != "always":
-            os.fsync(self._segments[-1].fd)
+            self._segments[-1].file.sync()
             self._dirty = False
         self._write_snapshot()
 
@@ -705,8 +719,8 @@ class StreamLog:
         if not self._dirty:
             return
         self._dirty = False
-        fd = self._segments[-1].fd
-        await asyncio.get_running_loop().run_in_executor(self._executor, os.fdatasync, fd)
+        f = self._segments[-1].file
+        await asyncio.get_running_loop().run_in_executor(self._executor, f.sync)
 
     @property
     def idle(self) -> bool:
@@ -728,21 +742,18 @@ class StreamLog:
         self._listeners.clear()
         try:
             if self._segments:
-                os.fsync(self._segments[-1].fd)
+                self._segments[-1].file.sync()
                 self._write_snapshot()
         except OSError as exc:
             log.warning("could not snapshot %s on close: %s", self.directory, exc)
-        for seg in self._segments:
-            with contextlib.suppress(OSError):
-                os.close(seg.fd)
-        self._segments.clear()
+        self.close_files()
 
     def close_files(self) -> None:
         """Release file descriptors without flushing (the log's directory is about to vanish)."""
         self.closed_for_writes = True
         for seg in self._segments:
             with contextlib.suppress(OSError):
-                os.close(seg.fd)
+                seg.file.close()
         self._segments.clear()
 
     # ------------------------------------------------------------------ reads
@@ -756,7 +767,7 @@ class StreamLog:
             raise InvalidPosition(f"offset {at.token()} is outside this stream")
         seg = self._segments[self._segment_index(at.pos)]
         rel = at.pos - seg.base.pos
-        raw = os.pread(seg.fd, HEADER_SIZE, rel)
+        raw = seg.file.pread(HEADER_SIZE, rel)
         bad = InvalidPosition(f"offset {at.token()} is not a record boundary of this stream")
         if len(raw) < HEADER_SIZE:
             raise bad
@@ -765,7 +776,7 @@ class StreamLog:
         if fields[2] != MAGIC or fields[5] != at.offset or not HEADER_SIZE <= length <= end.pos - at.pos:
             raise bad
         try:
-            parse_header(os.pread(seg.fd, length, rel), 0, verify=True)
+            parse_header(seg.file.pread(length, rel), 0, verify=True)
         except CorruptBatch:
             raise bad from None
 
@@ -787,14 +798,14 @@ class StreamLog:
             if seg_i + 1 < len(self._segments):
                 seg_end = min(seg_end, self._segments[seg_i + 1].base.pos)
             rel = pos - seg.base.pos
-            data = os.pread(seg.fd, min(seg_end - pos, max(budget, HEADER_SIZE)), rel)
+            data = seg.file.pread(min(seg_end - pos, max(budget, HEADER_SIZE)), rel)
             p = 0
             while len(data) - p >= HEADER_SIZE:
                 length = int.from_bytes(data[p + 4 : p + 8], "little")
                 if len(data) - p < length:
                     if p > 0 or length > seg_end - pos:
                         break
-                    data = os.pread(seg.fd, length, rel)  # one batch larger than the budget
+                    data = seg.file.pread(length, rel)  # one batch larger than the budget
                     continue
                 h = parse_header(data, p, verify=False)
                 if h.base_offset != offset:

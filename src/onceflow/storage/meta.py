@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .._files import replace_file
+from .fs import FileSystem
 from .position import Position
 
 __all__ = ["META_NAME", "StreamMeta", "read_meta", "write_meta"]
@@ -38,12 +38,12 @@ class StreamMeta:
         return Position(*self.fork_offset) if self.fork_offset else Position(0, 0)
 
 
-def write_meta(directory: Path, meta: StreamMeta) -> None:
-    replace_file(directory / META_NAME, json.dumps(asdict(meta)).encode())
+def write_meta(fs: FileSystem, directory: Path, meta: StreamMeta) -> None:
+    fs.replace_file(directory / META_NAME, json.dumps(asdict(meta)).encode())
 
 
-def read_meta(directory: Path) -> StreamMeta:
-    raw = json.loads((directory / META_NAME).read_text())
+def read_meta(fs: FileSystem, directory: Path) -> StreamMeta:
+    raw = json.loads(fs.read_bytes(directory / META_NAME))
     if raw.get("fork_offset") is not None:
         raw["fork_offset"] = tuple(raw["fork_offset"])
     return StreamMeta(**raw)

@@ -1,0 +1,122 @@
+"""A deterministic asyncio event loop on simulated time.
+
+:class:`SimLoop` is asyncio's own ``BaseEventLoop`` with two things replaced: the clock and the
+wait for I/O. ``time()`` is a number the loop advances itself: when nothing is ready to run, it
+jumps straight to the next timer instead of sleeping, so a simulated minute of timeouts, sweeps
+and retries costs only the CPU of the code that runs in it. There are no sockets and no threads:
+``run_in_executor`` runs the function on the loop itself after a delay the simulation chooses (a
+disk write or sync taking time), so every interleaving comes from the seeded choices of the
+simulation, never from the machine.
+
+Ready callbacks run in asyncio's order (first in, first out), the order production code can rely
+on; what varies from seed to seed is *when* things become ready (message and disk latencies,
+faults), as in FoundationDB's simulator.
+
+Every task is tagged with the simulated process that created it (the ``owner`` context variable,
+inherited by the tasks a task creates), so a process crash cancels exactly the tasks of that
+process (:meth:`SimLoop.tasks_of`).
+
+When nothing is ready and no timer is pending, the simulation can never make progress again:
+``run_until_complete`` raises :class:`Stalled` (every task waits on something that will not
+happen: a deadlock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import weakref
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, TypeVar
+
+__all__ = ["SimLoop", "Stalled", "owner"]
+
+T = TypeVar("T")
+
+owner: contextvars.ContextVar[object | None] = contextvars.ContextVar("onceflow_sim_owner", default=None)
+
+START = 1_000.0  # the loop's clock at the start (seconds; an arbitrary origin)
+
+
+class Stalled(Exception):
+    """Nothing is ready and no timer is pending: no task can ever run again."""
+
+
+class _NoIO:
+    """The selector of a loop without I/O: waiting means moving the clock to the next timer."""
+
+    def __init__(self, loop: SimLoop) -> None:
+        self._loop = loop
+
+    def select(self, timeout: float | None) -> list[Any]:
+        if timeout is None:
+            raise Stalled("no task is ready and no timer is pending")
+        if timeout > 0:
+            self._loop.advance(timeout)
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class SimLoop(asyncio.BaseEventLoop):
+    """See the module docstring. ``executor_delay`` says how long (simulated seconds) a function
+    handed to ``run_in_executor`` takes; by default no time at all."""
+
+    def __init__(self, executor_delay: Callable[[Callable[..., Any]], float] | None = None) -> None:
+        super().__init__()
+        self._now = START
+        self._selector = _NoIO(self)
+        self._clock_resolution = 1e-9
+        self.executor_delay = executor_delay or (lambda fn: 0.0)
+        self._owners: weakref.WeakKeyDictionary[asyncio.Task[Any], object] = weakref.WeakKeyDictionary()
+
+    # ------------------------------------------------------------------ time
+
+    def time(self) -> float:
+        return self._now
+
+    def advance(self, seconds: float) -> None:
+        self._now += seconds
+
+    # ------------------------------------------------------------------ what BaseEventLoop leaves to subclasses
+
+    def _process_events(self, event_list: list[Any]) -> None:
+        pass  # no I/O: nothing ever comes from the selector
+
+    def _write_to_self(self) -> None:
+        pass  # nothing to wake: there is no other thread
+
+    # ------------------------------------------------------------------ tasks and their owners
+
+    def create_task(  # type: ignore[override]
+        self, coro: Coroutine[Any, Any, T] | Generator[Any, None, T], *, name: str | None = None,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.Task[T]:
+        task = super().create_task(coro, name=name, context=context)
+        who = (context.get(owner) if context is not None else owner.get())
+        if who is not None:
+            self._owners[task] = who
+        return task
+
+    def tasks_of(self, who: object) -> list[asyncio.Task[Any]]:
+        """The unfinished tasks created by ``who`` (and by the tasks it created)."""
+        return [t for t, w in list(self._owners.items()) if w is who and not t.done()]
+
+    # ------------------------------------------------------------------ "threads"
+
+    def run_in_executor(self, executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:  # type: ignore[override]
+        fut: asyncio.Future[T] = self.create_future()
+
+        def run() -> None:
+            if fut.cancelled():
+                return
+            try:
+                result = func(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task, as a thread pool does
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+        self.call_later(self.executor_delay(func), run)
+        return fut
