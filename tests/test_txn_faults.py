@@ -24,6 +24,7 @@ import pytest
 import onceflow.storage.log as storage_log
 from conftest import InProcess
 from onceflow.client.transactions import AsyncTransactionalProducer
+from onceflow.storage.fs import File
 from onceflow.storage.log import StreamLog
 from test_transactions import JSON, S, T, Txn, committed, make, uncommitted
 from test_txn_recovery import assert_settled, kill, serve, status
@@ -36,30 +37,30 @@ class Disk:
     with ``times``, only that many writes, then it heals by itself."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.fds: set[int] = set()
+        self.files: list[File] = []
         self.left: int | None = None
         self.failed = 0
         real = storage_log._write_all
 
-        def write(fd: int, data: bytes, at: int, sync: bool) -> None:
-            if fd in self.fds:
+        def write(f: File, data: bytes, at: int, sync: bool) -> None:
+            if any(f is failing for failing in self.files):
                 self.failed += 1
                 if self.left is not None:
                     self.left -= 1
                     if self.left <= 0:
                         self.heal()
                 raise OSError(errno.ENOSPC, "No space left on device")
-            real(fd, data, at, sync)
+            real(f, data, at, sync)
 
         monkeypatch.setattr(storage_log, "_write_all", write)
 
     def fail(self, log: StreamLog | None, times: int | None = None) -> None:
         assert log is not None
-        self.fds.add(log._segments[-1].fd)
+        self.files.append(log._segments[-1].file)
         self.left = times
 
     def heal(self) -> None:
-        self.fds.clear()
+        self.files.clear()
         self.left = None
 
 
