@@ -185,6 +185,9 @@ async def transactional_producer(env: Env, name: str, streams: list[str]) -> Non
                 except OnceflowError as exc:
                     env.trace(name, f"{label}: append failed ({exc}); aborting")
                     commit = False
+                    if exc.status == 403 or exc.code == "transaction_aborted":
+                        env.record(name, "txn", txn=label, decision="abort", outcome="unknown")
+                        break  # fenced: this instance can do nothing more; a new one inits
                 try:
                     if commit:
                         await producer.commit()
