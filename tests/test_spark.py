@@ -245,3 +245,34 @@ def test_the_token_option_reads_and_writes_a_guarded_server(registered: Any, tmp
         assert sorted(m["n"] for m in r.json()) == list(range(20))
     finally:
         guarded.kill()
+
+
+def test_a_reused_sink_id_under_a_new_checkpoint_is_refused_loudly(registered: Any, srv: ServerProcess, tmp_path: Path) -> None:
+    """A new checkpoint location (batch ids start at 0 again) under a sinkId another query owns
+    must fail with a message naming the sink, its last batch and its query, never skip rows."""
+    seed(srv.url, "reuse/in", 60, per_append=20)
+
+    def start(ckpt: Path) -> Any:
+        return (registered.readStream.format("onceflow").option("url", srv.url).option("streams", "reuse/in")
+                .option("maxRecordsPerTrigger", "20").load().selectExpr("value")
+                .writeStream.format("onceflow").option("url", srv.url).option("stream", "reuse/out").option("sinkId", "reuse")
+                .option("checkpointLocation", str(ckpt)).trigger(availableNow=True).start())
+
+    first = start(tmp_path / "ckpt-1")
+    first.awaitTermination()
+    assert len(read_all(srv.url, "reuse/out")) == 60
+    seed_more = [{"id": 100 + i, "key": 0} for i in range(10)]
+    post(srv.url, "reuse/in", seed_more)
+    second = start(tmp_path / "ckpt-2")  # another query: same sinkId, batch ids from 0
+    with pytest.raises(Exception, match=r"sink 'reuse' belongs to query " + first.id):
+        second.awaitTermination()
+    assert len(read_all(srv.url, "reuse/out")) == 60  # nothing skipped silently, nothing doubled
+    h = head(srv.url, "reuse/out")
+    assert h.headers["stream-last-stable-offset"] == h.headers["stream-next-offset"]
+    sink = httpx.get(f"{srv.url}/v1/sinks/reuse").json()
+    assert sink["owner"] == first.id
+    # a reset on purpose lets the new checkpoint take the sink: it writes its whole input
+    r = httpx.post(f"{srv.url}/v1/sinks/reuse/reset", json={"owner": first.id})
+    assert r.status_code == 200, r.text
+    start(tmp_path / "ckpt-3").awaitTermination()
+    assert len(read_all(srv.url, "reuse/out")) == 60 + 70

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ._http import Conn
+from ._protocol import WriterSettings
 
 __all__ = ["OptionError", "Options"]
 
@@ -92,6 +93,13 @@ class Options:
     def connect(self) -> Conn:
         """A connection to the server these options name."""
         return Conn(self.url, deadline=self.request_deadline, token=self.token)
+
+    def writer_settings(self, sink: str) -> WriterSettings:
+        """What the sink's tasks and driver need, for sink (or write job) ``sink``."""
+        return WriterSettings(
+            url=self.url, sink=sink, content_type=self.content_type, transaction_timeout_ms=self.transaction_timeout_ms,
+            request_deadline=self.request_deadline,
+        )
 
     def check_source(self) -> None:
         if bool(self.streams) == (self.pattern is not None):
