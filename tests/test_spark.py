@@ -110,9 +110,9 @@ def test_stream_to_stream_is_exactly_once_even_when_spark_replays_a_batch(regist
     rows = seed(srv.url, "eo/in", 300, per_append=20)
     ckpt = tmp_path / "ckpt"
 
-    def run() -> Any:
+    def run(limit: int = 100) -> Any:
         q = (registered.readStream.format("onceflow").option("url", srv.url).option("streams", "eo/in")
-             .option("maxRecordsPerTrigger", "100").load().selectExpr("value")
+             .option("maxRecordsPerTrigger", str(limit)).load().selectExpr("value")
              .writeStream.format("onceflow").option("url", srv.url).option("stream", "eo/out").option("sinkId", "eo")
              .option("checkpointLocation", str(ckpt)).trigger(availableNow=True).start())
         q.awaitTermination()
@@ -123,11 +123,13 @@ def test_stream_to_stream_is_exactly_once_even_when_spark_replays_a_batch(regist
     assert len(batches) >= 3  # maxRecordsPerTrigger made several micro-batches
     assert sorted(r["id"] for r in read_all(srv.url, "eo/out")) == [r["id"] for r in rows]
     # Spark crashed after the sink committed the last batch but before its own commit log: it
-    # re-runs that batch with the same offsets. The sink must add nothing.
+    # re-runs that batch with the same offsets, even with another maxRecordsPerTrigger (suspicion
+    # 4d, disproved for this case: the range comes from the offset log, so the replay's rows, and
+    # their fingerprint, are the committed ones). The sink must add nothing.
     last = max(int(p.name) for p in (ckpt / "commits").iterdir() if p.name.isdigit())
     (ckpt / "commits" / str(last)).unlink()
     (ckpt / "commits" / f".{last}.crc").unlink(missing_ok=True)
-    run()
+    run(limit=37)
     out = read_all(srv.url, "eo/out")
     assert len(out) == 300 and sorted(r["id"] for r in out) == [r["id"] for r in rows]
     h = head(srv.url, "eo/out")

@@ -619,6 +619,7 @@ class Coordinator:
                 tid = f"spark/{sink}/p{partition}/s{slot}"
             meta = await self.init(tid, txn_timeout, request_id=f"sink-task\0{query}\0{task}")
             tasks[tid] = Enlisted(query, task, batch, meta.epoch)
+            self.keep_alive(sink, query, batch)  # a task of the batch is at work from now on
             return meta, state
 
     def keep_alive(self, sink: str, query: str | None, batch: int | None) -> int:
