@@ -227,9 +227,9 @@ def test_misconfiguration_gets_a_message_that_says_what_to_do(registered: Any, s
 
 def test_the_token_option_reads_and_writes_a_guarded_server(registered: Any, tmp_path: Path) -> None:
     cfg = tmp_path / "guard.json"
-    # the streams, the sink's task transactions (spark/<sinkId>/...) and the sink id itself
+    # the streams and the sink id: the server itself hands out the ids of the sink's task transactions
     rw = ["read", "write"]
-    cfg.write_text(json.dumps({"tokens": {"etl": [{"prefix": p, "scopes": rw} for p in ("sec/", "spark/sec-out/", "sec-out")]}}))
+    cfg.write_text(json.dumps({"tokens": {"etl": [{"prefix": p, "scopes": rw} for p in ("sec/", "sec-out")]}}))
     guarded = ServerProcess(tmp_path / "data", "--guard", str(cfg))
     guarded.start()
     try:

@@ -1,23 +1,27 @@
 """Writing to onceflow from Spark, exactly once: the Spark glue of ``spark/_protocol.py``.
 
-Each task writes its rows inside its own onceflow transaction and leaves it open; its commit message
-names the transaction. The driver's ``commit(messages, batchId)`` then asks the server to commit all
-of them as **one** decision that also records ``batchId`` as the sink's last committed batch
-(``POST /v1/sinks/<sink>/commit``). So:
+Each task attempt begins on the server (which checks that the sink belongs to this query and hands
+out the task's transactional id), writes its rows inside that transaction and leaves it open; its
+commit message names the transaction and a fingerprint of its rows. The driver's
+``commit(messages, batchId)`` then asks the server to commit all of them as **one** decision that
+also records ``batchId`` as the sink's last committed batch (``POST /v1/sinks/<sink>/commit``). So:
 
 - a micro-batch becomes visible to read_committed readers all at once, or not at all;
 - Spark re-running batch N after a crash (even when ``commit(N)`` had returned but Spark had not
-  yet written its commit log) commits nothing: the server answers ``already_committed`` and aborts
-  the re-run's transactions; tasks that see the batch is already committed skip writing at all;
-- a failed or speculative task attempt has its own transactional id, and whatever it left open is
-  aborted by the batch's commit or abort (everything under ``spark/<sink>/`` not named is aborted),
-  so a retry adds nothing twice.
+  yet written its commit log) adds nothing: the tasks learn that N is committed and write nothing,
+  and the commit answers ``already_committed`` (or refuses a replay over other rows);
+- a failed, late or speculative task attempt is fenced by its batch's commit or abort, so a retry
+  adds nothing twice and nothing holds the last stable offset;
+- another query (a new checkpoint location) under the same ``sinkId`` is refused loudly.
 
-Nothing is keyed on Spark's (partitionId, epochId) pair alone (SPARK-28650): the batch id is the key,
-read inside the task from the ``streaming.sql.batchId`` local property.
+Nothing is keyed on Spark's (partitionId, epochId) pair alone (SPARK-28650): the batch id and the
+query id are read inside the task from the ``streaming.sql.batchId`` and ``sql.streaming.queryId``
+local properties (both are set for the tasks of a streaming write and inside ``foreachBatch``),
+and a task attempt is named by Spark's ``taskAttemptId()``, unique across stage attempts.
 
 This module only reads Spark's task context and converts Arrow batches into plain values; what a
-task and the driver do is in ``_protocol.py``, run on the client's background loop.
+task and the driver do is in ``_protocol.py``, run on the client's background loop (``run_sync``),
+so a task's keep-alives go on while its thread waits for its input.
 """
 
 from __future__ import annotations
