@@ -6,6 +6,7 @@ Each test names the hole it closes (issue 14) or the suspicion it proves or disp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -207,6 +208,42 @@ async def test_two_queries_under_one_sink_id_cannot_abort_each_others_transactio
     await abort_batch(onceflow.client, st, 0, [None])
     assert (await commit_batch(onceflow.client, st, 1, [mine])).status == "committed"
     assert await ids(onceflow) == [0, 1]
+    assert await settled(onceflow)
+
+
+async def test_another_query_naming_the_owners_tasks_touches_nothing(onceflow: InProcess) -> None:
+    """Even a body that names the owner's open task transactions cannot abort or commit them."""
+    await make(onceflow, "out")
+    st = settings("orders")
+    assert await batch(onceflow, st, "Q1", 0, [[0]]) == "committed"
+    mine = await run_task(onceflow.client, st, TaskSpec(1, "Q1", 0, task_name("r1", 0, 7)), rows(1))
+    named = {"members": [mine.member()], "abort_prefix": "spark/orders/", "batch": 1, "query": "Q2"}
+    assert (await onceflow.client.post("/v1/sinks/orders/abort", json=named)).status_code == 200
+    stolen = await onceflow.client.post("/v1/sinks/orders/commit", json=named)
+    assert stolen.status_code == 409 and stolen.json()["error"]["code"] == "sink_owned"
+    assert await ids(onceflow) == [0]
+    assert (await commit_batch(onceflow.client, st, 1, [mine])).status == "committed"
+    assert await ids(onceflow) == [0, 1]
+
+
+async def test_tasks_commits_and_aborts_of_one_sink_at_once_all_finish(onceflow: InProcess) -> None:
+    """One lock order under load: tasks of two batches begin and write while a commit and an
+    abort run (a paused driver and its replacement); everything finishes, nothing stays open."""
+    await make(onceflow, "out")
+    st = settings("busy")
+    first = [await run_task(onceflow.client, st, TaskSpec(0, "Q", p, task_name("r", 0, p)), rows(p)) for p in range(4)]
+
+    async def late(p: int) -> None:
+        with contextlib.suppress(OnceflowError):  # fenced or told the batch is done: both fine
+            await run_task(onceflow.client, st, TaskSpec(0, "Q", p, task_name("r", 1, 100 + p)), rows(50 + p))
+
+    work = [commit_batch(onceflow.client, st, 0, first[:2]), abort_batch(onceflow.client, st, 0, first[2:]),
+            *(late(p) for p in range(4))]
+    outcomes = await asyncio.wait_for(asyncio.gather(*work, return_exceptions=True), timeout=30)
+    assert not [o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, OnceflowError)]
+    got = await ids(onceflow)
+    assert got in ([], [0, 1])  # the commit went first (then the abort found nothing of it) or failed
+    await abort_batch(onceflow.client, st, 0, first)  # whatever is left: the driver's abort
     assert await settled(onceflow)
 
 
