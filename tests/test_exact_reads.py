@@ -140,9 +140,10 @@ async def test_members_commit_as_one_and_a_replayed_batch_adds_nothing(onceflow:
     assert r.json() == {"sink": "q", "status": "committed", "batch": 7}
     assert sorted(m["from"] for m in await committed(onceflow, "x")) == ["a", "b"]
     assert await committed(onceflow, "y") == [{"from": "b"}]
-    # the same request again (a lost answer) and a re-run of batch 7 with fresh transactions
+    # the same request again (a lost answer) is told its decision committed; a re-run of batch 7
+    # with fresh transactions adds nothing
     again = await onceflow.client.post("/v1/sinks/q/commit", json={"batch": 7, "members": members(a, b)})
-    assert again.json()["status"] == "already_committed"
+    assert again.json()["status"] == "committed"
     for t in (a, b):
         await t.init()
         await t.send("x", {"rerun": t.tid})
@@ -151,7 +152,7 @@ async def test_members_commit_as_one_and_a_replayed_batch_adds_nothing(onceflow:
     assert sorted(m["from"] for m in await committed(onceflow, "x")) == ["a", "b"]
     head = await onceflow.client.head(S + "x")
     assert head.headers["stream-last-stable-offset"] == head.headers["stream-next-offset"]  # the re-run was aborted
-    assert (await onceflow.client.get("/v1/sinks/q")).json() == {"sink": "q", "batch": 7}
+    assert (await onceflow.client.get("/v1/sinks/q")).json() == {"sink": "q", "batch": 7, "owner": None}
 
 
 async def test_leftover_attempts_under_the_prefix_are_aborted(onceflow: InProcess) -> None:

@@ -79,6 +79,8 @@ bodies = st.one_of(
         "offsets": st.dictionaries(st.sampled_from(["fz", "nope", ""]) | text, offsets_like | scalars, max_size=2) | scalars,
         "member_epoch": ints | scalars, "reset": st.booleans() | scalars, "members": members | scalars,
         "batch": ints | scalars, "abort_prefix": st.sampled_from(["sk", "", "zz"]) | scalars,
+        "query": st.sampled_from(["Q1", "Q2", ""]) | scalars, "owner": st.sampled_from(["Q1", ""]) | scalars,
+        "task": st.sampled_from(["r/t1", ""]) | scalars, "partition": ints | scalars, "fingerprint": text | scalars,
     }).map(lambda d: json.dumps(d).encode()),
     json_values.map(lambda v: json.dumps(v).encode()),
     st.binary(max_size=40),
@@ -89,7 +91,7 @@ paths = st.one_of(
     st.builds(lambda i, a: f"/v1/txn/{i}/{a}", ids, st.sampled_from(["init", "commit", "abort", "offsets", "", "x"])),
     st.builds(lambda i: f"/v1/txn/{i}", ids),
     st.builds(lambda i, a: f"/v1/groups/{i}/{a}", ids, st.sampled_from(["offsets", "", "commit"])),
-    st.builds(lambda i, a: f"/v1/sinks/{i}{a}", ids, st.sampled_from(["", "/commit", "/abort", "/x"])),
+    st.builds(lambda i, a: f"/v1/sinks/{i}{a}", ids, st.sampled_from(["", "/commit", "/abort", "/begin", "/alive", "/reset", "/x"])),
     st.sampled_from(["/v1/streams", "/v1/streams/", "/v1/", "/", S, S + "fz", S + "fz/", S + "nope"]),
 )
 header_names = st.sampled_from([

@@ -120,6 +120,16 @@ class AsyncTransactionalProducer:
         self._buffers.clear()
         self._buffer_bytes.clear()
 
+    def resume(self, producer_id: str, epoch: int, txn: int) -> None:
+        """Write with an epoch that the server issued for this id by other means (the Spark
+        sink's ``/v1/sinks/<sink>/begin`` initialises its tasks' ids itself), instead of
+        :meth:`init`. ``txn``: the number of the id's last transaction, as the init answered."""
+        self.producer_id, self.epoch, self.txn, self._ended = producer_id, epoch, None, txn
+        self._seqs.clear()
+        self._buffers.clear()
+        self._buffer_bytes.clear()
+        self._fenced = None
+
     async def __aenter__(self) -> AsyncTransactionalProducer:
         await self.init()
         return self

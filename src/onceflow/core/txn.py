@@ -53,7 +53,7 @@ from ..storage.log import FsyncPolicy, StreamLog
 from ..storage.position import Position
 from .clock import SYSTEM, Clock
 
-__all__ = ["CommitSeen", "Coordinator", "OpenTxn", "TxnError", "TxnMeta", "TxnStatus"]
+__all__ = ["CommitSeen", "Coordinator", "Enlisted", "OpenTxn", "SinkState", "TxnError", "TxnMeta", "TxnStatus"]
 
 log = logging.getLogger("onceflow.txn")
 
@@ -159,6 +159,33 @@ class CommitSeen:
     txn: int
 
 
+@dataclass(frozen=True, slots=True)
+class SinkState:
+    """What the coordinator records of a sink (``/v1/sinks/<id>``, the Spark connector's): durable,
+    rebuilt from the ``members`` decisions and ``sink`` records of its log."""
+
+    batch: int | None = None  # the last batch committed (None: no batch yet, or writes without batch ids)
+    owner: str | None = None  # the query the sink belongs to: bound by its first commit that names one
+    decision: tuple[tuple[str, int, int], ...] | None = None  # the members of its last committed decision
+    fingerprint: str | None = None  # of the rows of batch ``batch``, as its writers reported them
+
+    def record(self, sink: str) -> dict[str, Any]:
+        return {
+            "kind": "sink", "sink": sink, "batch": self.batch, "owner": self.owner, "fingerprint": self.fingerprint,
+            "decision": [list(m) for m in self.decision] if self.decision is not None else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Enlisted:
+    """A task that began its part of a sink's batch (:meth:`Coordinator.begin_task`); memory only."""
+
+    query: str | None
+    task: str  # the writer's name for this task attempt (unique per attempt)
+    batch: int | None
+    epoch: int  # the epoch its transactional id was given
+
+
 def _log_failure(fut: asyncio.Future[None]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("a transaction completion record was not stored (recovery will redo it): %s", fut.exception())
@@ -180,7 +207,8 @@ class Coordinator:
         self.txns: dict[str, TxnMeta] = {}
         self.groups: dict[str, dict[str, str]] = {}  # group -> stream -> committed offset
         self.member_epochs: dict[str, int] = {}  # group -> highest member epoch seen
-        self.sinks: dict[str, int] = {}  # sink id -> last batch committed through commit_members
+        self.sinks: dict[str, SinkState] = {}  # sink id -> what commit_members recorded of it
+        self._enlisted: dict[str, dict[str, Enlisted]] = {}  # sink id -> tid -> the task holding it
         self._log: StreamLog | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         self._awaiting = 0  # durable writes whose callers have not yet applied them in memory
@@ -222,8 +250,8 @@ class Coordinator:
         for group in sorted(set(self.groups) | set(self.member_epochs)):
             recs.append({"kind": "offsets", "group": group, "offsets": self.groups.get(group, {}),
                          "member_epoch": self.member_epochs.get(group), "reset": True})
-        for sink, batch in sorted(self.sinks.items()):
-            recs.append({"kind": "members", "sink": sink, "batch": batch, "members": []})
+        for sink, state in sorted(self.sinks.items()):
+            recs.append(state.record(sink))
         return recs
 
     def _compact_or_go_on(self) -> None:
@@ -311,8 +339,16 @@ class Coordinator:
             # one decision for several transactions: replay each as its own prepared record
             for member in rec["members"]:
                 self._replay(member)
-            if rec.get("batch") is not None:
-                self.sinks[rec["sink"]] = max(self.sinks.get(rec["sink"], -1), rec["batch"])
+            self._replay_decision(rec)
+        elif rec["kind"] == "sink":
+            if rec.get("reset"):
+                self.sinks.pop(rec["sink"], None)
+            else:
+                decision = rec.get("decision")
+                self.sinks[rec["sink"]] = SinkState(
+                    rec.get("batch"), rec.get("owner"), tuple((t, e, n) for t, e, n in decision) if decision is not None else None,
+                    rec.get("fingerprint"),
+                )
         elif rec["kind"] == "offsets":
             if rec.get("reset"):
                 self.groups.setdefault(rec["group"], {}).update(rec["offsets"])
@@ -320,6 +356,19 @@ class Coordinator:
                 self._apply_offsets({rec["group"]: rec["offsets"]})
             if rec.get("member_epoch") is not None:
                 self.member_epochs[rec["group"]] = max(self.member_epochs.get(rec["group"], -1), rec["member_epoch"])
+
+    def _replay_decision(self, rec: dict[str, Any]) -> None:
+        """The sink's part of a replayed ``members`` record (a commit of :meth:`commit_members`)."""
+        sink, batch, decision = rec["sink"], rec.get("batch"), rec.get("decision")
+        if batch is None and decision is None:
+            return  # written before sinks recorded their decisions: nothing to learn
+        prev = self.sinks.get(sink) or SinkState()
+        self.sinks[sink] = SinkState(
+            batch=prev.batch if batch is None else (batch if prev.batch is None else max(prev.batch, batch)),
+            owner=rec.get("query") or prev.owner,
+            decision=tuple((t, e, n) for t, e, n in decision) if decision is not None else None,
+            fingerprint=rec.get("fingerprint") if batch is not None else prev.fingerprint,
+        )
 
     def _stage(self, rec: dict[str, Any]) -> asyncio.Future[None]:
         assert self._log is not None
@@ -597,9 +646,100 @@ class Coordinator:
             self._apply_offsets(meta.offsets)
 
     # ------------------------------------------------------------------ many transactions, one decision
+    #
+    # Sinks (the Spark connector's, see docs/spark.md): many writers (a batch's tasks) each write in
+    # a transaction of their own and one request commits all of them. Lock order, for everything
+    # here: first the sink's lock ("sink\0<id>"), then every transactional id's lock the operation
+    # needs, all at once in sorted order (``_locked``), and no further lock after that. Every other
+    # operation of the coordinator holds one id's lock at a time and never a sink's, so no two
+    # operations can wait on each other in a cycle.
+
+    def _sink_lock(self, sink: str) -> asyncio.Lock:
+        return self._lock("sink\0" + sink)
+
+    def _check_owner(self, sink: str, state: SinkState | None, query: str | None) -> None:
+        """Refuse a writer of a query that is not the one the sink belongs to."""
+        if state is None or state.owner is None or state.owner == query:
+            return
+        who = f"query {query}" if query is not None else "a writer that names no query"
+        raise TxnError(
+            "sink_owned",
+            f"sink {sink!r} belongs to query {state.owner} (its last committed batch: {state.batch}); this write comes "
+            f"from {who}. A sink records the batches of one query: give a new checkpoint location or another query "
+            f"a sinkId of its own, or reset this sink on purpose (stop its query, then POST /v1/sinks/{sink}/reset "
+            f'with {{"owner": "{state.owner}"}}; its batch ids then start afresh)',
+            owner=state.owner, batch=state.batch,
+        )
+
+    def _tasks_of(self, sink: str, query: str | None, batch: int | None) -> dict[str, Enlisted]:
+        """The task transactions that ``query`` began for ``sink`` in batches up to ``batch``
+        (every batch when ``batch`` is None)."""
+        return {
+            tid: e for tid, e in self._enlisted.get(sink, {}).items()
+            if e.query == query and (batch is None or e.batch is None or e.batch <= batch)
+        }
+
+    def _tasks_of_others(self, sink: str, query: str | None) -> set[str]:
+        return {tid for tid, e in self._enlisted.get(sink, {}).items() if e.query != query}
+
+    async def begin_task(
+        self, sink: str, *, partition: int, task: str, batch: int | None, query: str | None, txn_timeout: float | None,
+    ) -> tuple[TxnMeta | None, SinkState | None]:
+        """Begin one task's part of batch ``batch`` of ``sink`` (the first request of a task).
+
+        1. The sink must belong to ``query`` (or to no query yet): else ``sink_owned``.
+        2. A batch at or below the sink's last committed one is a replay: returns ``(None, state)``
+           and the task writes nothing.
+        3. Otherwise the task gets a transactional id of the sink, ``spark/<sink>/p<partition>/s<slot>``
+           with the lowest slot no other task of the sink holds, is registered as a task of the
+           batch, and the id is initialised (a new epoch fences whatever its previous holder left).
+           Returns ``(meta, state)``: the task writes with that id and epoch, never with an init of
+           its own (which would escape step 4).
+        4. Every task of ``query`` that began here and is not among the members of the batch's
+           commit or abort is then fenced by it: a late or speculative attempt cannot open a
+           transaction after its batch was decided. One that begins after the commit is told so
+           by step 2.
+
+        ``task`` names the task attempt uniquely (the Spark sink: a random id of the write job and
+        Spark's task attempt id). The same ``task`` again (a retry after a lost answer) gets the same
+        id and epoch back, and fences nothing. Slots are bounded by the tasks of the sink running at
+        once; they are kept in memory only (after a restart, ids are handed out afresh, and a task
+        that began before it is no member of anything a commit accepts).
+        """
+        async with self._sink_lock(sink):
+            state = self.sinks.get(sink)
+            self._check_owner(sink, state, query)
+            if batch is not None and state is not None and state.batch is not None and batch <= state.batch:
+                return None, state
+            tasks = self._enlisted.setdefault(sink, {})
+            tid = next((t for t, e in tasks.items() if e.query == query and e.task == task), None)
+            if tid is None:
+                slot = 0
+                while f"spark/{sink}/p{partition}/s{slot}" in tasks:
+                    slot += 1
+                tid = f"spark/{sink}/p{partition}/s{slot}"
+            meta = await self.init(tid, txn_timeout, request_id=f"sink-task\0{query}\0{task}")
+            tasks[tid] = Enlisted(query, task, batch, meta.epoch)
+            self.keep_alive(sink, query, batch)  # a task of the batch is at work from now on
+            return meta, state
+
+    def keep_alive(self, sink: str, query: str | None, batch: int | None) -> int:
+        """A task of ``batch`` of ``sink`` is still at work: the open transactions of that batch's
+        tasks are as young as now, so the timeout does not abort the part of a batch that finished
+        early while its slowest task still runs (the timeout is for writers that are gone: when no
+        task of the batch is alive, none keeps them). Returns how many were kept."""
+        kept = 0
+        now = time.monotonic()
+        for tid, e in self._enlisted.get(sink, {}).items():
+            meta = self.txns.get(tid)
+            if e.query == query and e.batch == batch and meta is not None and meta.epoch == e.epoch and meta.status is TxnStatus.ONGOING:
+                meta.started = now
+                kept += 1
+        return kept
 
     async def commit_members(
-        self, sink: str, batch: int | None, members: list[tuple[str, int, int]], abort_prefix: str | None = None,
+        self, sink: str, batch: int | None, members: list[tuple[str, int, int]], abort_prefix: str | None = None, *,
+        query: str | None = None, fingerprint: str | None = None,
     ) -> tuple[bool, int | None]:
         """Commit several open transactions ``(tid, epoch, txn)`` as one decision: a single durable
         record is the commit point for all of them, so readers see all of their data or none.
@@ -610,67 +750,167 @@ class Coordinator:
         its members are aborted instead. Open transactions whose id starts with ``abort_prefix`` and
         that are not members (the leftovers of failed or speculative attempts) are aborted.
         Returns (committed now, the sink's last committed batch).
+
+        0. The same decision again (same batch, same members at the same epochs and transactions,
+           same query) is a retry after a lost answer: answered committed, nothing changes.
+        1. ``query`` must be the query the sink belongs to (bound by its first commit that names
+           one), else ``sink_owned`` and only the caller's own tasks are aborted.
+        2. A replay of the last batch whose ``fingerprint`` (of the rows its tasks were given)
+           differs from the one recorded with it is refused (``replay_mismatch``): the batch was
+           planned over other input, and skipping it on its id alone would lose or double rows.
+        3. The decision record (members, batch, query, fingerprint) is synced: the commit point.
+        4. Markers; then the batch's other tasks are fenced (``begin_task``) and the leftovers
+           under ``abort_prefix`` aborted.
         """
+        decision = tuple(sorted(members))
         tids = sorted({tid for tid, _, _ in members})
         if len(tids) != len(members):
             raise TxnError("bad_request", "a transactional id appears twice among the members")
-        async with self._lock("sink\0" + sink), self._locked(tids):
-            done = self.sinks.get(sink)
-            if batch is not None and done is not None and batch <= done:
-                await self._abort_open(members, abort_prefix, held=set(tids))
-                return False, done
-            prepared: list[TxnMeta] = []
-            for tid, epoch, txn in members:
+        async with self._sink_lock(sink):
+            state = self.sinks.get(sink)
+            others = self._tasks_of_others(sink, query)
+            strangers = sorted(set(tids) & others)
+            if strangers:
+                raise TxnError("sink_owned", f"members {strangers} of sink {sink!r} were begun by another query")
+            mine = self._tasks_of(sink, query, batch)
+            sweep = self._leftovers(abort_prefix, others)
+            async with self._locked(sorted(set(tids) | set(mine) | set(sweep))):
+                # Step 0: a retry of the decision that committed.
+                if state is not None and state.decision == decision and state.batch == batch and state.owner == query:
+                    return True, state.batch
+                # Step 1: the sink's query.
                 try:
-                    meta = self._current(tid, epoch)
-                    if txn != meta.txn:
-                        raise TxnError("stale_transaction", f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
-                    if meta.status is TxnStatus.EMPTY and txn == 0:
-                        continue  # the member wrote nothing
-                    if meta.status is not TxnStatus.ONGOING:
-                        raise TxnError("invalid_state", f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
+                    self._check_owner(sink, state, query)
                 except TxnError:
-                    await self._abort_open(members, abort_prefix, held=set(tids))
+                    await self._abort_tasks(sink, members, mine, [])
                     raise
-                prepared.append(meta)
-            for meta in prepared:
-                meta.status = TxnStatus.PREPARE_COMMIT
-            rec: dict[str, Any] = {"kind": "members", "sink": sink, "batch": batch, "members": [m.record() for m in prepared]}
-            try:
-                await self._write(rec)  # the commit point of every member
-            except OSError:
-                for meta in prepared:  # not decided after all: still open, a retry may commit them
-                    meta.status = TxnStatus.ONGOING
-                raise
-            if batch is not None:
-                self.sinks[sink] = batch
-            await asyncio.gather(*(self._complete(meta) for meta in prepared))
-            await self._abort_open([], abort_prefix, held=set(tids))
-            return True, self.sinks.get(sink)
+                # Step 2: a replay.
+                done = state.batch if state is not None else None
+                if batch is not None and done is not None and batch <= done:
+                    assert state is not None
+                    await self._abort_tasks(sink, members, mine, sweep)
+                    if batch == done and fingerprint is not None and state.fingerprint is not None and fingerprint != state.fingerprint:
+                        raise TxnError(
+                            "replay_mismatch",
+                            f"batch {batch} of sink {sink!r} was committed with rows {state.fingerprint} (count-checksum), "
+                            f"and is being replayed with rows {fingerprint}: the batch was planned over other input (a lost "
+                            "or edited offset log?) or the query's output is not deterministic. Nothing was written. Skipping "
+                            "it would lose or double rows; if the new output is right, reset the sink on purpose "
+                            f"(POST /v1/sinks/{sink}/reset), or turn the check off (option verifyReplay false)",
+                        )
+                    return False, done
+                prepared: list[TxnMeta] = []
+                for tid, epoch, txn in members:
+                    try:
+                        meta = self._current(tid, epoch)
+                        if txn != meta.txn:
+                            raise TxnError("stale_transaction", f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
+                        if meta.status is TxnStatus.EMPTY and txn == 0:
+                            continue  # the member wrote nothing
+                        if meta.status is not TxnStatus.ONGOING:
+                            raise TxnError("invalid_state", f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
+                    except TxnError:
+                        await self._abort_tasks(sink, members, mine, sweep)
+                        raise
+                    prepared.append(meta)
+                # Step 3: the commit point of every member.
+                for meta in prepared:
+                    meta.status = TxnStatus.PREPARE_COMMIT
+                rec: dict[str, Any] = {
+                    "kind": "members", "sink": sink, "batch": batch, "members": [m.record() for m in prepared],
+                    "query": query, "fingerprint": fingerprint, "decision": [list(m) for m in decision],
+                }
+                try:
+                    await self._write(rec)
+                except OSError:
+                    for meta in prepared:  # not decided after all: still open, a retry may commit them
+                        meta.status = TxnStatus.ONGOING
+                    raise
+                self.sinks[sink] = SinkState(
+                    batch=batch if batch is not None else done,
+                    owner=query if query is not None else (state.owner if state is not None else None),
+                    decision=decision,
+                    fingerprint=fingerprint if batch is not None else (state.fingerprint if state is not None else None),
+                )
+                # Step 4: markers, then the rest of the batch's tasks and the leftovers.
+                await asyncio.gather(*(self._complete(meta) for meta in prepared))
+                await self._abort_tasks(sink, [], {t: e for t, e in mine.items() if t not in tids}, sweep, release=tids)
+                return True, self.sinks[sink].batch
 
-    async def abort_members(self, members: list[tuple[str, int, int]], abort_prefix: str | None = None) -> None:
-        """Abort the members that are still open, and every open transaction under ``abort_prefix``."""
-        tids = sorted({tid for tid, _, _ in members})
-        async with self._locked(tids):
-            await self._abort_open(members, abort_prefix, held=set(tids))
+    async def abort_members(
+        self, sink: str, members: list[tuple[str, int, int]], abort_prefix: str | None = None, *,
+        query: str | None = None, batch: int | None = None,
+    ) -> None:
+        """Abort the members that are still open, fence the other tasks ``query`` began for batches
+        up to ``batch`` of ``sink``, and abort every open transaction under ``abort_prefix``. A
+        query the sink does not belong to aborts its own tasks only: never the prefix, never
+        another query's tasks."""
+        async with self._sink_lock(sink):
+            state = self.sinks.get(sink)
+            others = self._tasks_of_others(sink, query)
+            members = [m for m in members if m[0] not in others]
+            owner = state is None or state.owner is None or state.owner == query
+            mine = self._tasks_of(sink, query, batch)
+            sweep = self._leftovers(abort_prefix, others) if owner else []
+            async with self._locked(sorted({tid for tid, _, _ in members} | set(mine) | set(sweep))):
+                await self._abort_tasks(sink, members, mine, sweep)
 
-    async def _abort_open(self, members: list[tuple[str, int, int]], prefix: str | None, *, held: set[str]) -> None:
-        """Abort open transactions: the members' (when still the named epoch and transaction) and,
-        with ``prefix``, any other whose id starts with it, except those in ``held``: the caller
-        holds their locks (and they are members or were just committed)."""
-        victims = [
-            self.txns[tid] for tid, epoch, txn in members
-            if tid in self.txns and self.txns[tid].epoch == epoch and self.txns[tid].txn == txn and self.txns[tid].status is TxnStatus.ONGOING
-        ]
-        for meta in victims:
-            await self._finish(meta, commit=False)
+    async def reset_sink(self, sink: str, owner: str | None) -> None:
+        """Forget ``sink``'s record (its last batch, its query) on purpose, so that another query,
+        or this one from a new checkpoint, can write under its id; batch ids start afresh.
+
+        ``owner`` must name the query the sink belongs to now (None for a sink bound to none), so a
+        reset is a deliberate act about a known state: a stale or repeated reset after another
+        query took the sink is refused (``sink_owned``); one of a sink already forgotten is a no-op.
+        Every open transaction of the sink's tasks (``spark/<sink>/``) is aborted and every task
+        begun is fenced first; then a synced record forgets the sink."""
+        async with self._sink_lock(sink):
+            state = self.sinks.get(sink)
+            if state is not None and state.owner != owner:
+                raise TxnError("sink_owned", f"sink {sink!r} belongs to query {state.owner}, not {owner}: nothing was reset",
+                               owner=state.owner, batch=state.batch)
+            tasks = dict(self._enlisted.get(sink, {}))
+            sweep = self._leftovers(f"spark/{sink}/", set())
+            async with self._locked(sorted(set(tasks) | set(sweep))):
+                await self._abort_tasks(sink, [], tasks, sweep)
+                if state is not None:
+                    await self._write({"kind": "sink", "sink": sink, "reset": True})
+                    self.sinks.pop(sink, None)
+                self._enlisted.pop(sink, None)
+
+    def _leftovers(self, prefix: str | None, others: set[str]) -> list[str]:
+        """The open transactions under ``prefix`` (not begun by another query): the leftovers of
+        failed or speculative attempts. Taken as one snapshot before the locks."""
         if not prefix:
-            return
-        for meta in [m for tid, m in self.txns.items() if tid.startswith(prefix) and tid not in held]:
-            async with self._lock(meta.tid):
-                if meta.status is TxnStatus.ONGOING:
-                    log.info("aborting transaction %d of %r: a leftover under %r", meta.txn, meta.tid, prefix)
-                    await self._finish(meta, commit=False)
+            return []
+        return [tid for tid, m in self.txns.items() if tid.startswith(prefix) and m.status is TxnStatus.ONGOING and tid not in others]
+
+    async def _abort_tasks(
+        self, sink: str, members: list[tuple[str, int, int]], tasks: dict[str, Enlisted], sweep: list[str], *,
+        release: Sequence[str] = (),
+    ) -> None:
+        """Abort the members still open at the named epoch and transaction, fence ``tasks`` (tasks
+        begun with ``begin_task`` that are not members: their epoch moves on, so a late attempt can
+        no longer open a transaction) and abort what is still open in ``sweep``. The caller holds
+        the sink's lock and the locks of all of them. ``tasks`` and ``release`` stop being tasks of
+        the sink (their slots are free again)."""
+        for tid, epoch, txn in members:
+            meta = self.txns.get(tid)
+            if meta is not None and meta.epoch == epoch and meta.txn == txn and meta.status is TxnStatus.ONGOING:
+                await self._finish(meta, commit=False)
+        for tid, e in sorted(tasks.items()):
+            meta = self.txns.get(tid)
+            if meta is not None and meta.epoch == e.epoch:
+                log.info("fencing task transaction %r of sink %r: not a member of its batch's decision", tid, sink)
+                await self._fence(meta, meta.epoch)
+        for tid in sweep:
+            meta = self.txns[tid]
+            if meta.status is TxnStatus.ONGOING:
+                log.info("aborting transaction %d of %r: a leftover of sink %r", meta.txn, tid, sink)
+                await self._finish(meta, commit=False)
+        enlisted = self._enlisted.get(sink, {})
+        for tid in [*tasks, *release]:
+            enlisted.pop(tid, None)
 
     async def recover(self, pending: list[TxnMeta], found: Sequence[OpenTxn] = (), committed: Sequence[CommitSeen] = ()) -> None:
         """After a restart, before serving: reconcile the transactions the stream logs hold open

@@ -23,7 +23,7 @@ from urllib.parse import parse_qs
 
 from ..core.broker import Broker, Outcome, ProducerHeaders, ReadResult, Stream, txn_outcome, validate_name
 from ..core.jsonmode import wrap_payloads
-from ..core.txn import TxnError, TxnMeta
+from ..core.txn import SinkState, TxnError, TxnMeta
 from ..storage.log import InvalidPosition
 from ..storage.position import Position, parse_token
 from .subscriptions import SubscriptionAPI
@@ -321,17 +321,56 @@ class App:
         return _json_response(200, {"group": group, "offsets": coord.groups.get(group, {})})
 
     async def _sinks(self, method: str, rest: str, headers: dict[str, str], receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """``/v1/sinks/<sink>``: many transactions committed as one (docs/transactions.md)."""
         sink, _, action = rest.partition("/")
-        if not sink or validate_name(sink) or action not in ("", "commit", "abort"):
-            raise BadRequest("use /v1/sinks/<sink id> or /v1/sinks/<sink id>/(commit|abort)", 404, "not_found")
+        if not sink or validate_name(sink) or action not in ("", "commit", "abort", "begin", "alive", "reset"):
+            raise BadRequest("use /v1/sinks/<sink id> or /v1/sinks/<sink id>/(begin|alive|commit|abort|reset)", 404, "not_found")
         coord = self.broker.coordinator
         if action == "":
             if method != "GET":
                 raise BadRequest(f"{method} is not supported here; use GET", 405, "method_not_allowed")
-            return _json_response(200, {"sink": sink, "batch": coord.sinks.get(sink)})
+            return _json_response(200, _sink_json(sink, coord.sinks.get(sink)))
         if method != "POST":
             raise BadRequest(f"{method} is not supported here; use POST", 405, "method_not_allowed")
         body = await self._json_body(headers, receive)
+        try:
+            return await self._sink_action(sink, action, body)
+        except TxnError as exc:
+            if exc.kind in ("sink_owned", "replay_mismatch"):  # refusals of the sink itself, not of a transaction
+                return _error(409, exc.kind, str(exc))
+            raise
+
+    async def _sink_action(self, sink: str, action: str, body: dict[str, Any]) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        coord = self.broker.coordinator
+        query = self._name_field(body, "query")
+        batch = self._int_field(body, "batch") if body.get("batch") is not None else None
+        if action == "reset":
+            if "owner" not in body:
+                raise BadRequest('a reset needs "owner": the query the sink belongs to now (GET /v1/sinks/<sink> shows it), or null')
+            await coord.reset_sink(sink, self._name_field(body, "owner"))
+            return _json_response(200, {"sink": sink, "status": "reset", "batch": None, "owner": None})
+        if action == "alive":
+            kept = coord.keep_alive(sink, query, batch)
+            return _json_response(200, {"sink": sink, "kept": kept})
+        if action == "begin":
+            task = self._name_field(body, "task")
+            if task is None:
+                raise BadRequest('a task needs "task": a name of this task attempt (the same for every retry of one begin)')
+            timeout_ms = body.get("timeout_ms")
+            if timeout_ms is not None and (not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) or not 1 <= timeout_ms <= 3_600_000):
+                raise BadRequest('"timeout_ms" must be an integer from 1 to 3600000')
+            meta, state = await coord.begin_task(
+                sink, partition=self._int_field(body, "partition"), task=task, batch=batch, query=query,
+                txn_timeout=timeout_ms / 1000 if timeout_ms else None,
+            )
+            out = _sink_json(sink, state)
+            if meta is None:
+                # a replay: the task writes nothing; with a fingerprint recorded for this very batch it
+                # still reports the fingerprint of its rows, so the commit can tell the input is the same
+                check = state is not None and state.batch == batch and state.fingerprint is not None
+                return _json_response(200, {**out, "status": "already_committed", "verify": check})
+            return _json_response(200, {**out, "status": "write", "id": meta.tid, "producer_id": meta.producer_id,
+                                         "epoch": meta.epoch, "txn": meta.txn})
         raw_members = body.get("members")
         if not isinstance(raw_members, list):
             raise BadRequest('the body needs "members": a list of {"id": ..., "epoch": ..., "txn": ...}')
@@ -344,13 +383,18 @@ class App:
         if prefix is not None and (not isinstance(prefix, str) or not prefix):
             raise BadRequest('"abort_prefix" must be a non-empty string')
         if action == "abort":
-            await coord.abort_members(members, prefix)
-            return _json_response(200, {"sink": sink, "status": "aborted", "batch": coord.sinks.get(sink)})
-        batch = body.get("batch")
-        if batch is not None:
-            batch = self._int_field(body, "batch")
-        committed, last = await coord.commit_members(sink, batch, members, prefix)
+            await coord.abort_members(sink, members, prefix, query=query, batch=batch)
+            return _json_response(200, {"sink": sink, "status": "aborted", "batch": _sink_json(sink, coord.sinks.get(sink))["batch"]})
+        fingerprint = self._name_field(body, "fingerprint")
+        committed, last = await coord.commit_members(sink, batch, members, prefix, query=query, fingerprint=fingerprint)
         return _json_response(200, {"sink": sink, "status": "committed" if committed else "already_committed", "batch": last})
+
+    @staticmethod
+    def _name_field(body: dict[str, Any], key: str) -> str | None:
+        value = body.get(key)
+        if value is not None and (not isinstance(value, str) or not 1 <= len(value) <= 200 or any(ord(c) < 0x20 for c in value)):
+            raise BadRequest(f'"{key}" must be a string of 1 to 200 printable characters, or null')
+        return value
 
     # ------------------------------------------------------------------ list (extension)
 
@@ -698,6 +742,11 @@ def _txn_json(meta: TxnMeta) -> dict[str, object]:
         "streams": sorted(meta.streams),
         "timeout_ms": int(meta.timeout * 1000),
     }
+
+
+def _sink_json(sink: str, state: SinkState | None) -> dict[str, object]:
+    """What ``GET /v1/sinks/<sink>`` shows: the last committed batch and the query owning the sink."""
+    return {"sink": sink, "batch": state.batch if state else None, "owner": state.owner if state else None}
 
 
 def _is_true(value: str | None) -> bool:

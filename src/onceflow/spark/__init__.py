@@ -5,13 +5,14 @@
 >>> df = spark.readStream.format("onceflow").option("url", url).option("streams", "events").load()
 
 Needs ``pip install onceflow[spark]`` (pyspark 4.x and pyarrow) on the driver and the executors.
+Importing this package does not import pyspark (``OnceflowDataSource`` is loaded when first used),
+so ``onceflow.spark._protocol``, the sink's protocol, runs without it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .datasource import OnceflowDataSource
 from .options import OptionError
 from .sinks import PostgresBatchSink, RedisBatchSink, postgres_sink, redis_sink
 
@@ -20,4 +21,14 @@ __all__ = ["OnceflowDataSource", "OptionError", "PostgresBatchSink", "RedisBatch
 
 def register(spark: Any) -> None:
     """Make ``format("onceflow")`` available in ``spark`` (a SparkSession)."""
+    from .datasource import OnceflowDataSource
+
     spark.dataSource.register(OnceflowDataSource)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OnceflowDataSource":
+        from .datasource import OnceflowDataSource
+
+        return OnceflowDataSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,14 +7,12 @@ transport error or a 5xx is retried until ``deadline`` seconds have passed.
 
 from __future__ import annotations
 
-import json
 import random
 import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 
@@ -108,11 +106,6 @@ class Conn:
         nxt = resp.headers["stream-next-offset"]
         return StreamInfo(stream, resp.headers.get("content-type", ""), nxt, resp.headers.get("stream-last-stable-offset", nxt))
 
-    def ensure_stream(self, stream: str, content_type: str) -> None:
-        """Create the stream with ``content_type`` if it is missing."""
-        if self.head(stream) is None:
-            self.request("PUT", stream_url(self.url, stream), f"create {stream}", ok=(200, 201), headers={"content-type": content_type})
-
     def read_frames(self, stream: str, start: str, until: str, *, isolation: str) -> Iterator[tuple[list[Frame], str]]:
         """The batches in ``[start, until)``, one response at a time, with each response's next offset."""
         at = start
@@ -143,27 +136,3 @@ class Conn:
             params["max_records"] = max_records
         body = self.request("GET", stream_url(self.url, stream), f"boundaries of {stream}", params=params).json()
         return list(body["boundaries"]), str(body["end"])
-
-    # ------------------------------------------------------------------ transactions and sinks
-
-    def sink_progress(self, sink: str) -> int | None:
-        body = self.request("GET", f"{self.url}/v1/sinks/{quote(sink, safe='')}", f"progress of sink {sink}").json()
-        batch = body.get("batch")
-        return int(batch) if batch is not None else None
-
-    def commit_members(self, sink: str, batch: int | None, members: list[dict[str, Any]], abort_prefix: str) -> dict[str, Any]:
-        body: dict[str, Any] = {"members": members, "abort_prefix": abort_prefix}
-        if batch is not None:
-            body["batch"] = batch
-        resp = self.request(
-            "POST", f"{self.url}/v1/sinks/{quote(sink, safe='')}/commit", f"commit batch {batch} of sink {sink}",
-            content=json.dumps(body), headers={"content-type": "application/json"},
-        )
-        result: dict[str, Any] = resp.json()
-        return result
-
-    def abort_members(self, sink: str, members: list[dict[str, Any]], abort_prefix: str) -> None:
-        self.request(
-            "POST", f"{self.url}/v1/sinks/{quote(sink, safe='')}/abort", f"abort a batch of sink {sink}",
-            content=json.dumps({"members": members, "abort_prefix": abort_prefix}), headers={"content-type": "application/json"},
-        )

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ._http import Conn
+from ._protocol import WriterSettings
 
 __all__ = ["OptionError", "Options"]
 
@@ -30,6 +31,15 @@ def _int(opts: Mapping[str, str], key: str, default: int | None, *, low: int = 1
     return value
 
 
+def _bool(opts: Mapping[str, str], key: str, default: bool) -> bool:
+    raw = opts.get(key)
+    if raw is None:
+        return default
+    if raw.strip().lower() not in ("true", "false"):
+        raise OptionError(f"option {key} must be true or false, got {raw!r}")
+    return raw.strip().lower() == "true"
+
+
 @dataclass(frozen=True)
 class Options:
     url: str
@@ -48,6 +58,7 @@ class Options:
     content_type: str
     transaction_timeout_ms: int
     batch_id: int | None
+    verify_replay: bool = True
 
     @classmethod
     def parse(cls, raw: Mapping[str, str]) -> Options:
@@ -87,11 +98,19 @@ class Options:
             content_type=opts.get("contenttype", "application/json"),
             transaction_timeout_ms=_int(opts, "transactiontimeoutms", 300_000) or 300_000,
             batch_id=_int(opts, "batchid", None, low=0),
+            verify_replay=_bool(opts, "verifyreplay", True),
         )
 
     def connect(self) -> Conn:
         """A connection to the server these options name."""
         return Conn(self.url, deadline=self.request_deadline, token=self.token)
+
+    def writer_settings(self, sink: str) -> WriterSettings:
+        """What the sink's tasks and driver need, for sink (or write job) ``sink``."""
+        return WriterSettings(
+            url=self.url, sink=sink, content_type=self.content_type, transaction_timeout_ms=self.transaction_timeout_ms,
+            request_deadline=self.request_deadline, verify_replay=self.verify_replay,
+        )
 
     def check_source(self) -> None:
         if bool(self.streams) == (self.pattern is not None):

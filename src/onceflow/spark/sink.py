@@ -1,21 +1,27 @@
-"""Writing to onceflow from Spark, exactly once.
+"""Writing to onceflow from Spark, exactly once: the Spark glue of ``spark/_protocol.py``.
 
-Each task writes its rows inside its own onceflow transaction (transactional id
-``spark/<sink>/p<partition>/a<attempt>``) and leaves it open; its commit message names the
-transaction. The driver's ``commit(messages, batchId)`` then asks the server to commit all of them
-as **one** decision that also records ``batchId`` as the sink's last committed batch
-(``POST /v1/sinks/<sink>/commit``). So:
+Each task attempt begins on the server (which checks that the sink belongs to this query and hands
+out the task's transactional id), writes its rows inside that transaction and leaves it open; its
+commit message names the transaction and a fingerprint of its rows. The driver's
+``commit(messages, batchId)`` then asks the server to commit all of them as **one** decision that
+also records ``batchId`` as the sink's last committed batch (``POST /v1/sinks/<sink>/commit``). So:
 
 - a micro-batch becomes visible to read_committed readers all at once, or not at all;
 - Spark re-running batch N after a crash (even when ``commit(N)`` had returned but Spark had not
-  yet written its commit log) commits nothing: the server answers ``already_committed`` and aborts
-  the re-run's transactions; tasks that see the batch is already committed skip writing at all;
-- a failed or speculative task attempt has its own transactional id, and whatever it left open is
-  aborted by the batch's commit or abort (everything under ``spark/<sink>/`` not named is aborted),
-  so a retry adds nothing twice.
+  yet written its commit log) adds nothing: the tasks learn that N is committed and write nothing,
+  and the commit answers ``already_committed`` (or refuses a replay over other rows);
+- a failed, late or speculative task attempt is fenced by its batch's commit or abort, so a retry
+  adds nothing twice and nothing holds the last stable offset;
+- another query (a new checkpoint location) under the same ``sinkId`` is refused loudly.
 
-Nothing is keyed on Spark's (partitionId, epochId) pair alone (SPARK-28650): the batch id is the key,
-read inside the task from the ``streaming.sql.batchId`` local property.
+Nothing is keyed on Spark's (partitionId, epochId) pair alone (SPARK-28650): the batch id and the
+query id are read inside the task from the ``streaming.sql.batchId`` and ``sql.streaming.queryId``
+local properties (both are set for the tasks of a streaming write and inside ``foreachBatch``),
+and a task attempt is named by Spark's ``taskAttemptId()``, unique across stage attempts.
+
+This module only reads Spark's task context and converts Arrow batches into plain values; what a
+task and the driver do is in ``_protocol.py``, run on the client's background loop (``run_sync``),
+so a task's keep-alives go on while its thread waits for its input.
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pyarrow as pa
 from pyspark import TaskContext
 from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import BinaryType, StringType, StructType
 
-from ..client.transactions import TransactionalProducer
+from ..client._loop import run_sync
+from ..client._protocol import auth_headers, tls_verify
+from ._protocol import SinkTask, TaskResult, TaskSpec, WriterSettings, abort_batch, commit_batch, task_name
 from .options import OptionError, Options
 
 __all__ = ["OnceflowBatchWriter", "OnceflowStreamWriter", "TaskCommit", "check_sink_schema"]
@@ -41,18 +50,25 @@ log = logging.getLogger("onceflow.spark")
 
 @dataclass
 class TaskCommit(WriterCommitMessage):
-    """What one task wrote: its open transaction (``txn`` None when it wrote nothing)."""
+    """What one task wrote (Spark's commit message): its :class:`~._protocol.TaskResult`."""
 
-    transactional_id: str
-    epoch: int
-    txn: int | None
-    rows: int
-    skipped: bool = False
+    result: TaskResult
 
-    def member(self) -> dict[str, Any] | None:
-        if self.txn is None:
-            return None
-        return {"id": self.transactional_id, "epoch": self.epoch, "txn": self.txn}
+    @property
+    def transactional_id(self) -> str:
+        return self.result.transactional_id
+
+    @property
+    def txn(self) -> int | None:
+        return self.result.txn
+
+    @property
+    def rows(self) -> int:
+        return self.result.rows
+
+    @property
+    def skipped(self) -> bool:
+        return self.result.skipped
 
 
 def check_sink_schema(schema: StructType, opts: Options) -> None:
@@ -67,64 +83,69 @@ def check_sink_schema(schema: StructType, opts: Options) -> None:
         raise OptionError('say where rows go: .option("stream", "name"), or a string column "stream"')
 
 
-def _write_task(opts: Options, prefix: str, batches: Iterator[pa.RecordBatch], sink: str | None = None,
-                batch: int | None = None) -> TaskCommit:
-    """Write this task's rows inside one transaction (``<prefix>p<partition>/a<attempt>``) and
-    leave it open for the driver. With ``sink`` and ``batch``: write nothing when the sink has
-    already committed that batch (a replay)."""
-    partition, attempt = _task()
-    tid = f"{prefix}p{partition}/a{attempt}"
-    created: set[str] = set()  # target streams known to exist
-    rows = 0
-    with opts.connect() as conn:
-        if sink is not None and batch is not None:
-            done = conn.sink_progress(sink)
-            if done is not None and batch <= done:
-                return TaskCommit(tid, -1, None, 0, skipped=True)
-        with TransactionalProducer(
-            opts.url, tid, timeout_ms=opts.transaction_timeout_ms, delivery_timeout=opts.request_deadline, token=opts.token,
-        ) as producer:
-            for rb in batches:
-                if rb.num_rows == 0:
-                    continue
-                values = rb.column(rb.schema.get_field_index("value"))
-                idx = rb.schema.get_field_index("stream")
-                if idx >= 0:
-                    groups: dict[str, list[Any]] = {}
-                    for target, value in zip(rb.column(idx).to_pylist(), values.to_pylist(), strict=True):
-                        if target is None:
-                            raise ValueError("a row has no stream (the 'stream' column is null)")
-                        groups.setdefault(target, []).append(value)
-                else:
-                    assert opts.stream is not None
-                    groups = {opts.stream: values.to_pylist()}
-                for target, vals in groups.items():
-                    if target not in created:
-                        conn.ensure_stream(target, opts.content_type)
-                        created.add(target)
-                    if any(v is None for v in vals):
-                        raise ValueError(f"a row for stream {target!r} has a null value")
-                    producer.extend(target, [v.encode() if isinstance(v, str) else v for v in vals])
-                    rows += len(vals)
-            producer.flush()
-            return TaskCommit(tid, producer.epoch, producer.txn, rows)
-
-
-def _members(messages: list[WriterCommitMessage | None]) -> list[dict[str, Any]]:
-    """The transactions the tasks left open for the driver to commit (or abort)."""
-    out = []
-    for msg in messages:
-        member = msg.member() if isinstance(msg, TaskCommit) else None
-        if member is not None:
-            out.append(member)
+def _rows(rb: pa.RecordBatch, opts: Options) -> dict[str, list[bytes]]:
+    """One Arrow batch as encoded messages per target stream."""
+    values = rb.column(rb.schema.get_field_index("value")).to_pylist()
+    idx = rb.schema.get_field_index("stream")
+    groups: dict[str, list[Any]] = {}
+    if idx >= 0:
+        for target, value in zip(rb.column(idx).to_pylist(), values, strict=True):
+            if target is None:
+                raise ValueError("a row has no stream (the 'stream' column is null)")
+            groups.setdefault(target, []).append(value)
+    else:
+        assert opts.stream is not None
+        groups = {opts.stream: values}
+    out: dict[str, list[bytes]] = {}
+    for target, vals in groups.items():
+        if any(v is None for v in vals):
+            raise ValueError(f"a row for stream {target!r} has a null value")
+        out[target] = [v.encode() if isinstance(v, str) else bytes(v) for v in vals]
     return out
 
 
-def _task() -> tuple[int, int]:
+async def _client(opts: Options) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=30.0, verify=tls_verify(opts.url), headers=auth_headers(opts.token))
+
+
+def _context() -> TaskContext:
     ctx = TaskContext.get()
     if ctx is None:
         raise RuntimeError("the onceflow sink's write() runs inside a Spark task")
-    return ctx.partitionId(), ctx.attemptNumber()
+    return ctx
+
+
+def _write_task(opts: Options, settings: WriterSettings, spec: TaskSpec, batches: Iterator[pa.RecordBatch]) -> TaskCommit:
+    """Run one task of the sink (``_protocol.SinkTask``) over this task's Arrow batches."""
+    client = run_sync(_client(opts))
+    try:
+        task = run_sync(SinkTask.begin(client, settings, spec))
+        try:
+            if task.reads_input:
+                for rb in batches:
+                    if rb.num_rows:
+                        run_sync(task.write(_rows(rb, opts)))
+            return TaskCommit(run_sync(task.finish()))
+        except BaseException:
+            run_sync(task.abandon())
+            raise
+    finally:
+        run_sync(client.aclose())
+
+
+def _results(messages: list[WriterCommitMessage | None]) -> list[TaskResult | None]:
+    return [m.result if isinstance(m, TaskCommit) else None for m in messages]
+
+
+async def _commit(opts: Options, settings: WriterSettings, batch: int | None, messages: list[WriterCommitMessage | None]) -> str:
+    async with await _client(opts) as client:
+        outcome = await commit_batch(client, settings, batch, _results(messages))
+    return outcome.status
+
+
+async def _abort(opts: Options, settings: WriterSettings, batch: int | None, messages: list[WriterCommitMessage | None]) -> None:
+    async with await _client(opts) as client:
+        await abort_batch(client, settings, batch, _results(messages))
 
 
 class OnceflowStreamWriter(DataSourceStreamArrowWriter):
@@ -133,26 +154,25 @@ class OnceflowStreamWriter(DataSourceStreamArrowWriter):
     def __init__(self, opts: Options, sink_id: str) -> None:
         self.opts = opts
         self.sink_id = sink_id
-        self.prefix = f"spark/{sink_id}/"
+        self.run = uuid.uuid4().hex[:12]  # names this writer's task attempts apart from any other's
+        self.settings = opts.writer_settings(sink_id)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> TaskCommit:
-        ctx = TaskContext.get()
-        raw = ctx.getLocalProperty("streaming.sql.batchId") if ctx is not None else None
+        ctx = _context()
+        raw = ctx.getLocalProperty("streaming.sql.batchId")
         if raw is None:
             raise RuntimeError("the onceflow stream writer found no streaming.sql.batchId in its task")
-        return _write_task(self.opts, self.prefix, iterator, self.sink_id, int(raw))
+        spec = TaskSpec(int(raw), ctx.getLocalProperty("sql.streaming.queryId"), ctx.partitionId(),
+                        task_name(self.run, ctx.attemptNumber(), ctx.taskAttemptId()))
+        return _write_task(self.opts, self.settings, spec, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803 (Spark's name)
-        members = _members(messages)
-        with self.opts.connect() as conn:
-            result = conn.commit_members(self.sink_id, batchId, members, self.prefix)
-        if result["status"] == "already_committed":
-            log.info("onceflow sink %s: batch %d was already committed (last: %s); nothing added", self.sink_id, batchId, result["batch"])
+        status = run_sync(_commit(self.opts, self.settings, batchId, messages))
+        if status == "already_committed":
+            log.info("onceflow sink %s: batch %d was already committed; nothing added", self.sink_id, batchId)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
-        members = _members(messages)
-        with self.opts.connect() as conn:
-            conn.abort_members(self.sink_id, members, self.prefix)
+        run_sync(_abort(self.opts, self.settings, batchId, messages))
 
 
 class OnceflowBatchWriter(DataSourceArrowWriter):
@@ -166,24 +186,26 @@ class OnceflowBatchWriter(DataSourceArrowWriter):
     def __init__(self, opts: Options) -> None:
         self.opts = opts
         self.batch = opts.batch_id
+        self.run = uuid.uuid4().hex[:12]
         if self.batch is not None:
             if opts.sink_id is None:
                 raise OptionError('option batchId needs option sinkId: the sink whose batches it numbers')
             self.job = opts.sink_id
-            self.prefix = f"spark/{opts.sink_id}/"
         else:
-            self.job = f"{opts.sink_id or 'batch'}-{uuid.uuid4().hex[:12]}"  # one write job: no '/' (a sink id)
-            self.prefix = f"spark-batch/{self.job}/"
+            self.job = f"{opts.sink_id or 'batch'}-{self.run}"  # one write job: no '/' (a sink id)
+        self.settings = opts.writer_settings(self.job)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> TaskCommit:
-        return _write_task(self.opts, self.prefix, iterator, self.job, self.batch)
+        ctx = _context()
+        # inside foreachBatch the tasks see the streaming query's id: the sink is bound to it
+        query = ctx.getLocalProperty("sql.streaming.queryId") if self.batch is not None else None
+        spec = TaskSpec(self.batch, query, ctx.partitionId(), task_name(self.run, ctx.attemptNumber(), ctx.taskAttemptId()))
+        return _write_task(self.opts, self.settings, spec, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        with self.opts.connect() as conn:
-            result = conn.commit_members(self.job, self.batch, _members(messages), self.prefix)
-        if result["status"] == "already_committed":
+        status = run_sync(_commit(self.opts, self.settings, self.batch, messages))
+        if status == "already_committed":
             log.info("onceflow sink %s: batch %s was already committed; nothing added", self.job, self.batch)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        with self.opts.connect() as conn:
-            conn.abort_members(self.job, _members(messages), self.prefix)
+        run_sync(_abort(self.opts, self.settings, self.batch, messages))
