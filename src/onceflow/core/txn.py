@@ -729,7 +729,7 @@ class Coordinator:
         early while its slowest task still runs (the timeout is for writers that are gone: when no
         task of the batch is alive, none keeps them). Returns how many were kept."""
         kept = 0
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for tid, e in self._enlisted.get(sink, {}).items():
             meta = self.txns.get(tid)
             if e.query == query and e.batch == batch and meta is not None and meta.epoch == e.epoch and meta.status is TxnStatus.ONGOING:
