@@ -14,6 +14,7 @@ failed write back as it would after ENOSPC or EIO.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 from pathlib import Path
 from typing import Any
@@ -440,3 +441,43 @@ async def test_a_plain_append_cannot_use_a_transactional_producer_id(onceflow: I
     assert (await t.end(commit=True)).status_code == 200
     assert await uncommitted(onceflow, "s") == [{"n": 1}]
 
+
+
+# ---------------------------------------------------------------------- a fence meeting an unfinished abort (found by the simulator)
+
+
+async def test_fencing_a_task_whose_abort_is_unfinished_writes_the_abort_first(onceflow: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by ``onceflow sim`` (seed 28 of the first version with the sink protocol): a task's
+    abort was decided but its marker could not be written; the batch's next commit fenced the task
+    by moving its id to a new epoch, dropping the unfinished abort. The task's rows stayed open in
+    the stream with no marker, held the last stable offset, and were published by the next commit
+    marker of that id. Fencing must first finish the decision that is logged."""
+    from onceflow.client._errors import OnceflowError
+    from onceflow.spark._protocol import (
+        SinkTask,
+        TaskSpec,
+        WriterSettings,
+        abort_batch,
+        commit_batch,
+        run_task,
+        task_name,
+    )
+
+    disk = Disk(monkeypatch)
+    await make(onceflow, "out")
+    st = WriterSettings(url="http://testserver", sink="f", request_deadline=0.5, retry_backoff=(0.01, 0.05))
+    first = await run_task(onceflow.client, st, TaskSpec(0, "Q", 0, task_name("r1", 0, 1)), [{"out": [b'{"id": 1}']}])
+    late = await SinkTask.begin(onceflow.client, st, TaskSpec(0, "Q", 1, task_name("r1", 0, 2)))  # still running
+    await late.write({"out": [b'{"id": 2}']})
+    await late._producer.flush()  # type: ignore[union-attr]
+    disk.fail(onceflow.broker.streams["out"].log)
+    with contextlib.suppress(OnceflowError):  # the driver's abort: decided, its markers fail
+        await abort_batch(onceflow.client, st, 0, [first])
+    assert disk.failed
+    disk.heal()
+    again = await run_task(onceflow.client, st, TaskSpec(0, "Q", 0, task_name("r2", 0, 3)), [{"out": [b'{"id": 1}']}])
+    assert (await commit_batch(onceflow.client, st, 0, [again])).status == "committed"  # fences the late task
+    await late.abandon()
+    head = await onceflow.client.head(S + "out")
+    assert head.headers["stream-last-stable-offset"] == head.headers["stream-next-offset"], "a transaction was left open"
+    assert sorted(m["id"] for m in await committed(onceflow, "out")) == [1]

@@ -1009,7 +1009,16 @@ class Coordinator:
         The abort decision carries the fence (``meta.fence``): if its markers fail, whoever
         finishes the abort later (the sweep, an init, recovery) also fences, and until then
         the id's requests are refused as retriable. Without the decision logged, nothing
-        changes (the OSError goes up; the sweep tries again)."""
+        changes (the OSError goes up; the sweep tries again).
+
+        A decision already logged but unfinished (``PREPARE_*``: a marker failed) is finished
+        first: moving the id to a new epoch over it would leave its data open in the streams
+        without a marker, holding their last stable offset until the id's next commit marker
+        there published it (found by ``onceflow sim``)."""
+        if meta.status in (TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
+            await self._complete(meta)  # raises if a marker still fails: nothing else changes
+            if meta.epoch > epoch:
+                return  # the decision carried the fence itself
         if meta.status is TxnStatus.ONGOING:
             meta.fence = epoch
             try:

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import random
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import quote
 
@@ -39,6 +39,7 @@ from ..chaos.worker import parse_records
 from ..client._errors import OnceflowError
 from ..client.producer import AsyncIdempotentProducer
 from ..client.transactions import AsyncTransactionalProducer
+from ..spark._protocol import TaskResult, TaskSpec, WriterSettings, abort_batch, commit_batch, run_task, task_name
 
 __all__ = ["ACTORS", "Env"]
 
@@ -340,110 +341,69 @@ async def forker(env: Env, name: str, source: str) -> None:
 # ---------------------------------------------------------------------- the Spark sink's protocol
 
 
-@dataclass
-class _Task:
-    tid: str
-    epoch: int
-    txn: int | None
+def _sink_settings(env: Env, sink: str) -> WriterSettings:
+    return WriterSettings(
+        URL, sink, transaction_timeout_ms=int(env.txn_timeout * 1000), request_deadline=env.rng.uniform(2.0, 6.0),
+        retry_backoff=(0.02, 0.3), rng=random.Random(env.rng.getrandbits(32)),
+    )
 
 
-async def _sink_progress(c: httpx.AsyncClient, sink: str) -> int | None:
-    r = await c.get(f"{URL}/v1/sinks/{quote(sink, safe='')}")
-    if r.status_code != 200:
-        raise OnceflowError(f"progress of {sink}: {r.status_code}", status=r.status_code)
-    done = r.json().get("batch")
-    return int(done) if done is not None else None
+async def _run_tasks(env: Env, c: httpx.AsyncClient, settings: WriterSettings, batch: int | None, query: str | None,
+                     run: str, counter: list[int], rows: list[str], stream: str) -> list[TaskResult | None]:
+    """The batch's two tasks, at once, through the sink's real protocol (spark/_protocol.py)."""
+    async def task(p: int) -> TaskResult:
+        counter[0] += 1
+        spec = TaskSpec(batch, query, p, task_name(run, 0, counter[0]))
+        mine = [json.dumps(r).encode() for r in rows[p::2]]
+        return await run_task(c, settings, spec, [{stream: mine}])
 
-
-async def _spark_task(env: Env, c: httpx.AsyncClient, prefix: str, sink: str, batch: int | None,
-                      partition: int, attempt: int, rows: list[str], stream: str) -> _Task | None:
-    """What a task of the onceflow sink does: skip a committed batch, else write its rows in its own
-    transaction and leave it open for the driver (spark/sink.py ``_write_task``)."""
-    tid = f"{prefix}p{partition}/a{attempt}"
-    if batch is not None:
-        done = await _sink_progress(c, sink)
-        if done is not None and batch <= done:
-            return None
-    producer = AsyncTransactionalProducer(URL, tid, client=c, timeout_ms=int(env.txn_timeout * 1000),
-                                          delivery_timeout=env.rng.uniform(1.0, 3.0), retry_backoff=(0.02, 0.3))
-    try:
-        await producer.init()
-        if rows:
-            await producer.extend(stream, rows)
-            await producer.flush()
-        return _Task(tid, producer.epoch, producer.txn)
-    finally:
-        await producer.close()
-
-
-def _members(tasks: list[_Task]) -> list[dict[str, Any]]:
-    return [{"id": t.tid, "epoch": t.epoch, "txn": t.txn} for t in tasks if t.txn is not None]
-
-
-async def _sink_request(c: httpx.AsyncClient, sink: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
-    """POST /v1/sinks/<sink>/<action>, retried on transport errors and 5xx (spark/_http.py Conn.request)."""
-    for _ in range(8):
-        try:
-            r = await c.post(f"{URL}/v1/sinks/{quote(sink, safe='')}/{action}", json=body)
-        except httpx.TransportError:
-            await asyncio.sleep(0.1)
-            continue
-        if r.status_code >= 500:
-            await asyncio.sleep(0.1)
-            continue
-        if r.status_code != 200:
-            raise OnceflowError(f"{action} of sink {sink}: {r.status_code} {r.text[:160]}", status=r.status_code)
-        result: dict[str, Any] = r.json()
-        return result
-    raise OnceflowError(f"{action} of sink {sink}: no answer")
-
-
-async def _run_batch(env: Env, c: httpx.AsyncClient, name: str, sink: str, prefix: str, batch: int | None,
-                     attempt: int, rows: list[str], stream: str, label: str) -> list[_Task]:
-    env.record(name, "append", id=attempt, stream=stream, values=rows, txn=label)
-    tasks = []
-    for p in range(2):
-        t = await _spark_task(env, c, prefix, sink, batch, p, attempt, rows[p::2], stream)
-        if t is not None:
-            tasks.append(t)
-    return tasks
+    return list(await asyncio.gather(task(0), task(1)))
 
 
 async def spark_stream(env: Env, name: str, sink: str, stream: str) -> None:
-    """A streaming query whose driver is killed now and then (the batch is replayed from the
-    checkpoint, before or after the sink's commit), whose batches sometimes fail (Spark's
-    ``abort``), and sometimes a paused old driver wakes up and aborts the batch it had been
-    writing. With some seeds a second checkpoint of the same sink id starts from batch 0 again,
-    a user's mistake that the sink must refuse loudly, never answer by skipping rows."""
+    """A streaming query through the sink's real protocol (spark/_protocol.py): its driver is
+    killed now and then (the batch is replayed from the checkpoint, before or after the sink's
+    commit), batches fail (the driver's abort), a paused old driver wakes up and aborts the batch
+    it was writing, and a late task attempt runs after its batch was decided. With some seeds a
+    second checkpoint of the same sink id starts from batch 0 again: the sink must refuse it
+    loudly (a 4xx, the user stops that query), never answer it by skipping rows."""
     c = env.client(name)
     await ensure_stream(c, env, stream)
-    prefix = f"spark/{sink}/"
+    settings = _sink_settings(env, sink)
     checkpoints = {"q0": 0}
     if env.rng.random() < 0.4:
         checkpoints["q1"] = 0
     attempt = 0
+    counter = [0]
     planned: dict[str, list[str]] = {}
-    zombies: set[asyncio.Task[None]] = set()
+    background: set[asyncio.Task[None]] = set()
     while not env.stopping():
         q = "q1" if "q1" in checkpoints and env.rng.random() < 0.3 else "q0"
+        query = f"{name}-{q}-id"
         batch = checkpoints[q]
         label = f"{name}/{q}/b{batch}"
         rows = planned.setdefault(label, [f"{label}:{i}" for i in range(env.rng.randint(1, 4))])  # a replay: the same rows
         attempt += 1
+        run = f"{name}-run{attempt}"
         try:
-            tasks = await _run_batch(env, c, name, sink, prefix, batch, attempt, rows, stream, label)
+            env.record(name, "append", id=attempt, stream=stream, values=rows, txn=label)
+            results = await _run_tasks(env, c, settings, batch, query, run, counter, rows, stream)
             roll = env.rng.random()
             if roll < 0.1:
                 env.trace(name, f"driver of {q} killed before commit({batch}): replay")
-                if env.rng.random() < 0.5:
-                    zombies.add(asyncio.ensure_future(_zombie_abort(env, c, sink, prefix, tasks)))
+                if env.rng.random() < 0.5:  # it was only paused: it wakes up later and aborts
+                    background.add(asyncio.ensure_future(_late(env, functools.partial(abort_batch, c, settings, batch, results))))
                 continue
             if roll < 0.2:
                 env.trace(name, f"{q} batch {batch} failed in Spark: abort")
-                await _sink_request(c, sink, "abort", {"members": _members(tasks), "abort_prefix": prefix})
+                await abort_batch(c, settings, batch, results)
                 continue
-            result = await _sink_request(c, sink, "commit", {"batch": batch, "members": _members(tasks), "abort_prefix": prefix})
-            env.trace(name, f"{q} batch {batch}: {result.get('status')}")
+            if env.rng.random() < 0.1:  # a speculative attempt of a task, running late
+                spec = TaskSpec(batch, query, 0, task_name(run, 1, counter[0] + 1000))
+                late = [json.dumps(r).encode() for r in rows[0::2]]  # a copy of partition 0: the same rows
+                background.add(asyncio.ensure_future(_late(env, functools.partial(run_task, c, settings, spec, [{stream: late}]))))
+            outcome = await commit_batch(c, settings, batch, results)
+            env.trace(name, f"{q} batch {batch}: {outcome.status}")
             env.record(name, "txn", txn=label, decision="commit", outcome="ok")
             if env.rng.random() < 0.1:
                 env.trace(name, f"driver of {q} killed after commit({batch}), before its commit log: replay")
@@ -457,32 +417,34 @@ async def spark_stream(env: Env, name: str, sink: str, stream: str) -> None:
                 continue
             await nap(env, 0.1, 0.4)
         await nap(env, 0.05, 0.3)
-    for z in zombies:
-        z.cancel()
+    for t in background:
+        t.cancel()
 
 
-async def _zombie_abort(env: Env, c: httpx.AsyncClient, sink: str, prefix: str, tasks: list[_Task]) -> None:
-    """A driver that was paused (not dead) wakes up and aborts the batch it was writing."""
+async def _late(env: Env, work: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+    """Something of an old attempt that runs later (a paused driver, a speculative task)."""
     await nap(env, 0.0, 2.0)
     with contextlib.suppress(OnceflowError, httpx.TransportError):
-        await _sink_request(c, sink, "abort", {"members": _members(tasks), "abort_prefix": prefix})
+        await work()
 
 
 async def spark_batch(env: Env, name: str, stream: str) -> None:
-    """Batch (non-streaming) write jobs; a job that fails is run again, as a user would."""
+    """Batch (non-streaming) write jobs through the sink's real protocol; a job that fails is run
+    again, as a user would (a new job: a new sink id)."""
     c = env.client(name)
     await ensure_stream(c, env, stream)
     n = 0
+    counter = [0]
     while not env.stopping():
         n += 1
         label = f"{name}/job{n}"
         rows = [f"{label}:{i}" for i in range(env.rng.randint(1, 4))]
         for run in range(3):
-            job = f"batch-{name}-{n}-{run}"
-            prefix = f"spark-batch/{job}/"
+            settings = _sink_settings(env, f"batch-{name}-{n}-{run}")
             try:
-                tasks = await _run_batch(env, c, name, job, prefix, None, run, rows, stream, label)
-                await _sink_request(c, job, "commit", {"members": _members(tasks), "abort_prefix": prefix})
+                env.record(name, "append", id=run, stream=stream, values=rows, txn=label)
+                results = await _run_tasks(env, c, settings, None, None, f"{name}-job{n}-{run}", counter, rows, stream)
+                await commit_batch(c, settings, None, results)
                 env.record(name, "txn", txn=label, decision="commit", outcome="ok")
                 break
             except (OnceflowError, httpx.TransportError) as exc:

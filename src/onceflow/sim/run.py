@@ -25,6 +25,7 @@ import gc
 import hashlib
 import logging
 import random
+import re
 import traceback
 import uuid
 from collections.abc import Callable, Coroutine
@@ -113,7 +114,7 @@ class SeedResult:
 class World:
     """One seed's world (see the module docstring); :meth:`run` returns its result."""
 
-    def __init__(self, seed: int, workload: Workload | None = None) -> None:
+    def __init__(self, seed: int, workload: Workload | None = None, *, detail: str | None = None) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.workload = workload or Workload.draw(self.rng)
@@ -128,6 +129,8 @@ class World:
         self.clock = SimClock(self.loop)
         self.node = ServerNode(self.loop, self.disk, self.clock, self.trace, txn_timeout=self.txn_timeout)
         self.net = SimNet(self.loop, random.Random(self.rng.getrandbits(64)), self.node, self.trace)
+        if detail:
+            self.net.detail = re.compile(detail)
         self.ops: list[dict[str, Any]] = []
         self._stop = False
         self._stop_late = False  # copiers stop once everything they copy is written

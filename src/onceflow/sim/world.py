@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import random
+import re
 from collections import deque
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
@@ -219,6 +220,7 @@ class SimNet:
     node: ServerNode
     trace: Trace
     faults: NetFaults = field(default_factory=NetFaults)
+    detail: re.Pattern[str] | None = None  # requests whose bodies and answers go into the trace (debugging)
     stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "lost": 0, "dups": 0, "refused": 0, "timeouts": 0})
 
     def one_way(self) -> float:
@@ -286,6 +288,10 @@ class SimTransport(httpx.AsyncBaseTransport):
         finally:
             if not gone.done():
                 gone.set_result(None)
-        net.trace(self.client, f"{what} -> {resp.status_code}")
+        if net.detail is not None and net.detail.search(target):
+            net.trace(self.client, f"{what} {body[:300]!r} -> {resp.status_code} {resp.content[:300]!r} "
+                                   f"{[(k, v) for k, v in resp.headers.items() if k.startswith(('transaction', 'producer'))]}")
+        else:
+            net.trace(self.client, f"{what} -> {resp.status_code}")
         resp.request = request
         return resp
