@@ -448,6 +448,13 @@ async def spark_batch(env: Env, name: str, stream: str) -> None:
                 env.record(name, "txn", txn=label, decision="commit", outcome="ok")
                 break
             except (OnceflowError, httpx.TransportError) as exc:
+                status = exc.status if isinstance(exc, OnceflowError) else None
+                if status is None or status >= 500 or status == 429:
+                    # no answer until the deadline: it may have committed. A job without a batch id
+                    # cannot be re-run safely (docs/spark.md: use sinkId and batchId for that)
+                    env.record(name, "txn", txn=label, decision="commit", outcome="unknown")
+                    env.trace(name, f"{label} run {run}: outcome unknown ({exc!r}); not run again")
+                    break
                 env.trace(name, f"{label} run {run} failed: {exc!r}; running the job again")
                 await nap(env, 0.1, 0.3)
         await nap(env, 0.1, 0.5)
