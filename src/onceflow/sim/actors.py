@@ -302,6 +302,50 @@ async def reader(env: Env, name: str, streams: list[str]) -> None:
         await nap(env, 0.02, 0.3)
 
 
+async def group_member(env: Env, name: str, streams: list[str], group: str) -> None:
+    """A consumer-group member that commits its offsets outside transactions (``POST
+    /v1/groups/<g>/offsets``) and reads them back after every restart; the group's committed
+    offsets must never be seen moving back."""
+    c = env.client(name)
+    epoch = 0
+    while not env.stopping():
+        epoch += 1  # a restarted member: a newer member epoch fences an older one
+        sent = env_time(env)
+        try:
+            r = await c.get(f"{URL}/v1/groups/{group}/offsets")
+        except httpx.TransportError:
+            await nap(env)
+            continue
+        if r.status_code != 200:
+            await nap(env)
+            continue
+        env.record(name, "fetch-offsets", group=group, offsets=r.json()["offsets"], t0=sent)
+        at = {s: r.json()["offsets"].get(s, "-1") for s in streams}
+        for _ in range(env.rng.randint(3, 12)):
+            if env.stopping():
+                break
+            s = env.rng.choice(streams)
+            got = await read_records(c, s, at[s])
+            if got is None:
+                break
+            nxt, records = got
+            env.record(name, "read", stream=s, isolation="read_committed", start=at[s], next=nxt, records=records)
+            if nxt == at[s]:
+                await nap(env)
+                continue
+            at[s] = nxt
+            try:
+                cr = await c.post(f"{URL}/v1/groups/{group}/offsets", json={"offsets": {s: nxt}, "member_epoch": epoch})
+            except httpx.TransportError:
+                env.record(name, "commit-offset", group=group, stream=s, offset=nxt, outcome="unknown")
+                break
+            env.record(name, "commit-offset", group=group, stream=s, offset=nxt,
+                       outcome="ok" if cr.status_code == 200 else "unknown" if cr.status_code >= 500 else "fail")
+            if cr.status_code != 200:
+                break
+            await nap(env)
+
+
 async def forker(env: Env, name: str, source: str) -> None:
     c = env.client(name)
     n = 0
@@ -465,6 +509,7 @@ ACTORS: dict[str, Callable[..., Coroutine[Any, Any, None]]] = {
     "txn": transactional_producer,
     "copier": copier,
     "reader": reader,
+    "group": group_member,
     "forker": forker,
     "spark_stream": spark_stream,
     "spark_batch": spark_batch,

@@ -108,21 +108,29 @@ class SimDisk:
     def _settle_file(self, f: _Inode) -> None:
         data = bytearray(f.durable)
         keep = self.rng.randint(0, len(f.pending))
-        for i, (at, chunk) in enumerate(f.pending[:keep]):
-            if chunk is None:
-                del data[at:]
-                continue
-            if i == keep - 1 and len(chunk) > SECTOR and self.rng.random() < 0.5:
-                # the last write kept is torn: only its first sectors reached the platter
-                cut = (at // SECTOR + 1) * SECTOR - at + SECTOR * self.rng.randint(0, len(chunk) // SECTOR)
-                chunk = chunk[: max(0, min(len(chunk), cut))]
-                self.stats["torn"] += 1
-            if len(data) < at:
-                data.extend(b"\0" * (at - len(data)))
-            data[at : at + len(chunk)] = chunk
+        kept = f.pending[:keep]
+        if kept and kept[-1][1] is not None and len(kept[-1][1] or b"") > SECTOR and self.rng.random() < 0.5:
+            # the last write kept is torn: only its first sectors reached the platter
+            at, chunk = kept[-1]
+            assert chunk is not None
+            cut = (at // SECTOR + 1) * SECTOR - at + SECTOR * self.rng.randint(0, len(chunk) // SECTOR)
+            kept = [*kept[:-1], (at, chunk[: max(0, min(len(chunk), cut))])]
+            self.stats["torn"] += 1
+        _apply(data, kept)
         f.data = data
         f.durable = bytearray(data)
         f.pending.clear()
+
+
+def _apply(data: bytearray, ops: list[tuple[int, bytes] | tuple[int, None]]) -> None:
+    """Replay writes ``(at, bytes)`` and truncates ``(size, None)`` onto ``data``."""
+    for at, chunk in ops:
+        if chunk is None:
+            del data[at:]
+            continue
+        if len(data) < at:
+            data.extend(b"\0" * (at - len(data)))
+        data[at : at + len(chunk)] = chunk
 
 
 class _SimFile:
@@ -170,7 +178,7 @@ class _SimFile:
             disk.stats["failed_syncs"] += 1
             f.pending.clear()  # those writes will never be made durable; the cache still has them
             raise OSError(errno.EIO, "Input/output error (simulated)", str(self.path))
-        f.durable = bytearray(f.data)
+        _apply(f.durable, f.pending)  # what reached the platter: the writes since the last sync
         f.pending.clear()
 
     def truncate(self, size: int) -> None:
