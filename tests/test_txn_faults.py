@@ -481,3 +481,29 @@ async def test_fencing_a_task_whose_abort_is_unfinished_writes_the_abort_first(o
     head = await onceflow.client.head(S + "out")
     assert head.headers["stream-last-stable-offset"] == head.headers["stream-next-offset"], "a transaction was left open"
     assert sorted(m["id"] for m in await committed(onceflow, "out")) == [1]
+
+
+async def test_a_late_duplicate_of_an_offsets_request_cannot_rewind_the_next_transaction(onceflow: InProcess) -> None:
+    """Found by ``onceflow sim`` (a copier, seed 735 of an early version): the network delivered a
+    copy of transaction N's offsets request late, while transaction N+1 was open with newer offsets;
+    it replaced them, N+1 committed the old offsets, and the copier's restart copied that input
+    again. An offsets request names its transaction (``txn``) like commit and abort do; one naming
+    another transaction is refused and changes nothing."""
+    c = onceflow
+    await make(c, "in", "out")
+    offs = await offsets_of(c, "in", 3)
+    t = Txn(c.client, "copier")
+    await t.init()
+    first = {"epoch": t.epoch, "txn": 1, "group": "g", "offsets": {"in": offs[0]}}
+    assert (await c.client.post(T + "copier/offsets", json=first)).status_code == 200
+    assert (await t.send("out", {"n": 0}, commit=1)).status_code == 200
+    second = {"epoch": t.epoch, "txn": 2, "group": "g", "offsets": {"in": offs[1]}}
+    assert (await c.client.post(T + "copier/offsets", json=second)).status_code == 200
+    late = await c.client.post(T + "copier/offsets", json=first)  # the copy of the first, delivered now
+    assert late.status_code == 409, late.text
+    assert late.json()["error"]["code"] == "txn_refused"
+    assert (await t.send("out", {"n": 1}, commit=2)).status_code == 200
+    assert await group_offsets(c, "g") == {"in": offs[1]}
+    ahead = {"epoch": t.epoch, "txn": 5, "group": "g", "offsets": {"in": offs[2]}}
+    assert (await c.client.post(T + "copier/offsets", json=ahead)).status_code == 409
+    assert await group_offsets(c, "g") == {"in": offs[1]}

@@ -555,14 +555,26 @@ class Coordinator:
             and meta.status is TxnStatus.ONGOING and stream in meta.streams
         )
 
-    async def add_offsets(self, tid: str, epoch: int, group: str, offsets: dict[str, str]) -> TxnMeta:
+    async def add_offsets(self, tid: str, epoch: int, group: str, offsets: dict[str, str], *, txn: int | None = None) -> TxnMeta:
         """Make ``group``'s offsets part of the open transaction (they count only if it commits);
         with none open, they begin the next one. Synced before the answer, and only then part of
         the transaction: offsets whose record failed are in no transaction. Refused as retriable
-        while the id's last decision is being completed."""
+        while the id's last decision is being completed.
+
+        ``txn`` names the transaction the offsets are for: the open one or, with none open, the
+        next. Any other is refused (``stale_transaction``) and changes nothing, so a late copy of an
+        earlier transaction's request cannot replace the open one's offsets (found by ``onceflow
+        sim``). Without ``txn`` (clients before it) the offsets go to whichever is open."""
         async with self._lock(tid):
             meta = self._current(tid, epoch)
             self.refuse_while_completing(meta)
+            if txn is not None:
+                expected = meta.txn if meta.status is TxnStatus.ONGOING else meta.txn + 1
+                if txn != expected:
+                    raise TxnError(
+                        "stale_transaction", f"these offsets are for transaction {txn} of {tid!r}, but the one they can "
+                        f"join is {expected}", txn=meta.txn,
+                    )
             if meta.status is not TxnStatus.ONGOING:
                 await self._store(
                     meta, txn=meta.txn + 1, streams=set(), offsets={group: dict(offsets)},

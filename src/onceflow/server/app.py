@@ -300,7 +300,8 @@ class App:
             group = body.get("group")
             if not isinstance(group, str) or not group:
                 raise BadRequest('the body needs "group": a non-empty string')
-            meta = await coord.add_offsets(tid, self._int_field(body, "epoch"), group, self._offsets_field(body))
+            txn = self._int_field(body, "txn") if body.get("txn") is not None else None
+            meta = await coord.add_offsets(tid, self._int_field(body, "epoch"), group, self._offsets_field(body), txn=txn)
             return _json_response(200, _txn_json(meta))
         raise BadRequest(f"unknown transaction action {action!r}: use init, commit, abort or offsets", 404, "not_found")
 
