@@ -49,6 +49,7 @@ from sinkkit import (
     Env,
     FaultySink,
     HookReceiver,
+    RedisAnswerDropper,
     expected,
     group_offsets,
     hook_entry,
@@ -287,6 +288,67 @@ def test_outbox_to_webhooks_end_to_end(request: pytest.FixtureRequest, onceflow_
         dispatcher.run()
     assert [f"{b['id']}:{b['v']}" for b in receiver.applied] == expected()
     assert receiver.repeats == len(outbox[::7])
+
+
+# ---------------------------------------------------------------------------------------------- Redis: a lost answer
+
+
+def test_redis_atomic_commit_whose_connection_drops_is_resent_and_applied_once(
+    request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
+    """The sink's client (built from the documented ``redis://`` URL) talks through a proxy that
+    lets the commit script of checkpoint 1 run in Redis and then drops the connection instead of
+    relaying the answer. The sink sends the same commit again over a new connection; the script
+    recognises its token, and the run goes on: the output is exact, in one run."""
+    from onceflow.sinks import RedisAtomicSink
+
+    kind = "redis-atomic"
+    env = make_env(kind, request, onceflow_url, tmp_path, receiver)
+    job = new_job(kind, "dropped")
+    tail = populate(kind, env, job)
+    proxy = RedisAnswerDropper(request.getfixturevalue("redis_server").port).start()
+    try:
+        proxy.drops = 1
+        _, kw = make_sink(kind, env, job)
+        sink = RedisAtomicSink(proxy.url, job=job)
+        with SinkRunner(env.onceflow, sink, job=job, **kw) as runner:
+            stats = runner.run()
+        assert proxy.dropped == 1
+        assert proxy.script_calls >= stats.checkpoints + 1  # the dropped commit was sent again
+    finally:
+        proxy.stop()
+    assert stats.checkpoints == len(expected()) // CHECKPOINT_MESSAGES
+    check_exact(kind, env, job, tail, receiver)
+
+
+def test_redis_atomic_commit_without_an_answer_after_its_resends_raises_and_a_rerun_restores(
+    request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
+    """Every try of checkpoint 1's commit runs in Redis and loses its answer: the run raises the
+    connection error (nothing acknowledged), and a rerun restores checkpoint 1 from Redis."""
+    import redis
+
+    from onceflow.sinks import RedisAtomicSink
+
+    kind = "redis-atomic"
+    env = make_env(kind, request, onceflow_url, tmp_path, receiver)
+    job = new_job(kind, "dropped-twice")
+    tail = populate(kind, env, job)
+    proxy = RedisAnswerDropper(request.getfixturevalue("redis_server").port).start()
+    try:
+        proxy.drops = 2
+        _, kw = make_sink(kind, env, job)
+        sink = RedisAtomicSink(proxy.url, job=job, commit_retries=1)
+        with SinkRunner(env.onceflow, sink, job=job, **kw) as runner, pytest.raises(redis.ConnectionError):
+            runner.run()
+        assert proxy.dropped == 2
+    finally:
+        proxy.stop()
+    assert group_offsets(env.onceflow, job) == {}  # nothing acknowledged
+    assert len(read_target(kind, env, job)) == CHECKPOINT_MESSAGES  # checkpoint 1 is in Redis, once
+    stats = run_to_end(kind, env, job)
+    assert (stats.restored, stats.replayed) == (1, False)
+    check_exact(kind, env, job, tail, receiver)
 
 
 # ---------------------------------------------------------------------------------------------- fencing
