@@ -186,7 +186,7 @@ async def test_an_append_stuck_in_the_network_cannot_join_a_later_transaction(
     faults.refuse = None
     await producer.abort()
     assert len(faults.held) == 1
-    await faults.release()
+    assert await faults.release() == [403]  # the old epoch is fenced
     async with producer.transaction():
         await producer.append("d", {"n": "next"})
     assert await committed(onceflow, "d") == [{"n": "next"}]
