@@ -9,6 +9,7 @@ strings, compared with the expected ones as lists: a duplicate or a loss shows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Callable
@@ -326,3 +327,96 @@ class FaultySink(CheckpointAwareSink):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class RedisAnswerDropper:
+    """A TCP proxy in front of a Redis server that loses the answer of chosen script calls.
+
+    Every byte is relayed both ways, except: while ``drops`` > 0, the answer to an ``EVALSHA`` (or
+    ``EVAL``) that the server *ran* (anything but a ``-NOSCRIPT`` error) is read from the server
+    and thrown away, and the client's connection is closed instead. The script has taken effect in
+    Redis; the client sees a dropped connection. One thread per direction and connection; redis-py
+    waits for each answer before it sends the next command, so answers arrive one read at a time."""
+
+    def __init__(self, upstream_port: int) -> None:
+        import socket
+
+        self.upstream_port = upstream_port
+        self.drops = 0
+        self.dropped = 0
+        self.script_calls = 0  # EVALSHA/EVAL requests relayed
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._sockets: list[Any] = []
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisAnswerDropper:
+        t = threading.Thread(target=self._accept, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return self
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._listener.close()
+        for s in list(self._sockets):
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self._stopped:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self._sockets += [client, upstream]
+            pending = threading.Event()  # a script call was forwarded; its answer is awaited
+            for target, args in ((self._requests, (client, upstream, pending)), (self._answers, (upstream, client, pending))):
+                t = threading.Thread(target=target, args=args, daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _requests(self, client: Any, upstream: Any, pending: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(1 << 16):
+                head = data[:64].upper()
+                if b"EVALSHA" in head or b"$4\r\nEVAL\r\n" in head:
+                    with self._lock:
+                        self.script_calls += 1
+                    pending.set()
+                upstream.sendall(data)
+        _close(client, upstream)
+
+    def _answers(self, upstream: Any, client: Any, pending: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(1 << 16):
+                if pending.is_set():
+                    pending.clear()
+                    with self._lock:
+                        drop = self.drops > 0 and not data.startswith(b"-NOSCRIPT")
+                        if drop:
+                            self.drops -= 1
+                            self.dropped += 1
+                    if drop:
+                        break
+                client.sendall(data)
+        _close(client, upstream)
+
+
+def _close(*socks: Any) -> None:
+    import socket
+
+    for s in socks:
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            s.close()

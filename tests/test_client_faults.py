@@ -25,9 +25,11 @@ from onceflow.client import (
     AsyncStream,
     IdempotentProducer,
     OnceflowError,
+    OutcomeUnknownError,
     ProducerFencedError,
     Stream,
     StreamClosedError,
+    TransportError,
 )
 from onceflow.faultproxy import FaultProxy
 
@@ -469,6 +471,75 @@ async def test_auto_claim_moves_past_the_servers_epoch(onceflow: InProcess, hook
     with pytest.raises(ProducerFencedError) as exc:  # the server moved on to epoch 6
         await s.append({"late": 1}, producer=("eph", 5, 1))
     assert exc.value.current_epoch == 6
+
+
+@pytest.mark.anyio
+async def test_auto_claim_does_not_resend_a_batch_that_may_have_been_stored(
+    onceflow: InProcess, hooked: Callable[[Hook], httpx.AsyncClient]
+) -> None:
+    """Seq 0 of epoch 0 is stored but its answer is lost; before the retry, another holder of the
+    producer id moves it to epoch 5. The retry's 403 must not make the producer claim epoch 6 and
+    store seq 0 a second time: whether the first try landed is unknown, so it fails instead."""
+    s = await inproc_create(onceflow, "claim-lost")
+    answers_lost = 0
+
+    async def hook(request: httpx.Request, inner: httpx.AsyncBaseTransport) -> httpx.Response:
+        nonlocal answers_lost
+        resp = await inner.handle_async_request(request)
+        if producer_seq(request) == (0, 0) and answers_lost == 0:
+            await resp.aread()
+            answers_lost += 1
+            await s.append({"other": 5}, producer=("lost-claim", 5, 0))
+            raise httpx.ReadError("the connection dropped before the answer", request=request)
+        return resp
+
+    failures: list[OnceflowError] = []
+    p = AsyncIdempotentProducer(f"{IN_PROCESS}/v1/stream/claim-lost", producer_id="lost-claim", epoch=0, auto_claim=True,
+                                retry_backoff=(0.01, 0.02), client=hooked(hook), on_error=lambda e, k: failures.append(e))
+    await p.start()
+    try:
+        p.append({"i": 0})
+        with pytest.raises(ProducerFencedError, match="may have been stored"):
+            await p.flush(timeout=10)
+    finally:
+        await p.close(flush=False)
+    assert answers_lost == 1
+    assert await inproc_read(onceflow, "claim-lost") == [{"i": 0}, {"other": 5}]
+    assert len(failures) == 1 and p.epoch == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stored", [True, False], ids=["answers-lost", "refused-at-connect"])
+async def test_a_batch_given_up_is_reported_unknown_only_if_it_may_have_been_stored(
+    onceflow: InProcess, hooked: Callable[[Hook], httpx.AsyncClient], stored: bool
+) -> None:
+    """After the delivery timeout a batch whose requests may have reached the server fails with
+    OutcomeUnknownError (it may be in the stream); one that never got through (connection refused
+    on every try) with a plain TransportError (it is not)."""
+    await inproc_create(onceflow, "given-up")
+
+    async def hook(request: httpx.Request, inner: httpx.AsyncBaseTransport) -> httpx.Response:
+        if producer_seq(request) is None:
+            return await inner.handle_async_request(request)
+        if not stored:
+            raise httpx.ConnectError("connection refused", request=request)
+        resp = await inner.handle_async_request(request)
+        await resp.aread()
+        raise httpx.ReadError("the connection dropped before the answer", request=request)
+
+    failures: list[OnceflowError] = []
+    p = AsyncIdempotentProducer(f"{IN_PROCESS}/v1/stream/given-up", producer_id="given-up", epoch=0, delivery_timeout=0.2,
+                                retry_backoff=(0.01, 0.02), client=hooked(hook), on_error=lambda e, k: failures.append(e))
+    await p.start()
+    try:
+        p.append({"i": 0})
+        with pytest.raises(TransportError) as exc:
+            await p.flush(timeout=10)
+    finally:
+        await p.close(flush=False)
+    assert isinstance(exc.value, OutcomeUnknownError) is stored
+    assert [type(e) for e in failures] == [type(exc.value)]
+    assert await inproc_read(onceflow, "given-up") == ([{"i": 0}] if stored else [])
 
 
 @pytest.mark.slow

@@ -332,6 +332,8 @@ def test_concrete_sinks_refuse_bad_arguments() -> None:
     with pytest.raises(ValueError, match="hash slots"):
         RedisAtomicSink("redis://127.0.0.1:1/0", job="j", key="elsewhere")
     assert RedisAtomicSink("redis://127.0.0.1:1/0", job="j", key="mine:{j}").key == "mine:{j}"
+    with pytest.raises(ValueError, match="commit_retries"):
+        RedisAtomicSink("redis://127.0.0.1:1/0", job="j", commit_retries=-1)
     with pytest.raises(ValueError, match="ttl"):
         RedisIdempotentSink("redis://127.0.0.1:1/0", prefix="p:", key="id", ttl=0)
     with pytest.raises(TypeError, match="redis"):
@@ -362,7 +364,7 @@ def test_redis_commit_resent_after_a_lost_answer_changes_nothing(redis_url: str)
     keys = [sink.key, sink.checkpoint_key]
     script = sink.redis.register_script(onceflow.sinks._redis.ATOMIC_LUA)
     assert script(keys=keys, args=args) == 1
-    assert script(keys=keys, args=args) == 0  # the same commit again (redis-py resends after a dropped connection)
+    assert script(keys=keys, args=args) == 0  # the same commit again (the sink resends after a dropped connection)
     with redis.Redis.from_url(redis_url) as r:
         assert r.lrange(sink.key, 0, -1) == [b"x", b"y"]
     with pytest.raises(redis.ResponseError, match="FENCED"):  # a different commit of the same checkpoint

@@ -49,6 +49,7 @@ from sinkkit import (
     Env,
     FaultySink,
     HookReceiver,
+    RedisAnswerDropper,
     expected,
     group_offsets,
     hook_entry,
@@ -58,6 +59,7 @@ from sinkkit import (
     prepare_target,
     read_stream,
     read_target,
+    table,
 )
 
 pytest_plugins = ["services"]  # the PostgreSQL, Redis and onceflow server fixtures
@@ -289,20 +291,82 @@ def test_outbox_to_webhooks_end_to_end(request: pytest.FixtureRequest, onceflow_
     assert receiver.repeats == len(outbox[::7])
 
 
+# ---------------------------------------------------------------------------------------------- Redis: a lost answer
+
+
+def test_redis_atomic_commit_whose_connection_drops_is_resent_and_applied_once(
+    request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
+    """The sink's client (built from the documented ``redis://`` URL) talks through a proxy that
+    lets the commit script of checkpoint 1 run in Redis and then drops the connection instead of
+    relaying the answer. The sink sends the same commit again over a new connection; the script
+    recognises its token, and the run goes on: the output is exact, in one run."""
+    from onceflow.sinks import RedisAtomicSink
+
+    kind = "redis-atomic"
+    env = make_env(kind, request, onceflow_url, tmp_path, receiver)
+    job = new_job(kind, "dropped")
+    tail = populate(kind, env, job)
+    proxy = RedisAnswerDropper(request.getfixturevalue("redis_server").port).start()
+    try:
+        proxy.drops = 1
+        _, kw = make_sink(kind, env, job)
+        sink = RedisAtomicSink(proxy.url, job=job)
+        with SinkRunner(env.onceflow, sink, job=job, **kw) as runner:
+            stats = runner.run()
+        assert proxy.dropped == 1
+        assert proxy.script_calls >= stats.checkpoints + 1  # the dropped commit was sent again
+    finally:
+        proxy.stop()
+    assert stats.checkpoints == len(expected()) // CHECKPOINT_MESSAGES
+    check_exact(kind, env, job, tail, receiver)
+
+
+def test_redis_atomic_commit_without_an_answer_after_its_resends_raises_and_a_rerun_restores(
+    request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
+    """Every try of checkpoint 1's commit runs in Redis and loses its answer: the run raises the
+    connection error (nothing acknowledged), and a rerun restores checkpoint 1 from Redis."""
+    import redis
+
+    from onceflow.sinks import RedisAtomicSink
+
+    kind = "redis-atomic"
+    env = make_env(kind, request, onceflow_url, tmp_path, receiver)
+    job = new_job(kind, "dropped-twice")
+    tail = populate(kind, env, job)
+    proxy = RedisAnswerDropper(request.getfixturevalue("redis_server").port).start()
+    try:
+        proxy.drops = 2
+        _, kw = make_sink(kind, env, job)
+        sink = RedisAtomicSink(proxy.url, job=job, commit_retries=1)
+        with SinkRunner(env.onceflow, sink, job=job, **kw) as runner, pytest.raises(redis.ConnectionError):
+            runner.run()
+        assert proxy.dropped == 2
+    finally:
+        proxy.stop()
+    assert group_offsets(env.onceflow, job) == {}  # nothing acknowledged
+    assert len(read_target(kind, env, job)) == CHECKPOINT_MESSAGES  # checkpoint 1 is in Redis, once
+    stats = run_to_end(kind, env, job)
+    assert (stats.restored, stats.replayed) == (1, False)
+    check_exact(kind, env, job, tail, receiver)
+
+
 # ---------------------------------------------------------------------------------------------- fencing
 
 
-@pytest.mark.parametrize("kind", ["pg-transactional", "redis-atomic"])
+@pytest.mark.parametrize("kind", ["pg-transactional", "pg-2pc", "redis-atomic"])
 def test_a_zombie_runner_cannot_commit_over_a_newer_one(kind: str, request: pytest.FixtureRequest, onceflow_url: str,
                                                        tmp_path: Path, receiver: HookReceiver) -> None:
     """Runner A restores, stalls mid-checkpoint; runner B (same job) restores and commits; A's
-    commit is refused and writes nothing."""
+    commit is refused and writes nothing. (pg-2pc: A's checkpoint 1 was prepared; B's restore
+    rolled it back, and A learns so at its commit.)"""
     env = make_env(kind, request, onceflow_url, tmp_path, receiver)
     job = new_job(kind, "zombie")
     tail = populate(kind, env, job)
     prepare_target(kind, env, job)
     zombie, _ = make_sink(kind, env, job)
-    zombie.on_checkpoint_restore(zombie.load_checkpoint())
+    zombie.on_checkpoint_restore(zombie.load_checkpoint() if zombie.atomic else None)  # pg-2pc: an empty store
     zombie.on_checkpoint_start(1)
     from onceflow.client import Message
 
@@ -314,6 +378,94 @@ def test_a_zombie_runner_cannot_commit_over_a_newer_one(kind: str, request: pyte
     zombie.on_checkpoint_abort(1)
     zombie.close()
     check_exact(kind, env, job, tail, receiver)
+
+
+def test_two_runners_of_one_two_phase_job_never_both_commit_a_checkpoint(
+    request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
+    """Runners A and B of one PostgresTwoPhaseSink job both restore the same (empty) checkpoint and
+    write checkpoint 1 from the same input. The worst moment: A prepares and commits 1, then B
+    prepares 1 (the global id is free again, the marker row already there). Only one of them may
+    commit: A, claimed over by B's restore, is fenced at its prepare and commits nothing."""
+    from onceflow.client import Message
+
+    kind = "pg-2pc"
+    env = make_env(kind, request, onceflow_url, tmp_path, receiver)
+    job = new_job(kind, "two-runners")
+    prepare_target(kind, env, job)
+    a, _ = make_sink(kind, env, job)
+    b, _ = make_sink(kind, env, job)
+    msgs = [Message(input_stream(job), {"id": i, "v": f"value-{i}"}, "-1", "x", i) for i in range(CHECKPOINT_MESSAGES)]
+    a.on_checkpoint_restore(None)
+    b.on_checkpoint_restore(None)  # a second runner of the job, from the same checkpoint
+    for sink in (a, b):
+        sink.on_checkpoint_start(1)
+        sink.write(msgs)
+    committed = []
+    for name, sink in (("A", a), ("B", b)):
+        try:
+            handle = sink.on_checkpoint_prepare(1)
+            sink.on_checkpoint_complete(Checkpoint(1, {input_stream(job): "x"}, {}, handle))
+            committed.append(name)
+        except SinkFencedError:
+            sink.on_checkpoint_abort(1)
+    a.close()
+    b.close()
+    assert read_target(kind, env, job) == [f"{i}:value-{i}" for i in range(CHECKPOINT_MESSAGES)]
+    assert committed == ["B"]
+
+
+def test_a_two_phase_runner_restoring_behind_the_committed_checkpoints_is_refused(
+    request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
+    """Runner B loaded its checkpoint (none) before runner A committed checkpoint 1: replaying
+    from there would write checkpoint 1's input again. B's restore refuses, loudly."""
+    from onceflow.client import Message
+
+    kind = "pg-2pc"
+    env = make_env(kind, request, onceflow_url, tmp_path, receiver)
+    job = new_job(kind, "stale")
+    prepare_target(kind, env, job)
+    a, _ = make_sink(kind, env, job)
+    b, _ = make_sink(kind, env, job)
+    a.on_checkpoint_restore(None)
+    a.on_checkpoint_start(1)
+    a.write([Message(input_stream(job), {"id": 1, "v": "value-1"}, "-1", "x", 0)])
+    a.on_checkpoint_complete(Checkpoint(1, {input_stream(job): "x"}, {}, a.on_checkpoint_prepare(1)))
+    with pytest.raises(SinkFencedError, match="checkpoint 1"):
+        b.on_checkpoint_restore(None)
+    a.close()
+    b.close()
+    assert read_target(kind, env, job) == ["1:value-1"]
+
+
+def test_a_two_phase_restore_waits_for_a_checkpoint_holding_the_job_then_gives_up_loudly(
+    request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
+    """Another runner's checkpoint transaction holds the job's epoch row (step 3 of the fencing)
+    and is never decided: the restore waits ``lock_timeout``, then fails with SinkError instead of
+    hanging; once the row is free, a restore claims the job."""
+    import psycopg
+
+    from onceflow.sinks import PostgresTwoPhaseSink, SinkError
+
+    kind = "pg-2pc"
+    env = make_env(kind, request, onceflow_url, tmp_path, receiver)
+    job = new_job(kind, "held")
+    prepare_target(kind, env, job)
+    first, _ = make_sink(kind, env, job)
+    first.on_checkpoint_restore(None)  # creates the tables, claims epoch 1
+    first.close()
+    assert env.pg is not None
+    sink = PostgresTwoPhaseSink(env.pg, table(job), ["id", "v"], job=job, lock_timeout=0.2)
+    with psycopg.connect(env.pg) as holder:
+        holder.execute("SELECT epoch FROM onceflow_sink_epochs WHERE job = %s FOR UPDATE", (job,))
+        with pytest.raises(SinkError, match="held the job"):
+            sink.on_checkpoint_restore(None)
+        holder.rollback()
+    sink.on_checkpoint_restore(None)
+    assert sink.epoch == 2
+    sink.close()
 
 
 def test_outbox_zombie_is_fenced_by_the_restarted_writer(request: pytest.FixtureRequest, onceflow_url: str,

@@ -213,6 +213,49 @@ def test_acker_seed_example_acks_upstream_only_below_the_watermark() -> None:
     assert a.acks_to_send() == {"P": 6}
 
 
+def test_acker_holds_back_the_message_being_emitted() -> None:
+    """acks_to_send() between two sent() calls for one incoming message: inside emitting() it
+    acknowledges the messages before, never the one whose outputs are not all sent yet."""
+    a = Acker()
+    a.add_route("B")
+    a.sent("B", 1, "P", 1)
+    a.ack_received("B", 1)
+    with a.emitting("P", 2):
+        a.sent("B", 2, "P", 2)
+        a.ack_received("B", 2)  # downstream was quick: the first output of message 2 is done
+        assert a.acks_to_send() == {"P": 1}
+        a.sent("B", 3, "P", 2)
+    assert a.acks_to_send() == {}  # output 3 is not done
+    a.ack_received("B", 3)
+    assert a.acks_to_send() == {"P": 2}
+    with a.emitting("P", 3):
+        a.filtered(4, "P", 3)
+        assert a.acks_to_send() == {}
+    assert a.acks_to_send() == {"P": 3}
+    assert a.pending == 0
+
+
+def test_acker_refuses_an_output_of_a_message_it_already_acknowledged() -> None:
+    """Without emitting(), an early acks_to_send() acks message 1 after its first output; the
+    second output then cannot be tracked honestly: refused, loudly."""
+    a = Acker()
+    a.add_route("B")
+    a.sent("B", 1, "P", 1)
+    a.ack_received("B", 1)
+    assert a.acks_to_send() == {"P": 1}  # too early: message 1 has one more output
+    with pytest.raises(ValueError, match="already acknowledged"):
+        a.sent("B", 2, "P", 1)
+    with pytest.raises(ValueError, match="already acknowledged"):
+        a.filtered(2, "P", 1)
+    with pytest.raises(ValueError, match="emitting"):
+        with a.emitting("P", 5):
+            with a.emitting("P", 6):
+                pass
+    a.sent("B", 2, "P", 2)  # the next message is fine
+    a.ack_received("B", 2)
+    assert a.acks_to_send() == {"P": 2}
+
+
 def test_acker_numbers_outgoing_messages_when_asked() -> None:
     a = Acker()
     a.add_route("B")

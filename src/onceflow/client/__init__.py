@@ -5,10 +5,13 @@ Works with any Durable Streams server; prefix subscriptions use onceflow's ``/v1
 """
 
 from ._errors import (
+    AbortRequiredError,
     BadRequestError,
+    CommitOutcomeUnknownError,
     ConflictError,
     ContentTypeMismatchError,
     OnceflowError,
+    OutcomeUnknownError,
     PayloadTooLargeError,
     PreconditionFailedError,
     ProducerFencedError,
@@ -27,6 +30,7 @@ from .topic import TopicProducer, partition_for, partition_names
 from .transactions import AsyncTransactionalProducer, GroupOffsetStore, TransactionalProducer
 
 __all__ = [
+    "AbortRequiredError",
     "AppendResult",
     "AsyncConsumer",
     "AsyncIdempotentProducer",
@@ -34,6 +38,7 @@ __all__ = [
     "AsyncTransactionalProducer",
     "BadRequestError",
     "Chunk",
+    "CommitOutcomeUnknownError",
     "ConflictError",
     "Consumer",
     "ContentTypeMismatchError",
@@ -46,6 +51,7 @@ __all__ = [
     "Message",
     "OffsetStore",
     "OnceflowError",
+    "OutcomeUnknownError",
     "PayloadTooLargeError",
     "PreconditionFailedError",
     "ProducerFencedError",

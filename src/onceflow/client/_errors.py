@@ -7,10 +7,13 @@ import json
 import httpx
 
 __all__ = [
+    "AbortRequiredError",
     "BadRequestError",
+    "CommitOutcomeUnknownError",
     "ConflictError",
     "ContentTypeMismatchError",
     "OnceflowError",
+    "OutcomeUnknownError",
     "PayloadTooLargeError",
     "PreconditionFailedError",
     "ProducerFencedError",
@@ -112,6 +115,38 @@ class TransportError(OnceflowError):
     """No (complete) response: connection refused or dropped, timeout. Retriable."""
 
     retriable = True
+
+
+class OutcomeUnknownError(TransportError):
+    """A write got no definite answer before the delivery timeout: every attempt ended without a
+    (complete) response, or with a 5xx or 429, and at least one may have reached the server. The
+    write may or may not have been stored, and a request still under way may yet be. ``status`` is
+    the last attempt's (None: no response).
+
+    Not retriable by sending something new: an idempotent producer fails for good (only the same
+    producer id, epoch and sequence could be resent); a transactional producer must ``abort()``,
+    which begins a new epoch on the server (see :class:`AbortRequiredError`)."""
+
+    retriable = False
+
+
+class CommitOutcomeUnknownError(OutcomeUnknownError):
+    """A transaction's commit got no definite answer: it may or may not have committed. ``txn`` is
+    its number. Call ``commit()`` again: it resends the same request, which the server answers as
+    committed if it was, and commits now if it was not; ``abort()`` is refused until then."""
+
+    def __init__(self, message: str, *, txn: int, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.txn = txn
+
+
+class AbortRequiredError(OnceflowError):
+    """The open transaction cannot commit: one of its writes failed or its outcome is unknown
+    (``cause``). ``abort()`` it (``transaction()`` does when its block raises) and begin again."""
+
+    def __init__(self, message: str, *, cause: BaseException, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.cause = cause
 
 
 def _message(resp: httpx.Response) -> tuple[str, str]:

@@ -8,7 +8,9 @@ Delivery
     ``exactly-once``   the consumer never commits: a TransactionalProducer commits its positions in
                        the same transaction as the output (``send_offsets_to_transaction(group,
                        consumer.positions())``). Offsets then live on the server (GroupOffsetStore,
-                       the default for this mode); reads are read_committed.
+                       the default for this mode); reads are read_committed. When that transaction
+                       aborts, the positions have still moved past its input: call ``rewind()``
+                       before going on (or end the process), or that input is skipped.
 
 Offsets live in an :class:`OffsetStore`. ``FileOffsetStore`` keeps them in a local JSON file
 (durably replaced on each commit); server-side consumer groups plug in through the same protocol.
@@ -315,6 +317,27 @@ class AsyncConsumer:
         """The next offset this consumer will read, per stream it has reached (real offsets only)."""
         return {s: off for s, off in self._positions.items() if off not in ("-1", "now")}
 
+    async def rewind(self) -> None:
+        """Go back to the offsets the store holds (the last committed), as a restarted consumer
+        would: everything read and not committed is dropped and read again by the next polls.
+
+        For ``exactly-once`` after the transaction that was to carry ``positions()`` aborted
+        (Kafka's "seek to the committed offsets"): without it the next transaction would commit
+        positions past input whose output was aborted, and that input would be lost."""
+        readers = list(self._readers.values())
+        for t in readers:
+            t.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        self._readers.clear()
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._positions.clear()
+        self._uncommitted.clear()
+        self._caught_up.clear()
+        if self._started:
+            for name in self.streams:
+                self._add_reader(name)
+
     def __aiter__(self) -> AsyncConsumer:
         return self
 
@@ -353,6 +376,12 @@ class Consumer:
 
     def positions(self) -> dict[str, str]:
         return self._core.positions()
+
+    def rewind(self) -> None:
+        """Go back to the committed offsets (see :meth:`AsyncConsumer.rewind`); messages read but
+        not yet iterated are dropped too."""
+        self._buffer.clear()
+        run_sync(self._core.rewind())
 
     def __iter__(self) -> Consumer:
         return self

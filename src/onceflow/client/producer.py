@@ -14,6 +14,10 @@ How a message travels
        stream keeps the append order and nothing is skipped.
     4. Anything else (400, 404, 409 closed, 413, a 403 fence) fails the producer: ``on_error`` is
        called for each batch that will never be delivered, and ``append``/``flush`` raise.
+    5. A batch still without a definite answer at ``delivery_timeout`` fails the producer too. If
+       any of its requests may have reached the server (anything but a refused connection), the
+       error is :class:`OutcomeUnknownError`: the batch may be in the stream (its answer was lost)
+       or may still land (a request under way). Otherwise it is a plain ``TransportError``: it is not.
 
 ``idempotent=False`` (Kafka's ``enable.idempotence=false``) sends the same batches without producer
 headers: retries are then at-least-once (a lost acknowledgement means a duplicate) and batches in
@@ -48,6 +52,7 @@ from .._files import replace_file
 from ._errors import (
     BadRequestError,
     OnceflowError,
+    OutcomeUnknownError,
     ProducerFencedError,
     SequenceGapError,
     TransportError,
@@ -57,6 +62,9 @@ from ._loop import background_loop, run_sync
 from ._protocol import auth_headers, is_json_type, stream_url, tls_verify
 
 __all__ = ["AsyncIdempotentProducer", "IdempotentProducer", "ProducerStats"]
+
+# transport errors raised before a byte of the request could have reached the server
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 ErrorCallback = Callable[[OnceflowError, int], None]
 
@@ -169,6 +177,7 @@ class AsyncIdempotentProducer:
         self._sender: asyncio.Task[None] | None = None
         self._json = content_type is not None and is_json_type(content_type)
         self._acked_in_epoch = False
+        self._maybe_stored_in_epoch = False  # a request of this epoch got no definite answer
 
     def _now(self) -> float:
         """The clock of the loop the producer runs on (monotonic; the simulator's, in a simulation)."""
@@ -413,6 +422,7 @@ class AsyncIdempotentProducer:
     async def _deliver(self, batch: _Batch) -> None:
         started = self._now()
         attempt = 0
+        reached = False  # some request for this batch may have reached the server unanswered
         task = asyncio.current_task()
         while True:
             if self._error is not None:
@@ -430,6 +440,9 @@ class AsyncIdempotentProducer:
                 resp = await self._client.post(self.url, content=batch.body, headers=headers)
             except httpx.TransportError as exc:
                 err = TransportError(f"append to {self.url}: {exc!r}")
+                if not isinstance(exc, _NOT_SENT):
+                    reached = True
+                    self._note_maybe_stored(epoch)
             else:
                 if resp.status_code in (200, 204):
                     if task is not None:
@@ -448,12 +461,26 @@ class AsyncIdempotentProducer:
                     continue
                 if isinstance(err, ProducerFencedError) and self._claim(err):
                     continue
+                if isinstance(err, ProducerFencedError) and self.auto_claim and self._maybe_stored_in_epoch:
+                    err = ProducerFencedError(
+                        f"{err.message} (not claimed: a request of epoch {epoch} may have been stored unanswered, "
+                        "and claiming would send it again)", status=err.status, code=err.code, current_epoch=err.current_epoch,
+                    )
                 if not err.retriable:
                     self._fail(err)
                     self._fail_batch(batch, err)
                     return
+                if err.status is not None and err.status >= 500:
+                    reached = True
+                    self._note_maybe_stored(epoch)
             if self._now() - started > self.delivery_timeout:
-                err = TransportError(f"gave up after {self.delivery_timeout:.0f} s: {err.message}", status=err.status)
+                if reached:
+                    err = OutcomeUnknownError(
+                        f"gave up after {self.delivery_timeout:g} s without a definite answer ({err.message}): the batch "
+                        "may or may not have been stored", status=err.status, code="outcome_unknown",
+                    )
+                else:
+                    err = TransportError(f"gave up after {self.delivery_timeout:g} s: {err.message}", status=err.status)
                 self._fail(err)
                 self._fail_batch(batch, err)
                 return
@@ -462,11 +489,16 @@ class AsyncIdempotentProducer:
             low, high = self.retry_backoff
             await asyncio.sleep(min(high, low * 2 ** min(attempt, 16)) * (0.8 + 0.4 * random.random()))  # noqa: S311
 
+    def _note_maybe_stored(self, epoch: int) -> None:
+        if epoch == self.epoch:
+            self._maybe_stored_in_epoch = True
+
     def _claim(self, err: ProducerFencedError) -> bool:
         """Auto-claim (opt-in): before anything was acknowledged in this epoch, move past the
         server's epoch and start again at seq 0. Later it would mean renumbering acknowledged
-        history, so a fence after that is final."""
-        if not self.auto_claim or self._acked_in_epoch or err.current_epoch is None:
+        history, so a fence after that is final. So is a fence after a request of this epoch got
+        no definite answer: it may have been stored, and claiming would store it again."""
+        if not self.auto_claim or self._acked_in_epoch or self._maybe_stored_in_epoch or err.current_epoch is None:
             return False
         if self.epoch <= err.current_epoch:
             self.epoch = err.current_epoch + 1

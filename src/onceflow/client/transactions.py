@@ -11,7 +11,28 @@
 Appends are buffered per stream and sent (one POST per stream and up to ``max_batch_bytes``) when
 the buffer fills, on ``flush()`` and with the commit, which rides on the last POST. Each POST is idempotent (``txn:<id>``,
 epoch, a per-stream sequence), so retries after timeouts or 5xx never duplicate. A 403 means a newer
-instance of the same transactional id took over: this one is fenced for good (make a new one).
+instance of the same transactional id took over: this one is fenced for good (make a new one, or
+``init()`` again).
+
+When a write fails, or its outcome is unknown
+    Every request is retried on transport errors and 5xx until ``delivery_timeout``. A write that
+    still has no definite answer then raises :class:`OutcomeUnknownError`: the server may have
+    stored it (the answer was lost) or may yet store it (the request is still under way).
+
+    1. A transaction one of whose writes failed, or whose outcome is unknown, can never commit:
+       ``commit()``, ``append()``, ``extend()``, ``flush()`` and ``send_offsets_to_transaction()``
+       raise :class:`AbortRequiredError` until ``abort()``.
+    2. After an unknown outcome ``abort()`` knows neither the stream's sequence nor, if it was the
+       transaction's first write, the transaction's number. So it takes a new epoch (Kafka's
+       KIP-360): ``init`` with a fresh request id, which aborts whatever the old epoch left open,
+       fences any request of the old epoch still under way (403), and restarts the sequences at 0.
+       Before that it checks (``GET /v1/txn/<id>``) that the id is still at this producer's epoch:
+       if it moved on (a newer instance took over, or the server aborted the transaction after its
+       timeout), this producer is fenced instead and takes nothing from the newer holder.
+    3. A commit whose outcome is unknown raises :class:`CommitOutcomeUnknownError`. ``commit()``
+       again resends the very same request, which the server answers idempotently: committed if it
+       was, committed now if it was not, or a definite error if the transaction can no longer
+       commit. ``abort()`` and new writes are refused until then.
 """
 
 from __future__ import annotations
@@ -22,19 +43,46 @@ import json
 import random
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from ._errors import OnceflowError, TransportError, error_from_response
+from ._errors import (
+    AbortRequiredError,
+    CommitOutcomeUnknownError,
+    OnceflowError,
+    OutcomeUnknownError,
+    ProducerFencedError,
+    TransportError,
+    error_from_response,
+)
 from ._loop import background_loop, run_sync
 from ._protocol import auth_headers, is_json_type, stream_url, tls_verify
 
 __all__ = ["AsyncTransactionalProducer", "GroupOffsetStore", "TransactionalProducer"]
 
+# transport errors raised before a byte of the request could have reached the server
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+@dataclass(frozen=True, slots=True)
+class _Commit:
+    """A commit request: an append carrying ``Transaction-Commit`` (``stream`` set), or
+    ``POST /v1/txn/<id>/commit``. Kept whole while its outcome is unknown, to be sent again as it was."""
+
+    txn: int
+    url: str
+    body: bytes
+    headers: dict[str, str]
+    stream: str | None = None
+    seq: int = 0
+
 
 class AsyncTransactionalProducer:
-    """A transactional producer for one transactional id, on the running event loop."""
+    """A transactional producer for one transactional id, on the running event loop.
+
+    One caller at a time: the methods are not meant to run concurrently with each other."""
 
     def __init__(
         self,
@@ -65,6 +113,10 @@ class AsyncTransactionalProducer:
         self._buffer_bytes: dict[str, int] = {}
         self._types: dict[str, str] = {}
         self._fenced: OnceflowError | None = None
+        self._doomed: BaseException | None = None  # why the open transaction can only be aborted
+        self._unknown = False  # a write of this epoch may have been stored unseen: abort takes a new epoch
+        self._commit: _Commit | None = None  # a commit whose outcome is unknown
+        self._bump_id: str | None = None  # the request id of the epoch bump under way (the same on every try)
 
     def _url(self, path: str) -> str:
         return f"{self.base_url}/v1/txn/{self.transactional_id}/{path}"
@@ -76,20 +128,31 @@ class AsyncTransactionalProducer:
         result: dict[str, Any] = resp.json()
         return result
 
-    async def _request(self, method: str, url: str, what: str, **kw: Any) -> httpx.Response:
-        """One request, retried on transport errors and 5xx (every request here is idempotent)."""
+    async def _request(self, method: str, url: str, what: str, *, write: bool = False, **kw: Any) -> httpx.Response:
+        """One request, retried on transport errors and 5xx (every request here is idempotent).
+
+        Gives up after ``delivery_timeout`` with the last error or, for a ``write`` that may have
+        reached the server on some attempt, :class:`OutcomeUnknownError`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.delivery_timeout
         attempt = 0
+        reached = False
         while True:
             try:
                 resp = await self._client.request(method, url, **kw)
                 if resp.status_code < 500 and resp.status_code != 429:
                     return resp
                 err: OnceflowError = error_from_response(resp, what)
+                reached = True
             except httpx.TransportError as exc:
                 err = TransportError(f"{what}: {exc!r}")
+                reached = reached or not isinstance(exc, _NOT_SENT)
             if loop.time() > deadline:
+                if write and reached:
+                    raise OutcomeUnknownError(
+                        f"{what}: no definite answer within {self.delivery_timeout:g} s (last: {err.message}); "
+                        "the server may or may not have stored it", status=err.status, code="outcome_unknown",
+                    )
                 raise err
             attempt += 1
             low, high = self.retry_backoff
@@ -100,25 +163,62 @@ class AsyncTransactionalProducer:
             self._fenced = err
         return err
 
+    def _doom(self, exc: BaseException, *, unknown: bool) -> None:
+        """A write of the open transaction failed (``unknown``: it may have been stored): the
+        transaction can only be aborted now."""
+        if self._doomed is None:
+            self._doomed = exc
+        self._unknown = self._unknown or unknown
+
+    def _failed_write(self, exc: BaseException) -> None:
+        """Note a write that raised: no definite answer (an unknown outcome, or cancelled while
+        under way) or a definite refusal (403 fences the producer)."""
+        if isinstance(exc, OnceflowError):
+            if exc.status == 403:
+                self._fenced = exc
+            self._doom(exc, unknown=isinstance(exc, OutcomeUnknownError))
+        else:
+            self._doom(exc, unknown=True)  # cancelled (or interrupted) while the request was out
+
     def _check(self) -> None:
+        """Raise unless the open transaction may take writes and commit."""
         if self._fenced is not None:
             raise self._fenced
         if self.epoch < 0:
             raise OnceflowError("init() the transactional producer first")
+        if self._commit is not None:
+            raise CommitOutcomeUnknownError(
+                f"the outcome of the commit of transaction {self._commit.txn} of {self.transactional_id!r} is unknown: "
+                "call commit() again to learn it", txn=self._commit.txn, code="commit_outcome_unknown",
+            )
+        if self._doomed is not None:
+            raise AbortRequiredError(
+                f"the open transaction of {self.transactional_id!r} cannot commit, a write of it failed "
+                f"({self._doomed!r}): abort() it and begin again", cause=self._doomed, code="abort_required",
+            )
+
+    def _owes_abort(self) -> bool:
+        """Whether the open transaction failed and waits for ``abort()``."""
+        return self._doomed is not None and self._commit is None and self._fenced is None
 
     # ------------------------------------------------------------------ lifecycle
 
     async def init(self) -> None:
         """Claim the transactional id: a new epoch; the previous holder is fenced and whatever it
-        left open is aborted."""
+        left open is aborted. Also how a fenced producer takes the id back."""
         # one request id for the retries of this init: a retry (or a late original) gets the same
         # epoch back instead of fencing this very producer with a newer one
         request = {"timeout_ms": self.timeout_ms, "request_id": uuid.uuid4().hex}
         body = await self._post_json(self._url("init"), request, f"init {self.transactional_id}")
+        self._begin_epoch(body)
+
+    def _begin_epoch(self, body: dict[str, Any]) -> None:
         self.producer_id, self.epoch, self.txn, self._ended = body["producer_id"], body["epoch"], None, body["txn"]
         self._seqs.clear()
         self._buffers.clear()
         self._buffer_bytes.clear()
+        self._fenced = self._doomed = self._commit = self._bump_id = None
+        self._unknown = False
 
     def resume(self, producer_id: str, epoch: int, txn: int) -> None:
         """Write with an epoch that the server issued for this id by other means (the Spark
@@ -181,14 +281,13 @@ class AsyncTransactionalProducer:
         if size >= self.max_batch_bytes:
             await self._send(stream)
 
-    async def _send(self, stream: str, *, commit: int | None = None) -> bool:
-        """POST the buffered messages of ``stream``; with ``commit``, as the last append of that
-        transaction, which commits it. Returns whether the server says it committed."""
+    def _take(self, stream: str, commit: int | None = None) -> _Commit | None:
+        """The POST for the buffered messages of ``stream`` (taken out of the buffer), or None."""
         msgs = self._buffers.pop(stream, [])
         self._buffer_bytes.pop(stream, None)
         if not msgs:
-            return False
-        ct = await self._content_type(stream)
+            return None
+        ct = self._types[stream]  # learned by extend() before anything was buffered
         body = b"[" + b",".join(msgs) + b"]" if is_json_type(ct) else b"".join(msgs)
         seq = self._seqs.get(stream, 0)
         headers = {
@@ -200,10 +299,28 @@ class AsyncTransactionalProducer:
         }
         if commit is not None:
             headers["transaction-commit"] = str(commit)
-        resp = await self._request("POST", stream_url(self.base_url, stream), f"append to {stream}", content=body, headers=headers)
+        return _Commit(-1 if commit is None else commit, stream_url(self.base_url, stream), body, headers, stream, seq)
+
+    async def _send(self, stream: str) -> None:
+        """POST the buffered messages of ``stream`` (inside the open transaction)."""
+        req = self._take(stream)
+        if req is None:
+            return
+        assert req.stream is not None
+        try:
+            resp = await self._request("POST", req.url, f"append to {stream}", write=True, content=req.body, headers=req.headers)
+        except BaseException as exc:
+            self._failed_write(exc)
+            raise
         if resp.status_code not in (200, 204):
-            raise self._note(error_from_response(resp, f"transactional append to {stream}"))
-        self._seqs[stream] = seq + 1
+            err = error_from_response(resp, f"transactional append to {stream}")
+            self._failed_write(err)
+            raise err
+        self._seqs[stream] = req.seq + 1
+        self._joined(resp)
+
+    def _joined(self, resp: httpx.Response) -> None:
+        """Learn the transaction's number from an append's answer."""
         number = resp.headers.get("transaction-number")
         if number is not None and number.isdigit():
             if self.txn is not None and int(number) != self.txn:
@@ -214,55 +331,186 @@ class AsyncTransactionalProducer:
                 )
                 raise self._fenced
             self.txn = int(number)
-        return bool(resp.headers.get("transaction-committed") == "true")
+
+    async def _send_all(self, streams: list[str]) -> None:
+        """Send the buffers of ``streams`` at once; every request has ended when this returns."""
+        results = await asyncio.gather(*(self._send(s) for s in streams), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
 
     async def flush(self) -> None:
         """Send every buffered message (still inside the transaction)."""
         self._check()
-        await asyncio.gather(*(self._send(s) for s in list(self._buffers)))
+        await self._send_all(list(self._buffers))
 
     async def send_offsets_to_transaction(self, group: str, offsets: Mapping[str, str]) -> None:
         """Commit ``group``'s ``offsets`` together with this transaction's output."""
         self._check()
         if not offsets:
             return
-        body = await self._post_json(
-            self._url("offsets"), {"epoch": self.epoch, "group": group, "offsets": dict(offsets)}, f"offsets of {group}"
-        )
-        self.txn = body["txn"]
+        what = f"offsets of {group}"
+        try:
+            resp = await self._request("POST", self._url("offsets"), what, write=True,
+                                       json={"epoch": self.epoch, "group": group, "offsets": dict(offsets)})
+        except BaseException as exc:
+            self._failed_write(exc)
+            raise
+        if resp.status_code != 200:
+            err = error_from_response(resp, what)
+            self._failed_write(err)
+            raise err
+        self.txn = resp.json()["txn"]
 
     async def commit(self) -> None:
         """Send what is buffered, then commit. A no-op when the transaction wrote nothing.
 
         The last buffered batch carries the commit (``Transaction-Commit``), so a transaction
         whose messages fit one request is one request; a transaction that wrote to one stream only
-        and carries no offsets is then stored with one fsync on the server."""
+        and carries no offsets is then stored with one fsync on the server.
+
+        Raises :class:`AbortRequiredError` (and sends nothing) when a write of the transaction
+        failed, and :class:`CommitOutcomeUnknownError` when the commit got no definite answer; then
+        call ``commit()`` again, which resends that same request."""
+        if self._commit is not None and self._fenced is None:
+            await self._send_commit(self._commit)
+            return
         self._check()
         pending = [stream for stream, msgs in self._buffers.items() if msgs]
-        committed = False
         if pending:
-            await asyncio.gather(*(self._send(stream) for stream in pending[:-1]))
-            number = self.txn if self.txn is not None else self._ended + 1
-            committed = await self._send(pending[-1], commit=number)
-        if self.txn is None:
-            return
-        if not committed:  # nothing was left to send (or a server without Transaction-Commit)
-            await self._post_json(self._url("commit"), {"epoch": self.epoch, "txn": self.txn}, f"commit {self.transactional_id}")
-        self._ended, self.txn = self.txn, None
+            await self._send_all(pending[:-1])
+            req = self._take(pending[-1], commit=self.txn if self.txn is not None else self._ended + 1)
+            assert req is not None
+            await self._send_commit(req)
+        elif self.txn is not None:
+            await self._send_commit(self._commit_request(self.txn))
+
+    def _commit_request(self, txn: int) -> _Commit:
+        body = json.dumps({"epoch": self.epoch, "txn": txn}).encode()
+        return _Commit(txn, self._url("commit"), body, {"content-type": "application/json"})
+
+    async def _send_commit(self, req: _Commit) -> None:
+        """Send a commit (again, after an unknown outcome) and take its answer.
+
+        1. No definite answer: the commit is kept, to be sent again as it was; raises
+           :class:`CommitOutcomeUnknownError`. (Only when no attempt of a first try can have
+           reached the server is it known not to have committed: the transaction can then only be
+           aborted.)
+        2. A refusal: not committed; the transaction can only be aborted (403: fenced; when
+           sending again, a 403 leaves open whether an earlier try committed).
+        3. An append stored but not committed (a server without ``Transaction-Commit``): commit
+           by request, step 1 onwards.
+        4. Committed."""
+        what = f"commit transaction {req.txn} of {self.transactional_id!r}"
+        resend = self._commit is not None
+        # Step 1
+        try:
+            resp = await self._request("POST", req.url, what, write=True, content=req.body, headers=req.headers)
+        except OnceflowError as exc:
+            if isinstance(exc, OutcomeUnknownError) or resend:
+                self._commit = req
+                raise CommitOutcomeUnknownError(
+                    f"{what}: no definite answer, it may or may not have committed; call commit() again to learn "
+                    f"({exc.message})", txn=req.txn, status=exc.status, code="commit_outcome_unknown",
+                ) from exc
+            self._failed_write(exc)  # no attempt reached the server: not committed
+            raise
+        except BaseException:
+            self._commit = req  # cancelled while under way
+            raise
+        self._commit = None
+        # Step 2
+        if resp.status_code not in (200, 204):
+            err = error_from_response(resp, what)
+            if resend and isinstance(err, ProducerFencedError):
+                # a newer epoch may have come after the first try committed: still unknown
+                err = ProducerFencedError(f"{err.message}; whether an earlier try committed the transaction is unknown",
+                                          status=err.status, code=err.code, current_epoch=err.current_epoch)
+            self._failed_write(err)
+            raise err
+        if req.stream is not None:
+            self._seqs[req.stream] = req.seq + 1
+            self._joined(resp)
+            # Step 3
+            if resp.headers.get("transaction-committed") != "true":
+                await self._send_commit(self._commit_request(req.txn))
+                return
+        # Step 4
+        self._ended, self.txn = req.txn, None
 
     async def abort(self) -> None:
-        """Drop what is buffered and abort what was sent."""
+        """Drop what is buffered and abort what was sent.
+
+        After a write whose outcome is unknown this takes a new epoch on the server (see the
+        module docstring); raises :class:`ProducerFencedError` if the id moved on to another
+        holder meanwhile. Refused (:class:`CommitOutcomeUnknownError`) while a commit's outcome is
+        unknown: call ``commit()`` again first."""
+        if self._commit is not None and self._fenced is None:
+            self._check()
         self._buffers.clear()
         self._buffer_bytes.clear()
-        if self.txn is None or self._fenced is not None:
-            self.txn = None
+        if self._fenced is not None:
+            self.txn = None  # the newer epoch aborted what this one left open
             return
-        await self._post_json(self._url("abort"), {"epoch": self.epoch, "txn": self.txn}, f"abort {self.transactional_id}")
-        self._ended, self.txn = self.txn, None
+        if self._unknown:
+            await self._abort_by_new_epoch()
+            return
+        if self.txn is not None:
+            try:
+                await self._post_json(self._url("abort"), {"epoch": self.epoch, "txn": self.txn}, f"abort {self.transactional_id}")
+            except BaseException as exc:
+                self._doom(exc, unknown=False)  # no new writes may join it before the abort is through
+                raise
+            self._ended, self.txn = self.txn, None
+        self._doomed = None
+
+    async def _abort_by_new_epoch(self) -> None:
+        """Abort after an unknown outcome: a new epoch, if the id is still this producer's.
+
+        1. ``GET /v1/txn/<id>``: an epoch past this producer's (or past the one an earlier try of
+           step 2 may have begun) means another holder: fenced, nothing sent.
+        2. ``init`` with the request id of this bump (the same on every try, so a try whose answer
+           was lost is answered with the epoch it began, not a second bump). The server aborts the
+           old epoch's open transaction and fences its requests still under way.
+        3. The new epoch must be the next one; otherwise another instance claimed the id between
+           steps 1 and 2, and step 2 fenced it: this producer gives way too (fenced)."""
+        tid = self.transactional_id
+        # Step 1
+        resp = await self._request("GET", f"{self.base_url}/v1/txn/{tid}", f"state of {tid}")
+        if resp.status_code != 200:
+            raise error_from_response(resp, f"state of {tid}")
+        current = int(resp.json()["epoch"])
+        if current > self.epoch + (1 if self._bump_id is not None else 0):
+            raise self._fence(current)
+        # Step 2
+        if self._bump_id is None:
+            self._bump_id = uuid.uuid4().hex
+        body = await self._post_json(self._url("init"), {"timeout_ms": self.timeout_ms, "request_id": self._bump_id}, f"init {tid}")
+        # Step 3
+        if body["epoch"] != self.epoch + 1:
+            raise self._fence(body["epoch"])
+        self._begin_epoch(body)
+
+    def _fence(self, current: int) -> ProducerFencedError:
+        err = ProducerFencedError(
+            f"transactional id {self.transactional_id!r} moved on to epoch {current} while epoch {self.epoch} had a write "
+            "with no answer: a newer instance took it over, or the server aborted the transaction after its timeout. "
+            "Nothing of the open transaction is committed; init() again (or make a new producer)",
+            code="fenced", current_epoch=current,
+        )
+        self._fenced = err
+        self.txn = None
+        return err
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncTransactionalProducer]:
-        """Commit when the block ends normally; abort (and re-raise) when it raises."""
+        """Commit when the block ends normally; abort (and re-raise) when it raises.
+
+        A transaction that an earlier failure left waiting for ``abort()`` (its abort failed
+        too) is aborted first. A commit with an unknown outcome raises
+        :class:`CommitOutcomeUnknownError` out of the block, not aborted."""
+        if self._owes_abort():
+            await self.abort()
         self._check()
         try:
             yield self
@@ -299,6 +547,10 @@ class TransactionalProducer:
         """The server's number of the open transaction, once something was sent in it."""
         return self._core.txn
 
+    def init(self) -> None:
+        """Claim the transactional id again (the constructor did once): see the async twin."""
+        run_sync(self._core.init())
+
     def append(self, stream: str, value: bytes | str | Any) -> None:
         run_sync(self._core.append(stream, value))
 
@@ -319,7 +571,9 @@ class TransactionalProducer:
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[TransactionalProducer]:
-        """Commit when the block ends normally; abort (and re-raise) when it raises."""
+        """Commit when the block ends normally; abort (and re-raise) when it raises (see the async twin)."""
+        if self._core._owes_abort():
+            self.abort()
         self._core._check()
         try:
             yield self

@@ -21,8 +21,9 @@ or one event loop.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 __all__ = ["Acker", "FILTERED", "Watermarker"]
@@ -186,12 +187,15 @@ class _OutgoingToIncomingMessageTracker:
             raise ValueError(f"outgoing id {outgoing_id} tracked after {self._sent[-1].outgoing_id}")
         self._sent.append(_Sent(outgoing_id, producer, incoming_id))
 
-    def acked_up_to(self, watermark: int) -> dict[Hashable, int]:
+    def acked_up_to(self, watermark: int, hold: tuple[Hashable, int] | None = None) -> dict[Hashable, int]:
         """Forget what the watermark covers; return per producer the highest incoming id whose
-        outgoing messages are all at or below ``watermark``."""
+        outgoing messages are all at or below ``watermark``. ``hold`` (producer, incoming id): a
+        message whose outputs are still being tracked; it and everything after it stay."""
         acks: dict[Hashable, int] = {}
         sent = self._sent
         while sent and sent[0].outgoing_id <= watermark:
+            if hold is not None and (sent[0].producer, sent[0].incoming_id) == hold:
+                break
             entry = sent.popleft()
             if sent and sent[0].producer == entry.producer and sent[0].incoming_id == entry.incoming_id:
                 continue  # the same message has a later output: that entry decides (now or later)
@@ -208,6 +212,15 @@ class Acker:
     downstream route acknowledges. :meth:`acks_to_send` returns what may now be acknowledged
     upstream: per producer the highest incoming id all of whose outputs are done, only when it
     moved since the last call. Incoming ids of one producer must increase.
+
+    Contract for "1 to many": the Acker knows a message's outputs only as they are sent, so
+    :meth:`acks_to_send` called between two :meth:`sent` calls for one incoming message would see
+    its first outputs done and acknowledge it before the rest exist. Either send all of a
+    message's outputs before calling :meth:`acks_to_send` (as ``Pipeline`` does), or send them
+    inside ``with acker.emitting(producer, incoming_id):``, during which :meth:`acks_to_send`
+    holds that message back (earlier ones are still acknowledged). An output of a message that was
+    already acknowledged is refused (``ValueError``), so a violation is loud, not a silent early
+    acknowledgement of everything after it.
     """
 
     def __init__(self) -> None:
@@ -215,6 +228,7 @@ class Acker:
         self._tracker = _OutgoingToIncomingMessageTracker()
         self._acked: dict[Hashable, int] = {}
         self._next_id = 1
+        self._emitting: tuple[Hashable, int] | None = None
 
     def __repr__(self) -> str:
         return f"Acker({self.watermarker!r}, {len(self._tracker)} tracked)"
@@ -231,9 +245,37 @@ class Acker:
         """The next unused outgoing id (for steps that let the Acker number their messages)."""
         return max(self._next_id, self.watermarker.last_sent + 1)
 
+    @contextlib.contextmanager
+    def emitting(self, producer: Hashable, incoming_id: int) -> Iterator[None]:
+        """Send the outputs of ``producer``'s message ``incoming_id`` inside this block: until it
+        ends, :meth:`acks_to_send` does not acknowledge that message. One message at a time; every
+        :meth:`sent` / :meth:`filtered` inside must be for it."""
+        if self._emitting is not None:
+            raise ValueError(f"already emitting message {self._emitting[1]} of {self._emitting[0]!r}; "
+                             "emitting() handles one incoming message at a time")
+        self._check_open(producer, incoming_id)
+        self._emitting = (producer, incoming_id)
+        try:
+            yield
+        finally:
+            self._emitting = None
+
+    def _check_open(self, producer: Hashable, incoming_id: int) -> None:
+        acked = self._acked.get(producer, 0)
+        if incoming_id <= acked:
+            raise ValueError(
+                f"message {incoming_id} of {producer!r} was already acknowledged upstream (up to {acked}): "
+                "acks_to_send() ran between two of its outputs (send them inside emitting()), "
+                "or the incoming ids of one producer did not increase")
+        if self._emitting is not None and self._emitting != (producer, incoming_id):
+            raise ValueError(f"an output of message {incoming_id} of {producer!r} inside emitting() for message "
+                             f"{self._emitting[1]} of {self._emitting[0]!r}")
+
     def sent(self, route: Hashable, outgoing_id: int, producer: Hashable, incoming_id: int) -> None:
         """``outgoing_id`` went out on ``route`` as (one of) the output(s) of ``producer``'s
-        message ``incoming_id``."""
+        message ``incoming_id``. Refused (``ValueError``, nothing recorded) if that message was
+        already acknowledged upstream."""
+        self._check_open(producer, incoming_id)
         self.watermarker.sent(route, outgoing_id)
         self._tracker.track(outgoing_id, producer, incoming_id)
         self._next_id = outgoing_id + 1
@@ -241,6 +283,7 @@ class Acker:
     def filtered(self, outgoing_id: int, producer: Hashable, incoming_id: int) -> None:
         """``producer``'s message ``incoming_id`` produced no output; it is given ``outgoing_id``
         on the filtered route so the watermark can pass it."""
+        self._check_open(producer, incoming_id)
         self.watermarker.filtered(outgoing_id)
         self._tracker.track(outgoing_id, producer, incoming_id)
         self._next_id = outgoing_id + 1
@@ -249,9 +292,14 @@ class Acker:
         self.watermarker.ack_received(route, outgoing_id)
 
     def acks_to_send(self) -> dict[Hashable, int]:
-        """Per upstream producer, the highest incoming id that is now done (only those that moved)."""
+        """Per upstream producer, the highest incoming id that is now done (only those that moved).
+
+        Call it only when every output of the messages it may acknowledge has been sent: not
+        between two :meth:`sent` calls for one incoming message, unless they are inside
+        :meth:`emitting` (which holds that message back); see the class docstring."""
         new: dict[Hashable, int] = {}
-        for producer, incoming_id in self._tracker.acked_up_to(self.watermarker.propose_watermark()).items():
+        watermark = self.watermarker.propose_watermark()
+        for producer, incoming_id in self._tracker.acked_up_to(watermark, self._emitting).items():
             if incoming_id > self._acked.get(producer, 0):
                 self._acked[producer] = new[producer] = incoming_id
         return new

@@ -6,9 +6,10 @@ table must exist). ``row(message)`` gives a row's values in that order; by defau
 the same names of a JSON-object message (a dict or list value is written as ``jsonb``).
 
 The sinks keep their own state in tables they create when missing:
-``onceflow_sink_checkpoints`` (job, checkpoint id, offsets: the transactional sink's checkpoint)
-and ``onceflow_sink_transactions`` (job, checkpoint id: one row committed by each two-phase
-transaction, so a restore can tell a committed transaction from a rolled back one).
+``onceflow_sink_checkpoints`` (job, checkpoint id, offsets: the transactional sink's checkpoint),
+``onceflow_sink_transactions`` (job, checkpoint id: one row committed by each two-phase
+transaction, so a restore can tell a committed transaction from a rolled back one) and
+``onceflow_sink_epochs`` (job, epoch: the two-phase sink's fencing, one claim per restore).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ RowFunction = Callable[[Message], Sequence[Any]]
 
 CHECKPOINTS_TABLE = "onceflow_sink_checkpoints"
 TRANSACTIONS_TABLE = "onceflow_sink_transactions"
+EPOCHS_TABLE = "onceflow_sink_epochs"
 _GID_PREFIX = "onceflow:"
 
 
@@ -349,14 +351,34 @@ class PostgresTwoPhaseSink(_PostgresSink, TwoPhaseCommitSink[PostgresTxn]):
     error, never a silent loss) and rolls back every other prepared ``onceflow:<job>:`` transaction.
     Prepared transactions hold their locks until decided; a runner that never comes back leaves them
     to an operator (``SELECT gid FROM pg_prepared_xacts``).
+
+    Fencing: only the runner that restored last may commit. The global id alone does not stop a
+    second runner (PostgreSQL frees an id once its transaction commits), so:
+
+    1. A restore, after the recovery above, claims the job: it increments the job's row of
+       ``onceflow_sink_epochs`` and keeps the new epoch. The claim waits (up to ``lock_timeout``
+       seconds, then :class:`SinkError`) for a checkpoint transaction of another runner that holds
+       the row (step 3).
+    2. It then checks that no checkpoint after the restored one was committed (the newest marker
+       row): otherwise another runner committed since this one's checkpoint was loaded, and
+       replaying would write that input twice: :class:`SinkFencedError`; run again to reload.
+    3. Each checkpoint transaction, before it prepares, locks the job's epoch row
+       (``SELECT … FOR UPDATE``, held until ``COMMIT PREPARED``) and requires it to hold this
+       runner's epoch, and its marker insert must insert. Else it is rolled back and
+       :class:`SinkFencedError` raised: a fenced runner commits nothing.
     """
 
-    def __init__(self, conninfo: str, table: str, columns: Sequence[str], *, job: str, row: RowFunction | None = None) -> None:
+    def __init__(self, conninfo: str, table: str, columns: Sequence[str], *, job: str, row: RowFunction | None = None,
+                 lock_timeout: float = 30.0) -> None:
         _PostgresSink.__init__(self, conninfo, table, columns, row, autocommit=True)
         TwoPhaseCommitSink.__init__(self)
         if not job:
             raise ValueError("job must name the pipeline (it names the prepared transactions)")
+        if lock_timeout <= 0:
+            raise ValueError("lock_timeout must be a positive number of seconds")
         self.job = job
+        self.lock_timeout = lock_timeout
+        self.epoch = 0  # this runner's claim on the job (0: not restored yet)
         self._prefix = f"{_GID_PREFIX}{job}:"
         if len(self._prefix) > 180:
             raise ValueError("job is too long for a PostgreSQL transaction id (200 bytes)")
@@ -373,7 +395,33 @@ class PostgresTwoPhaseSink(_PostgresSink, TwoPhaseCommitSink[PostgresTxn]):
                             "in postgresql.conf (and restart the server)")
         create_if_missing(conn, sql.SQL("CREATE TABLE IF NOT EXISTS {} (job text NOT NULL, checkpoint bigint NOT NULL, "
                                         "PRIMARY KEY (job, checkpoint))").format(sql.Identifier(TRANSACTIONS_TABLE)))
-        return TwoPhaseCommitSink.on_checkpoint_restore(self, checkpoint)
+        create_if_missing(conn, sql.SQL("CREATE TABLE IF NOT EXISTS {} (job text PRIMARY KEY, epoch bigint NOT NULL)").format(
+            sql.Identifier(EPOCHS_TABLE)))
+        self.epoch = 0
+        done = TwoPhaseCommitSink.on_checkpoint_restore(self, checkpoint)
+        # Step 1: claim the job
+        try:
+            with conn.transaction():
+                conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{int(self.lock_timeout * 1000)}ms")))
+                row = conn.execute(sql.SQL(
+                    "INSERT INTO {t} (job, epoch) VALUES (%s, 1) ON CONFLICT (job) DO UPDATE SET epoch = {t}.epoch + 1 "
+                    "RETURNING epoch").format(t=sql.Identifier(EPOCHS_TABLE)), (self.job,)).fetchone()
+        except psycopg.errors.LockNotAvailable as exc:
+            raise SinkError(f"job {self.job!r}: a checkpoint transaction of another runner held the job for "
+                            f"{self.lock_timeout:g} s (prepared and not decided?); run again: the restore decides "
+                            "prepared transactions first") from exc
+        assert row is not None
+        epoch = int(row[0])
+        # Step 2: nothing committed after the restored checkpoint
+        restored = 0 if checkpoint is None else checkpoint.id
+        latest = conn.execute(sql.SQL("SELECT max(checkpoint) FROM {} WHERE job = %s").format(
+            sql.Identifier(TRANSACTIONS_TABLE)), (self.job,)).fetchone()
+        if latest is not None and latest[0] is not None and int(latest[0]) > restored:
+            raise SinkFencedError(f"job {self.job!r}: checkpoint {latest[0]} was committed by another runner after this "
+                                  f"one loaded checkpoint {restored}; replaying from there would write its input twice. "
+                                  "Run again (to load the newest checkpoint), and run one runner per job")
+        self.epoch = epoch
+        return done
 
     def begin_transaction(self, checkpoint_id: int) -> PostgresTxn:
         conn = self._db.get()
@@ -384,16 +432,33 @@ class PostgresTwoPhaseSink(_PostgresSink, TwoPhaseCommitSink[PostgresTxn]):
         copy_rows(self._db.get(), self.table, self.columns, self.rows(messages))
 
     def pre_commit(self, txn: PostgresTxn) -> None:
+        """Step 3 of the fencing (class docstring), then ``PREPARE TRANSACTION``."""
         conn = self._db.get()
         marks = sql.Identifier(TRANSACTIONS_TABLE)
-        conn.execute(sql.SQL("INSERT INTO {} (job, checkpoint) VALUES (%s, %s) ON CONFLICT DO NOTHING").format(marks),
-                     (self.job, txn.checkpoint_id))
+        row = conn.execute(sql.SQL("SELECT epoch FROM {} WHERE job = %s FOR UPDATE").format(sql.Identifier(EPOCHS_TABLE)),
+                           (self.job,)).fetchone()
+        if self.epoch == 0 or row is None or int(row[0]) != self.epoch:
+            conn.execute("ROLLBACK")
+            raise SinkFencedError(f"job {self.job!r}: another runner restored the job after this one (epoch "
+                                  f"{None if row is None else row[0]}, this runner's {self.epoch}); checkpoint "
+                                  f"{txn.checkpoint_id} of this runner was rolled back")
+        inserted = conn.execute(sql.SQL("INSERT INTO {} (job, checkpoint) VALUES (%s, %s) ON CONFLICT DO NOTHING").format(marks),
+                                (self.job, txn.checkpoint_id)).rowcount
+        if inserted != 1:
+            conn.execute("ROLLBACK")
+            raise SinkFencedError(f"job {self.job!r}: checkpoint {txn.checkpoint_id} is already committed (by another "
+                                  "runner); this runner's was rolled back")
         conn.execute(sql.SQL("DELETE FROM {} WHERE job = %s AND checkpoint < %s").format(marks), (self.job, txn.checkpoint_id))
         conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(txn.gid)))
         txn.prepared = True
 
     def commit(self, txn: PostgresTxn) -> None:
-        self._db.get().execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(txn.gid)))
+        try:
+            self._db.get().execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(txn.gid)))
+        except psycopg.errors.UndefinedObject as exc:
+            # the restore of another runner decided it (rolled it back, as no checkpoint it loaded named it)
+            raise SinkFencedError(f"job {self.job!r}: the prepared transaction of checkpoint {txn.checkpoint_id} is gone, "
+                                  f"decided by another runner's restore; this runner must stop ({exc})") from exc
 
     def abort(self, txn: PostgresTxn) -> None:
         if txn.prepared:

@@ -8,6 +8,8 @@ for a byte stream). Output goes to a list (``RPUSH``, the order of the input per
 from __future__ import annotations
 
 import json
+import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -26,6 +28,8 @@ __all__ = [
     "json_value",
     "redis_client",
 ]
+
+log = logging.getLogger("onceflow.sinks")
 
 ValueFunction = Callable[[Message], bytes | str]
 _CHUNK = 1000  # values per RPUSH/HSET call inside a script (Lua's unpack() has a stack limit)
@@ -216,9 +220,16 @@ class RedisAtomicSink(CheckpointAwareSink):
     Keys default to ``onceflow:{<job>}:out`` and ``onceflow:{<job>}:checkpoint``: the ``{job}``
     hash tag puts them in one Redis Cluster slot, as a script requires (a ``key`` of your own must
     carry the same tag). The script applies checkpoint N only if the hash still holds the checkpoint
-    this runner restored or committed last (else :class:`SinkFencedError`); a resend of the same
-    commit (redis-py retries after a dropped connection) is recognised by a per-commit token and
-    changes nothing. Values are buffered for the checkpoint and sent in that one call.
+    this runner restored or committed last (else :class:`SinkFencedError`). Values are buffered
+    for the checkpoint and sent in that one call.
+
+    A commit whose connection drops or times out before its answer (the script may or may not have
+    run) is sent again, as it was, up to ``commit_retries`` times (backoff 0.05 s doubling to 2 s):
+    the sink does this itself, whatever retries the redis-py client has (a client built from a
+    ``redis://`` URL has none). The resend carries the same per-commit token, so a script that did
+    run is recognised and changes nothing (it returns 0); one that did not runs now. When the
+    resends are used up, the error is raised and nothing is acknowledged: a rerun restores from
+    whatever Redis holds.
 
     Exactly-once holds as far as Redis keeps what it acknowledged: run it with ``appendonly yes``
     (``appendfsync always`` to survive power loss, not only a crash of Redis).
@@ -227,9 +238,12 @@ class RedisAtomicSink(CheckpointAwareSink):
     atomic = True
 
     def __init__(self, client: redis.Redis | str, *, job: str, key: str | None = None, checkpoint_key: str | None = None,
-                 value: ValueFunction = json_value, field: str | KeyFunction | None = None) -> None:
+                 value: ValueFunction = json_value, field: str | KeyFunction | None = None, commit_retries: int = 5) -> None:
         if not job:
             raise ValueError("job must name the pipeline (it keys the checkpoint)")
+        if commit_retries < 0:
+            raise ValueError("commit_retries must be >= 0")
+        self.commit_retries = commit_retries
         self.redis = redis_client(client)
         self.job = job
         self.key = key or f"onceflow:{{{job}}}:out"
@@ -261,12 +275,27 @@ class RedisAtomicSink(CheckpointAwareSink):
         values, self._pending = self._pending, []
         args: list[Any] = [checkpoint.id, self._last, uuid.uuid4().hex, json.dumps(checkpoint.offsets),
                            json.dumps(checkpoint.start_offsets), self.mode, *values]
-        try:
-            self._script(keys=[self.key, self.checkpoint_key], args=args)
-        except redis.ResponseError as exc:
-            if str(exc).startswith("FENCED"):
-                raise SinkFencedError(f"job {self.job!r}: {exc}; checkpoint {checkpoint.id} of this runner was not written") from exc
-            raise SinkError(f"job {self.job!r}: the commit script failed: {exc}") from exc
+        resent = 0
+        delay = 0.05
+        while True:
+            try:
+                self._script(keys=[self.key, self.checkpoint_key], args=args)
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if resent >= self.commit_retries:
+                    exc.add_note(f"job {self.job!r}: checkpoint {checkpoint.id} sent {resent + 1} times without an answer; "
+                                 "it may or may not be committed (a rerun restores from Redis)")
+                    raise
+                log.warning("job %s: the commit of checkpoint %d got no answer (%r); sending it again", self.job, checkpoint.id, exc)
+                resent += 1
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            except redis.ResponseError as exc:
+                if str(exc).startswith("FENCED"):
+                    what = ("an earlier try of it, whose answer was lost, may have been written and then superseded" if resent
+                            else "it was not written")
+                    raise SinkFencedError(f"job {self.job!r}: {exc}; checkpoint {checkpoint.id} of this runner: {what}") from exc
+                raise SinkError(f"job {self.job!r}: the commit script failed: {exc}") from exc
         self._last = checkpoint.id
 
     def on_checkpoint_abort(self, checkpoint_id: int) -> None:
