@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import resource
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +16,7 @@ from ..core.broker import Broker
 from ..storage.log import FsyncPolicy
 from .app import App, AppConfig
 from .guard import Guard, GuardConfig
-from .http import HttpServerProtocol, start_server
+from .http import HttpLimits, HttpServerProtocol, start_server
 
 __all__ = ["serve"]
 
@@ -33,12 +35,17 @@ async def serve(
     txn_timeout: float = 60.0,
     log_level: str = "warning",
     guard: GuardConfig | None = None,
+    limits: HttpLimits | None = None,
 ) -> None:
     """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
 
     Shutdown: stop accepting, end live reads (long-poll / SSE), let in-flight appends become durable
     (up to a few seconds), close connections, then flush and snapshot every stream.
+
+    ``limits`` are the HTTP layer's timeouts and caps (server/http.py); uvicorn applies only
+    ``idle_timeout`` and ``max_connections`` of them (docs/security.md, "HTTP layer").
     """
+    limits = fit_fd_limit(limits or HttpLimits())
     broker = Broker(data, fsync=fsync, txn_timeout=txn_timeout)
     broker.open()
     app = App(broker, AppConfig(long_poll_timeout=long_poll_timeout, max_body_bytes=max_body_bytes))
@@ -48,12 +55,12 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if http == "uvicorn":
-        await _serve_uvicorn(handler, host, port, log_level, stop)
+        await _serve_uvicorn(handler, host, port, log_level, stop, limits)
         return
     await broker.start()  # finishes transactions decided before a crash, before anyone connects
     app.subscriptions.start()  # resumes wakes, leases and webhook retries kept on disk
     connections: set[HttpServerProtocol] = set()
-    server = await start_server(handler, host, port, max_body_bytes, connections)
+    server = await start_server(handler, host, port, limits, connections)
     bound = server.sockets[0].getsockname()
     print(f"onceflow listening on http://{host}:{bound[1]}", flush=True)
     await stop.wait()
@@ -69,7 +76,36 @@ async def serve(
     await broker.close()
 
 
-async def _serve_uvicorn(app: App | Guard, host: str, port: int, log_level: str, stop: asyncio.Event) -> None:
+FD_RESERVE = 256  # descriptors kept for everything but client connections: segment files, the listener, logs
+
+
+def fit_fd_limit(limits: HttpLimits) -> HttpLimits:
+    """Raise the soft open-files limit to fit ``max_connections``, or lower the cap to fit the limit.
+
+    Without this a cap above the process's descriptor limit would not hold: accept() would fail
+    with EMFILE first, and so would opening segment files.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = limits.max_connections + FD_RESERVE
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return limits
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft >= need:
+        return limits
+    cap = max(1, soft - FD_RESERVE)
+    log.warning("open-files limit %d fits %d connections, not --max-connections %d: using %d",
+                soft, cap, limits.max_connections, cap)
+    return dataclasses.replace(limits, max_connections=cap)
+
+
+async def _serve_uvicorn(app: App | Guard, host: str, port: int, log_level: str, stop: asyncio.Event,
+                         limits: HttpLimits) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -81,7 +117,8 @@ async def _serve_uvicorn(app: App | Guard, host: str, port: int, log_level: str,
     config = uvicorn.Config(
         app, host=host, port=port, loop="none", http="httptools", lifespan="on", log_level=log_level,
         access_log=False, proxy_headers=False, server_header=False, date_header=False,
-        timeout_graceful_shutdown=2,
+        timeout_graceful_shutdown=2, timeout_keep_alive=max(1, round(limits.idle_timeout)),
+        limit_concurrency=limits.max_connections,
     )
     server = Server(config)
     task = asyncio.ensure_future(server.serve())
