@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -313,6 +314,27 @@ async def test_a_client_that_does_not_read_its_response_is_dropped(serve: Serve)
             await asyncio.sleep(0.05)
         assert not srv.connections, "the server still holds the connection of a client that stopped reading"
         writer.close()
+
+
+async def test_a_slow_reader_that_keeps_reading_is_not_dropped(serve: Serve) -> None:
+    """The write timeout is about a client that reads nothing, not one that reads slowly."""
+    async with serve(max_body=1 << 20, write_timeout=2.0) as srv:
+        body = b"x" * (1 << 20)
+        append = b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        await exchange(srv.port, CREATE + append * 4, until=5)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)  # so that the server's side fills up
+        sock.connect(("127.0.0.1", srv.port))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
+        srv.clients.append(writer)
+        writer.write(b"GET /v1/stream/s?offset=-1 HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = b""
+        while b"\r\n\r\n" not in got or len(got) < got.index(b"\r\n\r\n") + 4 + len(body) * 4:
+            chunk = await asyncio.wait_for(reader.read(16384), WAIT)
+            assert chunk, f"the server dropped a slow reader after {len(got)} bytes"
+            got += chunk
+            await asyncio.sleep(0.02)  # under 1 MiB/s: seconds for the 4 MiB, much longer than the write timeout
+        assert got.startswith(b"HTTP/1.1 200 ")
 
 
 async def test_an_oversized_header_block_gets_431(serve: Serve) -> None:

@@ -38,7 +38,10 @@ except with the statuses above, each with a JSON error body and ``Connection: cl
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import sys
+import termios
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -58,6 +61,7 @@ _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _STATUS_LINES: dict[int, bytes] = {}
 _MAX_QUEUED = 32  # pipelined requests waiting their turn before the connection stops reading
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_OUTQ: int | None = getattr(termios, "TIOCOUTQ", None) if sys.platform == "linux" else None  # = SIOCOUTQ
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +75,7 @@ class HttpLimits:
     idle_timeout: float = 30.0  # a keep-alive connection with no request in progress
     body_timeout: float = 30.0  # longest pause while a request body is read; also the grace before min_body_rate
     min_body_rate: float = 1024.0  # bytes/s a body must average once it has taken body_timeout (0: no minimum)
-    write_timeout: float = 60.0  # longest a response may wait for its client to read
+    write_timeout: float = 60.0  # longest a response may wait for its client to read any of it
     max_connections: int = 1000
     max_header_bytes: int = 32 << 10  # request line + header names and values
     max_headers: int = 100
@@ -205,7 +209,8 @@ class HttpServerProtocol(asyncio.Protocol):
         self.body_buffer = limits.body_buffer
         self.max_header_bytes = limits.max_header_bytes
         self.max_headers = limits.max_headers
-        self.write_blocked_at: float | None = None
+        self.write_blocked_at: float | None = None  # writing paused since (reset while the client reads some)
+        self.write_left = 0  # bytes waiting to be sent when the client last read some
         self.disconnected: asyncio.Future[None] = self.loop.create_future()
         self.writable: asyncio.Future[None] | None = None
 
@@ -261,6 +266,7 @@ class HttpServerProtocol(asyncio.Protocol):
         if self.writable is None or self.writable.done():
             self.writable = self.loop.create_future()
         self.write_blocked_at = self.loop.time()
+        self.write_left = self._unsent()
 
     def resume_writing(self) -> None:
         self.write_blocked_at = None
@@ -413,6 +419,25 @@ class HttpServerProtocol(asyncio.Protocol):
             self.transport.close()
         self.closed = self.halted = True
 
+    def _unsent(self) -> int:
+        """Response bytes not yet taken by the client: in the transport, plus (Linux) in the kernel.
+
+        The kernel's share matters: it takes new data only when a third of its (auto-tuned, up to
+        megabytes) send buffer is free, so the transport's own buffer alone can stand still for
+        seconds while a slow client is reading.
+        """
+        transport = self.transport
+        if transport is None:
+            return 0
+        left = transport.get_write_buffer_size()
+        sock = transport.get_extra_info("socket")
+        if _OUTQ is not None and sock is not None:
+            try:
+                left += int.from_bytes(fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"), sys.byteorder, signed=True)
+            except OSError:
+                pass
+        return left
+
     def eof_received(self) -> bool | None:
         if self.draining_until is not None:
             self._close()
@@ -427,11 +452,16 @@ class HttpServerProtocol(asyncio.Protocol):
             if now >= self.draining_until:
                 self._close()
             return
-        if self.write_blocked_at is not None and now - self.write_blocked_at > limits.write_timeout:
-            log.info("closing a connection whose client stopped reading (%s)", self.client)
-            self.transport.abort()  # close() would wait for the client to read what is buffered
-            self.closed = self.halted = True
-            return
+        if self.write_blocked_at is not None:
+            left = self._unsent()
+            if left < self.write_left:  # the client read some: a slow reader, not a stalled one
+                self.write_left = left
+                self.write_blocked_at = now
+            elif now - self.write_blocked_at > limits.write_timeout:
+                log.info("dropping a connection whose client stopped reading (%s)", self.client)
+                self.transport.abort()  # close() would wait for the client to read what is buffered
+                self.closed = self.halted = True
+                return
         cur = self.current
         if cur is not None and not cur.headers_done:
             if now - cur.started > limits.header_timeout:
