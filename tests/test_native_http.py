@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from conftest import ServerProcess
 from onceflow.core.broker import Broker
 from onceflow.server.app import App, AppConfig
 from onceflow.server.http import HttpLimits, HttpServerProtocol, start_server
@@ -495,3 +496,31 @@ async def test_a_pipelined_expect_100_continue_waits_for_its_turn(serve: Serve) 
         r = await read_response(reader)
         writer.close()
         assert r is not None and r.status == 204
+
+
+# ------------------------------------------------------------------ onceflow serve's flags
+
+
+def test_serve_flags_reach_the_http_layer(tmp_path: Path) -> None:
+    """``onceflow serve --idle-timeout 0.5 --max-connections 2``: both hold on a real server process."""
+    srv = ServerProcess(tmp_path / "data", "--idle-timeout", "0.5", "--max-connections", "2")
+    srv.start()
+    try:
+        held = [socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT) for _ in range(2)]
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT) as third:
+            assert third.recv(4096).startswith(b"HTTP/1.1 503 ")
+        for s in held:
+            s.sendall(b"GET /v1/stream/none HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):  # the 404, then the close after 0.5 s idle
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 404 "), data[:100]
+            s.close()
+    finally:
+        srv.kill()
+
+
+def test_serve_refuses_a_bad_limit(tmp_path: Path) -> None:
+    from onceflow.cli import main
+
+    assert main(["serve", "--data", str(tmp_path / "d"), "--header-timeout", "0"]) == 2

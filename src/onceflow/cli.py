@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open connections at most; one more is answered 503 and closed (default: 1000; lowered with "
                         "a warning when the open-files limit cannot fit it)")
     h.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="a request's line and headers must arrive within this from its first byte (and a new "
-                        "connection's first request within this from connecting), else 408 and close (default: 10)")
+                   help="a request's line and headers must arrive within this from its first byte, else 408 and "
+                        "close; a new connection that sends nothing for this long is closed (default: 10)")
     h.add_argument("--idle-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="close a keep-alive connection that has had no request for this long (default: 30)")
     h.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
