@@ -148,6 +148,28 @@ async def test_malformed_http_gets_400_and_the_server_keeps_serving(live: Live) 
     assert ok[0][0] == 404
 
 
+async def test_an_upgrade_request_is_answered_as_plain_http_then_closed(live: Live) -> None:
+    reader, writer = await live.connect()
+    writer.write(b"GET /v1/stream/none HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+                 b"\x81\x85 not HTTP")
+    r = await read_response(reader)
+    assert r is not None and r.status == 404  # Upgrade ignored (RFC 9110 7.8)
+    assert await closed_within(reader) == b""  # and no second response for the bytes that followed
+
+
+async def test_a_request_target_that_is_not_a_path_gets_400(live: Live) -> None:
+    for raw in (b"CONNECT x:443 HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /v1/stream/none HTTP/1.1\r\nHost: x\r\n\r\n"
+                                                                  b"CONNECT x:443 HTTP/1.1\r\nHost: x\r\n\r\n"):
+        reader, writer = await live.connect()
+        writer.write(raw)
+        statuses = []
+        while (r := await read_response(reader)) is not None:
+            statuses.append(r.status)
+        assert statuses[-1] == 400 and statuses[:-1] in ([], [404]), statuses
+    ok = await exchange(live.port, b"GET /v1/stream/none?offset=-1 HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert ok[0][0] == 404
+
+
 async def test_expect_100_continue(live: Live) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
     try:

@@ -246,7 +246,8 @@ class HttpServerProtocol(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(400, "bad_request", "protocol upgrades are not supported")
+            # the request was answered as plain HTTP (Upgrade ignored); what follows is another protocol
+            self._refuse(400, "bad_request", "protocol upgrades are not supported", quiet=True)
             return
         except httptools.HttpParserError as exc:
             cause = exc.__context__
@@ -306,7 +307,6 @@ class HttpServerProtocol(asyncio.Protocol):
         if self.halted:
             raise _Stop
         self.head_raw = 0
-        req.headers_done = True
         req.method = self.parser.get_method()
         req.keep_alive = self.parser.should_keep_alive()
         parsed = httptools.parse_url(self.url)
@@ -319,6 +319,7 @@ class HttpServerProtocol(asyncio.Protocol):
         for name, value in req.headers:
             if name == b"expect" and value.lower() == b"100-continue" and self.parser.get_http_version() == "1.1":
                 req.expect_continue = True
+        req.headers_done = True
         if self.busy:
             self.queue.append(req)
             return
@@ -358,12 +359,13 @@ class HttpServerProtocol(asyncio.Protocol):
             self.paused = False
             transport.resume_reading()
 
-    def _refuse(self, status: int, code: str, message: str) -> None:
+    def _refuse(self, status: int, code: str, message: str, *, quiet: bool = False) -> None:
         """Answer the request being parsed with an error, in its turn, and close the connection.
 
         Requests before it are answered first (their responses are well under way or queued): input
         stops, and the error is written when the last of them is done. A request whose body broke
-        while the app reads it is answered at once (the app sees a disconnect).
+        while the app reads it is answered at once (the app sees a disconnect). ``quiet``: the input
+        that cannot be parsed follows complete requests (a protocol upgrade); answer those, then close.
         """
         if self.transport is None or self.closed or self.draining_until is not None or self.pending is not None:
             return
@@ -375,12 +377,13 @@ class HttpServerProtocol(asyncio.Protocol):
                 if cur.waiter is not None and not cur.waiter.done():
                     cur.waiter.set_result(None)
                 return
-            self.queue.remove(cur)  # queued, not started: dropped in favour of the error
-            self.buffered -= sum(len(c) for c in cur.body)
+            if cur in self.queue:
+                self.queue.remove(cur)  # queued, not started: dropped in favour of the error
+                self.buffered -= sum(len(c) for c in cur.body)
         if not self.busy:
             self._fail(status, code, message)
             return
-        self.pending = _error_response(status, code, message)
+        self.pending = b"" if quiet else _error_response(status, code, message)
         self.halted = True
         if not self.paused:
             self.paused = True
@@ -643,10 +646,16 @@ async def start_server(
 
     def sweep() -> None:
         now = loop.time()
-        for conn in list(conns):
-            conn.check(now)
-        if server.is_serving() or conns:
-            loop.call_later(interval, sweep)
+        try:
+            for conn in list(conns):
+                try:
+                    conn.check(now)
+                except Exception:  # one broken connection must not stop the timeouts of all others
+                    log.exception("checking the timeouts of a connection failed; closing it")
+                    conn._close()
+        finally:
+            if server.is_serving() or conns:
+                loop.call_later(interval, sweep)
 
     loop.call_later(interval, sweep)
     return server
