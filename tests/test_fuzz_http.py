@@ -9,16 +9,26 @@ that a client can observe.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from conftest import InProcess
+from onceflow.core.broker import Broker
+from onceflow.server.app import App, AppConfig
+from onceflow.server.http import HttpLimits, HttpServerProtocol, start_server
+from wirekit import connect, read_response
 
 pytestmark = pytest.mark.anyio
 S = "/v1/stream/"
@@ -231,3 +241,238 @@ async def test_guard_refusals_change_nothing(
         r.status_code == 403 and (method == "HEAD" or r.json()["error"]["code"] == "forbidden"))
     if refused_by_guard:
         assert await snapshot(onceflow) == before
+
+
+# ---------------------------------------------------------------- slow and pipelining clients (native server)
+#
+# Raw sockets against the native HTTP/1.1 server (server/http.py): sequences of requests written in one
+# go (pipelined), split at random byte boundaries with pauses inside request lines, headers and bodies,
+# or trickled a few bytes at a time. Every response must be well-framed (tests/wirekit.py), the answers
+# must be those of the requests in order, what was acknowledged must be stored exactly once in order,
+# and the server must keep serving afterwards.
+
+
+@dataclass
+class Native:
+    port: int
+    tight: bool  # timeouts far shorter than the clients' pauses: connections may be cut with a 408
+
+
+MAX_BODY = 256
+
+
+@contextlib.asynccontextmanager
+async def native_server(tmp_path: Path, limits: HttpLimits, tight: bool) -> AsyncIterator[Native]:
+    broker = Broker(tmp_path / ("tight" if tight else "data"))
+    broker.open()
+    app = App(broker, AppConfig(long_poll_timeout=0.3, max_body_bytes=MAX_BODY))
+    connections: set[HttpServerProtocol] = set()
+    server = await start_server(app, "127.0.0.1", 0, limits, connections)
+    try:
+        yield Native(server.sockets[0].getsockname()[1], tight)
+    finally:
+        server.close()
+        for c in list(connections):
+            if c.transport is not None:
+                c.transport.close()
+        broker.begin_shutdown()
+        await broker.close()
+
+
+@pytest.fixture
+async def native(tmp_path: Path) -> AsyncIterator[Native]:
+    """Timeouts 100x longer than any pause a client below makes: nothing may time out."""
+    async with native_server(tmp_path, HttpLimits(header_timeout=5, idle_timeout=5, body_timeout=5), tight=False) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def tight(tmp_path: Path) -> AsyncIterator[Native]:
+    """Timeouts shorter than the clients' longest pauses."""
+    limits = HttpLimits(header_timeout=0.15, idle_timeout=0.15, body_timeout=0.15, min_body_rate=2000, linger=0.2)
+    async with native_server(tmp_path, limits, tight=True) as srv:
+        yield srv
+
+
+@dataclass(frozen=True)
+class Req:
+    kind: str  # create | append | read | head | missing | wrong_type | too_big | garbage
+    body: bytes = b""
+    chunked: tuple[int, ...] = ()  # chunk sizes for a chunked append (empty: Content-Length)
+    expect: bool = False  # Expect: 100-continue (the body follows without waiting, as curl does after 1 s)
+
+    def wire(self, path: str) -> bytes:
+        host = b"Host: x\r\n"
+        if self.kind == "create":
+            return b"PUT %s HTTP/1.1\r\n%sContent-Type: text/plain\r\nContent-Length: 0\r\n\r\n" % (path.encode(), host)
+        if self.kind in ("append", "wrong_type", "too_big"):
+            ctype = b"application/json" if self.kind == "wrong_type" else b"text/plain"
+            head = b"POST %s HTTP/1.1\r\n%sContent-Type: %s\r\n" % (path.encode(), host, ctype)
+            if self.expect:
+                head += b"Expect: 100-continue\r\n"
+            if not self.chunked:
+                return head + b"Content-Length: %d\r\n\r\n" % len(self.body) + self.body
+            out, at = [head + b"Transfer-Encoding: chunked\r\n\r\n"], 0
+            for size in self.chunked:
+                piece = self.body[at:at + size]
+                at += len(piece)
+                if piece:
+                    out.append(b"%x\r\n%s\r\n" % (len(piece), piece))
+            if at < len(self.body):
+                out.append(b"%x\r\n%s\r\n" % (len(self.body) - at, self.body[at:]))
+            return b"".join(out) + b"0\r\n\r\n"
+        if self.kind == "read":
+            return b"GET %s?offset=-1 HTTP/1.1\r\n%s\r\n" % (path.encode(), host)
+        if self.kind == "head":
+            return b"HEAD %s HTTP/1.1\r\n%s\r\n" % (path.encode(), host)
+        if self.kind == "missing":
+            return b"GET %s-none?offset=-1 HTTP/1.1\r\n%s\r\n" % (path.encode(), host)
+        return b"GET / HTTP/1.1\r\nBad Header\x00: y\r\n\r\n"  # garbage
+
+
+payloads = st.binary(min_size=1, max_size=48).map(lambda b: bytes(c % 94 + 33 for c in b))  # printable, no CR/LF
+requests = st.one_of(
+    st.just(Req("create")),
+    st.builds(lambda b, ch, e: Req("append", b, tuple(ch), e), payloads,
+              st.one_of(st.just([]), st.lists(st.integers(1, 20), min_size=1, max_size=4)), st.booleans()),
+    st.sampled_from([Req("read"), Req("head"), Req("missing")]),
+    st.builds(lambda b: Req("wrong_type", b), payloads),
+    st.builds(lambda e: Req("too_big", b"z" * (MAX_BODY + 1), (), e), st.booleans()),
+)
+plans = st.tuples(
+    st.lists(requests, min_size=1, max_size=30),
+    st.booleans(),  # end with garbage
+    st.sampled_from(["pipelined", "split", "trickle"]),
+    st.lists(st.integers(1, 300), min_size=1, max_size=8),  # piece sizes, cycled
+    st.lists(st.sampled_from([0.0, 0.0, 0.0, 0.001, 0.005, 0.02]), min_size=1, max_size=8),  # pauses, cycled
+)
+_names = itertools.count()
+
+
+def expected_status(req: Req, created: bool) -> int | None:
+    """The status the model predicts (None: any 4xx)."""
+    if req.kind == "create":
+        return 200 if created else 201
+    if req.kind == "append":
+        return 204 if created else 404
+    if req.kind in ("read", "head"):
+        return 200 if created else 404
+    if req.kind == "missing":
+        return 404
+    if req.kind == "too_big":
+        return 413
+    return None
+
+
+async def write_plan(writer: asyncio.StreamWriter, data: bytes, mode: str, sizes: list[int], pauses: list[float],
+                     budget: float) -> None:
+    """Write ``data`` in one go, or in pieces with pauses between them (``budget`` seconds of pauses at most)."""
+    if mode == "pipelined":
+        writer.write(data)
+        await writer.drain()
+        return
+    if mode == "trickle":
+        sizes = [1 + s % 3 for s in sizes]
+    at = 0
+    for size, pause in zip(itertools.cycle(sizes), itertools.cycle(pauses), strict=False):
+        if at >= len(data):
+            break
+        writer.write(data[at:at + size])
+        at += size
+        await writer.drain()
+        pause = min(pause, budget)
+        budget -= pause
+        await asyncio.sleep(pause)
+
+
+async def run_plan(srv: Native, plan: tuple[list[Req], bool, str, list[int], list[float]],
+                   event: Callable[[str], object] = event) -> None:
+    reqs, garbage, mode, sizes, pauses = plan
+    if garbage:
+        reqs = [*reqs, Req("garbage")]
+    path = f"/v1/stream/fz{next(_names)}"
+    reader, writer = await connect(srv.port)
+    data = b"".join(r.wire(path) for r in reqs)
+    sending = asyncio.ensure_future(write_plan(writer, data, mode, sizes, pauses, 1.0 if srv.tight else 0.3))
+    created = False
+    acked: list[bytes] = []  # bodies of appends answered 204, in order
+    pending: bytes | None = None  # the first append not answered (it may be stored: its answer was cut off)
+    try:
+        for req in reqs:
+            r = await read_response(reader, head=req.kind == "head")
+            if r is None:  # closed: only a timeout of the tight server may do that without saying so
+                assert srv.tight, f"connection closed before the answer to {req}"
+                event("cut off: closed without an answer")
+                if req.kind == "append" and created:
+                    pending = req.body
+                break
+            if r.status == 408:
+                assert srv.tight and r.closes, r
+                event("cut off: 408")
+                if req.kind == "append" and created:
+                    pending = req.body
+                break
+            assert set(r.interim) <= {100} and (not r.interim or req.expect), (req, r.interim)
+            want = expected_status(req, created)
+            if want is None:
+                assert 400 <= r.status < 500 and json.loads(r.body)["error"]["message"], (req, r)
+            else:
+                assert r.status == want, (req, r.status, r.body[:200])
+            if req.kind == "create":
+                created = True
+            elif req.kind == "append" and created:
+                acked.append(req.body)
+            elif req.kind == "read" and created:
+                assert r.body == b"".join(acked), (r.body, acked)
+            if req.kind == "garbage":
+                assert r.closes
+            if r.closes:
+                assert req.kind in ("too_big", "garbage") or srv.tight, (req, r)
+                event(f"closed after {r.status}")
+                break
+        else:
+            event("every request answered")
+    finally:
+        sending.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+            await sending
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    # the server is still up, and stored exactly what it acknowledged (plus perhaps the answer it cut off)
+    reader, writer = await connect(srv.port)
+    try:
+        writer.write(Req("read").wire(path))
+        r = await read_response(reader)
+        assert r is not None
+        if created:
+            assert r.status == 200
+            stored, done = r.body, b"".join(acked)
+            assert stored == done or (pending is not None and stored == done + pending), (stored, acked, pending)
+        else:
+            assert r.status in (404, 200)
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=plans)
+async def test_slow_and_pipelining_clients_get_well_framed_answers_in_order(
+    native: Native, plan: tuple[list[Req], bool, str, list[int], list[float]]
+) -> None:
+    await run_plan(native, plan)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=plans.map(lambda p: (p[0][:8], p[1], p[2], p[3], [x * 10 for x in p[4]])))  # pauses up to 0.2 s
+async def test_clients_slower_than_the_timeouts_are_cut_off_cleanly(
+    tight: Native, plan: tuple[list[Req], bool, str, list[int], list[float]]
+) -> None:
+    await run_plan(tight, plan)
+
+
+async def test_many_pipelined_appends_in_one_write(native: Native) -> None:
+    reqs = [Req("create"), *(Req("append", b"m%03d;" % i) for i in range(300)), Req("read")]
+    await run_plan(native, (reqs, False, "pipelined", [1], [0.0]), event=lambda _: None)

@@ -30,11 +30,21 @@ def _run(coro: object) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server.guard import GuardConfig, GuardConfigError
+    from .server.http import HttpLimits
     from .server.run import serve
 
     try:
         guard = GuardConfig.from_file(args.guard) if args.guard else GuardConfig.from_env()
     except GuardConfigError as exc:
+        print(f"onceflow serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        limits = HttpLimits(
+            header_timeout=args.header_timeout, idle_timeout=args.idle_timeout, body_timeout=args.body_timeout,
+            min_body_rate=args.min_body_rate, write_timeout=args.write_timeout, max_connections=args.max_connections,
+            max_header_bytes=args.max_header_bytes, max_headers=args.max_headers, body_buffer=args.body_buffer,
+        )
+    except ValueError as exc:
         print(f"onceflow serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -54,6 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 max_open_files=args.max_open_files,
                 log_level=args.log_level,
                 guard=guard,
+                limits=limits,
             )
         )
     except KeyboardInterrupt:
@@ -96,6 +107,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON file of bearer tokens (read/write scopes per name prefix) and limits; "
                         "default: $ONCEFLOW_GUARD if set, else no tokens and no limits (see docs/security.md)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    h = s.add_argument_group("HTTP limits", "connection management of the HTTP layer (docs/security.md, \"HTTP layer\"); "
+                                           "with --http uvicorn only --idle-timeout and --max-connections apply")
+    h.add_argument("--max-connections", type=int, default=1000, metavar="N",
+                   help="open connections at most; one more is answered 503 and closed (default: 1000; lowered with "
+                        "a warning when the open-files limit cannot fit it)")
+    h.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a request's line and headers must arrive within this from its first byte, else 408 and "
+                        "close; a new connection that sends nothing for this long is closed (default: 10)")
+    h.add_argument("--idle-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="close a keep-alive connection that has had no request for this long (default: 30)")
+    h.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="longest pause allowed inside a request body, and the time after which --min-body-rate "
+                        "applies; else 408 and close (default: 30)")
+    h.add_argument("--min-body-rate", type=_size, default=1024, metavar="BYTES",
+                   help="bytes per second a request body must average once it has taken --body-timeout; "
+                        "0 for no minimum (default: 1KiB)")
+    h.add_argument("--write-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="drop a connection whose client has not read any of a pending response for this long (default: 60)")
+    h.add_argument("--max-header-bytes", type=_size, default=32 << 10, metavar="BYTES",
+                   help="request line plus header names and values at most; larger: 431 (default: 32KiB)")
+    h.add_argument("--max-headers", type=int, default=100, metavar="N",
+                   help="request headers at most; more: 431 (default: 100)")
+    h.add_argument("--body-buffer", type=_size, default=1 << 20, metavar="BYTES",
+                   help="request body bytes held per connection before the app reads them (incl. pipelined "
+                        "requests); above it the connection stops reading until the app catches up (default: 1MiB)")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("copy", help="copy streams to streams exactly once, in transactions (a transactional copier)",

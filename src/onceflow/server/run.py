@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import resource
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,7 @@ from ..storage.fs import OsFileSystem, raise_open_file_limit
 from ..storage.log import FsyncPolicy
 from .app import App, AppConfig
 from .guard import Guard, GuardConfig
-from .http import HttpServerProtocol, start_server
+from .http import HttpLimits, HttpServerProtocol, start_server
 
 __all__ = ["serve"]
 
@@ -36,15 +38,20 @@ async def serve(
     max_open_files: int | None = None,
     log_level: str = "warning",
     guard: GuardConfig | None = None,
+    limits: HttpLimits | None = None,
 ) -> None:
     """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
 
     Shutdown: stop accepting, end live reads (long-poll / SSE), let in-flight appends become durable
     (up to a few seconds), close connections, then flush and snapshot every stream.
+
+    ``limits`` are the HTTP layer's timeouts and caps (server/http.py); uvicorn applies only
+    ``idle_timeout`` and ``max_connections`` of them (docs/security.md, "HTTP layer").
     """
     soft, _hard = raise_open_file_limit()
     if max_open_files is None:
         max_open_files = max(64, min(4096, soft // 4)) if soft > 0 else 1024
+    limits = fit_fd_limit(limits or HttpLimits(), soft, max_open_files)
     broker = Broker(data, fsync=fsync, txn_timeout=txn_timeout, max_streams=max_streams, fs=OsFileSystem(max_open_files))
     broker.open()
     app = App(broker, AppConfig(long_poll_timeout=long_poll_timeout, max_body_bytes=max_body_bytes))
@@ -54,12 +61,12 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if http == "uvicorn":
-        await _serve_uvicorn(handler, host, port, log_level, stop)
+        await _serve_uvicorn(handler, host, port, log_level, stop, limits)
         return
     await broker.start()  # finishes transactions decided before a crash, before anyone connects
     app.subscriptions.start()  # resumes wakes, leases and webhook retries kept on disk
     connections: set[HttpServerProtocol] = set()
-    server = await start_server(handler, host, port, max_body_bytes, connections)
+    server = await start_server(handler, host, port, limits, connections)
     bound = server.sockets[0].getsockname()
     print(f"onceflow listening on http://{host}:{bound[1]}", flush=True)
     await stop.wait()
@@ -75,7 +82,29 @@ async def serve(
     await broker.close()
 
 
-async def _serve_uvicorn(app: App | Guard, host: str, port: int, log_level: str, stop: asyncio.Event) -> None:
+FD_RESERVE = 64  # descriptors for everything but connections and log files: the listener, snapshots, logging
+
+
+def fit_fd_limit(limits: HttpLimits, soft: int, files: int) -> HttpLimits:
+    """Lower the connection cap to fit the open-files limit ``soft`` (already raised to the hard
+    limit by :func:`raise_open_file_limit`) beside ``files`` log files (``--max-open-files``).
+
+    Without this a cap above the process's descriptor limit would not hold: accept() would fail
+    with EMFILE first, and so would opening segment files.
+    """
+    if soft < 0 or soft == resource.RLIM_INFINITY:
+        return limits
+    room = soft - files - FD_RESERVE
+    if room >= limits.max_connections:
+        return limits
+    cap = max(1, room)
+    log.warning("open-files limit %d fits %d connections beside %d log files, not --max-connections %d: using %d",
+                soft, cap, files, limits.max_connections, cap)
+    return dataclasses.replace(limits, max_connections=cap)
+
+
+async def _serve_uvicorn(app: App | Guard, host: str, port: int, log_level: str, stop: asyncio.Event,
+                         limits: HttpLimits) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -87,7 +116,8 @@ async def _serve_uvicorn(app: App | Guard, host: str, port: int, log_level: str,
     config = uvicorn.Config(
         app, host=host, port=port, loop="none", http="httptools", lifespan="on", log_level=log_level,
         access_log=False, proxy_headers=False, server_header=False, date_header=False,
-        timeout_graceful_shutdown=2,
+        timeout_graceful_shutdown=2, timeout_keep_alive=max(1, round(limits.idle_timeout)),
+        limit_concurrency=limits.max_connections,
     )
     server = Server(config)
     task = asyncio.ensure_future(server.serve())
