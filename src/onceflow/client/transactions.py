@@ -351,8 +351,11 @@ class AsyncTransactionalProducer:
             return
         what = f"offsets of {group}"
         try:
+            # the transaction the offsets are for (the open one, or the one they begin): a late
+            # copy of this request can then never land in a later transaction
+            number = self.txn if self.txn is not None else self._ended + 1
             resp = await self._request("POST", self._url("offsets"), what, write=True,
-                                       json={"epoch": self.epoch, "group": group, "offsets": dict(offsets)})
+                                       json={"epoch": self.epoch, "txn": number, "group": group, "offsets": dict(offsets)})
         except BaseException as exc:
             self._failed_write(exc)
             raise
