@@ -507,3 +507,26 @@ async def test_a_late_duplicate_of_an_offsets_request_cannot_rewind_the_next_tra
     ahead = {"epoch": t.epoch, "txn": 5, "group": "g", "offsets": {"in": offs[2]}}
     assert (await c.client.post(T + "copier/offsets", json=ahead)).status_code == 409
     assert await group_offsets(c, "g") == {"in": offs[1]}
+
+
+async def test_an_init_naming_the_epoch_it_replaces_cannot_fence_a_newer_holder(onceflow: InProcess) -> None:
+    """KIP-360's InitProducerId(epoch): a producer that must move past its own epoch (an append
+    with no answer) names that epoch; if another instance took the id over meanwhile, the init is
+    refused (403 with the current epoch) instead of fencing that instance. A retry of the init that
+    did the bump is answered with its epoch."""
+    c = onceflow.client
+    await make(onceflow, "a")
+    old, new = Txn(c, "w"), Txn(c, "w")
+    await old.init()
+    assert (await old.send("a", {"n": 1})).status_code == 200
+    bump = {"expected_epoch": old.epoch, "request_id": "bump-1"}
+    r = await c.post(T + "w/init", json=bump)
+    assert r.status_code == 200 and r.json()["epoch"] == old.epoch + 1
+    again = await c.post(T + "w/init", json=bump)  # its answer was lost: the retry gets the same epoch
+    assert again.status_code == 200 and again.json()["epoch"] == old.epoch + 1
+    await new.init()  # another instance takes the id over
+    stale = await c.post(T + "w/init", json={"expected_epoch": old.epoch + 1, "request_id": "bump-2"})
+    assert stale.status_code == 403, stale.text
+    assert stale.headers["producer-epoch"] == str(new.epoch)
+    assert (await new.send("a", {"n": 2}, commit=1)).status_code == 200  # the newer holder was not fenced
+    assert await committed(onceflow, "a") == [{"n": 2}]

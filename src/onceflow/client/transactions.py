@@ -470,26 +470,23 @@ class AsyncTransactionalProducer:
     async def _abort_by_new_epoch(self) -> None:
         """Abort after an unknown outcome: a new epoch, if the id is still this producer's.
 
-        1. ``GET /v1/txn/<id>``: an epoch past this producer's (or past the one an earlier try of
-           step 2 may have begun) means another holder: fenced, nothing sent.
-        2. ``init`` with the request id of this bump (the same on every try, so a try whose answer
-           was lost is answered with the epoch it began, not a second bump). The server aborts the
-           old epoch's open transaction and fences its requests still under way.
-        3. The new epoch must be the next one; otherwise another instance claimed the id between
-           steps 1 and 2, and step 2 fenced it: this producer gives way too (fenced)."""
+        ``init`` naming this producer's epoch (``expected_epoch``, Kafka's KIP-360) and the request
+        id of this bump (the same on every try, so a try whose answer was lost is answered with the
+        epoch it began, not a second bump). The server aborts the old epoch's open transaction and
+        fences its requests still under way; if another holder took the id over meanwhile (or the
+        server fenced this epoch after a timeout), the init is refused and changes nothing: this
+        producer is fenced."""
         tid = self.transactional_id
-        # Step 1
-        resp = await self._request("GET", f"{self.base_url}/v1/txn/{tid}", f"state of {tid}")
-        if resp.status_code != 200:
-            raise error_from_response(resp, f"state of {tid}")
-        current = int(resp.json()["epoch"])
-        if current > self.epoch + (1 if self._bump_id is not None else 0):
-            raise self._fence(current)
-        # Step 2
         if self._bump_id is None:
             self._bump_id = uuid.uuid4().hex
-        body = await self._post_json(self._url("init"), {"timeout_ms": self.timeout_ms, "request_id": self._bump_id}, f"init {tid}")
-        # Step 3
+        request = {"timeout_ms": self.timeout_ms, "request_id": self._bump_id, "expected_epoch": self.epoch}
+        resp = await self._request("POST", self._url("init"), f"init {tid}", json=request)
+        if resp.status_code == 403:
+            epoch = resp.headers.get("producer-epoch", "")
+            raise self._fence(int(epoch) if epoch.isdigit() else self.epoch + 1)
+        if resp.status_code != 200:
+            raise error_from_response(resp, f"init {tid}")
+        body: dict[str, Any] = resp.json()
         if body["epoch"] != self.epoch + 1:
             raise self._fence(body["epoch"])
         self._begin_epoch(body)

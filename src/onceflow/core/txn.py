@@ -459,13 +459,20 @@ class Coordinator:
             raise TxnError("bad_epoch", f"epoch {epoch} of {tid!r} was never issued (current: {meta.epoch})")
         return meta
 
-    async def init(self, tid: str, txn_timeout: float | None = None, *, request_id: str | None = None) -> TxnMeta:
+    async def init(
+        self, tid: str, txn_timeout: float | None = None, *, request_id: str | None = None, expected_epoch: int | None = None,
+    ) -> TxnMeta:
         """Register (or re-register) ``tid``: a new epoch fences the old one, whose open
         transaction is aborted first.
 
         ``request_id`` makes a retried init harmless: the init that began the current epoch, sent
         again (its answer was lost, or the original arrives late, after its retry), gets the same
         epoch instead of a new one that would fence the producer that asked for it.
+
+        ``expected_epoch`` (Kafka's KIP-360): the producer moves past its own epoch, and only if
+        that is still the current one; otherwise another holder took the id over (or the server
+        fenced the epoch after a timeout), and the init is refused (``fenced``) rather than fencing
+        that holder in turn.
 
         A decision of the old epoch still being completed is finished first (its markers written);
         if that fails, nothing changes and the init may be retried. The new epoch exists only once
@@ -475,6 +482,10 @@ class Coordinator:
             meta = self.txns.get(tid)
             if meta is not None and request_id is not None and meta.init_id == request_id and meta.epoch >= 0:
                 return meta
+            if expected_epoch is not None and (meta.epoch if meta is not None else -1) != expected_epoch:
+                current = meta.epoch if meta is not None else -1
+                raise TxnError("fenced", f"epoch {expected_epoch} of {tid!r} is no longer current ({current}): another "
+                               "holder took the id over, or the server fenced it", epoch=current)
             known = meta is not None
             if meta is None:
                 meta = TxnMeta(tid)

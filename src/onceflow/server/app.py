@@ -291,7 +291,8 @@ class App:
             request_id = body.get("request_id")
             if request_id is not None and (not isinstance(request_id, str) or not 1 <= len(request_id) <= 200):
                 raise BadRequest('"request_id" must be a string of 1 to 200 characters (the same for every retry of one init)')
-            meta = await coord.init(tid, timeout_ms / 1000 if timeout_ms else None, request_id=request_id)
+            expected = self._int_field(body, "expected_epoch") if body.get("expected_epoch") is not None else None
+            meta = await coord.init(tid, timeout_ms / 1000 if timeout_ms else None, request_id=request_id, expected_epoch=expected)
             return _json_response(200, _txn_json(meta))
         if action in ("commit", "abort"):
             meta = await coord.end(tid, self._int_field(body, "epoch"), self._int_field(body, "txn"), commit=action == "commit")
