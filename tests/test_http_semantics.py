@@ -250,3 +250,30 @@ async def test_a_real_gap_is_still_a_409_after_the_reorder_wait(onceflow: InProc
     far = await c.post(S + "gap", content=b'{"n":999}', headers=producer("p", 999))  # beyond the window: at once
     assert far.status_code == 409
     assert (await c.get(S + "gap?offset=-1")).json() == [{"n": 0}]
+
+
+@pytest.mark.anyio
+async def test_a_delete_that_could_not_be_stored_is_a_503_and_changes_nothing(onceflow: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delete whose move to the trash (or soft delete record) failed was answered 204 while the
+    stream stayed on disk: a restart brought it back. It is a 503 now, and the stream stays served."""
+    from onceflow.storage.fs import OsFileSystem
+
+    c = onceflow.client
+    await c.put(S + "keep", headers=JSON)
+    await c.post(S + "keep", content=b'{"n":0}', headers=JSON)
+    await c.put(S + "parent", headers=JSON)
+    await c.put(S + "child", headers={**JSON, "stream-forked-from": "parent"})
+
+    def no_space(self: OsFileSystem, *a: object, **k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(OsFileSystem, "rename", no_space)
+    monkeypatch.setattr(OsFileSystem, "replace_file", no_space)
+    for name in ("keep", "parent"):  # a hard delete, and a soft one (the parent has a fork)
+        r = await c.delete(S + name)
+        assert r.status_code == 503, r.text
+        assert (await c.head(S + name)).status_code == 200
+    monkeypatch.undo()
+    assert (await c.get(S + "keep?offset=-1")).json() == [{"n": 0}]
+    assert (await c.delete(S + "keep")).status_code == 204
+    assert (await c.head(S + "keep")).status_code == 404

@@ -1072,49 +1072,72 @@ class Broker:
         found = self._live(name)
         if isinstance(found, Outcome):
             return found
-        self._delete(found)
+        try:
+            self._delete(found)
+        except OSError as exc:
+            return Outcome("unavailable", detail=f"the delete was not stored: {exc.strerror or exc}")
         return Outcome("deleted")
 
     def _delete(self, s: Stream) -> None:
+        """Delete ``s`` (soft while it has forks). Raises OSError, changing nothing, when the delete
+        cannot be stored: a delete that was answered must survive a restart (and a power loss)."""
         if s.forks > 0:
             s.meta.soft_deleted = True
             try:
                 write_meta(self.fs, s.directory, s.meta)
-            except OSError as exc:
-                log.error("could not persist soft delete of %r: %s", s.name, exc)
+            except OSError:
+                s.meta.soft_deleted = False
+                raise
             s.notify()
             return
+        unsynced = self._trash(s.directory, required=True)  # raises when nothing moved
         self.streams.pop(s.name, None)
         s.deleted = True
         s.log.close_files()
         s.notify()
-        self._trash(s.directory)
         parent = s.parent
         if parent is not None:
             parent.children.pop(s, None)
             if not parent.children and parent.meta.soft_deleted:
-                self._delete(parent)
+                try:
+                    self._delete(parent)
+                except OSError as exc:  # it stays soft deleted; the next start deletes it
+                    log.error("could not delete %r, whose last fork went: %s", parent.name, exc)
+        if unsynced is not None:
+            raise unsynced  # gone, but maybe not for good: not "deleted" (a retry gets 404)
 
     def _expire(self, s: Stream) -> None:
         log.info("stream %r expired", s.name)
-        self._delete(s)
+        try:
+            self._delete(s)
+        except OSError as exc:  # the sweep tries again
+            log.error("could not delete the expired stream %r: %s", s.name, exc)
 
-    def _trash(self, directory: Path) -> None:
+    def _trash(self, directory: Path, *, required: bool = False) -> OSError | None:
+        """Move ``directory`` to the trash (removed in the background). A failed move raises with
+        ``required`` (nothing moved) and is logged otherwise (debris that can wait). Returns the
+        error of a sync that failed after the move: moved, but maybe not durably."""
         target = self.trash_dir / f"{directory.name}-{uuid.uuid4().hex}"
         try:
             self.fs.rename(directory, target)
-            # a delete that was answered must not be undone by a power loss
+        except OSError as exc:
+            if required:
+                raise
+            log.error("could not move %s to the trash: %s", directory, exc)
+            return None
+        unsynced: OSError | None = None
+        try:  # a delete that was answered must not be undone by a power loss
             self.fs.sync_dir(directory.parent)
             self.fs.sync_dir(self.trash_dir)
         except OSError as exc:
-            log.error("could not move %s to the trash: %s", directory, exc)
-            return
+            unsynced = exc
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             self.fs.rmtree(target)
-            return
+            return unsynced
         loop.run_in_executor(self.executor, self.fs.rmtree, target)
+        return unsynced
 
     # ------------------------------------------------------------------ reads
 
