@@ -416,3 +416,39 @@ def test_task_results_are_plain_picklable_values() -> None:
 
     r = TaskResult("s", 1, "Q", 0, "spark/s/p0/s0", 2, 1, 3, False, Fingerprint(3, 12345))
     assert pickle.loads(pickle.dumps(r)) == r  # noqa: S301 - our own bytes
+
+
+async def test_a_task_stops_its_keep_alive_even_if_a_cancel_is_swallowed(onceflow: InProcess) -> None:
+    """Found by ``onceflow sim`` (seed 1593): the keep-alive's cancel arrived as its request was
+    answered and was lost (asyncio.wait_for on Python 3.11 can do that), so the keep-alive looped
+    for ever and ``abandon()``, awaiting it, never returned: the Spark task hung."""
+    await make(onceflow, "out")
+    st = settings("alive", transaction_timeout_ms=200)
+    task = await SinkTask.begin(onceflow.client, st, TaskSpec(0, "Q", 0, task_name("r", 0, 1)))
+    import httpx
+
+    swallowed = 0
+
+    async def post(*a: Any, **k: Any) -> Any:
+        nonlocal swallowed
+        try:
+            await asyncio.sleep(3600)  # a keep-alive whose answer is slow to come
+        except asyncio.CancelledError:
+            swallowed += 1  # the cancel is lost, as wait_for can lose it
+        return httpx.Response(200)
+
+    task.client = _Posting(onceflow.client, post)  # type: ignore[assignment]
+    await asyncio.sleep(0.3)  # a keep-alive is under way
+    await asyncio.wait_for(task.abandon(), 10)
+    assert swallowed == 1
+
+
+class _Posting:
+    """An httpx client whose ``post`` is replaced."""
+
+    def __init__(self, client: Any, post: Any) -> None:
+        self._client = client
+        self.post = post
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)

@@ -121,7 +121,7 @@ def _replay(seed: int, lines: int) -> int:
         return 0
     print(f"  {len(r.check.anomalies)} anomalies:")
     for a in r.check.anomalies[:15]:
-        print(f"    {a.kind} [{a.stream}] {a.detail[:300]}")
+        print(f"    {a.kind} [{a.stream}] {a.detail[:3000] if a.kind == 'stuck' else a.detail[:300]}")
     print(f"  the last {min(lines, len(r.trace))} trace lines (simulated seconds, who, what):")
     for line in r.trace[-lines:]:
         print("   ", line)

@@ -265,9 +265,9 @@ class World:
             for name in group:
                 t = tasks[name]
                 if t in running:
-                    frames = t.get_stack(limit=12)
-                    stack = "".join(traceback.format_stack(frames[-1])) if frames else ""
-                    self.extra.append(Anomaly("stuck", None, f"client {name} did not finish within 60 s of being told to stop\n{stack}"))
+                    where = "\n".join(awaiting(x) for x in self.loop.tasks_of(name))
+                    self.extra.append(Anomaly("stuck", None, f"client {name} did not finish within 60 s of being told to stop; "
+                                                             f"its tasks wait in:\n{where}"))
                     t.cancel()
         await self._settle()
         await self._read_back()
@@ -342,6 +342,21 @@ class World:
         stuck = [(t0, what) for t0, what in self.node.in_flight.values() if self.loop.time() - t0 > 30.0]
         for t0, what in stuck:
             self.extra.append(Anomaly("stuck", None, f"the server has not answered {what} since t={t0 - 1000:.2f}"))
+
+
+def awaiting(task: asyncio.Task[Any]) -> str:
+    """Where a suspended task waits: its chain of awaited coroutines, outermost first."""
+    lines = [f"task {task.get_name()}:"]
+    obj: Any = task.get_coro()
+    while obj is not None and len(lines) < 40:
+        frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        nxt = getattr(obj, "cr_await", None) or getattr(obj, "gi_yieldfrom", None)
+        if nxt is None and isinstance(obj, asyncio.Future):
+            lines.append(f"  (a future: {obj!r:.200})")
+        obj = nxt
+    return "\n".join(lines)
 
 
 def run_seed(seed: int, workload: Workload | None = None) -> SeedResult:

@@ -26,7 +26,6 @@ the same transaction back, a retried commit of the same decision is answered com
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
@@ -201,6 +200,7 @@ class SinkTask:
         self._producer: AsyncTransactionalProducer | None = None
         self._streams: set[str] = set()  # target streams known to exist
         self._heartbeat: asyncio.Task[None] | None = None
+        self._stopped = False  # abandon() was called: the keep-alive ends even if a cancel is lost
 
     @property
     def reads_input(self) -> bool:
@@ -250,8 +250,10 @@ class SinkTask:
 
     async def _keep_alive(self) -> None:
         interval = max(0.05, self.settings.transaction_timeout_ms / 4000)
-        while True:
+        while not self._stopped:
             await asyncio.sleep(interval)
+            if self._stopped:
+                return
             try:
                 resp = await self.client.post(self.settings.path("alive"), json=self._body())
                 if resp.status_code != 200:
@@ -294,11 +296,13 @@ class SinkTask:
     async def abandon(self) -> None:
         """Stop (the task failed, or finished): no more keep-alives. An open transaction is left
         to the driver's commit or abort, the sink's next commit, or the timeout."""
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat
-            self._heartbeat = None
+        self._stopped = True  # a cancel swallowed on its way (asyncio.wait_for may lose one) ends it too
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            heartbeat.cancel()
+            # asyncio.wait: the keep-alive's own CancelledError stays in it, while a cancel of
+            # abandon() itself still goes up (suppressing CancelledError here would swallow both)
+            await asyncio.wait({heartbeat})
         if self._producer is not None:
             await self._producer.close()
 
