@@ -74,6 +74,7 @@ class AppConfig:
     long_poll_timeout: float = 20.0
     max_body_bytes: int = 64 << 20
     sse_max_seconds: float = 60.0
+    allow_private_webhooks: bool = False  # webhooks to loopback and private addresses (docs/security.md)
 
 
 class BadRequest(Exception):
@@ -110,7 +111,8 @@ class App:
     def __init__(self, broker: Broker, config: AppConfig | None = None) -> None:
         self.broker = broker
         self.config = config or AppConfig()
-        self.subscriptions = SubscriptionAPI(broker)  # the reserved __ds control APIs
+        # the reserved __ds control APIs
+        self.subscriptions = SubscriptionAPI(broker, allow_private_webhooks=self.config.allow_private_webhooks)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]

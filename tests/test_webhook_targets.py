@@ -1,0 +1,149 @@
+"""Where a webhook may be sent (SSRF, issue 15 item 14): public addresses only, unless the operator
+allows loopback and private targets with ``--allow-private-webhooks``; IPv4 embedded in IPv6
+(NAT64, 6to4, IPv4-mapped, IPv4-compatible) is judged by its IPv4 address; and the connection goes
+to the address that was checked, not to a second DNS answer."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from onceflow.core.broker import Broker
+from onceflow.core.subscriptions import DeliveryError, SubscriptionError, is_public_address, validate_webhook_url
+from onceflow.server.app import App, AppConfig
+
+pytestmark = pytest.mark.anyio
+SUBS = "/v1/stream/__ds/subscriptions"
+
+METADATA_FORMS = [
+    "169.254.169.254", "::ffff:169.254.169.254", "64:ff9b::a9fe:a9fe", "64:ff9b:1::a9fe:a9fe", "2002:a9fe:a9fe::1",
+    "::a9fe:a9fe",
+]
+
+
+@pytest.mark.parametrize("ip", [*METADATA_FORMS, "127.0.0.1", "::1", "10.1.2.3", "64:ff9b::a00:1", "2002:a00:1::1",
+                                "::ffff:127.0.0.1", "::7f00:1", "0.0.0.0", "::",  # noqa: S104 - addresses judged, not bound "100.64.0.1", "fc00::1", "fe80::1",
+                                "224.0.0.1", "ff02::1", "192.0.2.1"])
+def test_non_public_addresses_in_every_ipv6_wrapping_are_not_public(ip: str) -> None:
+    assert not is_public_address(ipaddress.ip_address(ip))
+
+
+@pytest.mark.parametrize("ip", ["8.8.8.8", "2606:4700::1111", "64:ff9b::808:808", "2002:808:808::1", "::ffff:8.8.8.8"])
+def test_public_addresses_are_public(ip: str) -> None:
+    assert is_public_address(ipaddress.ip_address(ip))
+
+
+@pytest.mark.parametrize(
+    ("url", "default", "private"),
+    [
+        ("https://hooks.example.com/x", True, True),
+        ("https://8.8.8.8/x", True, True),
+        ("http://127.0.0.1:8080/hook", False, True),
+        ("http://localhost/hook", False, True),
+        ("https://localhost/hook", False, True),
+        ("http://127.0.1.1/hook", False, True),
+        ("https://[::1]/hook", False, True),
+        ("http://10.0.0.1/hook", False, True),
+        ("https://192.168.1.5/hook", False, True),
+        ("https://printer.local/x", False, True),
+        ("http://hooks.example.com/x", False, False),  # plain http only to the allowed private targets
+        ("https://169.254.169.254/latest/meta-data", False, False),  # link-local (cloud metadata): never
+        *[(f"https://[{ip}]/x", False, False) for ip in METADATA_FORMS[1:]],
+        ("https://0.0.0.0/x", False, False),
+        ("https://[::]/x", False, False),
+        ("https://[ff02::1]/x", False, False),
+    ],
+)
+def test_webhook_url_policy_with_and_without_private_targets(url: str, default: bool, private: bool) -> None:
+    for allow, ok in ((False, default), (True, private)):
+        if ok:
+            assert validate_webhook_url(url, allow_private=allow) == url
+        else:
+            with pytest.raises(SubscriptionError) as err:
+                validate_webhook_url(url, allow_private=allow)
+            assert err.value.code == "WEBHOOK_URL_REJECTED", (url, allow)
+
+
+@pytest.fixture
+async def app(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[App]:
+    broker = Broker(tmp_path / "data")
+    broker.open()
+    a = App(broker, AppConfig(allow_private_webhooks=getattr(request, "param", False)))
+    yield a
+    await a.subscriptions.close()
+    await broker.close()
+
+
+async def test_a_loopback_webhook_is_refused_by_default(app: App) -> None:
+    """An anonymous client could make the server POST to a local admin port."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        for url in ("http://127.0.0.1:9/admin", "http://localhost:9/admin", "https://[::ffff:127.0.0.1]:9/x"):
+            r = await c.put(f"{SUBS}/s", json={"type": "webhook", "pattern": "e/*", "webhook": {"url": url}})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "WEBHOOK_URL_REJECTED", (url, r.text)
+        with pytest.raises(DeliveryError, match="not a public address"):
+            await app.subscriptions._post("http://127.0.0.1:9/admin", b"{}", {}, 1.0)
+
+
+@pytest.mark.parametrize("app", [True], indirect=True)
+async def test_loopback_webhooks_are_allowed_behind_the_flag(app: App) -> None:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.put(f"{SUBS}/s", json={"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://127.0.0.1:9/h"}})
+        assert r.status_code == 201, r.text
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        return httpx.Response(200, json={"done": True})
+
+
+def fake_dns(monkeypatch: pytest.MonkeyPatch, answers: list[str]) -> list[str]:
+    """The running loop's resolver answers ``answers`` in turn (a rebinding DNS server); returns the
+    hosts asked for."""
+    loop = asyncio.get_running_loop()
+    asked: list[str] = []
+
+    async def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        asked.append(host)
+        ip = answers[min(len(asked) - 1, len(answers) - 1)]
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        sockaddr = (ip, port or 443, 0, 0) if family == socket.AF_INET6 else (ip, port or 443)
+        return [(family, socket.SOCK_STREAM, 6, "", sockaddr)]
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    return asked
+
+
+async def test_the_connection_goes_to_the_address_that_was_checked(app: App, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DNS answer that changes between the check and the connection (rebinding) cannot redirect
+    the POST: the checked address is pinned, with Host and SNI kept as the URL's name."""
+    asked = fake_dns(monkeypatch, ["8.8.8.8", "127.0.0.1"])
+    rec = Recorder()
+    app.subscriptions._client = httpx.AsyncClient(transport=httpx.MockTransport(rec))  # no network in this test
+    status, _ = await app.subscriptions._post("https://hooks.example.com:8443/wake?x=1", b"{}", {"content-type": "application/json"}, 1.0)
+    assert status == 200
+    (req,) = rec.requests
+    assert req.url.host == "8.8.8.8" and req.url.port == 8443 and req.url.raw_path == b"/wake?x=1"
+    assert req.headers["host"] == "hooks.example.com:8443"
+    assert req.extensions.get("sni_hostname") == "hooks.example.com"
+    assert asked == ["hooks.example.com"]  # resolved once, by the check
+
+
+async def test_a_name_resolving_to_an_embedded_private_address_is_refused(app: App, monkeypatch: pytest.MonkeyPatch) -> None:
+    for ip in ("64:ff9b::a9fe:a9fe", "2002:a9fe:a9fe::1", "::a9fe:a9fe", "::ffff:127.0.0.1"):
+        fake_dns(monkeypatch, [ip])
+        rec = Recorder()
+        app.subscriptions._client = httpx.AsyncClient(transport=httpx.MockTransport(rec))
+        with pytest.raises(DeliveryError, match="non-public"):
+            await app.subscriptions._post("https://hooks.example.com/wake", b"{}", {}, 1.0)
+        assert rec.requests == []
