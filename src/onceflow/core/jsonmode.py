@@ -45,11 +45,16 @@ def encode_messages(body: bytes, *, allow_empty: bool) -> tuple[bytes, int]:
     except UnicodeDecodeError as exc:
         raise JsonError(f"body is not UTF-8: {exc}") from None
     try:
-        value = _decode(text)
+        return _encode(body, _decode(text), allow_empty=allow_empty)
     except JsonError:
         raise
     except ValueError as exc:
         raise JsonError(f"invalid JSON: {exc}") from None
+    except RecursionError:  # decoding or re-encoding: either recurses once per level
+        raise JsonError("the JSON is nested too deeply") from None
+
+
+def _encode(body: bytes, value: Any, *, allow_empty: bool) -> tuple[bytes, int]:
     compact = _is_compact(body)
     if not isinstance(value, list):
         return (body if compact else _dumps(value).encode()) + b",", 1
