@@ -41,7 +41,7 @@ from ..core.subscriptions import (
     parse_config,
 )
 
-__all__ = ["SubscriptionAPI"]
+__all__ = ["MAX_BODY", "SubscriptionAPI", "control_segments"]
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -110,7 +110,7 @@ class SubscriptionAPI:
         self.manager.start()
         method: str = scope["method"]
         try:
-            return await self._route(method, _segments(scope), scope, headers, receive)
+            return await self._route(method, control_segments(scope), scope, headers, receive)
         except SubscriptionError as exc:
             return _error(exc)
         except _BodyError as exc:
@@ -248,7 +248,7 @@ _HINT = " (unless the server runs with --allow-private-webhooks)"
 # ---------------------------------------------------------------------- request helpers
 
 
-def _segments(scope: Scope) -> list[str]:
+def control_segments(scope: Scope) -> list[str]:
     """Path segments after ``/v1/stream/__ds/``, each percent-decoded (so ``a%2Fb`` stays one)."""
     prefix = STREAM_ROOT + "/__ds/"
     raw = scope.get("raw_path")
@@ -264,7 +264,7 @@ def _segments(scope: Scope) -> list[str]:
     try:
         return [unquote(s, errors="strict") for s in segments]
     except UnicodeDecodeError:
-        raise _BodyError(400, "INVALID_REQUEST", "the path has percent-escapes that are not UTF-8") from None
+        raise SubscriptionError(400, "INVALID_REQUEST", "the path has percent-escapes that are not UTF-8") from None
 
 
 def _origin(scope: Scope, headers: dict[str, str]) -> str:
