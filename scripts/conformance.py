@@ -38,7 +38,7 @@ def main() -> int:
     server = subprocess.Popen(
         [sys.executable, "-m", "onceflow.cli", "serve", "--data", str(data), "--port", str(port),
          "--long-poll-timeout", "0.5", "--fsync", "always",
-         "--allow-private-webhooks"],  # the suite's webhook receivers listen on 127.0.0.1
+         "--webhook-targets", "loopback"],  # the suite's webhook receivers listen on 127.0.0.1
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

@@ -40,7 +40,7 @@ class Served:
 async def srv(tmp_path: Path) -> AsyncIterator[Served]:
     broker = Broker(tmp_path / "data")
     broker.open()
-    app = App(broker, AppConfig(long_poll_timeout=0.3, allow_private_webhooks=True))  # receivers listen on 127.0.0.1
+    app = App(broker, AppConfig(long_poll_timeout=0.3, webhook_targets="loopback"))  # receivers listen on 127.0.0.1
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
         yield Served(broker, app, client)
@@ -223,7 +223,7 @@ BAD_CREATES: list[tuple[object, str, str]] = [
     ({"type": "pull-wake", "pattern": "e/*", "wake_stream": "w", "webhook": {"url": "http://127.0.0.1/"}}, "INVALID_REQUEST", "webhook"),
     ({"type": "webhook", "pattern": "e/*"}, "INVALID_REQUEST", "webhook"),
     ({"type": "webhook", "pattern": "e/*", "webhook": {}}, "INVALID_REQUEST", "webhook"),
-    ({"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://169.254.169.254/hook"}}, "WEBHOOK_URL_REJECTED", "169.254.169.254"),
+    ({"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://10.0.0.1/hook"}}, "WEBHOOK_URL_REJECTED", "10.0.0.1"),
     ({"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://127.0.0.1/"}, "wake_stream": "w"}, "INVALID_REQUEST", "wake_stream"),
 ]
 
@@ -660,7 +660,7 @@ async def test_webhook_retry_state_survives_restart(tmp_path: Path, receiver: Re
     async def serve() -> tuple[Broker, App, httpx.AsyncClient]:
         broker = Broker(tmp_path / "data")
         broker.open()
-        app = App(broker, AppConfig(allow_private_webhooks=True))
+        app = App(broker, AppConfig(webhook_targets="loopback"))
         return broker, app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
 
     broker, app, c = await serve()

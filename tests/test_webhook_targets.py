@@ -1,7 +1,7 @@
 """Where a webhook may be sent (SSRF, issue 15 item 14): public addresses only, unless the operator
-allows loopback and private targets with ``--allow-private-webhooks``; IPv4 embedded in IPv6
-(NAT64, 6to4, IPv4-mapped, IPv4-compatible) is judged by its IPv4 address; and the connection goes
-to the address that was checked, not to a second DNS answer."""
+allows loopback (or also private) targets with ``--webhook-targets``; IPv4 embedded in IPv6 (NAT64,
+6to4, IPv4-mapped, IPv4-compatible) is judged by its IPv4 address; and the connection goes to the
+address that was checked, not to a second DNS answer."""
 
 from __future__ import annotations
 
@@ -16,7 +16,13 @@ import httpx
 import pytest
 
 from onceflow.core.broker import Broker
-from onceflow.core.subscriptions import DeliveryError, SubscriptionError, is_public_address, validate_webhook_url
+from onceflow.core.subscriptions import (
+    DeliveryError,
+    SubscriptionError,
+    WebhookTargets,
+    is_public_address,
+    validate_webhook_url,
+)
 from onceflow.server.app import App, AppConfig
 
 pytestmark = pytest.mark.anyio
@@ -40,42 +46,57 @@ def test_public_addresses_are_public(ip: str) -> None:
     assert is_public_address(ipaddress.ip_address(ip))
 
 
+P, L, V, N = "public", "loopback", "private", "never"  # the first --webhook-targets level that allows a URL
+
+
 @pytest.mark.parametrize(
-    ("url", "default", "private"),
+    ("url", "level"),
     [
-        ("https://hooks.example.com/x", True, True),
-        ("https://8.8.8.8/x", True, True),
-        ("http://127.0.0.1:8080/hook", False, True),
-        ("http://localhost/hook", False, True),
-        ("https://localhost/hook", False, True),
-        ("http://127.0.1.1/hook", False, True),
-        ("https://[::1]/hook", False, True),
-        ("http://10.0.0.1/hook", False, True),
-        ("https://192.168.1.5/hook", False, True),
-        ("https://printer.local/x", False, True),
-        ("http://hooks.example.com/x", False, False),  # plain http only to the allowed private targets
-        ("https://169.254.169.254/latest/meta-data", False, False),  # link-local (cloud metadata): never
-        *[(f"https://[{ip}]/x", False, False) for ip in METADATA_FORMS[1:]],
-        ("https://0.0.0.0/x", False, False),
-        ("https://[::]/x", False, False),
-        ("https://[ff02::1]/x", False, False),
+        ("https://hooks.example.com/x", P),
+        ("https://8.8.8.8/x", P),
+        ("https://[64:ff9b::808:808]/x", P),
+        ("http://127.0.0.1:8080/hook", L),
+        ("http://localhost/hook", L),
+        ("https://localhost/hook", L),
+        ("http://api.localhost/hook", L),
+        ("http://127.0.1.1/hook", L),
+        ("https://[::1]/hook", L),
+        ("https://[::ffff:127.0.0.1]/hook", L),
+        ("http://10.0.0.1/hook", V),
+        ("https://192.168.1.5/hook", V),
+        ("https://[fd00::1]/hook", V),
+        ("https://[64:ff9b::a00:1]/hook", V),
+        ("https://printer.local/x", V),
+        ("https://metadata.internal/x", V),
+        ("https://intranet/x", V),
+        ("http://hooks.example.com/x", N),  # plain http only to loopback and private targets
+        ("https://169.254.169.254/latest/meta-data", N),  # link-local (cloud metadata): never
+        *[(f"https://[{ip}]/x", N) for ip in METADATA_FORMS[1:]],
+        ("https://0.0.0.0/x", N),
+        ("https://[::]/x", N),
+        ("https://[ff02::1]/x", N),
+        ("https://[fe80::1]/x", N),
+        ("ftp://example.com/x", N),
+        ("https://user:pw@example.com/x", N),
     ],
 )
-def test_webhook_url_policy_with_and_without_private_targets(url: str, default: bool, private: bool) -> None:
-    for allow, ok in ((False, default), (True, private)):
-        if ok:
-            assert validate_webhook_url(url, allow_private=allow) == url
+def test_webhook_url_policy_at_each_level_of_webhook_targets(url: str, level: str) -> None:
+    order = [P, L, V, N]
+    targets: WebhookTargets
+    for targets in ("public", "loopback", "private"):
+        if order.index(level) <= order.index(targets):
+            assert validate_webhook_url(url, targets=targets) == url
         else:
             with pytest.raises(SubscriptionError) as err:
-                validate_webhook_url(url, allow_private=allow)
-            assert err.value.code == "WEBHOOK_URL_REJECTED", (url, allow)
+                validate_webhook_url(url, targets=targets)
+            assert err.value.code == "WEBHOOK_URL_REJECTED", (url, targets)
 
 
 @pytest.fixture
 async def app(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[App]:
     broker = Broker(tmp_path / "data")
     broker.open()
-    a = App(broker, AppConfig(allow_private_webhooks=getattr(request, "param", False)))
+    a = App(broker, AppConfig(webhook_targets=getattr(request, "param", "public")))
     yield a
     await a.subscriptions.close()
     await broker.close()
@@ -91,11 +112,15 @@ async def test_a_loopback_webhook_is_refused_by_default(app: App) -> None:
             await app.subscriptions._post("http://127.0.0.1:9/admin", b"{}", {}, 1.0)
 
 
-@pytest.mark.parametrize("app", [True], indirect=True)
-async def test_loopback_webhooks_are_allowed_behind_the_flag(app: App) -> None:
+@pytest.mark.parametrize("app", ["loopback"], indirect=True)
+async def test_loopback_webhooks_are_allowed_behind_the_flag_and_private_ones_still_not(app: App) -> None:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         r = await c.put(f"{SUBS}/s", json={"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://127.0.0.1:9/h"}})
         assert r.status_code == 201, r.text
+        r = await c.put(f"{SUBS}/t", json={"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://10.0.0.1/hook"}})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "WEBHOOK_URL_REJECTED"  # what the conformance suite wants
+    with pytest.raises(DeliveryError, match="not a public or loopback address"):
+        await app.subscriptions._post("http://10.0.0.1:9/admin", b"{}", {}, 1.0)
 
 
 class Recorder:
@@ -144,6 +169,6 @@ async def test_a_name_resolving_to_an_embedded_private_address_is_refused(app: A
         fake_dns(monkeypatch, [ip])
         rec = Recorder()
         app.subscriptions._client = httpx.AsyncClient(transport=httpx.MockTransport(rec))
-        with pytest.raises(DeliveryError, match="non-public"):
+        with pytest.raises(DeliveryError, match="which is not a public address"):
             await app.subscriptions._post("https://hooks.example.com/wake", b"{}", {}, 1.0)
         assert rec.requests == []

@@ -52,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 txn_timeout=args.txn_timeout,
                 log_level=args.log_level,
                 guard=guard,
-                allow_private_webhooks=args.allow_private_webhooks,
+                webhook_targets=args.webhook_targets,
             )
         )
     except KeyboardInterrupt:
@@ -89,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--guard", type=Path, default=None, metavar="FILE",
                    help="JSON file of bearer tokens (read/write scopes per name prefix) and limits; "
                         "default: $ONCEFLOW_GUARD if set, else no tokens and no limits (see docs/security.md)")
-    s.add_argument("--allow-private-webhooks", action="store_true",
-                   help="let subscriptions send webhooks to loopback and private addresses and local names "
-                        "(default: public addresses over https only; docs/security.md)")
+    s.add_argument("--webhook-targets", choices=["public", "loopback", "private"], default="public",
+                   help="where subscriptions may send webhooks: public addresses over https (default); also "
+                        "localhost and loopback addresses; also private networks and local names (docs/security.md)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
 

@@ -57,10 +57,11 @@ __all__ = [
     "SubscriptionError",
     "Subscriptions",
     "WakeReply",
+    "WebhookTargets",
+    "address_kind",
     "allowed_target",
     "glob_match",
     "glob_prefix",
-    "is_private_target",
     "is_public_address",
     "parse_config",
     "parse_wake_reply",
@@ -221,17 +222,22 @@ def glob_prefix(pattern: str) -> str:
 
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+WebhookTargets = Literal["public", "loopback", "private"]
+"""Where webhooks may go (``onceflow serve --webhook-targets``): public addresses only (the
+default); also loopback (the protocol's development exception, and what the conformance suite
+needs); also loopback and private networks. Link-local (cloud metadata at 169.254.169.254),
+unspecified, multicast and reserved addresses never."""
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052 well-known prefix: the IPv4 address in the last 32 bits
 _NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215 local-use prefix: never public
 _IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # deprecated ::a.b.c.d (:: and ::1 are not IPv4)
-_PRIVATE_TARGETS = (
-    ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("172.16.0.0/12"),
-    ipaddress.ip_network("192.168.0.0/16"), ipaddress.ip_network("100.64.0.0/10"),
-    ipaddress.ip_network("::1/128"), ipaddress.ip_network("fc00::/7"),
+_LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+_PRIVATE = (
+    ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("172.16.0.0/12"), ipaddress.ip_network("192.168.0.0/16"),
+    ipaddress.ip_network("100.64.0.0/10"), ipaddress.ip_network("fc00::/7"),
 )
-"""Loopback, RFC 1918, CGNAT and unique-local addresses: webhook targets behind the operator's
-``--allow-private-webhooks``. Link-local (cloud metadata at 169.254.169.254), unspecified,
-multicast and reserved addresses are never targets."""
+_LOOPBACK_NAMES = ("localhost",)
+_LOOPBACK_SUFFIXES = (".localhost",)
+_LOCAL_SUFFIXES = (".local", ".internal", ".lan", ".home.arpa", ".intranet", ".corp")
 
 
 def unwrap_ipv4(addr: IPAddress) -> IPAddress:
@@ -248,6 +254,11 @@ def unwrap_ipv4(addr: IPAddress) -> IPAddress:
     return addr
 
 
+def _in(addr: IPAddress, nets: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
+    target = unwrap_ipv4(addr)
+    return any(target.version == net.version and target in net for net in nets)
+
+
 def is_public_address(addr: IPAddress) -> bool:
     """Globally reachable unicast, judged by the embedded IPv4 address where there is one."""
     target = unwrap_ipv4(addr)
@@ -256,28 +267,33 @@ def is_public_address(addr: IPAddress) -> bool:
     return target.is_global and not target.is_multicast
 
 
-def is_private_target(addr: IPAddress) -> bool:
-    """Loopback or private (see ``_PRIVATE_TARGETS``), judged like :func:`is_public_address`."""
-    target = unwrap_ipv4(addr)
-    return any(target.version == net.version and target in net for net in _PRIVATE_TARGETS)
+def address_kind(addr: IPAddress) -> Literal["public", "loopback", "private", "never"]:
+    """Which level of :data:`WebhookTargets` first allows ``addr`` ("never": none does)."""
+    if is_public_address(addr):
+        return "public"
+    if _in(addr, _LOOPBACK):
+        return "loopback"
+    if _in(addr, _PRIVATE):
+        return "private"
+    return "never"
 
 
-def allowed_target(addr: IPAddress, *, allow_private: bool) -> bool:
-    """Whether a webhook may be sent to ``addr``: public, or private with ``allow_private``."""
-    return is_public_address(addr) or (allow_private and is_private_target(addr))
+_ORDER: dict[str, int] = {"public": 0, "loopback": 1, "private": 2, "never": 3}
 
 
-_LOCAL_SUFFIXES = (".localhost", ".local", ".internal", ".lan", ".home.arpa", ".intranet", ".corp")
+def allowed_target(addr: IPAddress, targets: WebhookTargets) -> bool:
+    """Whether a webhook may be sent to ``addr`` under the server's ``targets``."""
+    return _ORDER[address_kind(addr)] <= _ORDER[targets]
 
 
-def validate_webhook_url(url: object, *, allow_private: bool = False) -> str:
+def validate_webhook_url(url: object, *, targets: WebhookTargets = "public") -> str:
     """The URL, or a 400 WEBHOOK_URL_REJECTED.
 
-    Without ``allow_private``: ``https://`` to a public IP address or to a name that does not look
-    local (delivery checks what it resolves to). With it (``onceflow serve --allow-private-webhooks``),
-    also ``http(s)://`` to loopback and private addresses (see ``_PRIVATE_TARGETS``) and to local
-    names (``localhost``, single labels, ``.local``, ``.internal``...). Link-local, unspecified,
-    multicast and reserved addresses are refused either way, in any IPv6 wrapping."""
+    ``public`` (the default): ``https://`` to a public IP address or to a name that does not look
+    local (each delivery checks what it resolves to). ``loopback``: also ``http(s)://`` to
+    ``localhost`` and loopback addresses. ``private``: also to private addresses and local names
+    (single labels, ``.local``, ``.internal``...). Link-local, unspecified, multicast and reserved
+    addresses are refused at every level, in any IPv6 wrapping."""
     if not isinstance(url, str) or not url:
         raise _invalid('webhook subscriptions need "webhook": {"url": "https://..."}')
 
@@ -302,27 +318,27 @@ def validate_webhook_url(url: object, *, allow_private: bool = False) -> str:
         raise reject("credentials in the URL would be shown to anyone who can read the subscription")
     if parts.fragment:
         raise reject("it has a #fragment")
-    private_hint = "" if allow_private else " (the server's operator can allow them with --allow-private-webhooks)"
+    kind: Literal["public", "loopback", "private", "never"]
     try:
         addr = ipaddress.ip_address(host)
     except ValueError:
         name = host.lower().rstrip(".")
-        if name == "localhost" or name.endswith(_LOCAL_SUFFIXES) or "." not in name:
-            if not allow_private:
-                raise reject(f"it names a local host{private_hint}") from None
-            return url
-        if parts.scheme != "https":
-            raise reject("plain http:// is only allowed to private targets; use https://") from None
-        return url
-    if is_public_address(addr):
-        if parts.scheme != "https":
-            raise reject("plain http:// is only allowed to private targets; use https://")
-        return url
-    if allow_private and is_private_target(addr):
-        return url
-    if is_private_target(addr):
-        raise reject(f"loopback and private addresses are not allowed{private_hint}")
-    raise reject("link-local, unspecified, multicast and reserved addresses are never allowed")
+        if name in _LOOPBACK_NAMES or name.endswith(_LOOPBACK_SUFFIXES):
+            kind = "loopback"
+        elif name.endswith(_LOCAL_SUFFIXES) or "." not in name:
+            kind = "private"
+        else:
+            kind = "public"
+    else:
+        kind = address_kind(addr)
+    if kind == "never":
+        raise reject("link-local, unspecified, multicast and reserved addresses are never allowed")
+    if _ORDER[kind] > _ORDER[targets]:
+        raise reject(f"it names a {kind} target; this server sends webhooks to {targets} targets only "
+                     "(its operator chooses with --webhook-targets)")
+    if kind == "public" and parts.scheme != "https":
+        raise reject("plain http:// is only allowed to loopback and private targets; use https://")
+    return url
 
 
 # ---------------------------------------------------------------------- configuration
@@ -369,9 +385,9 @@ class Config:
         )
 
 
-def parse_config(body: object, *, allow_private_webhooks: bool = False) -> Config:
+def parse_config(body: object, *, webhook_targets: WebhookTargets = "public") -> Config:
     """Validate a PUT body into a :class:`Config`; every problem is a 400 naming the field.
-    ``allow_private_webhooks``: see :func:`validate_webhook_url`."""
+    ``webhook_targets``: see :func:`validate_webhook_url`."""
     if not isinstance(body, dict):
         raise _invalid("the body must be a JSON object")
     kind = body.get("type")
@@ -394,7 +410,7 @@ def parse_config(body: object, *, allow_private_webhooks: bool = False) -> Confi
         hook = body.get("webhook")
         if not isinstance(hook, dict):
             raise _invalid('webhook subscriptions need "webhook": {"url": "https://..."}')
-        webhook_url = validate_webhook_url(hook.get("url"), allow_private=allow_private_webhooks)
+        webhook_url = validate_webhook_url(hook.get("url"), targets=webhook_targets)
         if body.get("wake_stream") is not None:
             raise _invalid('"wake_stream" is for pull-wake subscriptions; a webhook subscription has none')
     else:

@@ -23,6 +23,7 @@ from urllib.parse import parse_qs, unquote_to_bytes
 
 from ..core.broker import Broker, Outcome, ProducerHeaders, ReadResult, Stream, txn_outcome, validate_name
 from ..core.jsonmode import wrap_payloads
+from ..core.subscriptions import WebhookTargets
 from ..core.txn import TxnError, TxnMeta
 from ..storage.log import InvalidPosition
 from ..storage.position import Position, parse_token
@@ -74,7 +75,7 @@ class AppConfig:
     long_poll_timeout: float = 20.0
     max_body_bytes: int = 64 << 20
     sse_max_seconds: float = 60.0
-    allow_private_webhooks: bool = False  # webhooks to loopback and private addresses (docs/security.md)
+    webhook_targets: WebhookTargets = "public"  # where webhooks may go (docs/security.md)
 
 
 class BadRequest(Exception):
@@ -181,7 +182,7 @@ class App:
         self.broker = broker
         self.config = config or AppConfig()
         # the reserved __ds control APIs
-        self.subscriptions = SubscriptionAPI(broker, allow_private_webhooks=self.config.allow_private_webhooks)
+        self.subscriptions = SubscriptionAPI(broker, webhook_targets=self.config.webhook_targets)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]

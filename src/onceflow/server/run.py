@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..core.broker import Broker
+from ..core.subscriptions import WebhookTargets
 from ..storage.log import FsyncPolicy
 from .app import App, AppConfig
 from .guard import Guard, GuardConfig
@@ -33,7 +34,7 @@ async def serve(
     txn_timeout: float = 60.0,
     log_level: str = "warning",
     guard: GuardConfig | None = None,
-    allow_private_webhooks: bool = False,
+    webhook_targets: WebhookTargets = "public",
 ) -> None:
     """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
 
@@ -43,7 +44,7 @@ async def serve(
     broker = Broker(data, fsync=fsync, txn_timeout=txn_timeout)
     broker.open()
     app = App(broker, AppConfig(long_poll_timeout=long_poll_timeout, max_body_bytes=max_body_bytes,
-                                allow_private_webhooks=allow_private_webhooks))
+                                webhook_targets=webhook_targets))
     handler: App | Guard = app if guard is None else Guard(app, broker, guard)  # tokens and limits (server/guard.py)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

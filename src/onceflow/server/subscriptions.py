@@ -37,6 +37,7 @@ from ..core.subscriptions import (
     DeliveryError,
     SubscriptionError,
     Subscriptions,
+    WebhookTargets,
     allowed_target,
     parse_config,
 )
@@ -78,8 +79,8 @@ class _BodyError(Exception):
 class SubscriptionAPI:
     """The ``__ds`` control routes of one :class:`~onceflow.server.app.App`."""
 
-    def __init__(self, broker: Broker, *, allow_private_webhooks: bool = False) -> None:
-        self.allow_private_webhooks = allow_private_webhooks  # onceflow serve --allow-private-webhooks
+    def __init__(self, broker: Broker, *, webhook_targets: WebhookTargets = "public") -> None:
+        self.webhook_targets = webhook_targets  # onceflow serve --webhook-targets
         self.manager = Subscriptions(broker, self._post)
         self._client: httpx.AsyncClient | None = None
         self._ssl: ssl.SSLContext | None = None
@@ -137,7 +138,7 @@ class SubscriptionAPI:
         sid, rest = seg[1], seg[2:]
         if not rest:
             if method == "PUT":
-                config = parse_config(await _read_json(headers, receive), allow_private_webhooks=self.allow_private_webhooks)
+                config = parse_config(await _read_json(headers, receive), webhook_targets=self.webhook_targets)
                 sub, created = await m.create(sid, config, _base_url(scope, headers))
                 return _json(201 if created else 200, m.describe(sub, _jwks_url(scope, headers)))
             if method in ("GET", "HEAD"):
@@ -181,8 +182,8 @@ class SubscriptionAPI:
         """POST a wake to the address its URL resolves to now, once that address is checked.
 
         1. Resolve the host (an IP literal is its own answer) and refuse unless every address is an
-           allowed target (:func:`~onceflow.core.subscriptions.allowed_target`: public, or
-           loopback/private behind ``--allow-private-webhooks``), whatever the URL passed at creation.
+           allowed target (:func:`~onceflow.core.subscriptions.allowed_target` under
+           ``--webhook-targets``), whatever the URL passed at creation.
         2. Connect to the first of those addresses, not to the name: the HTTP client does not
            resolve again, so a DNS answer that changes in between (rebinding) cannot redirect the
            POST. ``Host`` and the TLS server name (SNI, and so the certificate check) stay the URL's.
@@ -191,7 +192,7 @@ class SubscriptionAPI:
         target = httpx.URL(url)
         host = target.raw_host.decode("ascii")  # IDNA-encoded; an IPv6 literal without brackets
         pinned = await _pinned_address(host, target.port or (443 if target.scheme == "https" else 80),
-                                       allow_private=self.allow_private_webhooks)
+                                       targets=self.webhook_targets)
         extensions: dict[str, Any] = {}
         if pinned != host:
             headers = {**headers, "host": target.netloc.decode("ascii")}
@@ -218,15 +219,15 @@ class SubscriptionAPI:
             raise DeliveryError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
 
 
-async def _pinned_address(host: str, port: int, *, allow_private: bool) -> str:
+async def _pinned_address(host: str, port: int, *, targets: WebhookTargets) -> str:
     """The address to connect to for ``host``: checked, never resolved again (see ``_post``)."""
     try:
         literal = ipaddress.ip_address(host)
     except ValueError:
         pass
     else:
-        if not allowed_target(literal, allow_private=allow_private):
-            raise DeliveryError(f"{host} is not a public address{_HINT if not allow_private else ''}")
+        if not allowed_target(literal, targets):
+            raise DeliveryError(f"{host} is not a {_TARGETS[targets]} address (--webhook-targets {targets})")
         return host
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -236,13 +237,13 @@ async def _pinned_address(host: str, port: int, *, allow_private: bool) -> str:
     if not addresses:
         raise DeliveryError(f"{host} resolves to no address")
     for ip in addresses:
-        if not allowed_target(ip, allow_private=allow_private):
-            raise DeliveryError(f"{host} resolves to the non-public address {ip}; webhooks go to public hosts only"
-                                f"{_HINT if not allow_private else ''}")
+        if not allowed_target(ip, targets):
+            raise DeliveryError(f"{host} resolves to {ip}, which is not a {_TARGETS[targets]} address "
+                                f"(--webhook-targets {targets})")
     return str(addresses[0])
 
 
-_HINT = " (unless the server runs with --allow-private-webhooks)"
+_TARGETS = {"public": "public", "loopback": "public or loopback", "private": "public, loopback or private"}
 
 
 # ---------------------------------------------------------------------- request helpers
