@@ -398,7 +398,7 @@ class App:
     async def _sinks(self, method: str, rest: str, headers: dict[str, str], receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         # GET /v1/sinks/<sink id>; POST /v1/sinks/<sink id>/(commit|abort): the id may contain '/'
         sink, action = (rest, "") if method == "GET" else sink_action(rest)
-        if not sink or validate_name(sink) or action not in ("", "commit", "abort"):
+        if not sink or validate_name(sink) or action not in ("", "commit", "abort") or (method == "POST" and not action):
             raise BadRequest("use /v1/sinks/<sink id> or /v1/sinks/<sink id>/(commit|abort)", 404, "not_found")
         coord = self.broker.coordinator
         if action == "":
