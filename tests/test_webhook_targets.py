@@ -172,3 +172,26 @@ async def test_a_name_resolving_to_an_embedded_private_address_is_refused(app: A
         with pytest.raises(DeliveryError, match="which is not a public address"):
             await app.subscriptions._post("https://hooks.example.com/wake", b"{}", {}, 1.0)
         assert rec.requests == []
+
+
+async def test_an_answer_nested_too_deeply_starts_the_lease_instead_of_stalling_the_wake(app: App) -> None:
+    """Any 2xx answer that is not {"done": true} starts the lease; a deeply nested one used to raise
+    out of the delivery task, leaving a wake with no lease that never ended."""
+    deep = b"[" * 50_000 + b"]" * 50_000
+    answered: list[httpx.Request] = []
+
+    def receiver(request: httpx.Request) -> httpx.Response:
+        answered.append(request)
+        return httpx.Response(200, content=deep)
+
+    app.subscriptions._client = httpx.AsyncClient(transport=httpx.MockTransport(receiver))  # no network in this test
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.put(f"{SUBS}/s", json={"type": "webhook", "pattern": "e/*", "webhook": {"url": "https://8.8.8.8/hook"}})
+        assert r.status_code == 201, r.text
+        assert (await c.put("/v1/stream/e/a", content=b'{"n":1}', headers={"content-type": "application/json"})).status_code == 201
+        sub = app.subscriptions.manager.subs["s"]
+        for _ in range(500):  # the delivery runs as a background task
+            if answered and (sub.lease_deadline is not None or sub.delivering is None):
+                break
+            await asyncio.sleep(0.01)
+        assert answered and sub.lease_deadline is not None and sub.status == "active"
