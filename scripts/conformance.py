@@ -37,7 +37,8 @@ def main() -> int:
     data = Path(tempfile.mkdtemp(prefix="onceflow-conformance-"))
     server = subprocess.Popen(
         [sys.executable, "-m", "onceflow.cli", "serve", "--data", str(data), "--port", str(port),
-         "--long-poll-timeout", "0.5", "--fsync", "always"],
+         "--long-poll-timeout", "0.5", "--fsync", "always",
+         "--webhook-targets", "loopback"],  # the suite's webhook receivers listen on 127.0.0.1
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

@@ -2,8 +2,8 @@
 
 tests/test_http_bad_input.py fuzzes the Durable Streams core (stream headers, offsets, live modes);
 this file covers what it leaves out: transactions (/v1/txn), consumer-group offsets (/v1/groups),
-sink commits (/v1/sinks), the stream listing, exact-range reads (format=records / boundaries) and
-transactional appends. Every answer must be < 500, and a rejected request (4xx) must change nothing
+sink commits (/v1/sinks), the subscription routes (/v1/stream/__ds), deeply nested JSON bodies, the
+stream listing, exact-range reads (format=records / boundaries) and transactional appends. Every answer must be < 500, and a rejected request (4xx) must change nothing
 that a client can observe.
 """
 
@@ -51,6 +51,9 @@ async def set_up(c: InProcess) -> None:
     head = await cl.head(S + "fz")
     r = await cl.post("/v1/groups/gz/offsets", json={"offsets": {"fz": head.headers["stream-last-stable-offset"]}, "member_epoch": 5})
     assert r.status_code == 200
+    assert (await cl.put(S + "wz", headers={"content-type": "application/json"})).status_code in (200, 201)
+    r = await cl.put(S + "__ds/subscriptions/subz", json={"type": "pull-wake", "streams": ["fz"], "wake_stream": "wz"})
+    assert r.status_code in (200, 201), r.text  # 200: made by an earlier set_up, before fz was deleted
 
 
 async def snapshot(c: InProcess) -> dict[str, Any]:
@@ -64,6 +67,8 @@ async def snapshot(c: InProcess) -> dict[str, Any]:
         "group": (await cl.get("/v1/groups/gz/offsets")).json(),
         "txn": (await cl.get("/v1/txn/tz")).json(),
         "sink": (await cl.get("/v1/sinks/sz")).json(),
+        "subscription": (await cl.get(S + "__ds/subscriptions/subz")).json(),
+        "subscriptions": sorted(c.app.subscriptions.manager.subs),
     }
     if head.status_code == 200:
         for iso in ("read_committed", "read_uncommitted"):
@@ -83,7 +88,19 @@ json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | 
                            max_leaves=6)
 members = st.lists(st.fixed_dictionaries({}, optional={"id": st.sampled_from(["tz", "sk1", "", "a/b"]) | text,
                                                        "epoch": ints | scalars, "txn": ints | scalars}), max_size=3)
+deep = st.integers(500, 5000).flatmap(lambda n: st.sampled_from([b"[" * n + b"]" * n, b'{"a":' * n + b"1" + b"}" * n]))
+subscription_bodies = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["pull-wake", "webhook", "x"]) | scalars,
+    "pattern": st.sampled_from(["fz", "*", "**", "f*", "a//b", "__ds/*", ""]) | scalars,
+    "streams": st.lists(st.sampled_from(["fz", "/fz/", "", "..", "__ds/x"]) | scalars, max_size=3) | scalars,
+    "wake_stream": st.sampled_from(["wz", "fz", "nope", ""]) | scalars,
+    "webhook": st.fixed_dictionaries({"url": st.sampled_from(["http://127.0.0.1:9/x", "ftp://x", "https://[::1]/", "https://10.0.0.1/"])}) | scalars,
+    "lease_ttl_ms": ints | scalars, "worker": text | scalars, "wake_id": text | scalars, "generation": ints | scalars,
+    "done": st.booleans() | scalars, "acks": st.lists(st.fixed_dictionaries({"stream": text, "offset": offsets_like}), max_size=2) | scalars,
+}).map(lambda d: json.dumps(d).encode())
 bodies = st.one_of(
+    deep,
+    subscription_bodies,
     st.fixed_dictionaries({}, optional={
         "epoch": ints | scalars, "txn": ints | scalars, "timeout_ms": ints | scalars, "group": st.sampled_from(["gz", ""]) | scalars,
         "offsets": st.dictionaries(st.sampled_from(["fz", "nope", ""]) | text, offsets_like | scalars, max_size=2) | scalars,
@@ -102,6 +119,9 @@ paths = st.one_of(
     st.builds(lambda i: f"/v1/txn/{i}", ids),
     st.builds(lambda i, a: f"/v1/groups/{i}/{a}", ids, st.sampled_from(["offsets", "", "commit"])),
     st.builds(lambda i, a: f"/v1/sinks/{i}{a}", ids, st.sampled_from(["", "/commit", "/abort", "/begin", "/alive", "/reset", "/x"])),
+    st.builds(lambda i, a: f"{S}__ds/subscriptions/{i}{a}", ids | st.just("subz"),
+              st.sampled_from(["", "/streams", "/streams/fz", "/claim", "/ack", "/release", "/callback", "/x"])),
+    st.sampled_from([S + "__ds/jwks.json", S + "__ds", S + "__ds/x", S + "bad%ff", S + "__ds/subscriptions/%ff"]),
     st.sampled_from(["/v1/streams", "/v1/streams/", "/v1/", "/", S, S + "fz", S + "fz/", S + "nope"]),
 )
 header_names = st.sampled_from([
@@ -147,6 +167,25 @@ async def test_fuzzed_extension_requests_never_5xx_and_rejections_change_nothing
     onceflow: InProcess, method: str, path: str, body: bytes, headers: dict[str, str]
 ) -> None:
     await check_request(onceflow, method, path, headers, {}, body)
+
+
+JSON_ENDPOINTS = [  # every endpoint that parses a JSON body, with names that exist so that the body is parsed
+    ("POST", "/v1/txn/tz/init"), ("POST", "/v1/txn/tz/commit"), ("POST", "/v1/txn/tz/abort"), ("POST", "/v1/txn/tz/offsets"),
+    ("POST", "/v1/groups/gz/offsets"), ("POST", "/v1/sinks/sz/commit"), ("POST", "/v1/sinks/sz/abort"),
+    ("PUT", S + "__ds/subscriptions/new"), ("PUT", S + "__ds/subscriptions/subz"), ("POST", S + "__ds/subscriptions/subz/streams"),
+    ("POST", S + "__ds/subscriptions/subz/claim"), ("POST", S + "__ds/subscriptions/subz/ack"),
+    ("POST", S + "__ds/subscriptions/subz/release"), ("POST", S + "__ds/subscriptions/subz/callback"),
+    ("POST", S + "fz"), ("PUT", S + "new"),
+]
+
+
+@FUZZ_SETTINGS
+@given(endpoint=st.sampled_from(JSON_ENDPOINTS), body=bodies)
+async def test_fuzzed_json_bodies_never_5xx_and_rejections_change_nothing(
+    onceflow: InProcess, endpoint: tuple[str, str], body: bytes
+) -> None:
+    method, path = endpoint
+    await check_request(onceflow, method, path, {"content-type": "application/json"}, {}, body)
 
 
 @FUZZ_SETTINGS

@@ -215,3 +215,80 @@ def test_data_dir_layout_is_documented(tmp_path: Path) -> None:
     b.open()
     assert sorted(os.listdir(tmp_path)) == ["coordinator", "streams", "trash"]
     b.coordinator._log.close_files()  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------- deeply nested JSON (issue 15, item 13)
+
+DEEP = b"[" * 20_000 + b"]" * 20_000  # within the 64 KiB test limit, far past the recursion limit
+DEEP_OBJECT = b'{"a":' * 6_000 + b"1" + b"}" * 6_000
+
+
+async def test_deeply_nested_json_bodies_are_400_and_change_nothing(onceflow: InProcess) -> None:
+    c = onceflow.client
+    await make(onceflow)
+    for body in (DEEP, DEEP_OBJECT):
+        r = await c.post(S + "s", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "nested" in error_message(r)
+        r = await c.put(S + "deep", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert (await c.head(S + "deep")).status_code == 404
+    assert (await c.get(S + "s?offset=-1")).content == b"[]"
+    for path in ("/v1/txn/t/init", "/v1/txn/t/commit", "/v1/groups/g/offsets", "/v1/sinks/k/commit", "/v1/sinks/k/abort"):
+        for body in (DEEP, DEEP_OBJECT):
+            r = await c.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (path, r.status_code, r.text)
+            assert "nested" in error_message(r)
+    assert (await c.get("/v1/txn/t")).status_code == 404
+    assert (await c.get("/v1/groups/g/offsets")).json()["offsets"] == {}
+    assert (await c.get("/v1/sinks/k")).json()["batch"] is None
+
+
+# ---------------------------------------------------------------------- names that are not UTF-8 (issue 15, item 13)
+
+
+async def test_a_path_that_is_not_utf8_is_400_in_process(onceflow: InProcess) -> None:
+    c = onceflow.client
+    for raw in ("bad%ff", "bad%fe", "ok/bad%C3"):
+        r = await c.put(S + raw, headers={"content-type": "text/plain"})
+        assert r.status_code == 400 and "UTF-8" in error_message(r), (raw, r.status_code, r.text)
+    assert (await c.get("/v1/streams")).json() == {"streams": []}
+    assert (await c.put(S + "bad%ef%bf%bd", headers={"content-type": "text/plain"})).status_code == 201  # U+FFFD is UTF-8
+    assert [s["name"] for s in (await c.get("/v1/streams")).json()["streams"]] == ["bad\ufffd"]
+
+
+@pytest.mark.parametrize("front", ["native", "uvicorn"])
+def test_a_path_that_is_not_utf8_is_400_on_both_http_front_ends(tmp_path: Path, front: str) -> None:
+    """Each front end percent-decodes differently (surrogates; U+FFFD replacements): the app decodes
+    the raw path itself, strictly, so neither creates a stream for such a name nor maps two to one."""
+    import httpx
+
+    from conftest import ServerProcess
+
+    srv = ServerProcess(tmp_path / "data", "--http", front)
+    srv.start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=10) as c:
+            for raw in ("bad%ff", "bad%fe", "bad%c3"):
+                r = c.put(S + raw, headers={"content-type": "text/plain"})
+                assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"], (raw, r.status_code, r.text)
+                assert c.get(S + raw, params={"offset": "-1"}).status_code == 400
+            assert c.get("/v1/streams").json() == {"streams": []}
+            assert c.put(S + "bad%ef%bf%bd", headers={"content-type": "text/plain"}).status_code == 201
+            assert c.put(S + "bad%ff", headers={"content-type": "text/plain"}).status_code == 400  # not the same stream
+            assert [s["name"] for s in c.get("/v1/streams").json()["streams"]] == ["bad\ufffd"]
+    finally:
+        srv.kill()
+
+
+async def test_a_duplicated_protocol_header_is_400_without_a_guard_too(onceflow: InProcess) -> None:
+    """A proxy reading the last of two headers and the server the first would disagree on the request."""
+    await make(onceflow)
+    base = [("content-type", "application/json"), ("producer-epoch", "0"), ("producer-seq", "0")]
+    r = await onceflow.client.post(S + "s", content=b"{}", headers=[*base, ("producer-id", "a"), ("Producer-Id", "b")])
+    assert r.status_code == 400 and "more than once" in error_message(r)
+    r = await onceflow.client.post(S + "s", content=b"{}", headers=[*base, ("producer-id", "a"), ("content-type", "text/plain")])
+    assert r.status_code == 400 and "content-type" in error_message(r)
+    assert (await onceflow.client.head(S + "s")).headers["stream-next-offset"] == "0000000000000000_0000000000000000"
+    r = await onceflow.client.post(S + "s", content=b"{}", headers=[*base, ("producer-id", "a"), ("x-trace", "1"), ("x-trace", "2")])
+    assert r.status_code == 200  # other headers may repeat

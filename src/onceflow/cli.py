@@ -65,6 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 log_level=args.log_level,
                 guard=guard,
                 limits=limits,
+                webhook_targets=args.webhook_targets,
             )
         )
     except KeyboardInterrupt:
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--guard", type=Path, default=None, metavar="FILE",
                    help="JSON file of bearer tokens (read/write scopes per name prefix) and limits; "
                         "default: $ONCEFLOW_GUARD if set, else no tokens and no limits (see docs/security.md)")
+    s.add_argument("--webhook-targets", choices=["public", "loopback", "private"], default="public",
+                   help="where subscriptions may send webhooks: public addresses over https (default); also "
+                        "localhost and loopback addresses; also private networks and local names (docs/security.md)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     h = s.add_argument_group("HTTP limits", "connection management of the HTTP layer (docs/security.md, \"HTTP layer\"); "
                                            "with --http uvicorn only --idle-timeout and --max-connections apply")

@@ -57,10 +57,15 @@ __all__ = [
     "SubscriptionError",
     "Subscriptions",
     "WakeReply",
+    "WebhookTargets",
+    "address_kind",
+    "allowed_target",
     "glob_match",
-    "is_dev_webhook_host",
+    "glob_prefix",
+    "is_public_address",
     "parse_config",
     "parse_wake_reply",
+    "unwrap_ipv4",
     "validate_webhook_url",
 ]
 
@@ -201,29 +206,94 @@ def glob_match(pattern: Sequence[str], path: str) -> bool:
     return n in states
 
 
-def is_dev_webhook_host(host: str) -> bool:
-    """The protocol's development exception: ``localhost`` and ``127.0.0.x``."""
-    host = host.lower().rstrip(".")
-    if host == "localhost":
-        return True
-    try:
-        addr = ipaddress.ip_address(host)
-    except ValueError:
+def glob_prefix(pattern: str) -> str:
+    """A string every stream name ``pattern`` (normalized, see :func:`parse_pattern`) matches starts
+    with: the pattern itself when it has no wildcard, else its literal segments before the first
+    one, with a trailing ``/`` unless the rest can match zero segments (``a/**`` matches ``a``).
+    The guard checks a pattern against grants through this prefix."""
+    segments = pattern.split("/")
+    for i, seg in enumerate(segments):
+        if seg in ("*", "**"):
+            literal = "/".join(segments[:i])
+            if all(s == "**" for s in segments[i:]) or not literal:
+                return literal
+            return literal + "/"
+    return pattern
+
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+WebhookTargets = Literal["public", "loopback", "private"]
+"""Where webhooks may go (``onceflow serve --webhook-targets``): public addresses only (the
+default); also loopback (the protocol's development exception, and what the conformance suite
+needs); also loopback and private networks. Link-local (cloud metadata at 169.254.169.254),
+unspecified, multicast and reserved addresses never."""
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052 well-known prefix: the IPv4 address in the last 32 bits
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215 local-use prefix: never public
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # deprecated ::a.b.c.d (:: and ::1 are not IPv4)
+_LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+_PRIVATE = (
+    ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("172.16.0.0/12"), ipaddress.ip_network("192.168.0.0/16"),
+    ipaddress.ip_network("100.64.0.0/10"), ipaddress.ip_network("fc00::/7"),
+)
+_LOOPBACK_NAMES = ("localhost",)
+_LOOPBACK_SUFFIXES = (".localhost",)
+_LOCAL_SUFFIXES = (".local", ".internal", ".lan", ".home.arpa", ".intranet", ".corp")
+
+
+def unwrap_ipv4(addr: IPAddress) -> IPAddress:
+    """The IPv4 address an IPv6 address carries (IPv4-mapped, IPv4-compatible, 6to4 or NAT64
+    well-known prefix), else ``addr``: a target is judged by where its packets end up."""
+    if isinstance(addr, ipaddress.IPv4Address):
+        return addr
+    if addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    if addr.sixtofour is not None:
+        return addr.sixtofour
+    if addr in _NAT64 or (addr in _IPV4_COMPATIBLE and int(addr) > 1):
+        return ipaddress.IPv4Address(int(addr) & 0xFFFF_FFFF)
+    return addr
+
+
+def _in(addr: IPAddress, nets: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
+    target = unwrap_ipv4(addr)
+    return any(target.version == net.version and target in net for net in nets)
+
+
+def is_public_address(addr: IPAddress) -> bool:
+    """Globally reachable unicast, judged by the embedded IPv4 address where there is one."""
+    target = unwrap_ipv4(addr)
+    if isinstance(target, ipaddress.IPv6Address) and target in _NAT64_LOCAL:
         return False
-    return isinstance(addr, ipaddress.IPv4Address) and addr in ipaddress.ip_network("127.0.0.0/24")
+    return target.is_global and not target.is_multicast
 
 
-def is_public_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_global and not addr.is_multicast
+def address_kind(addr: IPAddress) -> Literal["public", "loopback", "private", "never"]:
+    """Which level of :data:`WebhookTargets` first allows ``addr`` ("never": none does)."""
+    if is_public_address(addr):
+        return "public"
+    if _in(addr, _LOOPBACK):
+        return "loopback"
+    if _in(addr, _PRIVATE):
+        return "private"
+    return "never"
 
 
-_LOCAL_SUFFIXES = (".localhost", ".local", ".internal", ".lan", ".home.arpa", ".intranet", ".corp")
+_ORDER: dict[str, int] = {"public": 0, "loopback": 1, "private": 2, "never": 3}
 
 
-def validate_webhook_url(url: object) -> str:
-    """The URL, or a 400 WEBHOOK_URL_REJECTED: https to a public host, or http(s) to the dev hosts."""
+def allowed_target(addr: IPAddress, targets: WebhookTargets) -> bool:
+    """Whether a webhook may be sent to ``addr`` under the server's ``targets``."""
+    return _ORDER[address_kind(addr)] <= _ORDER[targets]
+
+
+def validate_webhook_url(url: object, *, targets: WebhookTargets = "public") -> str:
+    """The URL, or a 400 WEBHOOK_URL_REJECTED.
+
+    ``public`` (the default): ``https://`` to a public IP address or to a name that does not look
+    local (each delivery checks what it resolves to). ``loopback``: also ``http(s)://`` to
+    ``localhost`` and loopback addresses. ``private``: also to private addresses and local names
+    (single labels, ``.local``, ``.internal``...). Link-local, unspecified, multicast and reserved
+    addresses are refused at every level, in any IPv6 wrapping."""
     if not isinstance(url, str) or not url:
         raise _invalid('webhook subscriptions need "webhook": {"url": "https://..."}')
 
@@ -241,26 +311,33 @@ def validate_webhook_url(url: object) -> str:
     except ValueError as exc:
         raise reject(f"it is not a valid URL ({exc})") from None
     if parts.scheme not in ("http", "https"):
-        raise reject("it must use https:// (or http:// for localhost / 127.0.0.x during development)")
+        raise reject("it must use https://")
     if not host:
         raise reject("it has no host")
     if parts.username is not None or parts.password is not None:
         raise reject("credentials in the URL would be shown to anyone who can read the subscription")
     if parts.fragment:
         raise reject("it has a #fragment")
-    if is_dev_webhook_host(host):
-        return url
-    if parts.scheme != "https":
-        raise reject("plain http:// is only allowed for localhost and 127.0.0.x (development); use https://")
+    kind: Literal["public", "loopback", "private", "never"]
     try:
         addr = ipaddress.ip_address(host)
     except ValueError:
         name = host.lower().rstrip(".")
-        if name == "localhost" or name.endswith(_LOCAL_SUFFIXES) or "." not in name:
-            raise reject("it names a local-network host") from None
-        return url
-    if not is_public_address(addr):
-        raise reject("private, loopback, link-local and other non-public addresses are not allowed")
+        if name in _LOOPBACK_NAMES or name.endswith(_LOOPBACK_SUFFIXES):
+            kind = "loopback"
+        elif name.endswith(_LOCAL_SUFFIXES) or "." not in name:
+            kind = "private"
+        else:
+            kind = "public"
+    else:
+        kind = address_kind(addr)
+    if kind == "never":
+        raise reject("link-local, unspecified, multicast and reserved addresses are never allowed")
+    if _ORDER[kind] > _ORDER[targets]:
+        raise reject(f"it names a {kind} target; this server sends webhooks to {targets} targets only "
+                     "(its operator chooses with --webhook-targets)")
+    if kind == "public" and parts.scheme != "https":
+        raise reject("plain http:// is only allowed to loopback and private targets; use https://")
     return url
 
 
@@ -308,8 +385,9 @@ class Config:
         )
 
 
-def parse_config(body: object) -> Config:
-    """Validate a PUT body into a :class:`Config`; every problem is a 400 naming the field."""
+def parse_config(body: object, *, webhook_targets: WebhookTargets = "public") -> Config:
+    """Validate a PUT body into a :class:`Config`; every problem is a 400 naming the field.
+    ``webhook_targets``: see :func:`validate_webhook_url`."""
     if not isinstance(body, dict):
         raise _invalid("the body must be a JSON object")
     kind = body.get("type")
@@ -332,7 +410,7 @@ def parse_config(body: object) -> Config:
         hook = body.get("webhook")
         if not isinstance(hook, dict):
             raise _invalid('webhook subscriptions need "webhook": {"url": "https://..."}')
-        webhook_url = validate_webhook_url(hook.get("url"))
+        webhook_url = validate_webhook_url(hook.get("url"), targets=webhook_targets)
         if body.get("wake_stream") is not None:
             raise _invalid('"wake_stream" is for pull-wake subscriptions; a webhook subscription has none')
     else:
@@ -685,6 +763,31 @@ class Subscriptions:
             self._token_key = self._load_or_create("token.key", lambda: secrets.token_bytes(32))
         return self._token_key
 
+    def _token_fields(self, token: str) -> list[str] | None:
+        """The claims of a wake token this server issued (its MAC checks out), else None.
+        Creates no key: before the first token is issued, no token is valid."""
+        parts = token.split(".")
+        if len(parts) != 3 or parts[0] != "v1":
+            return None
+        if self._token_key is None and not (self.directory / "token.key").exists():
+            return None
+        try:
+            claims, mac = _b64url_decode(parts[1]), _b64url_decode(parts[2])
+        except ValueError:
+            return None
+        if not hmac.compare_digest(mac, hmac.new(self._tokens(), claims, hashlib.sha256).digest()):
+            return None
+        fields = claims.decode("utf-8", "replace").split("\n")
+        return fields if len(fields) == 5 else None
+
+    def token_subscription(self, token: str) -> str | None:
+        """The id of the subscription a wake token (claim or callback token) was issued for, of
+        any incarnation, generation or wake, or None when this server did not issue it. The guard
+        lets exactly such tokens through to the routes they are for; fencing is
+        :meth:`_check_token`'s."""
+        fields = self._token_fields(token)
+        return fields[0] if fields is not None else None
+
     def _token(self, sub: Subscription) -> str:
         assert sub.wake_id is not None
         kind = "cb" if sub.type == "webhook" else "cl"
@@ -696,17 +799,8 @@ class Subscriptions:
         """401 unless the token is one this server issued for this subscription; 409 FENCED when
         the token, or the request's generation / wake_id, is not the current wake's."""
         invalid = SubscriptionError(401, "TOKEN_INVALID", f"the bearer token was not issued for subscription {sub.id!r}")
-        parts = token.split(".")
-        if len(parts) != 3 or parts[0] != "v1":
-            raise invalid
-        try:
-            claims, mac = _b64url_decode(parts[1]), _b64url_decode(parts[2])
-        except ValueError:
-            raise invalid from None
-        if not hmac.compare_digest(mac, hmac.new(self._tokens(), claims, hashlib.sha256).digest()):
-            raise invalid
-        fields = claims.decode("utf-8", "replace").split("\n")
-        if len(fields) != 5 or fields[0] != sub.id:
+        fields = self._token_fields(token)
+        if fields is None or fields[0] != sub.id:
             raise invalid
         _, uid, gen, wake_id, _kind = fields
         current = (sub.uid, str(sub.generation), sub.wake_id)
@@ -1102,7 +1196,7 @@ class Subscriptions:
         sub.attempts = 0
         sub.announced = True
         done = False
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):  # any answer that is not {"done": true} starts the lease
             reply = json.loads(answer) if answer.strip() else None
             done = isinstance(reply, dict) and reply.get("done") is True
         if done:

@@ -19,16 +19,17 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, unquote_to_bytes
 
 from ..core.broker import Broker, Outcome, ProducerHeaders, ReadResult, Stream, txn_outcome, validate_name
 from ..core.jsonmode import wrap_payloads
+from ..core.subscriptions import WebhookTargets
 from ..core.txn import SinkState, TxnError, TxnMeta
 from ..storage.log import InvalidPosition
 from ..storage.position import Position, parse_token
 from .subscriptions import SubscriptionAPI
 
-__all__ = ["App", "AppConfig"]
+__all__ = ["App", "AppConfig", "BadRequest", "fork_source", "list_prefix", "request_headers", "request_path", "sink_action"]
 
 log = logging.getLogger("onceflow.server")
 
@@ -74,6 +75,7 @@ class AppConfig:
     long_poll_timeout: float = 20.0
     max_body_bytes: int = 64 << 20
     sse_max_seconds: float = 60.0
+    webhook_targets: WebhookTargets = "public"  # where webhooks may go (docs/security.md)
 
 
 class BadRequest(Exception):
@@ -81,6 +83,78 @@ class BadRequest(Exception):
         super().__init__(message)
         self.status = status
         self.code = code
+
+
+# Headers that name resources or carry protocol state: sent twice, a server that reads the first and
+# a proxy or guard that reads the last would act on different requests, so a repeat is a 400.
+_SINGLE_HEADER_PREFIXES = ("stream-", "producer-", "transaction-")
+_SINGLE_HEADERS = frozenset({
+    "if-match", "if-none-match", "content-type", "content-length", "transfer-encoding", "authorization", "host",
+})
+
+
+def request_headers(scope: Scope) -> dict[str, str]:
+    """The request's headers by lower-case name (latin-1). A protocol header given more than once
+    is a :class:`BadRequest` (every ``Stream-*``, ``Producer-*`` and ``Transaction-*`` header,
+    ``If-Match``, ``If-None-Match``, ``Content-Type``, ``Content-Length``, ``Transfer-Encoding``,
+    ``Authorization`` and ``Host``); of any other repeated header the first counts. The guard
+    reads headers through this function too, so both see the same request."""
+    headers: dict[str, str] = {}
+    for k, v in scope["headers"]:
+        key = k.decode("latin-1").lower()
+        if key in headers:
+            if key in _SINGLE_HEADERS or key.startswith(_SINGLE_HEADER_PREFIXES):
+                raise BadRequest(f"the header {key!r} is given more than once; send each protocol header once")
+            continue
+        headers[key] = v.decode("latin-1")
+    return headers
+
+
+def request_path(scope: Scope) -> str:
+    """The request path, percent-decoded strictly as UTF-8 (a :class:`BadRequest` otherwise).
+
+    Decoded from ``raw_path`` where the server gives it: the HTTP front ends decode ``path``
+    differently (onceflow's keeps undecodable bytes as surrogates, uvicorn replaces them with
+    U+FFFD, so ``bad%ff``, ``bad%fe`` and ``bad%ef%bf%bd`` would be one name), and neither may
+    name a stream. Without ``raw_path``, ``path`` must be encodable as UTF-8."""
+    raw = scope.get("raw_path")
+    if isinstance(raw, bytes | bytearray):
+        try:
+            return unquote_to_bytes(bytes(raw)).decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest("the path is not valid UTF-8 once percent-decoded") from None
+    path: str = scope["path"]
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest("the path is not valid UTF-8 once percent-decoded") from None
+    return path
+
+
+def fork_source(headers: dict[str, str]) -> str | None:
+    """The stream named by ``Stream-Forked-From`` (a stream URL path or a bare name), or None."""
+    raw = headers.get("stream-forked-from")
+    if raw is None:
+        return None
+    return raw[len(PREFIX):] if raw.startswith(PREFIX) else raw.lstrip("/")
+
+
+def list_prefix(scope: Scope) -> str:
+    """The ``prefix`` parameter of the stream listing (``""``: every stream)."""
+    query: bytes = scope.get("query_string", b"")
+    return parse_qs(query.decode("latin-1"), keep_blank_values=True).get("prefix", [""])[0]
+
+
+SINK_ACTIONS = ("", "commit", "abort", "begin", "alive", "reset")
+
+
+def sink_action(rest: str) -> tuple[str, str]:
+    """(sink id, action) of a ``POST /v1/sinks/<rest>``: the action is the last segment when it is
+    one, so a sink id may contain ``/`` (``/v1/sinks/pub/s1/commit`` commits sink ``pub/s1``)."""
+    sink, _, action = rest.rpartition("/")
+    if action in SINK_ACTIONS and action:
+        return sink, action
+    return rest, ""
 
 
 def _h(name: str, value: str | int) -> tuple[bytes, bytes]:
@@ -110,7 +184,8 @@ class App:
     def __init__(self, broker: Broker, config: AppConfig | None = None) -> None:
         self.broker = broker
         self.config = config or AppConfig()
-        self.subscriptions = SubscriptionAPI(broker)  # the reserved __ds control APIs
+        # the reserved __ds control APIs
+        self.subscriptions = SubscriptionAPI(broker, webhook_targets=self.config.webhook_targets)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -143,12 +218,13 @@ class App:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         method: str = scope["method"]
-        path: str = scope["path"]
-        headers: dict[str, str] = {}
-        for k, v in scope["headers"]:
-            key = k.decode("latin-1")
-            if key not in headers:
-                headers[key] = v.decode("latin-1")
+        try:
+            path = request_path(scope)
+            headers = request_headers(scope)
+        except BadRequest as exc:
+            status, h, body = _error(exc.status, exc.code, str(exc))
+            await _send(send, status, h, b"" if method == "HEAD" else body)
+            return
         if method == "OPTIONS":
             await _send(send, 204, [
                 (b"access-control-allow-methods", b"GET, POST, PUT, DELETE, HEAD, OPTIONS"),
@@ -248,6 +324,8 @@ class App:
             value = json.loads(raw)
         except ValueError as exc:
             raise BadRequest(f"the body must be a JSON object: {exc}") from None
+        except RecursionError:
+            raise BadRequest("the body is JSON nested too deeply") from None
         if not isinstance(value, dict):
             raise BadRequest("the body must be a JSON object")
         return value
@@ -323,9 +401,10 @@ class App:
         return _json_response(200, {"group": group, "offsets": coord.groups.get(group, {})})
 
     async def _sinks(self, method: str, rest: str, headers: dict[str, str], receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        """``/v1/sinks/<sink>``: many transactions committed as one (docs/transactions.md)."""
-        sink, _, action = rest.partition("/")
-        if not sink or validate_name(sink) or action not in ("", "commit", "abort", "begin", "alive", "reset"):
+        """``/v1/sinks/<sink>``: many transactions committed as one (docs/transactions.md). The
+        sink id may contain ``/``: a POST's action is the last segment of the path."""
+        sink, action = (rest, "") if method == "GET" else sink_action(rest)
+        if not sink or validate_name(sink) or action not in SINK_ACTIONS or (method == "POST" and not action):
             raise BadRequest("use /v1/sinks/<sink id> or /v1/sinks/<sink id>/(begin|alive|commit|abort|reset)", 404, "not_found")
         coord = self.broker.coordinator
         if action == "":
@@ -401,8 +480,7 @@ class App:
     # ------------------------------------------------------------------ list (extension)
 
     def _list(self, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        params = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
-        prefix = params.get("prefix", [""])[0]
+        prefix = list_prefix(scope)
         streams = [
             {
                 "name": s.name,
@@ -419,9 +497,7 @@ class App:
     # ------------------------------------------------------------------ PUT
 
     def _put(self, name: str, headers: dict[str, str], body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        fork_from = headers.get("stream-forked-from")
-        if fork_from is not None:
-            fork_from = fork_from[len(PREFIX):] if fork_from.startswith(PREFIX) else fork_from.lstrip("/")
+        fork_from = fork_source(headers)
         outcome = self.broker.create(
             name,
             content_type=headers.get("content-type"),

@@ -9,15 +9,15 @@ Configured by a JSON file (``onceflow serve --guard FILE`` or ``$ONCEFLOW_GUARD`
 Both parts are optional. Without ``tokens`` every request is allowed (as without a guard).
 
 Authorisation (``tokens``)
-    Every request but ``OPTIONS`` needs ``Authorization: Bearer <token>`` naming a configured token:
-    else ``401`` with ``WWW-Authenticate: Bearer``. The request's *name* must then start with the
-    prefix of a grant of that token that has the needed scope, else ``403`` (error code
-    ``forbidden``). The name is the stream for ``/v1/stream/<name>`` (``GET``/``HEAD`` need
-    ``read``, anything else ``write``), the ``prefix`` parameter for the ``/v1/streams`` listing
-    (``read``), and the transactional id, group or sink id for ``/v1/txn/``, ``/v1/groups/`` and
-    ``/v1/sinks/`` (``GET`` needs ``read``, ``POST`` ``write``): name those ids under the same
-    prefixes as the streams they go with. A transactional append is checked like any append, by
-    its stream.
+    :data:`ENDPOINTS` is the rule, written once: for every endpoint, who may call it (a token, anyone,
+    or the holder of a subscription's wake token) and every name the request carries (in its path,
+    headers or JSON body, or held by the subscription it addresses) with the scope a grant must
+    give on it. Streams, transactional ids, consumer groups and sink ids are one namespace: each
+    name must start with the prefix of a grant of the request's token that has the scope. A name
+    prefix (the listing's ``prefix``, a sink's ``abort_prefix``, a subscription pattern through
+    :func:`~onceflow.core.subscriptions.glob_prefix`) stands for every name it covers, so it must
+    itself start with a grant's prefix. Refusals: ``401`` with ``WWW-Authenticate: Bearer`` for a
+    missing or unknown token, ``403`` (error code ``forbidden``) for a name outside the grants.
 
 Limits (``limits``), answered ``429`` with ``Retry-After: 1`` (error code ``limit_exceeded``)
     ``streams``: creating a stream when this many exist. ``live_reads``: a long-poll or SSE read
@@ -25,27 +25,60 @@ Limits (``limits``), answered ``429`` with ``Retry-After: 1`` (error code ``limi
     stream does not know yet when it already keeps state for this many producers (retention drops
     old producers with their batches).
 
-The guard runs before the app and never changes what the app does with a request it lets through.
+How a request passes (:meth:`Guard.__call__`)
+    1. Path and headers are read with the app's own functions (:func:`~onceflow.server.app.request_path`,
+       :func:`~onceflow.server.app.request_headers`): a path that is not UTF-8 or a repeated
+       protocol header is a ``400`` here, as in the app, so both act on the same request.
+    2. The request is routed to its :class:`Endpoint` the way the app dispatches it.
+    3. For endpoints whose names are in the JSON body, the body (bounded like the app bounds it)
+       is read and parsed; an unparseable one is a ``400`` here. The app gets the same bytes.
+       The body of every subscription route is read here too (see step 5).
+    4. Authentication, then every name, then the limits. A refusal is answered here; the app
+       never sees the request, so nothing changes.
+    5. The app runs with the request unchanged. Between the check and the app's use of the state
+       the check read (an existing subscription's configuration), nothing else runs: the body is
+       replayed from memory, so the app reaches that state without waiting on the client (a body
+       trickling in while another tenant creates the subscription cannot claim it).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qs
 
 from ..core.broker import Broker
-from .app import GROUPS_PREFIX, LIST_PATH, PREFIX, SINKS_PREFIX, TXN_PREFIX, App, Receive, Send
+from ..core.subscriptions import Subscription, SubscriptionError, glob_prefix
+from .app import (
+    GROUPS_PREFIX,
+    LIST_PATH,
+    PREFIX,
+    SINKS_PREFIX,
+    TXN_PREFIX,
+    App,
+    BadRequest,
+    Message,
+    Receive,
+    Send,
+    fork_source,
+    list_prefix,
+    request_headers,
+    request_path,
+    sink_action,
+)
 from .app import Scope as ASGIScope
+from .subscriptions import MAX_BODY as CONTROL_MAX_BODY
+from .subscriptions import control_segments
 
-__all__ = ["ENV_VAR", "Grant", "Guard", "GuardConfig", "GuardConfigError"]
+__all__ = ["ENDPOINTS", "ENV_VAR", "Endpoint", "Grant", "Guard", "GuardConfig", "GuardConfigError", "Names", "scope_table"]
 
 ENV_VAR = "ONCEFLOW_GUARD"
 Scope = Literal["read", "write"]
+Auth = Literal["token", "anyone", "wake_token"]
 
 
 class GuardConfigError(ValueError):
@@ -58,6 +91,7 @@ class Grant:
     scopes: frozenset[Scope]
 
     def allows(self, name: str, scope: Scope) -> bool:
+        """Whether ``name`` (or every name starting with the name prefix ``name``) is covered."""
         return scope in self.scopes and name.startswith(self.prefix)
 
 
@@ -116,6 +150,301 @@ class GuardConfig:
         return cls.from_file(path) if path else None
 
 
+# ---------------------------------------------------------------------- the rule: endpoints and their names
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """The names an existing subscription reaches: the prefix of its pattern, its configured
+    streams and every stream linked to it (streams added later included), and its wake stream."""
+
+    reads: tuple[str, ...]
+    wake_stream: str | None
+
+    @staticmethod
+    def of(sub: Subscription) -> Held:
+        pattern = (glob_prefix(sub.config.pattern),) if sub.config.pattern is not None else ()
+        return Held((*pattern, *sub.config.streams, *sub.links), sub.config.wake_stream)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What the guard knows of a request when it checks its names."""
+
+    method: str
+    name: str  # the name in the path: stream, transactional id, group, sink or subscription id
+    headers: Mapping[str, str]
+    scope: ASGIScope
+    body: Any = None  # the parsed JSON body, for endpoints that read it
+    subscription: Held | None = None  # the existing subscription the path names
+    extra: str = ""  # the stream path of DELETE __ds/subscriptions/<id>/streams/<path>
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """Names a request carries somewhere, and the scope a grant must give on each."""
+
+    scope: Scope
+    doc: str  # where they are, for docs/security.md
+    of: Callable[[Request], Iterable[str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    key: str
+    request: str  # method and path, for docs/security.md
+    auth: Auth
+    names: tuple[Names, ...] = ()
+    # "json": names are in the JSON body, which the guard reads and parses before checking.
+    # "read": the guard reads the whole body before checking, so that the app, replaying it from
+    # memory, reaches the state the check read (a subscription) without waiting on the client.
+    body: Literal["none", "read", "json"] = "none"
+
+
+def _path_name(r: Request) -> Iterator[str]:
+    yield r.name
+
+
+def _body_field(key: str) -> Callable[[Request], Iterator[str]]:
+    def names(r: Request) -> Iterator[str]:
+        value = r.body.get(key) if isinstance(r.body, dict) else None
+        if isinstance(value, str):
+            yield value
+    return names
+
+
+def _offset_streams(r: Request) -> Iterator[str]:
+    offsets = r.body.get("offsets") if isinstance(r.body, dict) else None
+    if isinstance(offsets, dict):
+        yield from offsets
+
+
+SINK_TASKS = "spark/"  # transactional ids of sinks' tasks: spark/<sink id>/p<n>/s<m>, handed out by the server
+
+
+def as_owned(tid: str) -> str:
+    """The name a transactional id is checked as: a sink task's id (``spark/<sink id>/...``, see
+    docs/spark.md) belongs to the tenant of its sink id, so it is checked without the ``spark/``."""
+    return tid[len(SINK_TASKS):] if tid.startswith(SINK_TASKS) else tid
+
+
+def _txn_path(r: Request) -> Iterator[str]:
+    yield as_owned(r.name)
+
+
+def _members(r: Request) -> Iterator[str]:
+    members = r.body.get("members") if isinstance(r.body, dict) else None
+    for m in members if isinstance(members, list) else ():
+        if isinstance(m, dict) and isinstance(m.get("id"), str):
+            yield as_owned(m["id"])
+
+
+def _abort_prefix(r: Request) -> Iterator[str]:
+    prefix = r.body.get("abort_prefix") if isinstance(r.body, dict) else None
+    if isinstance(prefix, str):
+        yield as_owned(prefix)
+
+
+def _fork_source(r: Request) -> Iterator[str]:
+    source = fork_source(dict(r.headers))
+    if source is not None:
+        yield source
+
+
+def _transaction_id(r: Request) -> Iterator[str]:
+    tid = r.headers.get("transaction-id")
+    if tid is not None:
+        yield as_owned(tid)
+
+
+def _transactional_producer(r: Request) -> Iterator[str]:
+    """``Producer-Id: txn:<id>`` is the producer of transactional id ``<id>``."""
+    pid = r.headers.get("producer-id")
+    if pid is not None and pid.startswith("txn:"):
+        yield as_owned(pid[len("txn:"):])
+
+
+def _list_prefix(r: Request) -> Iterator[str]:
+    yield list_prefix(r.scope)
+
+
+def _body_pattern(r: Request) -> Iterator[str]:
+    pattern = r.body.get("pattern") if isinstance(r.body, dict) else None
+    if isinstance(pattern, str):
+        yield glob_prefix(pattern.strip("/"))  # normalized as parse_pattern does
+
+
+def _body_streams(r: Request) -> Iterator[str]:
+    streams = r.body.get("streams") if isinstance(r.body, dict) else None
+    for s in streams if isinstance(streams, list) else ():
+        if isinstance(s, str):
+            yield s.strip("/")  # normalized as normalize_path does
+
+
+def _body_wake_stream(r: Request) -> Iterator[str]:
+    wake = r.body.get("wake_stream") if isinstance(r.body, dict) else None
+    if isinstance(wake, str):
+        yield wake.strip("/")
+
+
+def _held_reads(r: Request) -> Iterator[str]:
+    if r.subscription is not None:
+        yield from r.subscription.reads
+
+
+def _held_wake_stream(r: Request) -> Iterator[str]:
+    if r.subscription is not None and r.subscription.wake_stream is not None:
+        yield r.subscription.wake_stream
+
+
+def _removed_stream(r: Request) -> Iterator[str]:
+    yield r.extra.strip("/")
+
+
+PATH_STREAM = Names("read", "the stream", _path_name)
+SUBSCRIPTION_HELD = (
+    Names("read", "the subscription's pattern (as a prefix) and linked streams", _held_reads),
+    Names("write", "the subscription's wake stream", _held_wake_stream),
+)
+
+ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint("stream.read", "GET /v1/stream/<name> (catch-up, long-poll, SSE, format=)", "token", (PATH_STREAM,)),
+    Endpoint("stream.head", "HEAD /v1/stream/<name>", "token", (PATH_STREAM,)),
+    Endpoint("stream.create", "PUT /v1/stream/<name> (create, fork)", "token", (
+        Names("write", "the stream", _path_name),
+        Names("read", "`Stream-Forked-From` (the fork's source)", _fork_source),
+    )),
+    Endpoint("stream.append", "POST /v1/stream/<name> (append, close, transactional append)", "token", (
+        Names("write", "the stream", _path_name),
+        Names("write", "`Transaction-Id`", _transaction_id),
+        Names("write", "`Producer-Id: txn:<id>` (the id)", _transactional_producer),
+    )),
+    Endpoint("stream.delete", "DELETE /v1/stream/<name>", "token", (Names("write", "the stream", _path_name),)),
+    Endpoint("stream.other", "other methods on /v1/stream/<name> (405)", "token", (Names("write", "the stream", _path_name),)),
+    Endpoint("streams.list", "GET/HEAD /v1/streams?prefix=P", "token", (Names("read", "`P` (a prefix; `\"\"` when absent)", _list_prefix),)),
+    Endpoint("txn.read", "GET /v1/txn/<id>", "token", (Names("read", "the transactional id", _txn_path),)),
+    Endpoint("txn.init", "POST /v1/txn/<id>/init", "token", (Names("write", "the transactional id", _txn_path),)),
+    Endpoint("txn.end", "POST /v1/txn/<id>/(commit|abort)", "token", (Names("write", "the transactional id", _txn_path),)),
+    Endpoint("txn.offsets", "POST /v1/txn/<id>/offsets", "token", (
+        Names("write", "the transactional id", _txn_path),
+        Names("write", "body `group`", _body_field("group")),
+        Names("read", "the streams of body `offsets`", _offset_streams),
+    ), body="json"),
+    Endpoint("txn.other", "other requests under /v1/txn/ (404, 405)", "token", (Names("write", "the path after /v1/txn/", _path_name),)),
+    Endpoint("group.read", "GET /v1/groups/<group>/offsets", "token", (Names("read", "the group", _path_name),)),
+    Endpoint("group.commit", "POST /v1/groups/<group>/offsets", "token", (
+        Names("write", "the group", _path_name),
+        Names("read", "the streams of body `offsets`", _offset_streams),
+    ), body="json"),
+    Endpoint("group.other", "other requests under /v1/groups/ (404, 405)", "token", (Names("write", "the path after /v1/groups/", _path_name),)),
+    Endpoint("sink.read", "GET /v1/sinks/<sink>", "token", (Names("read", "the sink id", _path_name),)),
+    Endpoint("sink.post", "POST /v1/sinks/<sink>/(begin|alive|commit|abort|reset)", "token", (
+        Names("write", "the sink id", _path_name),
+        Names("write", "body `members[].id` (transactional ids)", _members),
+        Names("write", "body `abort_prefix` (a prefix of transactional ids)", _abort_prefix),
+    ), body="json"),
+    Endpoint("sink.other", "other requests under /v1/sinks/ (404, 405)", "token", (Names("write", "the path after /v1/sinks/", _path_name),)),
+    Endpoint("subs.jwks", "GET /v1/stream/__ds/jwks.json", "anyone"),
+    Endpoint("subs.create", "PUT /v1/stream/__ds/subscriptions/<id>", "token", (
+        Names("read", "body `pattern` (as a prefix)", _body_pattern),
+        Names("read", "body `streams`", _body_streams),
+        Names("write", "body `wake_stream`", _body_wake_stream),
+        *SUBSCRIPTION_HELD,
+    ), body="json"),
+    Endpoint("subs.read", "GET/HEAD /v1/stream/__ds/subscriptions/<id>", "token", SUBSCRIPTION_HELD, body="read"),
+    Endpoint("subs.delete", "DELETE /v1/stream/__ds/subscriptions/<id>", "token", SUBSCRIPTION_HELD, body="read"),
+    Endpoint("subs.add_streams", "POST /v1/stream/__ds/subscriptions/<id>/streams", "token", (
+        Names("read", "body `streams`", _body_streams),
+        *SUBSCRIPTION_HELD,
+    ), body="json"),
+    Endpoint("subs.remove_stream", "DELETE /v1/stream/__ds/subscriptions/<id>/streams/<path>", "token", (
+        Names("read", "`<path>`", _removed_stream),
+        *SUBSCRIPTION_HELD,
+    ), body="read"),
+    Endpoint("subs.claim", "POST /v1/stream/__ds/subscriptions/<id>/claim", "token", SUBSCRIPTION_HELD, body="read"),
+    Endpoint("subs.wake", "POST /v1/stream/__ds/subscriptions/<id>/(callback|ack|release)", "wake_token"),
+    Endpoint("subs.other", "other requests under /v1/stream/__ds/ (404, 405)", "token", SUBSCRIPTION_HELD, body="read"),
+    Endpoint("other", "any other path (404)", "token"),
+)
+_BY_KEY = {e.key: e for e in ENDPOINTS}
+_WHO = {"token": "a token", "anyone": "anyone (no token)", "wake_token": "the subscription's wake token"}
+
+
+def scope_table() -> str:
+    """:data:`ENDPOINTS` as the Markdown table of docs/security.md (a test keeps them equal)."""
+    rows = ["| endpoint | request | who | names checked: scope needed |", "|---|---|---|---|"]
+    for e in ENDPOINTS:
+        names = "; ".join(f"{n.doc}: `{n.scope}`" for n in e.names) or "none"
+        request = e.request.replace("|", "\\|")  # a pipe would end the cell, even in a code span
+        rows.append(f"| `{e.key}` | `{request}` | {_WHO[e.auth]} | {names} |")
+    return "\n".join(rows) + "\n"
+
+
+def route(method: str, path: str, scope: ASGIScope) -> tuple[Endpoint, str, str]:
+    """(endpoint, name in the path, extra path part) of a request, dispatched as the app does."""
+    if path.startswith(TXN_PREFIX):
+        rest = path[len(TXN_PREFIX):]
+        tid, _, action = rest.rpartition("/")
+        if method == "GET":
+            return _BY_KEY["txn.read"], rest, ""
+        if method == "POST" and action == "init":
+            return _BY_KEY["txn.init"], tid, ""
+        if method == "POST" and action in ("commit", "abort"):
+            return _BY_KEY["txn.end"], tid, ""
+        if method == "POST" and action == "offsets":
+            return _BY_KEY["txn.offsets"], tid, ""
+        return _BY_KEY["txn.other"], rest, ""
+    if path.startswith(SINKS_PREFIX):
+        rest = path[len(SINKS_PREFIX):]
+        if method == "GET":
+            return _BY_KEY["sink.read"], rest, ""
+        sink, action = sink_action(rest)
+        if method == "POST" and action:
+            return _BY_KEY["sink.post"], sink, ""
+        return _BY_KEY["sink.other"], rest, ""
+    if path.startswith(GROUPS_PREFIX):
+        rest = path[len(GROUPS_PREFIX):]
+        group, _, action = rest.rpartition("/")
+        if action == "offsets" and method == "GET":
+            return _BY_KEY["group.read"], group, ""
+        if action == "offsets" and method == "POST":
+            return _BY_KEY["group.commit"], group, ""
+        return _BY_KEY["group.other"], rest, ""
+    if path == LIST_PATH and method in ("GET", "HEAD"):
+        return _BY_KEY["streams.list"], "", ""
+    if not path.startswith(PREFIX):
+        return _BY_KEY["other"], "", ""
+    name = path[len(PREFIX):]
+    if name == "__ds" or name.startswith("__ds/"):
+        return _control_route(method, control_segments(scope))
+    key = {"GET": "stream.read", "HEAD": "stream.head", "PUT": "stream.create", "POST": "stream.append",
+           "DELETE": "stream.delete"}.get(method, "stream.other")
+    return _BY_KEY[key], name, ""
+
+
+def _control_route(method: str, seg: list[str]) -> tuple[Endpoint, str, str]:
+    if seg == ["jwks.json"]:
+        return _BY_KEY["subs.jwks"], "", ""
+    if len(seg) < 2 or seg[0] != "subscriptions":
+        return _BY_KEY["subs.other"], "", ""
+    sid, rest = seg[1], seg[2:]
+    if not rest:
+        key = {"PUT": "subs.create", "GET": "subs.read", "HEAD": "subs.read", "DELETE": "subs.delete"}.get(method, "subs.other")
+        return _BY_KEY[key], sid, ""
+    if rest == ["streams"] and method == "POST":
+        return _BY_KEY["subs.add_streams"], sid, ""
+    if rest[0] == "streams" and len(rest) > 1 and method == "DELETE":
+        return _BY_KEY["subs.remove_stream"], sid, "/".join(rest[1:])
+    if rest == ["claim"] and method == "POST":
+        return _BY_KEY["subs.claim"], sid, ""
+    if len(rest) == 1 and rest[0] in ("callback", "ack", "release"):
+        return _BY_KEY["subs.wake"], sid, ""  # any method: the app answers 405 to all but POST
+    return _BY_KEY["subs.other"], sid, ""
+
+
+# ---------------------------------------------------------------------- the middleware
+
+
 @dataclass
 class Guard:
     """ASGI middleware enforcing a :class:`GuardConfig` in front of ``app``."""
@@ -130,71 +459,155 @@ class Guard:
             await self.app(scope, receive, send)
             return
         method: str = scope["method"]
-        path: str = scope["path"]
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        target = _target(method, path, query)
-        refusal = self._authorise(headers, target)
-        if refusal is None and target is not None and target[2]:
-            refusal = self._limit(method, target[0], query, headers)
-        if refusal is not None:
-            await _answer(send, *refusal, head=method == "HEAD")
+        raw: bytes | None = None
+        try:
+            # Step 1: the request as the app will read it; Step 2: its endpoint
+            try:
+                path = request_path(scope)
+                headers = request_headers(scope)
+                endpoint, name, extra = route(method, path, scope)
+            except (BadRequest, SubscriptionError) as exc:
+                raise _Refused(exc.status, "bad_request", str(exc)) from None
+            grants = self._authenticate(headers, endpoint, name)
+            body: Any = None
+            if endpoint.body != "none" and grants is not None:
+                raw = await _read_body(receive, headers, self._body_limit(endpoint))  # Step 3
+                body = _parse(raw) if endpoint.body == "json" else None
+            if grants is not None:  # Step 4
+                request = Request(method, name, headers, scope, body, self._subscription(endpoint, name), extra)
+                _authorise(grants, endpoint, request)
+            self._limit(endpoint, name, scope, headers)
+        except _Refused as refused:
+            await _answer(send, refused.status, refused.code, str(refused), refused.headers, head=method == "HEAD")
             return
-        live = method == "GET" and target is not None and target[2] and query.get("live", [""])[0] in ("long-poll", "sse")
+        live = endpoint.key == "stream.read" and _live(scope)
         if live:
             self.live_reads += 1
-        try:
-            await self.app(scope, receive, send)
+        try:  # Step 5
+            await self.app(scope, receive if raw is None else _replay(raw, receive), send)
         finally:
             if live:
                 self.live_reads -= 1
 
-    def _authorise(self, headers: Mapping[str, str], target: tuple[str, Scope, bool] | None) -> tuple[int, str, str, list[tuple[bytes, bytes]]] | None:
-        tokens = self.config.tokens
-        if tokens is None:
+    def _authenticate(self, headers: Mapping[str, str], endpoint: Endpoint, name: str) -> tuple[Grant, ...] | None:
+        """The grants names are checked against, or None when no name is checked (no tokens
+        configured, or an endpoint for anyone or for a wake token). Raises :class:`_Refused`."""
+        if self.config.tokens is None or endpoint.auth == "anyone":
             return None
-        auth = headers.get("authorization", "")
-        kind, _, token = auth.partition(" ")
-        if kind.lower() != "bearer" or not token.strip():
-            return 401, "unauthorized", "this server needs Authorization: Bearer <token>", [(b"www-authenticate", b'Bearer realm="onceflow"')]
-        grants = tokens.get(token.strip())
+        kind, _, token = headers.get("authorization", "").partition(" ")
+        token = token.strip() if kind.lower() == "bearer" else ""
+        if endpoint.auth == "wake_token":
+            # the protocol's Authorization: Bearer <claim or callback token>, issued for this subscription
+            if token and self.app.subscriptions.manager.token_subscription(token) == name:
+                return None
+            raise _Refused(401, "unauthorized", "callback, ack and release take the wake's own token: "
+                           "Authorization: Bearer <claim or callback token> of this subscription", _INVALID_TOKEN)
+        if not token:
+            raise _Refused(401, "unauthorized", "this server needs Authorization: Bearer <token>", _NO_TOKEN)
+        grants = self.config.tokens.get(token)
         if grants is None:
-            return 401, "unauthorized", "unknown token", [(b"www-authenticate", b'Bearer realm="onceflow", error="invalid_token"')]
-        if target is None:
-            return None  # not a resource (the app answers 404)
-        name, needed, _ = target
-        if not any(g.allows(name, needed) for g in grants):
-            return 403, "forbidden", f"this token may not {needed} {name!r}", []
-        return None
+            raise _Refused(401, "unauthorized", "unknown token", _INVALID_TOKEN)
+        return grants
 
-    def _limit(self, method: str, name: str, query: Mapping[str, list[str]], headers: Mapping[str, str]) -> tuple[int, str, str, list[tuple[bytes, bytes]]] | None:
+    def _body_limit(self, endpoint: Endpoint) -> int:
+        return CONTROL_MAX_BODY if endpoint.key.startswith("subs.") else self.app.config.max_body_bytes
+
+    def _subscription(self, endpoint: Endpoint, sid: str) -> Held | None:
+        if not endpoint.key.startswith("subs.") or not sid:
+            return None
+        manager = self.app.subscriptions.manager
+        manager.start()  # loads the subscriptions on disk (idempotent), before the app would
+        sub = manager.subs.get(sid)
+        return Held.of(sub) if sub is not None else None
+
+    def _limit(self, endpoint: Endpoint, name: str, scope: ASGIScope, headers: Mapping[str, str]) -> None:
         c = self.config
-        retry = [(b"retry-after", b"1")]
-        if method == "GET" and query.get("live", [""])[0] in ("long-poll", "sse"):
+        if endpoint.key == "stream.read" and _live(scope):
             if c.max_live_reads is not None and self.live_reads >= c.max_live_reads:
-                return 429, "limit_exceeded", f"too many open live reads (limit {c.max_live_reads})", retry
-        elif method == "PUT" and c.max_streams is not None and self.broker.get(name) is None:
+                raise _Refused(429, "limit_exceeded", f"too many open live reads (limit {c.max_live_reads})", _RETRY)
+        elif endpoint.key == "stream.create" and c.max_streams is not None and self.broker.get(name) is None:
             if sum(1 for _ in self.broker.list()) >= c.max_streams:
-                return 429, "limit_exceeded", f"too many streams (limit {c.max_streams})", retry
-        elif method == "POST" and c.max_producers_per_stream is not None and "producer-id" in headers:
+                raise _Refused(429, "limit_exceeded", f"too many streams (limit {c.max_streams})", _RETRY)
+        elif endpoint.key == "stream.append" and c.max_producers_per_stream is not None and "producer-id" in headers:
             s = self.broker.get(name)
             known = s.log.producers if s is not None else {}
             if headers["producer-id"] not in known and len(known) >= c.max_producers_per_stream:
-                return 429, "limit_exceeded", f"too many producers on {name!r} (limit {c.max_producers_per_stream})", retry
-        return None
+                raise _Refused(429, "limit_exceeded", f"too many producers on {name!r} (limit {c.max_producers_per_stream})", _RETRY)
 
 
-def _target(method: str, path: str, query: Mapping[str, list[str]]) -> tuple[str, Scope, bool] | None:
-    """(name, scope needed, whether the name is a stream) of a request, or None for no resource."""
-    read: Scope = "read" if method in ("GET", "HEAD") else "write"
-    if path.startswith(PREFIX):
-        return path[len(PREFIX):], read, True  # ASGI paths are already percent-decoded
-    if path == LIST_PATH:
-        return query.get("prefix", [""])[0], "read", False
-    for prefix in (TXN_PREFIX, GROUPS_PREFIX, SINKS_PREFIX):
-        if path.startswith(prefix):
-            return path[len(prefix):], read, False
-    return None
+class _Refused(Exception):
+    """The guard's answer to a request the app must not see."""
+
+    def __init__(self, status: int, code: str, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.headers = headers or []
+
+
+_RETRY = [(b"retry-after", b"1")]
+_NO_TOKEN = [(b"www-authenticate", b'Bearer realm="onceflow"')]
+_INVALID_TOKEN = [(b"www-authenticate", b'Bearer realm="onceflow", error="invalid_token"')]
+
+
+def _authorise(grants: tuple[Grant, ...], endpoint: Endpoint, request: Request) -> None:
+    """Every name the endpoint's rule finds in the request must be covered by a grant."""
+    for names in endpoint.names:
+        for n in names.of(request):
+            if not any(g.allows(n, names.scope) for g in grants):
+                raise _Refused(403, "forbidden", f"this token may not {names.scope} {n!r} ({names.doc})")
+
+
+def _parse(raw: bytes) -> Any:
+    """A JSON body as the app will parse it (an empty one is ``{}``); a 400 or 413 otherwise."""
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise _Refused(400, "bad_request", f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _Refused(400, "bad_request", "the body is JSON nested too deeply") from None
+
+
+def _live(scope: ASGIScope) -> bool:
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    return query.get("live", [""])[0] in ("long-poll", "sse")
+
+
+async def _read_body(receive: Receive, headers: Mapping[str, str], limit: int) -> bytes:
+    """The whole request body; a 413 when it is larger than ``limit``."""
+    too_large = _Refused(413, "payload_too_large", f"request body is larger than the server's limit of {limit} bytes")
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise _Refused(400, "disconnected", "client went away")
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that yields ``body`` as one message, then whatever the client sends next."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 async def _answer(send: Send, status: int, code: str, message: str, extra: list[tuple[bytes, bytes]], *, head: bool) -> None:

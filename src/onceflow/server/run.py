@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..core.broker import Broker
+from ..core.subscriptions import WebhookTargets
 from ..storage.fs import OsFileSystem, raise_open_file_limit
 from ..storage.log import FsyncPolicy
 from .app import App, AppConfig
@@ -39,6 +40,7 @@ async def serve(
     log_level: str = "warning",
     guard: GuardConfig | None = None,
     limits: HttpLimits | None = None,
+    webhook_targets: WebhookTargets = "public",
 ) -> None:
     """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
 
@@ -54,7 +56,8 @@ async def serve(
     limits = fit_fd_limit(limits or HttpLimits(), soft, max_open_files)
     broker = Broker(data, fsync=fsync, txn_timeout=txn_timeout, max_streams=max_streams, fs=OsFileSystem(max_open_files))
     broker.open()
-    app = App(broker, AppConfig(long_poll_timeout=long_poll_timeout, max_body_bytes=max_body_bytes))
+    app = App(broker, AppConfig(long_poll_timeout=long_poll_timeout, max_body_bytes=max_body_bytes,
+                                webhook_targets=webhook_targets))
     handler: App | Guard = app if guard is None else Guard(app, broker, guard)  # tokens and limits (server/guard.py)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

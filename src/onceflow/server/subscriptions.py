@@ -28,7 +28,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 import httpx
 
@@ -37,12 +37,12 @@ from ..core.subscriptions import (
     DeliveryError,
     SubscriptionError,
     Subscriptions,
-    is_dev_webhook_host,
-    is_public_address,
+    WebhookTargets,
+    allowed_target,
     parse_config,
 )
 
-__all__ = ["SubscriptionAPI"]
+__all__ = ["MAX_BODY", "SubscriptionAPI", "control_segments"]
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -79,7 +79,8 @@ class _BodyError(Exception):
 class SubscriptionAPI:
     """The ``__ds`` control routes of one :class:`~onceflow.server.app.App`."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, *, webhook_targets: WebhookTargets = "public") -> None:
+        self.webhook_targets = webhook_targets  # onceflow serve --webhook-targets
         self.manager = Subscriptions(broker, self._post)
         self._client: httpx.AsyncClient | None = None
         self._ssl: ssl.SSLContext | None = None
@@ -110,7 +111,7 @@ class SubscriptionAPI:
         self.manager.start()
         method: str = scope["method"]
         try:
-            return await self._route(method, _segments(scope), scope, headers, receive)
+            return await self._route(method, control_segments(scope), scope, headers, receive)
         except SubscriptionError as exc:
             return _error(exc)
         except _BodyError as exc:
@@ -137,7 +138,7 @@ class SubscriptionAPI:
         sid, rest = seg[1], seg[2:]
         if not rest:
             if method == "PUT":
-                config = parse_config(await _read_json(headers, receive))
+                config = parse_config(await _read_json(headers, receive), webhook_targets=self.webhook_targets)
                 sub, created = await m.create(sid, config, _base_url(scope, headers))
                 return _json(201 if created else 200, m.describe(sub, _jwks_url(scope, headers)))
             if method in ("GET", "HEAD"):
@@ -178,17 +179,34 @@ class SubscriptionAPI:
     # ------------------------------------------------------------------ webhook delivery
 
     async def _post(self, url: str, body: bytes, headers: dict[str, str], seconds: float) -> tuple[int, bytes]:
-        """POST a wake; the target must still resolve to a public address (or be a dev host)."""
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        if not is_dev_webhook_host(host):
-            await _check_resolves_public(host, parts.port or (443 if parts.scheme == "https" else 80))
+        """POST a wake to the address its URL resolves to now, once that address is checked.
+
+        1. Resolve the host (an IP literal is its own answer) and refuse unless every address is an
+           allowed target (:func:`~onceflow.core.subscriptions.allowed_target` under
+           ``--webhook-targets``), whatever the URL passed at creation.
+        2. Connect to the first of those addresses, not to the name: the HTTP client does not
+           resolve again, so a DNS answer that changes in between (rebinding) cannot redirect the
+           POST. ``Host`` and the TLS server name (SNI, and so the certificate check) stay the URL's.
+        3. No connection is reused (another name may resolve to the same address).
+        """
+        target = httpx.URL(url)
+        host = target.raw_host.decode("ascii")  # IDNA-encoded; an IPv6 literal without brackets
+        pinned = await _pinned_address(host, target.port or (443 if target.scheme == "https" else 80),
+                                       targets=self.webhook_targets)
+        extensions: dict[str, Any] = {}
+        if pinned != host:
+            headers = {**headers, "host": target.netloc.decode("ascii")}
+            target = target.copy_with(host=pinned)
+            if target.scheme == "https":
+                extensions["sni_hostname"] = host
         if self._client is None:
             if self._ssl is None:
                 self._ssl = ssl.create_default_context()
-            self._client = httpx.AsyncClient(follow_redirects=False, trust_env=False, verify=self._ssl)
+            self._client = httpx.AsyncClient(follow_redirects=False, trust_env=False, verify=self._ssl,
+                                             limits=httpx.Limits(max_keepalive_connections=0))
         try:
-            async with self._client.stream("POST", url, content=body, headers=headers, timeout=seconds) as resp:
+            async with self._client.stream("POST", target, content=body, headers=headers, timeout=seconds,
+                                           extensions=extensions) as resp:
                 chunks: list[bytes] = []
                 size = 0
                 async for chunk in resp.aiter_bytes():
@@ -201,29 +219,37 @@ class SubscriptionAPI:
             raise DeliveryError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
 
 
-async def _check_resolves_public(host: str, port: int) -> None:
+async def _pinned_address(host: str, port: int, *, targets: WebhookTargets) -> str:
+    """The address to connect to for ``host``: checked, never resolved again (see ``_post``)."""
     try:
-        addr = ipaddress.ip_address(host)
+        literal = ipaddress.ip_address(host)
     except ValueError:
         pass
     else:
-        if not is_public_address(addr):
-            raise DeliveryError(f"{host} is not a public address")
-        return
+        if not allowed_target(literal, targets):
+            raise DeliveryError(f"{host} is not a {_TARGETS[targets]} address (--webhook-targets {targets})")
+        return host
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise DeliveryError(f"cannot resolve {host}: {exc}") from None
-    for info in infos:
-        ip = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
-        if not is_public_address(ip):
-            raise DeliveryError(f"{host} resolves to the non-public address {ip}; webhooks go to public hosts only")
+    addresses = [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos]
+    if not addresses:
+        raise DeliveryError(f"{host} resolves to no address")
+    for ip in addresses:
+        if not allowed_target(ip, targets):
+            raise DeliveryError(f"{host} resolves to {ip}, which is not a {_TARGETS[targets]} address "
+                                f"(--webhook-targets {targets})")
+    return str(addresses[0])
+
+
+_TARGETS = {"public": "public", "loopback": "public or loopback", "private": "public, loopback or private"}
 
 
 # ---------------------------------------------------------------------- request helpers
 
 
-def _segments(scope: Scope) -> list[str]:
+def control_segments(scope: Scope) -> list[str]:
     """Path segments after ``/v1/stream/__ds/``, each percent-decoded (so ``a%2Fb`` stays one)."""
     prefix = STREAM_ROOT + "/__ds/"
     raw = scope.get("raw_path")
@@ -239,7 +265,7 @@ def _segments(scope: Scope) -> list[str]:
     try:
         return [unquote(s, errors="strict") for s in segments]
     except UnicodeDecodeError:
-        raise _BodyError(400, "INVALID_REQUEST", "the path has percent-escapes that are not UTF-8") from None
+        raise SubscriptionError(400, "INVALID_REQUEST", "the path has percent-escapes that are not UTF-8") from None
 
 
 def _origin(scope: Scope, headers: dict[str, str]) -> str:
