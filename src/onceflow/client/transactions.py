@@ -180,6 +180,13 @@ class AsyncTransactionalProducer:
         else:
             self._doom(exc, unknown=True)  # cancelled (or interrupted) while the request was out
 
+    @property
+    def fenced(self) -> bool:
+        """Whether the id moved on past this producer (a newer instance's ``init``, or the server
+        fencing a transaction that outlived its timeout): it can do nothing more; ``init()`` again
+        (which fences any other holder) or give way."""
+        return self._fenced is not None
+
     def _check(self) -> None:
         """Raise unless the open transaction may take writes and commit."""
         if self._fenced is not None:
@@ -546,6 +553,11 @@ class TransactionalProducer:
     def txn(self) -> int | None:
         """The server's number of the open transaction, once something was sent in it."""
         return self._core.txn
+
+    @property
+    def fenced(self) -> bool:
+        """See :attr:`AsyncTransactionalProducer.fenced`."""
+        return self._core.fenced
 
     def init(self) -> None:
         """Claim the transactional id again (the constructor did once): see the async twin."""

@@ -198,6 +198,9 @@ async def transactional_producer(env: Env, name: str, streams: list[str]) -> Non
                     env.record(name, "txn", txn=label, decision="commit" if commit else "abort", outcome="unknown")
                     env.trace(name, f"{label}: {'commit' if commit else 'abort'} failed: {exc}")
                     break  # a new instance (init) settles whatever this one left
+                if producer.fenced:  # its abort found it fenced: what it left open was aborted for it
+                    env.record(name, "txn", txn=label, decision="abort", outcome="unknown")
+                    break
                 env.record(name, "txn", txn=label, decision="commit" if commit else "abort", outcome="ok")
                 clean = env.crashes()
                 if env.rng.random() < 0.08:
