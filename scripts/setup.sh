@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what onceflow needs into ./.venv (idempotent; quick when everything is there).
 #   scripts/setup.sh        runtime: onceflow with PySpark, and Java if missing (for ./run.sh)
-#   scripts/setup.sh dev    plus the test, lint and type-check tools, and Node.js for conformance
+#   scripts/setup.sh dev    plus the dev tools (tools/: onceflow bench|chaos|sim), the test, lint and
+#                           type-check tools, and Node.js for conformance
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want=${1:-runtime}
@@ -27,10 +28,15 @@ stamp=".venv/.installed-$want"
 if [ "$want" = runtime ] && [ -f .venv/.installed-dev ] && [ ! pyproject.toml -nt .venv/.installed-dev ]; then
   stamp=.venv/.installed-dev
 fi
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || { [ "$want" = dev ] && [ tools/pyproject.toml -nt "$stamp" ]; }; then
   echo "setup: installing onceflow$extra into .venv"
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip >/dev/null
   .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".$extra"
+  if [ "$want" = dev ]; then
+    # the dev tools (onceflow bench|chaos|sim): a separate distribution, onceflow-tools, in tools/
+    echo "setup: installing onceflow-tools (tools/) into .venv"
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check -e tools
+  fi
   touch "$stamp"
 fi
 
@@ -58,7 +64,7 @@ if [ "$want" = dev ] && [ ! -f .ci/ts-client/node_modules/@durable-streams/clien
 fi
 
 # --- sinks: the sink tests and `onceflow bench sinks` start throwaway PostgreSQL and Redis servers
-# (onceflow/bench/services.py; never the ones on 5432/6379), so they need the server binaries
+# (onceflow.testing; never the ones on 5432/6379), so they need the server binaries
 if [ "$want" = dev ]; then
   sink_pkgs=""
   have_initdb=0

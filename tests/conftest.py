@@ -1,9 +1,13 @@
-"""Shared fixtures: an in-process broker + ASGI client, and a real server subprocess."""
+"""Shared fixtures: an in-process broker + ASGI client, and a real server subprocess.
+
+The server processes, free ports, PostgreSQL/Redis and the fault proxy come from
+:mod:`onceflow.testing`; ``ServerProcess`` here is its :class:`~onceflow.testing.OnceflowProcess`.
+"""
 
 from __future__ import annotations
 
-import socket
-import subprocess
+import importlib.util
+import os
 import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -14,6 +18,25 @@ import pytest
 
 from onceflow.core.broker import Broker
 from onceflow.server.app import App, AppConfig
+from onceflow.testing import OnceflowProcess as ServerProcess
+from onceflow.testing import free_port
+
+__all__ = ["InProcess", "ServerProcess", "free_port"]
+
+
+def _tools_on_subprocess_path() -> None:
+    """Child processes (``python -m onceflow.cli sim``, chaos workers) import the same onceflow_tools as
+    this one: pytest's ``pythonpath = tools`` reaches only this interpreter, so add it to PYTHONPATH."""
+    spec = importlib.util.find_spec("onceflow_tools")
+    if spec is None or spec.origin is None:
+        return
+    where = str(Path(spec.origin).parent.parent)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.environ.get("PYTHONPATH") else []
+    if where not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, where])
+
+
+_tools_on_subprocess_path()
 
 
 @pytest.fixture
@@ -41,68 +64,6 @@ async def onceflow(tmp_path: Path) -> AsyncIterator[InProcess]:
     await broker.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """`onceflow serve` as a child process on a free loopback port; restartable on the same data."""
-
-    def __init__(self, data: Path, *extra: str, open_files: int | None = None) -> None:
-        self.data = data
-        self.extra = extra
-        self.open_files = open_files  # RLIMIT_NOFILE (soft and hard) of the server process
-        self.port = free_port()
-        self.proc: subprocess.Popen[str] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "onceflow.cli", "serve", "--data", str(self.data), "--port", str(self.port),
-             "--long-poll-timeout", "0.5", *self.extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=self._limits,
-        )
-        assert self.proc.stdout is not None
-        seen: list[str] = []
-        while True:  # recovery may log warnings before the ready line
-            line = self.proc.stdout.readline()
-            if "listening" in line:
-                return
-            if not line:  # the process ended without becoming ready
-                self.proc.wait()
-                raise RuntimeError("server did not start:\n" + "".join(seen))
-            seen.append(line)
-
-    def _limits(self) -> None:
-        if self.open_files is not None:
-            import resource
-
-            resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            assert self.proc.stdout is not None
-            self.proc.stdout.close()
-            self.proc = None
-
-    def stop(self) -> int:
-        """SIGTERM and wait; returns the exit code."""
-        assert self.proc is not None
-        self.proc.terminate()
-        code = self.proc.wait(15)
-        assert self.proc.stdout is not None
-        self.proc.stdout.close()
-        self.proc = None
-        return code
-
-
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[ServerProcess]:
     srv = ServerProcess(tmp_path / "data")
@@ -119,8 +80,6 @@ def spark() -> Iterator[object]:
 
     Spark's Python workers run this interpreter, so they import the installed onceflow package.
     """
-    import os
-
     pyspark = pytest.importorskip("pyspark.sql", reason="pyspark is part of the dev install (scripts/setup.sh dev)")
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable

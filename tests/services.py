@@ -1,7 +1,7 @@
 """Fixtures for real PostgreSQL and Redis servers, started for the test session and stopped after.
 
 They never touch the servers on the standard ports: each is a throwaway instance in a temporary
-directory on a free loopback port (``onceflow.bench.services``). Import the fixtures into a test
+directory on a free loopback port (``onceflow.testing``). Import the fixtures into a test
 module to use them::
 
     from services import pg, postgres_server, redis_server, redis_url  # noqa: F401
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import ServerProcess
-from onceflow.bench.services import PostgresServer, RedisServer, ServiceUnavailable
+from onceflow.testing import PostgresServer, RedisServer, ServiceUnavailable
 
 __all__ = ["drop_prepared", "onceflow_url", "pg", "postgres_server", "redis_server", "redis_url"]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from onceflow.chaos.run import FAULT_KINDS
 from onceflow.demo import spark_missing
+from onceflow_tools.chaos.run import FAULT_KINDS
 
 
 @pytest.mark.slow

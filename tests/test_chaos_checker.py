@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from onceflow.chaos.history import ANOMALY_KINDS, HistoryWriter, check, load_history, main
+from onceflow_tools.chaos.history import ANOMALY_KINDS, HistoryWriter, check, load_history, main
 
 
 def tok(offset: int) -> str:

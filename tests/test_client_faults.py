@@ -31,7 +31,7 @@ from onceflow.client import (
     StreamClosedError,
     TransportError,
 )
-from onceflow.faultproxy import FaultProxy
+from onceflow.testing import FaultProxy
 
 JSON = "application/json"
 Hook = Callable[[httpx.Request, httpx.AsyncBaseTransport], Awaitable[httpx.Response]]

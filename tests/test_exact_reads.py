@@ -18,7 +18,7 @@ from onceflow.spark.source import split_json
 from test_transactions import JSON, S, Txn, committed, make, uncommitted
 
 pytestmark = pytest.mark.anyio
-FRAME = struct.Struct("<qIqI")
+FRAME = struct.Struct("<qIqI")  # the documented layout, spelt out here on purpose (not onceflow.wire.FRAME)
 
 
 def frames(body: bytes) -> list[tuple[int, int, list[Any]]]:

@@ -1,4 +1,4 @@
-"""What a power loss may take, on the simulator's disk (onceflow.sim.disk): nothing acknowledged.
+"""What a power loss may take, on the simulator's disk (onceflow_tools.sim.disk): nothing acknowledged.
 
 The simulated disk keeps, after a power loss, only what was synced (files by fsync, names by a sync
 of their directory) plus a random prefix of the rest; here the prefix is always empty, the worst
@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 from onceflow.core.broker import Broker
-from onceflow.sim.disk import SimDisk
+from onceflow_tools.sim.disk import SimDisk
 
 DATA = Path("/data")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from onceflow.sim.disk import SimDisk
-from onceflow.sim.run import run_seed
+from onceflow_tools.sim.disk import SimDisk
+from onceflow_tools.sim.run import run_seed
 
 # Seeds that found a hole on the code before its fix (docs/reliability.md, "What the simulator
 # found"), with this simulator; each must run clean now. hole: seed.
@@ -35,7 +35,7 @@ def _run_seeds(seeds: list[int]) -> list[dict[str, object]]:
     a seed replays exactly only where set iteration cannot vary."""
     code = (
         "import json, sys\n"
-        "from onceflow.sim.run import run_seed\n"
+        "from onceflow_tools.sim.run import run_seed\n"
         "out = []\n"
         "for s in json.loads(sys.argv[1]):\n"
         "    r = run_seed(s)\n"

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 import onceflow.sinks
-import onceflow.spark.sinks
+import onceflow.spark.foreach_batch
 from onceflow.client import IdempotentProducer, Message, Stream
 from onceflow.sinks import (
     Checkpoint,
@@ -362,7 +362,7 @@ def test_redis_commit_resent_after_a_lost_answer_changes_nothing(redis_url: str)
     sink.on_checkpoint_restore(sink.load_checkpoint())
     args = [1, 0, "token-1", json.dumps({"s": "b"}), json.dumps({}), "list", "x", "y"]
     keys = [sink.key, sink.checkpoint_key]
-    script = sink.redis.register_script(onceflow.sinks._redis.ATOMIC_LUA)
+    script = sink.redis.register_script(onceflow.sinks.redis.ATOMIC_LUA)
     assert script(keys=keys, args=args) == 1
     assert script(keys=keys, args=args) == 0  # the same commit again (the sink resends after a dropped connection)
     with redis.Redis.from_url(redis_url) as r:
@@ -406,4 +406,4 @@ def test_public_surface() -> None:
         assert getattr(onceflow.sinks, name) is not None
     with pytest.raises(AttributeError):
         _ = onceflow.sinks.NoSuchSink
-    assert onceflow.spark.sinks.__all__ == ["PostgresBatchSink", "RedisBatchSink", "postgres_sink", "redis_sink"]
+    assert onceflow.spark.foreach_batch.__all__ == ["PostgresBatchSink", "RedisBatchSink", "postgres_sink", "redis_sink"]

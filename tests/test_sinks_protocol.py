@@ -1,4 +1,4 @@
-"""The exactly-once sink's protocol, in process (no Spark): ``/v1/sinks/<id>`` and ``onceflow.spark._protocol``.
+"""The exactly-once sink's protocol, in process (no Spark): ``/v1/sinks/<id>`` and ``onceflow.spark.protocol``.
 
 Each test names the hole it closes (issue 14) or the suspicion it proves or disproves.
 """
@@ -96,7 +96,7 @@ async def test_a_commit_and_an_abort_of_one_sink_at_once_do_not_deadlock(onceflo
 # ---------------------------------------------------------------------- the protocol, driven without Spark
 
 from onceflow.client._errors import OnceflowError  # noqa: E402
-from onceflow.spark._protocol import (  # noqa: E402
+from onceflow.spark.protocol import (  # noqa: E402
     Fingerprint,
     SinkTask,
     TaskResult,
@@ -142,7 +142,7 @@ async def test_the_protocol_module_imports_neither_pyspark_nor_pyarrow() -> None
     import subprocess
     import sys
 
-    code = ("import sys, onceflow.spark._protocol; "
+    code = ("import sys, onceflow.spark.protocol; "
             "bad = [m for m in ('pyspark', 'pyarrow') if m in sys.modules]; assert not bad, bad")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr

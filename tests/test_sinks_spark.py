@@ -1,4 +1,4 @@
-"""The foreachBatch adapters (onceflow.spark.sinks) with a real local[2] Spark, PostgreSQL and Redis.
+"""The foreachBatch adapters (onceflow.spark.foreach_batch) with a real local[2] Spark, PostgreSQL and Redis.
 
 The fault: Spark dies after the sink committed batch N but before Spark wrote ``commits/N`` (the
 window of fault #8). It is made exactly: run the query, delete ``commits/N``, start it again on
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from onceflow.sinks import SinkError
-from onceflow.spark.sinks import postgres_sink, redis_sink
+from onceflow.spark.foreach_batch import postgres_sink, redis_sink
 
 pytest_plugins = ["services"]  # the PostgreSQL, Redis and onceflow server fixtures
 

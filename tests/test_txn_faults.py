@@ -453,7 +453,7 @@ async def test_fencing_a_task_whose_abort_is_unfinished_writes_the_abort_first(o
     the stream with no marker, held the last stable offset, and were published by the next commit
     marker of that id. Fencing must first finish the decision that is logged."""
     from onceflow.client._errors import OnceflowError
-    from onceflow.spark._protocol import (
+    from onceflow.spark.protocol import (
         SinkTask,
         TaskSpec,
         WriterSettings,

@@ -30,7 +30,7 @@ from onceflow.client import (
     TransportError,
 )
 from onceflow.client.transactions import AsyncTransactionalProducer
-from onceflow.faultproxy import FaultProxy
+from onceflow.testing import FaultProxy
 from test_transactions import committed, make, uncommitted
 
 BASE = "http://testserver"

@@ -1,4 +1,10 @@
 """onceflow: a durable stream log with exactly-once semantics."""
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("onceflow")  # the one place it is written is pyproject.toml
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
 __all__ = ["__version__"]

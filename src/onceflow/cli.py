@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
+import importlib.util
 import logging
 import sys
 from pathlib import Path
@@ -160,21 +162,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_parser(sub)
 
-    from .bench.cli import add_bench_parser
-
-    add_bench_parser(sub)
-
-    from .chaos.run import add_chaos_parser
-
-    add_chaos_parser(sub)
-
-    from .sim.cli import add_sim_parser
-
-    add_sim_parser(sub)
+    if _tools_installed():
+        # the dev tools (a separate distribution, tools/): imported by name, so that onceflow never
+        # imports onceflow_tools statically (the layers contract in pyproject.toml checks that)
+        importlib.import_module("onceflow_tools.cli").add_parsers(sub)
+    else:
+        for name in TOOL_COMMANDS:
+            t = sub.add_parser(name, help="a dev tool, not installed (scripts/setup.sh dev or pip install -e tools)")
+            t.set_defaults(func=_tools_missing)
     return p
 
 
+TOOL_COMMANDS = ("bench", "chaos", "sim")
+TOOLS_MISSING = ("the dev tools (onceflow_tools: bench, chaos, sim): install them with "
+                 "`scripts/setup.sh dev` or `pip install -e tools` from a checkout of onceflow")
+
+
+def _tools_installed() -> bool:
+    return importlib.util.find_spec("onceflow_tools") is not None
+
+
+def _tools_missing(args: argparse.Namespace) -> int:
+    print(f"onceflow {args.command} needs {TOOLS_MISSING}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in and args_in[0] in TOOL_COMMANDS and not _tools_installed():
+        print(f"onceflow {args_in[0]} needs {TOOLS_MISSING}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["PipelineCheck", "add_demo_parser", "check_pipeline", "run_demo", "spark_missing"]
+__all__ = ["PipelineCheck", "add_demo_parser", "check_pipeline", "run_demo", "sink_batch", "spark_missing"]
 
 
 def _say(msg: str) -> None:
@@ -77,7 +77,8 @@ class _Driver:
             return None
 
 
-def _progress(url: str, sink: str) -> int:
+def sink_batch(url: str, sink: str) -> int:
+    """The last batch the Spark sink ``sink`` committed (``GET /v1/sinks/<sink>``); -1 if none or unreachable."""
     try:
         batch = httpx.get(f"{url}/v1/sinks/{sink}", timeout=5).json().get("batch")
     except httpx.HTTPError:
@@ -95,7 +96,7 @@ def _read_all(url: str, stream: str) -> list[Any]:
 
 def _produce(url: str, n: int, drop: float, seed: int, seconds: float, stats: dict[str, int]) -> None:
     from .client import IdempotentProducer
-    from .faultproxy import FaultProxy
+    from .testing import FaultProxy
 
     rng = random.Random(seed)  # noqa: S311 (demo data)
     port = int(url.rsplit(":", 1)[1])
@@ -121,7 +122,7 @@ def run_demo(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)  # noqa: S311
     _say(f"working in {work}")
-    from .bench.append import onceflow_server
+    from .testing import onceflow_server
 
     server = onceflow_server(work / "data")
     server.start()
@@ -141,7 +142,7 @@ def run_demo(args: argparse.Namespace) -> int:
         retries = 3  # planned crashes tried again after the driver failed by itself
         while plan:
             kind = plan.pop(0)
-            done = _progress(server.url, "demo-enrich")
+            done = sink_batch(server.url, "demo-enrich")
             target = done + 2
             noted = crash_log.read_text() if crash_log.exists() else ""
             if kind == "after-commit":
@@ -154,7 +155,7 @@ def run_demo(args: argparse.Namespace) -> int:
                  + ("" if kind == "random" else f"; it will be killed {kind.replace('-', ' ')} of batch {target}"))
             if kind == "random":
                 deadline = time.monotonic() + 45  # with no data left, it is killed idle: a crash too
-                while _progress(server.url, "demo-enrich") < done + 1 and time.monotonic() < deadline and driver.wait(0.5) is None:
+                while sink_batch(server.url, "demo-enrich") < done + 1 and time.monotonic() < deadline and driver.wait(0.5) is None:
                     pass
                 time.sleep(rng.uniform(0.2, 3.0))
                 driver.kill()
@@ -162,7 +163,7 @@ def run_demo(args: argparse.Namespace) -> int:
             else:
                 code, give_up = None, time.monotonic() + 240
                 # wait for the planned crash; it cannot come once the sink has moved past its batch
-                while code is None and time.monotonic() < give_up and _progress(server.url, "demo-enrich") <= target:
+                while code is None and time.monotonic() < give_up and sink_batch(server.url, "demo-enrich") <= target:
                     code = driver.wait(1.0)
                 if code is None:
                     driver.kill()
@@ -179,7 +180,7 @@ def run_demo(args: argparse.Namespace) -> int:
                     driver.proc = None
                     driver.kills.append("kill -9 " + ("right after the sink committed, before Spark's commit log" if kind == "after-commit"
                                                       else "inside write(), rows written but not committed"))
-            _say(f"spark driver #{driver.starts} killed: {driver.kills[-1]} (sink at batch {_progress(server.url, 'demo-enrich')})")
+            _say(f"spark driver #{driver.starts} killed: {driver.kills[-1]} (sink at batch {sink_batch(server.url, 'demo-enrich')})")
 
         driver.start()
         _say(f"spark driver #{driver.starts} started; it runs until every event is processed")

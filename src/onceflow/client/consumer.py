@@ -32,8 +32,8 @@ import httpx
 from .._files import replace_file
 from ._errors import OnceflowError, TransportError, error_from_response
 from ._loop import run_sync
-from ._protocol import auth_headers, parse_chunk, read_params, stream_url, tls_verify
 from ._types import Chunk, Delivery, Message
+from .lowlevel import auth_headers, parse_chunk, read_params, stream_url, tls_verify
 
 __all__ = ["AsyncConsumer", "Consumer", "FileOffsetStore", "MemoryOffsetStore", "OffsetStore", "list_streams"]
 

@@ -59,7 +59,7 @@ from ._errors import (
     error_from_response,
 )
 from ._loop import background_loop, run_sync
-from ._protocol import auth_headers, is_json_type, stream_url, tls_verify
+from .lowlevel import auth_headers, is_json_type, stream_url, tls_verify
 
 __all__ = ["AsyncIdempotentProducer", "IdempotentProducer", "ProducerStats"]
 

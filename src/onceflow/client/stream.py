@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 
 from ._errors import OnceflowError, TransportError, error_from_response
-from ._protocol import (
+from ._types import AppendResult, Chunk, LiveMode, StreamInfo
+from .lowlevel import (
     SSEParser,
     append_headers,
     auth_headers,
@@ -26,7 +27,6 @@ from ._protocol import (
     stream_url,
     tls_verify,
 )
-from ._types import AppendResult, Chunk, LiveMode, StreamInfo
 
 __all__ = ["AsyncStream", "Stream"]
 

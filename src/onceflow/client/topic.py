@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from ._errors import ConflictError
-from ._protocol import auth_headers, create_headers, parse_info, stream_url, tls_verify
+from .lowlevel import auth_headers, create_headers, parse_info, stream_url, tls_verify
 from .producer import IdempotentProducer, ProducerStats
 
 __all__ = ["TopicProducer", "partition_for", "partition_names"]

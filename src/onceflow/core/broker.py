@@ -29,6 +29,7 @@ from ..storage.fs import FileSystem, OsFileSystem
 from ..storage.log import FsyncPolicy, InvalidPosition, ReadBatch, Staged, StreamLog
 from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
 from ..storage.position import Position, parse_token
+from ..wire import MAX_SAFE_INT
 from .clock import SYSTEM, Clock
 from .jsonmode import JsonError, encode_messages, first_messages
 from .txn import TXN_PRODUCER_PREFIX, CommitSeen, Coordinator, OpenTxn, TxnError, TxnMeta, TxnStatus
@@ -47,7 +48,6 @@ __all__ = [
 log = logging.getLogger("onceflow.broker")
 
 MAX_NAME_BYTES = 1024
-MAX_SAFE_INT = 2**53 - 1
 _CONTENT_TYPE = re.compile(r"^[\w.+-]+/[\w.+-]+")
 _TTL = re.compile(r"^(0|[1-9][0-9]*)$")
 ZERO = Position(0, 0)

@@ -45,11 +45,18 @@ from typing import Any, Literal, Self, TypeVar
 
 import httpx
 
-from ..client import AsyncStream, OnceflowError, PreconditionFailedError, StreamNotFoundError, TransportError
-from ..client._errors import error_from_response
-from ..client._loop import background_loop, run_sync
-from ..client._protocol import auth_headers, is_json_type, parse_chunk, read_params, stream_url, tls_verify
-from ..client._types import Chunk
+from ..client import AsyncStream, Chunk, OnceflowError, PreconditionFailedError, StreamNotFoundError, TransportError
+from ..client.lowlevel import (
+    auth_headers,
+    background_loop,
+    error_from_response,
+    is_json_type,
+    parse_chunk,
+    read_params,
+    run_sync,
+    stream_url,
+    tls_verify,
+)
 from ._errors import ProcessorError, ProcessorFencedError
 
 __all__ = [

@@ -46,8 +46,7 @@ from ..client import (
     StreamNotFoundError,
     TransportError,
 )
-from ..client._errors import error_from_response
-from ..client._protocol import auth_headers, stream_url, tls_verify
+from ..client.lowlevel import auth_headers, error_from_response, stream_url, tls_verify
 from ._errors import ProcessorError
 from ._watermark import Acker
 

@@ -14,7 +14,6 @@ import logging
 import math
 import random
 import re
-import struct
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from ..core.subscriptions import WebhookTargets
 from ..core.txn import SinkState, TxnError, TxnMeta
 from ..storage.log import InvalidPosition
 from ..storage.position import Position, parse_token
+from ..wire import FRAME, MAX_SAFE_INT, RECORDS_MEDIA_TYPE
 from .subscriptions import SubscriptionAPI
 
 __all__ = ["App", "AppConfig", "BadRequest", "fork_source", "list_prefix", "request_headers", "request_path", "sink_action"]
@@ -43,10 +43,6 @@ LIST_PATH = "/v1/streams"  # extension: list streams by name prefix
 TXN_PREFIX = "/v1/txn/"  # extension: transactions (docs/transactions.md)
 GROUPS_PREFIX = "/v1/groups/"  # extension: consumer-group offsets
 SINKS_PREFIX = "/v1/sinks/"  # extension: many transactions committed as one (docs/transactions.md)
-MAX_SAFE_INT = 2**53 - 1
-RECORDS_MEDIA_TYPE = b"application/vnd.onceflow.records"
-# format=records frame header: first record offset, record count, append time (ms), payload length
-_FRAME = struct.Struct("<qIqI")
 _DIGITS = re.compile(r"^[0-9]+$")
 _LINES = re.compile(r"\r\n|\r|\n")
 CURSOR_EPOCH = 1728432000.0  # 2024-10-09T00:00:00Z, the protocol's default cursor epoch
@@ -704,7 +700,7 @@ class App:
             if fmt == "records":
                 result = self.broker.read(s, start, max_bytes, committed=committed, until=until, max_records=max_records)
                 frames = b"".join(
-                    _FRAME.pack(b.header.base_offset, b.header.count, b.header.timestamp, len(b.payload)) + b.payload
+                    FRAME.pack(b.header.base_offset, b.header.count, b.header.timestamp, len(b.payload)) + b.payload
                     for b in result.batches if b.header.count
                 )
                 h += [

@@ -30,13 +30,13 @@ from ._outbox import OutboxSink, Webhook, WebhookRejectedError, WebhookSink, out
 from ._runner import RunStats, SinkRunner
 
 if TYPE_CHECKING:
-    from ._postgres import (
+    from .postgres import (
         PostgresInsertSink,
         PostgresTransactionalSink,
         PostgresTwoPhaseSink,
         PostgresUpsertSink,
     )
-    from ._redis import RedisAtomicSink, RedisIdempotentSink, RedisListSink
+    from .redis import RedisAtomicSink, RedisIdempotentSink, RedisListSink
 
 __all__ = [
     "Checkpoint",

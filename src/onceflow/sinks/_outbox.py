@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from ..client import Message, OnceflowError, Stream, TransactionalProducer, TransportError
-from ..client._errors import error_from_response
+from ..client.lowlevel import error_from_response
 from ._api import Checkpoint, CheckpointAwareSink, IdempotentSink, SinkError
 from ._runner import SinkRunner
 

@@ -6,15 +6,15 @@
 
 Needs ``pip install onceflow[spark]`` (pyspark 4.x and pyarrow) on the driver and the executors.
 Importing this package does not import pyspark (``OnceflowDataSource`` is loaded when first used),
-so ``onceflow.spark._protocol``, the sink's protocol, runs without it.
+so ``onceflow.spark.protocol``, the sink's protocol, runs without it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .foreach_batch import PostgresBatchSink, RedisBatchSink, postgres_sink, redis_sink
 from .options import OptionError
-from .sinks import PostgresBatchSink, RedisBatchSink, postgres_sink, redis_sink
 
 __all__ = ["OnceflowDataSource", "OptionError", "PostgresBatchSink", "RedisBatchSink", "postgres_sink", "redis_sink", "register"]
 

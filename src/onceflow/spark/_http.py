@@ -8,7 +8,6 @@ transport error or a 5xx is retried until ``deadline`` seconds have passed.
 from __future__ import annotations
 
 import random
-import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,12 +15,11 @@ from typing import Any
 
 import httpx
 
-from ..client._errors import OnceflowError, TransportError, error_from_response
-from ..client._protocol import auth_headers, stream_url, tls_verify
+from ..client import OnceflowError, TransportError
+from ..client.lowlevel import auth_headers, error_from_response, stream_url, tls_verify
+from ..wire import iter_frames
 
 __all__ = ["Conn", "Frame", "StreamInfo", "record_offset"]
-
-_FRAME = struct.Struct("<qIqI")  # first record offset, record count, append time (ms), payload length
 
 
 def record_offset(token: str) -> int:
@@ -114,12 +112,7 @@ class Conn:
                 "GET", stream_url(self.url, stream), f"read {stream}",
                 params={"offset": at, "until": until, "format": "records", "isolation": isolation},
             )
-            body, frames, p = resp.content, [], 0
-            while p < len(body):
-                base, count, ts, size = _FRAME.unpack_from(body, p)
-                p += _FRAME.size
-                frames.append(Frame(base, count, ts, body[p : p + size]))
-                p += size
+            frames = [Frame(*f) for f in iter_frames(resp.content)]
             nxt = resp.headers["stream-next-offset"]
             if nxt == at:
                 raise OnceflowError(f"read of {stream} from {at} to {until} made no progress (was the stream deleted?)")

@@ -12,8 +12,8 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from .options import OptionError, Options
-from .sink import OnceflowBatchWriter, OnceflowStreamWriter, check_sink_schema
 from .source import OnceflowBatchReader, OnceflowStreamReader, is_text_type, source_schema
+from .writer import OnceflowBatchWriter, OnceflowStreamWriter, check_sink_schema
 
 __all__ = ["OnceflowDataSource"]
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ._http import Conn
-from ._protocol import WriterSettings
+from .protocol import WriterSettings
 
 __all__ = ["OptionError", "Options"]
 

@@ -30,7 +30,7 @@ from pyspark.sql.datasource import DataSourceStreamWriter, WriterCommitMessage
 from pyspark.sql.types import StructType
 
 from .datasource import OnceflowDataSource
-from .sink import OnceflowStreamWriter, TaskCommit
+from .writer import OnceflowStreamWriter, TaskCommit
 
 __all__ = ["main"]
 

@@ -21,7 +21,7 @@ from pyspark.sql.types import BinaryType, LongType, StringType, StructField, Str
 from ._http import Conn, Frame, StreamInfo, record_offset
 from .options import Options
 
-__all__ = ["OnceflowBatchReader", "OnceflowStreamReader", "RangePartition", "source_schema"]
+__all__ = ["OnceflowBatchReader", "OnceflowStreamReader", "RangePartition", "arrow_schema", "source_schema"]
 
 _raw_decode = json.JSONDecoder().raw_decode
 
@@ -105,6 +105,11 @@ def _arrow_schema(value: pa.DataType) -> pa.Schema:
 
 _ARROW_TEXT = _arrow_schema(pa.string())
 _ARROW_BINARY = _arrow_schema(pa.binary())
+
+
+def arrow_schema(text_values: bool) -> pa.Schema:
+    """The Arrow schema of the rows the source reads: ``value`` a string (``text_values``) or binary."""
+    return _ARROW_TEXT if text_values else _ARROW_BINARY
 
 
 def read_partition(opts: Options, part: RangePartition, text_values: bool) -> Iterator[pa.RecordBatch]:

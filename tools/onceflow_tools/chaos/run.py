@@ -1,9 +1,9 @@
 """``onceflow chaos``: a mixed workload against a real server while faults are injected, then a history check.
 
-What runs (every client is its own process and records its history, :mod:`onceflow.chaos.worker`):
+What runs (every client is its own process and records its history, :mod:`onceflow_tools.chaos.worker`):
 
 - idempotent producers writing ``in/0`` and ``in/1``: one directly, two through a
-  :class:`~onceflow.faultproxy.FaultProxy` that drops or delays the answers to appends;
+  :class:`~onceflow.testing.FaultProxy` that drops or delays the answers to appends;
 - transactional producers writing ``tx/0`` and ``tx/1`` (commits and deliberate aborts);
 - a transactional copier (``onceflow copy --live``) copying ``in/*`` to ``out/0`` and ``out/1``;
 - a consumer-group member reading ``in/0`` and committing its offsets;
@@ -38,7 +38,7 @@ read-only       the data directories made read-only for 1-2 s while a probe crea
 At the end every client is stopped, every transactional id is initialised once more (which aborts
 whatever was left open), the copier, the sink and the Spark pipeline are given time to catch up,
 every stream and the sink's Redis list are read back (read_committed) into the history, and the
-history is checked (:mod:`onceflow.chaos.history`).
+history is checked (:mod:`onceflow_tools.chaos.history`).
 The summary (also ``summary.json`` in ``--out``) counts operations, faults injected by kind and
 anomalies; the exit status is 1 if there is any anomaly.
 """
@@ -65,8 +65,9 @@ from typing import Any
 
 import httpx
 
-from ..demo import _progress, check_pipeline, spark_missing
-from ..faultproxy import FaultProxy
+from onceflow.demo import check_pipeline, sink_batch, spark_missing
+from onceflow.testing import FaultProxy
+
 from .history import Anomaly, HistoryWriter, check, load_history
 from .worker import parse_records
 
@@ -296,7 +297,7 @@ def _read_all(c: httpx.Client, url: str, stream: str) -> tuple[list[list[Any]], 
 def _sink_batch(url: str, sink: str) -> int:
     """The last batch the Spark sink ``sink`` committed (-1: none yet, or no usable answer)."""
     try:
-        return _progress(url, sink)
+        return sink_batch(url, sink)
     except ValueError:  # not JSON
         return -1
 
@@ -342,7 +343,7 @@ class Chaos:
     # ------------------------------------------------------------------ set-up
 
     def worker(self, kind: str, name: str, url: str, streams: list[str], *extra: str) -> Client:
-        cmd = [sys.executable, "-m", "onceflow.chaos.worker", kind, "--url", url, "--client", name,
+        cmd = [sys.executable, "-m", "onceflow_tools.chaos.worker", kind, "--url", url, "--client", name,
                "--history", str(self.hist / f"{name}.jsonl"), "--seed", str(self.args.seed),
                "--txn-timeout", str(self.args.txn_timeout), *extra]
         for s in streams:
@@ -353,7 +354,7 @@ class Chaos:
         if self.args.sink is False:
             self.skipped["sink-0"] = "--no-sink"
             return False
-        from ..bench.services import RedisServer, ServiceUnavailable
+        from onceflow.testing import RedisServer, ServiceUnavailable
 
         try:
             import redis  # noqa: F401

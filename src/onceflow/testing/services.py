@@ -1,4 +1,4 @@
-"""Throwaway PostgreSQL and Redis servers for benches and tests.
+"""Throwaway PostgreSQL and Redis servers for tests, benches and chaos runs (public through :mod:`onceflow.testing`).
 
 Each lives in its own temporary directory and listens on a free loopback port (never the standard
 5432 / 6379, so an installed server is never touched); ``stop()`` ends it and removes the
@@ -21,17 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["PostgresServer", "RedisServer", "ServiceUnavailable", "free_port", "postgres_bindir"]
+from .processes import free_port
+
+__all__ = ["PostgresServer", "RedisServer", "ServiceUnavailable", "postgres_bindir"]
 
 
 class ServiceUnavailable(RuntimeError):
     """The server's binaries are not installed (``scripts/setup.sh dev`` installs them)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def postgres_bindir() -> Path:

@@ -62,11 +62,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from onceflow.testing import RedisServer, ServerProcess, ServiceUnavailable, free_port, onceflow_server
+
 from .append import (
     NODE_PACKAGE,
     BenchFailure,
     LoadGenerator,
-    ServerProcess,
     _node_version,
     _raise_on_sigterm,
     _run_loop,
@@ -74,11 +75,9 @@ from .append import (
     find_reference,
     measure_fsync_rate,
     measure_server,
-    onceflow_server,
     reference_server,
     report,
 )
-from .services import RedisServer, ServiceUnavailable, free_port
 
 __all__ = ["run"]
 
@@ -216,7 +215,8 @@ def payload(size: int) -> bytes:
 
 async def _onceflow_produce(server: ServerProcess, name: str, size: int, seconds: float) -> tuple[Measurement, Measurement]:
     """Idempotent producer throughput on a byte stream, then the timed catch-up read of it."""
-    from ..client import AsyncIdempotentProducer, AsyncStream, OnceflowError
+    from onceflow.client import AsyncIdempotentProducer, AsyncStream, OnceflowError
+
     from .produce import _drive
 
     msg = payload(size)
@@ -288,7 +288,7 @@ def _check_count(res: Measurement, stored: int, wrong: int, in_flight: int = 0) 
 
 async def _http_latency(url: str, name: str, system: str, count: int, rate: float) -> Latency:
     """One JSON message at a time from an idempotent producer, read by an SSE reader in this process."""
-    from ..client import AsyncIdempotentProducer, AsyncStream, OnceflowError
+    from onceflow.client import AsyncIdempotentProducer, AsyncStream, OnceflowError
 
     async with AsyncStream.connect(url, name) as admin:
         await admin.create("application/json")
@@ -761,7 +761,7 @@ def _stamp(i: int) -> bytes:
 async def _http_fanout(url: str, system: str, readers: int, count: int, rate: float) -> Fanout:
     import httpx
 
-    from ..client import AsyncIdempotentProducer, AsyncStream
+    from onceflow.client import AsyncIdempotentProducer, AsyncStream
 
     name = "fanout"
     async with AsyncStream.connect(url, name) as admin:

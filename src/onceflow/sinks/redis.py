@@ -73,7 +73,7 @@ return 1
 """
 
 # KEYS: output, frontier hash. ARGV: batch id, query id, mode, values... Returns 1 (applied) or 0
-# (a batch id at or below the frontier: a replay). Used by onceflow.spark.sinks.redis_sink.
+# (a batch id at or below the frontier: a replay). Used by onceflow.spark.foreach_batch.redis_sink.
 BATCH_LUA = "#!lua\n" + _WRITE_LUA + """
 local err = check_type(KEYS[1], ARGV[3] == 'hash' and 'hash' or 'list') or check_type(KEYS[2], 'hash')
 if err then return err end

@@ -62,7 +62,7 @@ class PostgresBatchSink:
     """
 
     def __init__(self, conninfo: str, table: str, *, name: str, columns: Sequence[str] | None = None) -> None:
-        from ..sinks._postgres import table_identifier
+        from ..sinks.postgres import table_identifier
 
         if not name:
             raise ValueError("name must identify this sink in the database (one name per streaming query)")
@@ -78,8 +78,8 @@ class PostgresBatchSink:
         import psycopg
         from psycopg import sql
 
-        from ..sinks._api import SinkError
-        from ..sinks._postgres import adapt, copy_rows, create_if_missing
+        from ..sinks import SinkError
+        from ..sinks.postgres import adapt, copy_rows, create_if_missing
 
         batch_id = _check_batch_id(batch_id)
         columns = self.columns or list(df.columns)
@@ -120,7 +120,7 @@ class RedisBatchSink:
 
     def __init__(self, url: str, *, name: str, key: str | None = None, frontier_key: str | None = None,
                  field: str | None = None) -> None:
-        from ..sinks._redis import same_slot
+        from ..sinks.redis import same_slot
 
         if not name:
             raise ValueError("name must identify this sink in Redis (one name per streaming query)")
@@ -136,8 +136,8 @@ class RedisBatchSink:
     def __call__(self, df: Any, batch_id: int) -> None:
         import redis
 
-        from ..sinks._api import SinkError
-        from ..sinks._redis import BATCH_LUA
+        from ..sinks import SinkError
+        from ..sinks.redis import BATCH_LUA
 
         batch_id = _check_batch_id(batch_id)
         if self.field is not None and self.field not in df.columns:

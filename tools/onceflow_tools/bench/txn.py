@@ -19,8 +19,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..client import AsyncIdempotentProducer, AsyncStream, AsyncTransactionalProducer
-from .append import _run_loop, _say, make_message, onceflow_server
+from onceflow.client import AsyncIdempotentProducer, AsyncStream, AsyncTransactionalProducer
+from onceflow.testing import onceflow_server
+
+from .append import _run_loop, _say, make_message
 
 __all__ = ["run"]
 

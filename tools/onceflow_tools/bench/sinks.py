@@ -32,10 +32,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..client import IdempotentProducer, Stream
-from ..sinks import CheckpointAwareSink, FileCheckpointStore, SinkRunner
-from .append import BenchFailure, _say, onceflow_server
-from .services import PostgresServer, RedisServer
+from onceflow.client import IdempotentProducer, Stream
+from onceflow.sinks import CheckpointAwareSink, FileCheckpointStore, SinkRunner
+from onceflow.testing import PostgresServer, RedisServer, onceflow_server
+
+from .append import BenchFailure, _say
 
 __all__ = ["run"]
 
@@ -77,7 +78,7 @@ def _load(url: str, rows: int) -> None:
 def _postgres_cases(pg: PostgresServer) -> list[Case]:
     import psycopg
 
-    from ..sinks import PostgresInsertSink, PostgresTransactionalSink, PostgresTwoPhaseSink, PostgresUpsertSink
+    from onceflow.sinks import PostgresInsertSink, PostgresTransactionalSink, PostgresTwoPhaseSink, PostgresUpsertSink
 
     conninfo = pg.conninfo()
 
@@ -125,7 +126,7 @@ def _postgres_cases(pg: PostgresServer) -> list[Case]:
 def _redis_cases(rs: RedisServer) -> list[Case]:
     import redis
 
-    from ..sinks import RedisAtomicSink, RedisIdempotentSink, RedisListSink
+    from onceflow.sinks import RedisAtomicSink, RedisIdempotentSink, RedisListSink
 
     client = redis.Redis.from_url(rs.url)
 

@@ -1,6 +1,6 @@
 """Running one seed: the world, the workload, the faults, the final read-back and the verdict.
 
-A seed decides everything: which clients run (:mod:`onceflow.sim.actors`), how hostile the disk and
+A seed decides everything: which clients run (:mod:`onceflow_tools.sim.actors`), how hostile the disk and
 the network are, when the server is killed or loses power. The run has three phases, all in
 simulated time:
 
@@ -11,7 +11,7 @@ simulated time:
    to finish; every transactional id is initialised once more (which aborts what it left open), and
    the run waits past the transaction timeout.
 3. **Read-back and checks**: every stream is read back read_committed (``final`` reads) and the
-   history is checked by :func:`onceflow.chaos.history.check`; on top of that the simulation checks
+   history is checked by :func:`onceflow_tools.chaos.history.check`; on top of that the simulation checks
    liveness: a client that never finished, a request the server never answered, a stream whose last
    stable offset stays short of its tail (``stuck``, ``lso-stuck``), and a simulation that stalled
    with nothing runnable (a deadlock).

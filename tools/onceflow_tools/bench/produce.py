@@ -45,11 +45,12 @@ from typing import Any, Literal
 
 import httpx
 
-from ..client import AsyncIdempotentProducer, AsyncStream, OnceflowError
+from onceflow.client import AsyncIdempotentProducer, AsyncStream, OnceflowError
+from onceflow.testing import ServerProcess, onceflow_server
+
 from .append import (
     NODE_PACKAGE,
     BenchFailure,
-    ServerProcess,
     _node_version,
     _pct,
     _raise_on_sigterm,
@@ -57,7 +58,6 @@ from .append import (
     _say,
     find_reference,
     make_message,
-    onceflow_server,
     reference_server,
     report,
 )

@@ -1,4 +1,4 @@
-"""Writing to onceflow from Spark, exactly once: the Spark glue of ``spark/_protocol.py``.
+"""Writing to onceflow from Spark, exactly once: the Spark glue of ``spark/protocol.py``.
 
 Each task attempt begins on the server (which checks that the sink belongs to this query and hands
 out the task's transactional id), writes its rows inside that transaction and leaves it open; its
@@ -20,7 +20,7 @@ local properties (both are set for the tasks of a streaming write and inside ``f
 and a task attempt is named by Spark's ``taskAttemptId()``, unique across stage attempts.
 
 This module only reads Spark's task context and converts Arrow batches into plain values; what a
-task and the driver do is in ``_protocol.py``, run on the client's background loop (``run_sync``),
+task and the driver do is in ``protocol.py``, run on the client's background loop (``run_sync``),
 so a task's keep-alives go on while its thread waits for its input.
 """
 
@@ -38,10 +38,9 @@ from pyspark import TaskContext
 from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import BinaryType, StringType, StructType
 
-from ..client._loop import run_sync
-from ..client._protocol import auth_headers, tls_verify
-from ._protocol import SinkTask, TaskResult, TaskSpec, WriterSettings, abort_batch, commit_batch, task_name
+from ..client.lowlevel import auth_headers, run_sync, tls_verify
 from .options import OptionError, Options
+from .protocol import SinkTask, TaskResult, TaskSpec, WriterSettings, abort_batch, commit_batch, task_name
 
 __all__ = ["OnceflowBatchWriter", "OnceflowStreamWriter", "TaskCommit", "check_sink_schema"]
 
@@ -50,7 +49,7 @@ log = logging.getLogger("onceflow.spark")
 
 @dataclass
 class TaskCommit(WriterCommitMessage):
-    """What one task wrote (Spark's commit message): its :class:`~._protocol.TaskResult`."""
+    """What one task wrote (Spark's commit message): its :class:`~.protocol.TaskResult`."""
 
     result: TaskResult
 
@@ -116,7 +115,7 @@ def _context() -> TaskContext:
 
 
 def _write_task(opts: Options, settings: WriterSettings, spec: TaskSpec, batches: Iterator[pa.RecordBatch]) -> TaskCommit:
-    """Run one task of the sink (``_protocol.SinkTask``) over this task's Arrow batches."""
+    """Run one task of the sink (``protocol.SinkTask``) over this task's Arrow batches."""
     client = run_sync(_client(opts))
     try:
         task = run_sync(SinkTask.begin(client, settings, spec))

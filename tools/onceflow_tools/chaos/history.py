@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO, get_args
 
-from ..demo import check_pipeline
+from onceflow.demo import check_pipeline
 
 __all__ = [
     "ANOMALY_KINDS",
@@ -92,12 +92,12 @@ AnomalyKind = Literal[
     "offset-conflict",
     "offset-backwards",
     "wrong-aggregate",
-    # liveness, judged by the simulator (onceflow.sim): a client, request or stream that never got
+    # liveness, judged by the simulator (onceflow_tools.sim): a client, request or stream that never got
     # done, and a client that failed with an error no user code should see
     "stuck",
     "lso-stuck",
     "client-error",
-    "spurious-fence",  # a sole producer fenced with nothing of its own open (onceflow.sim)
+    "spurious-fence",  # a sole producer fenced with nothing of its own open (onceflow_tools.sim)
 ]
 ANOMALY_KINDS: tuple[AnomalyKind, ...] = get_args(AnomalyKind)  # in the order reports list them
 
@@ -438,10 +438,10 @@ def check(ops: Sequence[Mapping[str, Any]]) -> CheckResult:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m onceflow.chaos.history FILE_OR_DIR...``: check recorded histories; 1 on any anomaly."""
+    """``python -m onceflow_tools.chaos.history FILE_OR_DIR...``: check recorded histories; 1 on any anomaly."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m onceflow.chaos.history", description="Check recorded chaos histories.")
+    p = argparse.ArgumentParser(prog="python -m onceflow_tools.chaos.history", description="Check recorded chaos histories.")
     p.add_argument("paths", nargs="+", type=Path, help="history files (JSON lines) or directories of *.jsonl")
     args = p.parse_args(argv)
     skipped: list[str] = []

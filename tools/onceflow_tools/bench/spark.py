@@ -31,8 +31,10 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from ..spark.source import source_schema
-from .append import onceflow_server, report
+from onceflow.spark.source import source_schema
+from onceflow.testing import onceflow_server
+
+from .append import report
 
 __all__ = ["run"]
 
@@ -71,7 +73,7 @@ class MemoryReader(DataSourceStreamReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, _Slice)
-        from ..spark.source import _ARROW_TEXT
+        from onceflow.spark.source import arrow_schema
 
         step = 20_000
         for a in range(partition.start, partition.end, step):
@@ -83,7 +85,7 @@ class MemoryReader(DataSourceStreamReader):
                 pa.array([1_700_000_000_000_000] * n, pa.timestamp("us", tz="UTC")),
                 pa.array([ROW % (i, i % 40, i % 100) for i in range(a, b)], pa.string()),
                 pa.array(["application/json"] * n, pa.string()),
-            ], schema=_ARROW_TEXT)
+            ], schema=arrow_schema(text_values=True))
 
 
 class NoopWriter(DataSourceStreamArrowWriter):
@@ -120,9 +122,9 @@ def _rate(query: Any) -> tuple[int, float, list[float]]:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from ..client import IdempotentProducer
-    from ..spark import register
-    from ..spark.pipeline import session
+    from onceflow.client import IdempotentProducer
+    from onceflow.spark import register
+    from onceflow.spark.pipeline import session
 
     work = Path(tempfile.mkdtemp(prefix="onceflow-bench-spark-"))
     server = onceflow_server(work / "data")

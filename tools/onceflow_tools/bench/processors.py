@@ -32,9 +32,11 @@ from typing import Any
 
 import httpx
 
-from ..client import AsyncConsumer, AsyncIdempotentProducer, AsyncStream, MemoryOffsetStore, Message
-from ..processors import AsyncStreamProcessor, Batch, ParallelConsumer
-from .append import _run_loop, _say, onceflow_server, report
+from onceflow.client import AsyncConsumer, AsyncIdempotentProducer, AsyncStream, MemoryOffsetStore, Message
+from onceflow.processors import AsyncStreamProcessor, Batch, ParallelConsumer
+from onceflow.testing import onceflow_server
+
+from .append import _run_loop, _say, report
 
 __all__ = ["run"]
 

@@ -37,8 +37,8 @@ from urllib.parse import quote
 
 import httpx
 
-from ..client._errors import OnceflowError, TransportError, error_from_response
-from ..client._protocol import stream_url
+from ..client import OnceflowError, TransportError
+from ..client.lowlevel import error_from_response, stream_url
 from ..client.transactions import AsyncTransactionalProducer
 
 __all__ = [

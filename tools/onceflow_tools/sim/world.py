@@ -30,8 +30,9 @@ from urllib.parse import unquote
 
 import httpx
 
-from ..core.broker import Broker
-from ..server.app import App, AppConfig
+from onceflow.core.broker import Broker
+from onceflow.server.app import App, AppConfig
+
 from .disk import SimDisk
 from .loop import SimLoop, owner
 

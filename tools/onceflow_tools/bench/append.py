@@ -35,13 +35,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+from onceflow.testing import ServerFailure, ServerProcess, onceflow_server
 
 __all__ = ["run"]
 
@@ -58,8 +59,9 @@ LOADER_PRODUCER = "bench-loader"
 _T = TypeVar("_T")
 
 
-class BenchFailure(Exception):
-    """A measurement could not be made or its result is wrong (lost or corrupted appends, errors)."""
+# A measurement that could not be made or whose result is wrong (lost or corrupted appends, errors); a
+# server that did not start (onceflow.testing.ServerProcess) is one too, so the two are one exception.
+BenchFailure = ServerFailure
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -138,105 +140,6 @@ class FsyncRate:
 
 
 # ---------------------------------------------------------------------------------------------- processes
-
-
-class ServerProcess:
-    """A server child process: started in its own session, its output drained, stopped by pid."""
-
-    def __init__(self, name: str, argv: list[str], ready: re.Pattern[str], *, cwd: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.argv = argv
-        self.ready = ready
-        self.cwd = cwd
-        self.env = env
-        self.url = ""
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._lines: deque[str] = deque(maxlen=40)
-        self._ready_at: float | None = None
-        self._ready_event = threading.Event()
-        self._reader: threading.Thread | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def start(self, timeout: float = 60.0) -> float:
-        """Start and wait for the ready line; returns the seconds from spawn to ready."""
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            self.argv,
-            cwd=self.cwd,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # a Ctrl-C reaches only us; we stop the child in a finally
-        )
-        self._reader = threading.Thread(target=self._drain, name=f"drain-{self.name}", daemon=True)
-        self._reader.start()
-        deadline = t0 + timeout
-        while not self._ready_event.wait(0.002):
-            if self.proc.poll() is not None:
-                self._reader.join(2)
-                raise BenchFailure(f"{self.name} exited with code {self.proc.returncode} before it was ready:\n{self.output_tail()}")
-            if time.perf_counter() > deadline:
-                raise BenchFailure(f"{self.name} was not ready after {timeout:.0f} s:\n{self.output_tail()}")
-        return (self._ready_at or time.perf_counter()) - t0
-
-    def _drain(self) -> None:
-        proc = self.proc
-        if proc is None or proc.stdout is None:
-            return
-        for raw in proc.stdout:
-            now = time.perf_counter()
-            line = raw.decode("utf-8", "replace").rstrip()
-            self._lines.append(line)
-            if not self._ready_event.is_set():
-                m = self.ready.search(line)
-                if m:
-                    self.url = m.group(1).rstrip("/")
-                    self._ready_at = now
-                    self._ready_event.set()
-
-    def output_tail(self) -> str:
-        return "\n".join(f"    | {line}" for line in self._lines) or "    | (no output)"
-
-    def cpu_seconds(self) -> float | None:
-        """User + system CPU time of the process (all threads) so far, from /proc."""
-        if self.proc is None:
-            return None
-        try:
-            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
-        except OSError:
-            return None
-        fields = stat.rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within 15 s. Safe to call twice."""
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                _say(f"{self.name} (pid {proc.pid}) ignored SIGTERM for 15 s; killing it")
-                proc.kill()
-                proc.wait()
-        if self._reader is not None:
-            self._reader.join(5)
-        if proc.stdout is not None:
-            proc.stdout.close()
-        self.proc = None
-
-
-def onceflow_server(data: Path, fsync: str = "always") -> ServerProcess:
-    argv = [sys.executable, "-m", "onceflow.cli", "serve", "--data", str(data), "--host", "127.0.0.1",
-            "--port", "0", "--fsync", fsync]
-    return ServerProcess("onceflow serve", argv, re.compile(r"onceflow listening on (http://\S+)"))
 
 
 # ---------------------------------------------------------------------------------------------- tools
@@ -652,9 +555,9 @@ async def _build_log(data_dir: Path, total_bytes: int) -> _BuiltLog:
     Writes go through StreamLog.stage with policy ``never`` and the server's 64 MiB segments, so
     the segments roll and snapshot exactly as under a real server.
     """
-    from ..core.broker import Broker
-    from ..storage.batch import FLAG_JSON
-    from ..storage.log import SNAPSHOT_NAME
+    from onceflow.core.broker import Broker
+    from onceflow.storage.batch import FLAG_JSON
+    from onceflow.storage.log import SNAPSHOT_NAME
 
     msg = make_message() + b","  # as stored: compact JSON text + comma
     per_batch = max(1, RECOVERY_BATCH_BYTES // len(msg))
@@ -715,8 +618,8 @@ def _drop_page_cache(directory: Path) -> None:
 
 
 def _time_open(directory: Path, *, use_snapshot: bool, cold: bool, check: Callable[[Any], None]) -> float:
-    from ..storage.log import StreamLog
-    from ..storage.position import Position
+    from onceflow.storage.log import StreamLog
+    from onceflow.storage.position import Position
 
     if cold:
         _drop_page_cache(directory)
@@ -733,7 +636,7 @@ def _time_open(directory: Path, *, use_snapshot: bool, cold: bool, check: Callab
 @contextlib.contextmanager
 def _snapshot_as(directory: Path, content: bytes | None, final: bytes) -> Iterator[None]:
     """Put ``content`` (None: no file) in place of the snapshot; restore the clean one after."""
-    from ..storage.log import SNAPSHOT_NAME
+    from onceflow.storage.log import SNAPSHOT_NAME
 
     snap = directory / SNAPSHOT_NAME
     if content is None:
@@ -748,7 +651,7 @@ def _snapshot_as(directory: Path, content: bytes | None, final: bytes) -> Iterat
 
 def _small_batch_segment(directory: Path, size: int) -> int:
     """One segment of ``size`` bytes of single-message batches, as HTTP appends write them."""
-    from ..storage.batch import FLAG_JSON, encode_batch
+    from onceflow.storage.batch import FLAG_JSON, encode_batch
 
     directory.mkdir(parents=True)
     payload = make_message() + b","
@@ -770,7 +673,7 @@ def _small_batch_segment(directory: Path, size: int) -> int:
 
 
 def measure_recovery(root: Path, gib: float) -> RecoveryResult:
-    from ..storage.log import DEFAULT_SEGMENT_BYTES, StreamLog
+    from onceflow.storage.log import DEFAULT_SEGMENT_BYTES, StreamLog
 
     total = int(gib * (1 << 30))
     data_dir = root / "recovery-data"

@@ -1,7 +1,7 @@
 """The clients of a simulation: real onceflow client code on the simulated network.
 
 Each actor records what it does and what it was told in the history format of
-:mod:`onceflow.chaos.history`, so one checker judges chaos runs and simulations alike. Values are
+:mod:`onceflow_tools.chaos.history`, so one checker judges chaos runs and simulations alike. Values are
 unique strings (actor, a counter), so a value names the write that made it.
 
 - :func:`idempotent_producer`: :class:`~onceflow.client.AsyncIdempotentProducer`, flushes now and
@@ -35,11 +35,12 @@ from urllib.parse import quote
 
 import httpx
 
+from onceflow.client import OnceflowError
+from onceflow.client.producer import AsyncIdempotentProducer
+from onceflow.client.transactions import AsyncTransactionalProducer
+from onceflow.spark.protocol import TaskResult, TaskSpec, WriterSettings, abort_batch, commit_batch, run_task, task_name
+
 from ..chaos.worker import parse_records
-from ..client._errors import OnceflowError
-from ..client.producer import AsyncIdempotentProducer
-from ..client.transactions import AsyncTransactionalProducer
-from ..spark._protocol import TaskResult, TaskSpec, WriterSettings, abort_batch, commit_batch, run_task, task_name
 
 __all__ = ["ACTORS", "Env"]
 
@@ -397,7 +398,7 @@ def _sink_settings(env: Env, sink: str) -> WriterSettings:
 
 async def _run_tasks(env: Env, c: httpx.AsyncClient, settings: WriterSettings, batch: int | None, query: str | None,
                      run: str, counter: list[int], rows: list[str], stream: str) -> list[TaskResult | None]:
-    """The batch's two tasks, at once, through the sink's real protocol (spark/_protocol.py)."""
+    """The batch's two tasks, at once, through the sink's real protocol (spark/protocol.py)."""
     async def task(p: int) -> TaskResult:
         counter[0] += 1
         spec = TaskSpec(batch, query, p, task_name(run, 0, counter[0]))
@@ -408,7 +409,7 @@ async def _run_tasks(env: Env, c: httpx.AsyncClient, settings: WriterSettings, b
 
 
 async def spark_stream(env: Env, name: str, sink: str, stream: str) -> None:
-    """A streaming query through the sink's real protocol (spark/_protocol.py): its driver is
+    """A streaming query through the sink's real protocol (spark/protocol.py): its driver is
     killed now and then (the batch is replayed from the checkpoint, before or after the sink's
     commit), batches fail (the driver's abort), a paused old driver wakes up and aborts the batch
     it was writing, and a late task attempt runs after its batch was decided. With some seeds a

@@ -1,6 +1,9 @@
 """The Durable Streams protocol as pure functions: request headers in, results out (no I/O).
 
-The sync and asyncio clients both call these, so the two can only differ in how they wait.
+The sync and asyncio clients both call these, so the two can only differ in how they wait. It is also
+the client's public low-level layer for onceflow's other packages (processors, sinks, spark), which
+speak HTTP themselves: with it come ``error_from_response`` (an error response as the client's
+exception) and ``run_sync`` / ``background_loop`` (the client's background event loop).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import httpx
 
 from ._errors import OnceflowError, error_from_response
+from ._loop import background_loop, run_sync
 from ._types import AppendResult, Chunk, StreamInfo
 
 __all__ = [
@@ -22,13 +26,16 @@ __all__ = [
     "SSEParser",
     "append_headers",
     "auth_headers",
+    "background_loop",
     "create_headers",
     "encode_json_messages",
+    "error_from_response",
     "is_json_type",
     "parse_append",
     "parse_chunk",
     "parse_info",
     "read_params",
+    "run_sync",
     "stream_url",
     "tls_verify",
 ]

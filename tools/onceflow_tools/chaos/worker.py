@@ -1,6 +1,6 @@
 """The clients of a chaos run, each a process that records its history (``onceflow chaos`` starts them).
 
-``python -m onceflow.chaos.worker KIND --url URL --history FILE --client NAME [...]``
+``python -m onceflow_tools.chaos.worker KIND --url URL --history FILE --client NAME [...]``
 
 - ``producer``: an idempotent producer (raw HTTP, so that every request and answer is recorded):
   batches of 1-4 unique values, each retried with the same ``Producer-Seq`` until it is answered.
@@ -28,7 +28,6 @@ import json
 import os
 import random
 import signal
-import struct
 import sys
 import time
 import uuid
@@ -38,11 +37,12 @@ from urllib.parse import quote
 
 import httpx
 
+from onceflow.wire import iter_frames
+
 from .history import HistoryWriter
 
 __all__ = ["main", "parse_records"]
 
-_FRAME = struct.Struct("<qIqI")  # format=records: first record offset, record count, append time, payload length
 _running = True
 
 
@@ -54,12 +54,7 @@ def _stop(signum: int, frame: object) -> None:
 def parse_records(body: bytes) -> list[list[Any]]:
     """``[[record offset, value], ...]`` of a ``format=records`` read of a JSON stream."""
     out: list[list[Any]] = []
-    p = 0
-    while p < len(body):
-        base, count, _ts, size = _FRAME.unpack_from(body, p)
-        p += _FRAME.size
-        payload = body[p : p + size]
-        p += size
+    for base, count, _ts, payload in iter_frames(body):
         values = json.loads(b"[" + payload[:-1] + b"]") if payload else []
         if len(values) != count:
             raise ValueError(f"a frame at offset {base} says {count} records but holds {len(values)}")
@@ -304,7 +299,7 @@ def run_reader(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -
 
 
 def run_sink(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -> None:
-    from ..sinks import RedisAtomicSink, SinkRunner, Step
+    from onceflow.sinks import RedisAtomicSink, SinkRunner, Step
 
     def on_step(step: Step, checkpoint_id: int) -> None:
         if step in ("restored", "committed"):
@@ -322,7 +317,7 @@ def run_sink(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m onceflow.chaos.worker", description="One client of a chaos run.")
+    p = argparse.ArgumentParser(prog="python -m onceflow_tools.chaos.worker", description="One client of a chaos run.")
     p.add_argument("kind", choices=["producer", "txn", "group", "reader", "sink"])
     p.add_argument("--url", required=True, help="server (or fault proxy) base URL")
     p.add_argument("--history", required=True, help="JSON-lines file to append this client's history to")

@@ -1,7 +1,0 @@
-"""Chaos testing: ``onceflow chaos`` (:mod:`.run`), its client processes (:mod:`.worker`) and the
-history checker (:mod:`.history`, also ``python -m onceflow.chaos.history DIR``).
-
-Nothing is imported here, so that ``python -m onceflow.chaos.history`` runs the module once.
-"""
-
-__all__: list[str] = []

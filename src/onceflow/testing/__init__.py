@@ -1,0 +1,36 @@
+"""Throwaway servers and faults for tests, benchmarks and chaos runs (like ``bytewax.testing``).
+
+One public module for what onceflow's tests, ``onceflow demo`` and the dev tools
+(``onceflow_tools``: bench, chaos, sim) share. It needs nothing beyond onceflow's own dependencies
+(the PostgreSQL and Redis servers are external binaries, found at run time), which is why it ships
+with onceflow rather than with the tools: ``onceflow demo`` starts its server and drops its
+acknowledgements with it.
+
+- :func:`free_port`: a free loopback TCP port.
+- :class:`OnceflowProcess`: ``onceflow serve`` on a free port, restartable on the same data and port
+  (the tests' server).
+- :class:`ServerProcess` and :func:`onceflow_server`: any server child process that prints a ready
+  line with its URL (``onceflow serve --port 0``, the reference server, nats-server), its output
+  drained, its CPU time readable; :class:`ServerFailure` when it does not become ready.
+- :class:`PostgresServer`, :class:`RedisServer`: throwaway PostgreSQL (``initdb`` + ``pg_ctl``) and
+  ``redis-server`` instances on free loopback ports, never the standard ones;
+  :class:`ServiceUnavailable` when their binaries are missing (``scripts/setup.sh dev`` installs them).
+- :class:`FaultProxy`: an HTTP/1.1 proxy that drops, delays and reorders (lost acknowledgements).
+"""
+
+from .faultproxy import FaultProxy
+from .processes import OnceflowProcess, ServerFailure, ServerProcess, free_port, onceflow_server
+from .services import PostgresServer, RedisServer, ServiceUnavailable, postgres_bindir
+
+__all__ = [
+    "FaultProxy",
+    "OnceflowProcess",
+    "PostgresServer",
+    "RedisServer",
+    "ServerFailure",
+    "ServerProcess",
+    "ServiceUnavailable",
+    "free_port",
+    "onceflow_server",
+    "postgres_bindir",
+]
