@@ -12,21 +12,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from onceflow.testing import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / ".ci" / "conformance"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 requests, fencing, epoch claims, closed streams and the producer's counters.
 
 Every delivery test reads the stream back and checks that it holds each message exactly once and in
-append order. Lost acks come from :mod:`faultproxy` (the server commits, the client never hears back);
+append order. Lost acks come from :mod:`onceflow.testing` (its ``FaultProxy``) (the server commits, the client never hears back);
 reordering from the proxy's request jitter or from an in-process transport that holds chosen requests.
 """
 

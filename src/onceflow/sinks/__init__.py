@@ -68,13 +68,13 @@ __all__ = [
 ]
 
 _LAZY = {
-    "PostgresInsertSink": ("._postgres", "psycopg"),
-    "PostgresTransactionalSink": ("._postgres", "psycopg"),
-    "PostgresTwoPhaseSink": ("._postgres", "psycopg"),
-    "PostgresUpsertSink": ("._postgres", "psycopg"),
-    "RedisAtomicSink": ("._redis", "redis"),
-    "RedisIdempotentSink": ("._redis", "redis"),
-    "RedisListSink": ("._redis", "redis"),
+    "PostgresInsertSink": (".postgres", "psycopg"),
+    "PostgresTransactionalSink": (".postgres", "psycopg"),
+    "PostgresTwoPhaseSink": (".postgres", "psycopg"),
+    "PostgresUpsertSink": (".postgres", "psycopg"),
+    "RedisAtomicSink": (".redis", "redis"),
+    "RedisIdempotentSink": (".redis", "redis"),
+    "RedisListSink": (".redis", "redis"),
 }
 
 

@@ -1,6 +1,6 @@
 """The exactly-once sink's protocol between its tasks, its driver and the server, without Spark.
 
-Spark's glue (``spark/sink.py``) reads the task context and Arrow batches and calls these functions
+Spark's glue (``spark/writer.py``) reads the task context and Arrow batches and calls these functions
 through the client's background loop; a simulator can call them directly on its own event loop
 with an ``httpx.AsyncClient`` of its own (any transport). Nothing here imports pyspark or pyarrow:
 the inputs are plain values (per target stream, a list of encoded messages). Time is the running

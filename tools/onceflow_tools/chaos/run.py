@@ -52,7 +52,6 @@ import os
 import random
 import resource
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -66,7 +65,7 @@ from typing import Any
 import httpx
 
 from onceflow.demo import check_pipeline, sink_batch, spark_missing
-from onceflow.testing import FaultProxy
+from onceflow.testing import FaultProxy, free_port
 
 from .history import Anomaly, HistoryWriter, check, load_history
 from .worker import parse_records
@@ -97,12 +96,6 @@ def _say(msg: str) -> None:
     print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _drop_dac_capabilities() -> None:
     """Drop the capabilities that let root write into read-only directories (runs in the child before exec).
 
@@ -122,7 +115,7 @@ class Server:
 
     def __init__(self, data: Path, log: Path, txn_timeout: float) -> None:
         self.data, self.log, self.txn_timeout = data, log, txn_timeout
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.unprivileged = os.geteuid() == 0
 
