@@ -530,3 +530,44 @@ async def test_an_init_naming_the_epoch_it_replaces_cannot_fence_a_newer_holder(
     assert stale.headers["producer-epoch"] == str(new.epoch)
     assert (await new.send("a", {"n": 2}, commit=1)).status_code == 200  # the newer holder was not fenced
     assert await committed(onceflow, "a") == [{"n": 2}]
+
+
+async def test_a_completion_record_that_fails_does_not_lose_the_commits_offsets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by ``onceflow sim`` (seed 18050 of the 100,000-seed soak). A commit's completion
+    record is not waited for: recovery redoes a decision whose completion is missing. But when
+    that record's write fails (EIO, ENOSPC) the log rolls it back, while the next transaction's
+    records of the same id reach the disk. After a restart the id's last record is the next
+    transaction's, the decision is no longer pending, and the committed transaction's group offsets
+    must still be there: else a copier copies its input again (every row twice in its outputs)."""
+    data = tmp_path / "data"
+    disk = Disk(monkeypatch)
+    async with serve(data, recover=False) as c:
+        await make(c, "in", "a", "b")
+        offs = await offsets_of(c, "in", 2)
+        coord = c.broker.coordinator
+        real_marker = coord.write_marker
+        assert real_marker is not None
+
+        async def marker_then_fail(stream: str, pid: str, epoch: int, txn: int, commit: bool) -> None:
+            await real_marker(stream, pid, epoch, txn, commit)
+            disk.fail(coord._log, times=1)  # the next coordinator write: the completion record
+
+        t = Txn(c.client, "w")
+        await t.init()
+        assert (await t.send("a", {"n": 1})).status_code == 200
+        assert (await t.send("b", {"n": 2})).status_code == 200
+        assert (await send_offsets(c, t, "g", {"in": offs[0]})).status_code == 200
+        coord.write_marker = marker_then_fail
+        assert (await t.end(commit=True)).status_code == 200
+        coord.write_marker = real_marker
+        await asyncio.sleep(0.05)  # the completion record's write fails in the background
+        assert disk.failed == 1
+        assert await group_offsets(c, "g") == {"in": offs[0]}
+        # the next transaction: its offsets record is durable and names the same id
+        nxt = await send_offsets(c, t, "g", {"in": offs[1]})
+        assert nxt.status_code == 200 and nxt.json()["txn"] == 2
+        await kill(c.broker)
+    async with serve(data) as c:
+        assert await committed(c, "a") == [{"n": 1}] and await committed(c, "b") == [{"n": 2}]
+        assert await group_offsets(c, "g") == {"in": offs[0]}
+        await c.broker.close()

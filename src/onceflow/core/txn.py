@@ -16,7 +16,9 @@ streams, offsets), so the last record of an id that reached the disk says all th
        transaction it ends; read_committed readers of that stream move past the transaction (or
        skip its data).
     4. ``COMPLETE_COMMIT``: group offsets carried by the transaction take effect; the producer may
-       begin its next transaction. Not waited for either (recovery redoes steps 3 and 4).
+       begin its next transaction. Not waited for either: recovery redoes steps 3 and 4 of a
+       decision still last in the log, and applies the offsets of one that a later record of
+       the id follows (its completion record failed and was rolled back).
 
 Fencing: ``init`` bumps the transactional id's epoch and aborts what the previous epoch left open;
 any request with an older epoch is refused. Each transaction has a number (``txn``) within its
@@ -332,6 +334,13 @@ class Coordinator:
                 init_id=rec.get("init_id"),
                 fence=rec.get("fence"),
             )
+            prev = self.txns.get(meta.tid)
+            if prev is not None and prev.status is TxnStatus.PREPARE_COMMIT and (prev.epoch, prev.txn) != (meta.epoch, meta.txn):
+                # The id moved past a commit decision, so that commit completed: no request of an
+                # id gets through while its decision is unfinished. Its completion record may still
+                # be missing (its write failed and was rolled back while later ones reached the
+                # disk): its offsets take effect here, or a copier would copy its input again.
+                self._apply_offsets(prev.offsets)
             self.txns[meta.tid] = meta
             if meta.status is TxnStatus.COMPLETE_COMMIT:
                 self._apply_offsets(meta.offsets)
@@ -663,7 +672,9 @@ class Coordinator:
             return
         # Step 4: offsets take effect with the completion record. It need not be synced before the
         # answer: if it is lost, recovery sees the decision again and rewrites the markers, which a
-        # stream ignores when no transaction of that producer is open there.
+        # stream ignores when no transaction of that producer is open there. If it fails (rolled
+        # back) and a later record of the id reaches the disk, replay applies the offsets when it
+        # meets that record (``_replay``).
         await self._transition(meta, TxnStatus.COMPLETE_COMMIT if commit else TxnStatus.COMPLETE_ABORT, durable=False)
         if commit:
             self._apply_offsets(meta.offsets)
