@@ -1,10 +1,13 @@
-"""One exception root for everything the client raises, and one mapper from responses to it."""
+"""The client's errors (all under the package root :class:`~onceflow.errors.OnceflowError`), and one
+mapper from responses to them."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
+
+from ..errors import OnceflowError
 
 __all__ = [
     "AbortRequiredError",
@@ -25,27 +28,6 @@ __all__ = [
     "TransportError",
     "error_from_response",
 ]
-
-
-class OnceflowError(Exception):
-    """Root of every client error.
-
-    ``status`` is the HTTP status (None when no response arrived), ``code`` the server's error code
-    (e.g. ``stream_closed``) and ``retriable`` whether sending the same request again may succeed.
-    """
-
-    retriable: bool = False
-
-    def __init__(self, message: str, *, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.code = code
-        if retriable is not None:
-            self.retriable = retriable
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.message!r}, status={self.status}, code={self.code!r})"
 
 
 class BadRequestError(OnceflowError):
