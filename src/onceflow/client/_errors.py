@@ -53,16 +53,16 @@ class ContentTypeMismatchError(ConflictError):
 class StreamClosedError(ConflictError):
     """409 with Stream-Closed: the stream is closed; ``next_offset`` is its final offset."""
 
-    def __init__(self, message: str, *, next_offset: str | None = None, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, next_offset: str | None = None, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+        super().__init__(message, status=status, code=code, retriable=retriable)
         self.next_offset = next_offset
 
 
 class SequenceGapError(ConflictError):
     """409 with Producer-Expected-Seq: a producer's batch arrived before an earlier one."""
 
-    def __init__(self, message: str, *, expected_seq: int, received_seq: int, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, expected_seq: int, received_seq: int, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+        super().__init__(message, status=status, code=code, retriable=retriable)
         self.expected_seq = expected_seq
         self.received_seq = received_seq
 
@@ -70,16 +70,16 @@ class SequenceGapError(ConflictError):
 class ProducerFencedError(OnceflowError):
     """403: a newer epoch of this producer id exists (this producer is a zombie)."""
 
-    def __init__(self, message: str, *, current_epoch: int | None = None, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, current_epoch: int | None = None, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+        super().__init__(message, status=status, code=code, retriable=retriable)
         self.current_epoch = current_epoch
 
 
 class PreconditionFailedError(OnceflowError):
     """412: If-Match named a tail that is no longer the stream's tail (``next_offset`` is)."""
 
-    def __init__(self, message: str, *, next_offset: str | None = None, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, next_offset: str | None = None, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+        super().__init__(message, status=status, code=code, retriable=retriable)
         self.next_offset = next_offset
 
 
@@ -117,8 +117,8 @@ class CommitOutcomeUnknownError(OutcomeUnknownError):
     its number. Call ``commit()`` again: it resends the same request, which the server answers as
     committed if it was, and commits now if it was not; ``abort()`` is refused until then."""
 
-    def __init__(self, message: str, *, txn: int, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, txn: int, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+        super().__init__(message, status=status, code=code, retriable=retriable)
         self.txn = txn
 
 
@@ -126,8 +126,8 @@ class AbortRequiredError(OnceflowError):
     """The open transaction cannot commit: one of its writes failed or its outcome is unknown
     (``cause``). ``abort()`` it (``transaction()`` does when its block raises) and begin again."""
 
-    def __init__(self, message: str, *, cause: BaseException, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, cause: BaseException, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+        super().__init__(message, status=status, code=code, retriable=retriable)
         self.cause = cause
 
 
