@@ -41,7 +41,7 @@ __all__ = [
     "Outcome",
     "ProducerHeaders",
     "ReadResult",
-    "Stream",
+    "StreamState",
     "normalize_content_type",
     "validate_name",
 ]
@@ -102,7 +102,7 @@ class Outcome:
     """What an operation did, in the broker's words. ``detail`` is a sentence for the client."""
 
     kind: OutcomeKind | Refusal
-    stream: Stream | None = None
+    stream: StreamState | None = None
     next: Position | None = None
     closed: bool = False
     epoch: int | None = None
@@ -123,17 +123,18 @@ class ReadResult:
 
 
 @dataclass(eq=False)
-class Stream:
-    """One live stream: its metadata, its own log and, for a fork, its parent and its forks."""
+class StreamState:
+    """One live stream as the broker holds it: its metadata, its own log and, for a fork, its
+    parent and its forks (the client's handle on a stream is :class:`onceflow.client.Stream`)."""
 
     meta: StreamMeta
     directory: Path
     log: StreamLog
-    parent: Stream | None = None
+    parent: StreamState | None = None
     clock: Clock = SYSTEM
     # live forks of this stream (soft-deleted ones too); a dict used as an ordered set, like the
     # waiters: woken in a fixed order (and deterministically, which the simulator's replays rely on)
-    children: dict[Stream, None] = field(default_factory=dict)
+    children: dict[StreamState, None] = field(default_factory=dict)
     last_access: float = 0.0
     waiters: dict[asyncio.Future[None], None] = field(default_factory=dict)
     staged_waiters: dict[asyncio.Future[None], None] = field(default_factory=dict)  # out-of-order producer requests
@@ -300,7 +301,7 @@ class Broker:
         self.coordinator.write_marker = self._write_marker
         self._unfinished: list[TxnMeta] = []
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="onceflow-io")
-        self.streams: dict[str, Stream] = {}
+        self.streams: dict[str, StreamState] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
 
@@ -327,7 +328,7 @@ class Broker:
             except (OSError, ValueError, TypeError) as exc:
                 log.error("skipping stream directory %s: unreadable metadata: %s", d, exc)
         for meta, d in metas:
-            self._register(Stream(meta, d, self._open_log(d, meta.base), clock=self.clock))
+            self._register(StreamState(meta, d, self._open_log(d, meta.base), clock=self.clock))
         for s in self.streams.values():
             if s.meta.fork_parent is not None:
                 s.parent = self.streams.get(s.meta.fork_parent)
@@ -401,7 +402,7 @@ class Broker:
             fs=self.fs, clock=self.clock.time,
         )
 
-    def _register(self, s: Stream) -> None:
+    def _register(self, s: StreamState) -> None:
         self.streams[s.name] = s
         s.log.add_listener(s.notify)
 
@@ -430,7 +431,7 @@ class Broker:
         await self._stage_marker(s, producer_id, epoch, txn, commit).done
 
     @staticmethod
-    def _stage_marker(s: Stream, producer_id: str, epoch: int, txn: int, commit: bool) -> Staged:
+    def _stage_marker(s: StreamState, producer_id: str, epoch: int, txn: int, commit: bool) -> Staged:
         flags = FLAG_CONTROL | (FLAG_COMMIT if commit else 0) | (FLAG_JSON if s.is_json else 0)
         return s.log.stage(count=0, payload=b"", flags=flags, producer_id=producer_id, epoch=epoch, first_seq=txn, last_seq=txn)
 
@@ -443,7 +444,7 @@ class Broker:
 
     # ------------------------------------------------------------------ lookup
 
-    def get(self, name: str) -> Stream | None:
+    def get(self, name: str) -> StreamState | None:
         """The stream at ``name`` (soft-deleted ones included), or None; expires lazily."""
         s = self.streams.get(name)
         if s is not None and not s.meta.soft_deleted and s.expired():
@@ -451,7 +452,7 @@ class Broker:
             s = self.streams.get(name)
         return s
 
-    def list(self, prefix: str = "") -> Iterator[Stream]:
+    def list(self, prefix: str = "") -> Iterator[StreamState]:
         for name in sorted(self.streams):
             s = self.streams[name]
             if name.startswith(prefix) and not s.meta.soft_deleted:
@@ -541,7 +542,7 @@ class Broker:
                 detail=f"this server holds its limit of {self.max_streams} streams (onceflow serve --max-streams); "
                 "delete streams or raise the limit",
             )
-        parent: Stream | None = None
+        parent: StreamState | None = None
         inherited = False
         base = ZERO
         prefix: tuple[bytes, int] | None = None
@@ -614,14 +615,14 @@ class Broker:
         except OSError as exc:
             self.fs.rmtree(directory)
             return Outcome(Refusal.UNAVAILABLE, detail=f"could not create the stream on disk: {exc.strerror}")
-        stream = Stream(meta, directory, slog, parent=parent, clock=self.clock)
+        stream = StreamState(meta, directory, slog, parent=parent, clock=self.clock)
         if parent is not None:
             parent.children[stream] = None
         self._register(stream)
         return Outcome("created", stream=stream, next=stream.tail, closed=stream.closed)
 
     @staticmethod
-    def _fork_prefix(parent: Stream, base: Position, sub: int) -> tuple[bytes, int] | Outcome:
+    def _fork_prefix(parent: StreamState, base: Position, sub: int) -> tuple[bytes, int] | Outcome:
         """The first ``sub`` messages (JSON) or bytes of the batch at ``base`` in ``parent``, which
         a sub-offset fork copies into its own log as plain data, byte for byte.
 
@@ -655,7 +656,7 @@ class Broker:
 
     # ------------------------------------------------------------------ append / close
 
-    def _live(self, name: str) -> Stream | Outcome:
+    def _live(self, name: str) -> StreamState | Outcome:
         s = self.get(name)
         if s is None:
             return Outcome(Refusal.NOT_FOUND, detail=f"no stream named {name!r}")
@@ -811,7 +812,7 @@ class Broker:
                 return Outcome(Refusal.TXN_REFUSED, txn=txn, detail=f"transaction {txn} of {tid!r} ended while this append waited")
             marker: list[Staged] = []
 
-            def commit_too(s: Stream) -> None:
+            def commit_too(s: StreamState) -> None:
                 if coord.one_stream(meta, txn, name):
                     marker.append(self._stage_marker(s, meta.producer_id, meta.epoch, txn, True))
 
@@ -842,7 +843,7 @@ class Broker:
             return Outcome(Refusal.UNAVAILABLE, stream=outcome.stream, detail=f"the data was stored, the commit was not: {exc.strerror or exc}")
         return replace(outcome, committed=True)
 
-    async def _transactional_duplicate(self, s: Stream, producer: ProducerHeaders, tid: str, commit_txn: int | None) -> Outcome | None:
+    async def _transactional_duplicate(self, s: StreamState, producer: ProducerHeaders, tid: str, commit_txn: int | None) -> Outcome | None:
         """Answer a transactional append that ``s`` already holds (same epoch, a sequence number at
         or below the producer's last there) without beginning or changing any transaction.
 
@@ -885,7 +886,7 @@ class Broker:
         return replace(outcome, txn=self._open_transaction_of(s, producer, coord.txns[tid]))
 
     @staticmethod
-    def _open_transaction_of(s: Stream, producer: ProducerHeaders, meta: TxnMeta) -> int | None:
+    def _open_transaction_of(s: StreamState, producer: ProducerHeaders, meta: TxnMeta) -> int | None:
         """The number of the transaction a durable duplicate in ``s`` belongs to if that
         transaction is still open there, else None (it ended there, or it is too old to tell)."""
         if meta.epoch != producer.epoch or meta.status not in (TxnStatus.ONGOING, TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
@@ -897,7 +898,7 @@ class Broker:
             return None
         return meta.txn if entry.start.pos >= began.pos else None
 
-    async def _committed_retry(self, s: Stream, producer: ProducerHeaders, tid: str, txn: int) -> Outcome:
+    async def _committed_retry(self, s: StreamState, producer: ProducerHeaders, tid: str, txn: int) -> Outcome:
         """An append naming a transaction that already committed: only a retry of one of its
         appends (a duplicate) is answered, as committed; anything else would land outside it."""
         state = s.log.producer(producer.producer_id)
@@ -917,7 +918,7 @@ class Broker:
         stream_seq: str | None,
         if_match: Position | None,
         txn: bool = False,
-        after_stage: Callable[[Stream], None] | None = None,
+        after_stage: Callable[[StreamState], None] | None = None,
     ) -> Outcome:
         found = self._live(name)
         if isinstance(found, Outcome):
@@ -1017,14 +1018,14 @@ class Broker:
             seq=producer.seq if producer else None,
         )
 
-    async def _await_end(self, s: Stream, end: Position) -> None:
+    async def _await_end(self, s: StreamState, end: Position) -> None:
         """Wait until ``end`` is durable (a retry may overtake the original's fsync)."""
         while s.log.durable.end.pos < end.pos and s.log.pending.end.pos >= end.pos and not s.deleted:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             s.waiters[fut] = None
             await fut
 
-    async def _settle_duplicate(self, s: Stream, producer: ProducerHeaders, *, closed: bool) -> Outcome:
+    async def _settle_duplicate(self, s: StreamState, producer: ProducerHeaders, *, closed: bool) -> Outcome:
         """Answer a retry with the original's result, once the original is durable."""
         state = s.log.producer(producer.producer_id)
         assert state is not None
@@ -1058,7 +1059,7 @@ class Broker:
             return Outcome(Refusal.UNAVAILABLE, detail=f"the delete was not stored: {exc.strerror or exc}")
         return Outcome("deleted")
 
-    def _delete(self, s: Stream) -> None:
+    def _delete(self, s: StreamState) -> None:
         """Delete ``s`` (soft while it has forks). Raises OSError, changing nothing, when the delete
         cannot be stored: a delete that was answered must survive a restart (and a power loss)."""
         if s.forks > 0:
@@ -1086,7 +1087,7 @@ class Broker:
         if unsynced is not None:
             raise unsynced  # gone, but maybe not for good: not "deleted" (a retry gets 404)
 
-    def _expire(self, s: Stream) -> None:
+    def _expire(self, s: StreamState) -> None:
         log.info("stream %r expired", s.name)
         try:
             self._delete(s)
@@ -1121,7 +1122,7 @@ class Broker:
 
     # ------------------------------------------------------------------ reads
 
-    def resolve_start(self, s: Stream, offset: str | None, *, committed: bool = True) -> Position | str:
+    def resolve_start(self, s: StreamState, offset: str | None, *, committed: bool = True) -> Position | str:
         """The position a read's ``offset`` parameter names, or what is wrong with it."""
         if offset is None or offset == "-1":
             return ZERO if s.parent is not None or s.log.base == ZERO else s.log.base
@@ -1141,12 +1142,12 @@ class Broker:
         return at
 
     @staticmethod
-    def visible_end(s: Stream, committed: bool = True) -> Position:
+    def visible_end(s: StreamState, committed: bool = True) -> Position:
         """Where reads end: the last stable offset for read_committed, else the durable tail."""
         return s.stable() if committed else s.tail
 
     def read(
-        self, s: Stream, at: Position, max_bytes: int | None = None, *, committed: bool = True,
+        self, s: StreamState, at: Position, max_bytes: int | None = None, *, committed: bool = True,
         until: Position | None = None, max_records: int | None = None,
     ) -> ReadResult:
         """Durable data from ``at``: at most about ``max_bytes`` (server default otherwise).
@@ -1178,7 +1179,7 @@ class Broker:
         return ReadResult(batches, nxt, up_to_date, up_to_date and s.closed and end == s.tail)
 
     def boundaries(
-        self, s: Stream, at: Position, until: Position | None, *, every: int, max_records: int | None = None,
+        self, s: StreamState, at: Position, until: Position | None, *, every: int, max_records: int | None = None,
         committed: bool = True,
     ) -> tuple[Sequence[Position], Position]:
         """Batch boundaries after ``at``, at least ``every`` records apart, and where a read of at
@@ -1201,7 +1202,7 @@ class Broker:
                     last = pos
         return marks, pos
 
-    async def wait(self, s: Stream, after: Position, max_wait: float) -> bool:
+    async def wait(self, s: StreamState, after: Position, max_wait: float) -> bool:
         """Wait until the stream has data past ``after``, closes or goes away. False on timeout."""
         if s.tail != after or s.closed or s.deleted or s.meta.soft_deleted or self._closing:
             return True

@@ -45,7 +45,7 @@ from .._files import fsync_dir, replace_file
 from ..errors import OnceflowError
 from ..storage.log import InvalidPosition, StreamLog
 from ..storage.position import ZERO, Position, parse_token
-from .broker import Broker, Stream, validate_name
+from .broker import Broker, StreamState, validate_name
 from .refusal import Refusal, Refused
 
 __all__ = [
@@ -488,7 +488,9 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamInfo:
+class LinkState:
+    """One linked stream of a subscription as its answers report it (not the client's StreamInfo)."""
+
     path: str
     link_type: str
     acked: Position | None
@@ -868,7 +870,7 @@ class Subscriptions:
 
     # ------------------------------------------------------------------ streams and links
 
-    def _live(self, name: str) -> Stream | None:
+    def _live(self, name: str) -> StreamState | None:
         s = self.broker.get(name)
         if s is None or s.deleted or s.meta.soft_deleted:
             return None
@@ -897,7 +899,7 @@ class Subscriptions:
             if not ids:
                 del index[key]
 
-    def _watch(self, s: Stream) -> None:
+    def _watch(self, s: StreamState) -> None:
         if self._watched.get(s.name) is not s.log:
             name = s.name
             s.log.add_listener(lambda: self._on_durable(name))
@@ -926,7 +928,7 @@ class Subscriptions:
             self._drop_index(self._by_stream, path, sub.id)
         sub.snapshot.pop(path, None)
 
-    def _refresh(self, sub: Subscription, link: Link) -> Stream | None:
+    def _refresh(self, sub: Subscription, link: Link) -> StreamState | None:
         """The link's stream, after fitting the link to what happened to it: a glob link to a
         deleted stream goes, an explicit one starts over, and a stream re-created under the
         same name is read from its start."""
@@ -947,24 +949,24 @@ class Subscriptions:
         self._watch(s)
         return s
 
-    def _start_of(self, s: Stream) -> Position:
+    def _start_of(self, s: StreamState) -> Position:
         start = self.broker.resolve_start(s, BEFORE_FIRST)
         return start if isinstance(start, Position) else ZERO
 
-    def stream_infos(self, sub: Subscription) -> list[StreamInfo]:
+    def stream_infos(self, sub: Subscription) -> list[LinkState]:
         """Each linked stream with its cursor, tail (the last stable offset) and pending state."""
-        out: list[StreamInfo] = []
+        out: list[LinkState] = []
         for path in sorted(sub.links):
             link = sub.links[path]
             s = self._refresh(sub, link)
             if path not in sub.links:
                 continue
             if s is None:
-                out.append(StreamInfo(path, link.link_type, link.acked, None, False))
+                out.append(LinkState(path, link.link_type, link.acked, None, False))
                 continue
             tail = s.stable()
             done = link.acked if link.acked is not None else self._start_of(s)
-            out.append(StreamInfo(path, link.link_type, link.acked, tail, tail.pos > done.pos))
+            out.append(LinkState(path, link.link_type, link.acked, tail, tail.pos > done.pos))
         return out
 
     def stream_changed(self, name: str) -> None:

@@ -71,7 +71,7 @@ log = logging.getLogger("onceflow.processors")
 
 T = TypeVar("T")
 
-Outcome = Literal["fresh", "resumed", "reset"]
+RecoveryOutcome = Literal["fresh", "resumed", "reset"]
 ProcessFn = Callable[["Batch"], "Iterable[Any] | None | Awaitable[Iterable[Any] | None]"]
 SinkFn = Callable[["Batch"], "None | Awaitable[None]"]
 
@@ -128,7 +128,7 @@ class Recovery:
     processing continues after its range; ``reset``: the last step did not finish (no attempt, or
     no output with its hash at the attempt's index) and its range is processed again."""
 
-    outcome: Outcome
+    outcome: RecoveryOutcome
     epoch: int
     hash: str | None = None
 

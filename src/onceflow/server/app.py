@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote_to_bytes
 
-from ..core.broker import Broker, Outcome, ProducerHeaders, ReadResult, Stream, txn_outcome, validate_name
+from ..core.broker import Broker, Outcome, ProducerHeaders, ReadResult, StreamState, txn_outcome, validate_name
 from ..core.jsonmode import wrap_payloads
 from ..core.refusal import Refusal
 from ..core.subscriptions import WebhookTargets
@@ -38,9 +38,9 @@ __all__ = ["App", "AppConfig", "BadRequest", "fork_source", "list_prefix", "requ
 log = logging.getLogger("onceflow.server")
 
 Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+ASGIMessage = MutableMapping[str, Any]  # an ASGI event (not the client's Message)
+Receive = Callable[[], Awaitable[ASGIMessage]]
+Send = Callable[[ASGIMessage], Awaitable[None]]
 
 PREFIX = "/v1/stream/"
 LIST_PATH = "/v1/streams"  # extension: list streams by name prefix
@@ -681,7 +681,7 @@ class App:
         await _send(send, 200, h, _body_of(s, result))
 
     def _framed_read(
-        self, s: Stream, start: Position, fmt: str, params: dict[str, list[str]], max_bytes: int | None, committed: bool,
+        self, s: StreamState, start: Position, fmt: str, params: dict[str, list[str]], max_bytes: int | None, committed: bool,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """Extension reads for exact-range readers (the Spark source), docs/protocol.md:
 
@@ -735,7 +735,7 @@ class App:
             raise BadRequest(f"{key} must be a positive integer, got {raw!r}")
         return int(raw)
 
-    async def _sse(self, s: Stream, start: Position, cursor: str | None, receive: Receive, send: Send, committed: bool = True) -> None:
+    async def _sse(self, s: StreamState, start: Position, cursor: str | None, receive: Receive, send: Send, committed: bool = True) -> None:
         ct = s.meta.content_type.split(";", 1)[0].strip().lower()
         text = ct.startswith("text/") or ct == "application/json"
         h = [
@@ -850,19 +850,19 @@ def _producer_headers(headers: dict[str, str]) -> ProducerHeaders | None:
     return ProducerHeaders(pid, int(epoch), int(seq))
 
 
-def _etag(s: Stream, start: str, end: Position, closed: bool) -> bytes:
+def _etag(s: StreamState, start: str, end: Position, closed: bool) -> bytes:
     ident = f"{s.meta.created_ms:x}"
     return f'"{ident}:{start}:{end.token()}{":c" if closed else ""}"'.encode()
 
 
-def _body_of(s: Stream, result: ReadResult) -> bytes:
+def _body_of(s: StreamState, result: ReadResult) -> bytes:
     payloads = [b.payload for b in result.batches]
     if s.is_json:
         return wrap_payloads(payloads)
     return payloads[0] if len(payloads) == 1 else b"".join(payloads)
 
 
-def _sse_payload(s: Stream, result: ReadResult, text: bool) -> str:
+def _sse_payload(s: StreamState, result: ReadResult, text: bool) -> str:
     raw = _body_of(s, result)
     if not text:
         return base64.b64encode(raw).decode()

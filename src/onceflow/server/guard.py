@@ -62,8 +62,8 @@ from .app import (
     SINKS_PREFIX,
     TXN_PREFIX,
     App,
+    ASGIMessage,
     BadRequest,
-    Message,
     Receive,
     Send,
     fork_source,
@@ -604,7 +604,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that yields ``body`` as one message, then whatever the client sends next."""
     sent = False
 
-    async def replayed() -> Message:
+    async def replayed() -> ASGIMessage:
         nonlocal sent
         if not sent:
             sent = True
