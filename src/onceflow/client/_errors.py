@@ -1,10 +1,13 @@
-"""One exception root for everything the client raises, and one mapper from responses to it."""
+"""The client's errors (all under the package root :class:`~onceflow.errors.OnceflowError`), and one
+mapper from responses to them."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
+
+from ..errors import OnceflowError
 
 __all__ = [
     "AbortRequiredError",
@@ -25,27 +28,6 @@ __all__ = [
     "TransportError",
     "error_from_response",
 ]
-
-
-class OnceflowError(Exception):
-    """Root of every client error.
-
-    ``status`` is the HTTP status (None when no response arrived), ``code`` the server's error code
-    (e.g. ``stream_closed``) and ``retriable`` whether sending the same request again may succeed.
-    """
-
-    retriable: bool = False
-
-    def __init__(self, message: str, *, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.code = code
-        if retriable is not None:
-            self.retriable = retriable
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.message!r}, status={self.status}, code={self.code!r})"
 
 
 class BadRequestError(OnceflowError):
@@ -71,16 +53,16 @@ class ContentTypeMismatchError(ConflictError):
 class StreamClosedError(ConflictError):
     """409 with Stream-Closed: the stream is closed; ``next_offset`` is its final offset."""
 
-    def __init__(self, message: str, *, next_offset: str | None = None, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, next_offset: str | None = None, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+        super().__init__(message, status=status, code=code, retriable=retriable)
         self.next_offset = next_offset
 
 
 class SequenceGapError(ConflictError):
     """409 with Producer-Expected-Seq: a producer's batch arrived before an earlier one."""
 
-    def __init__(self, message: str, *, expected_seq: int, received_seq: int, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, expected_seq: int, received_seq: int, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+        super().__init__(message, status=status, code=code, retriable=retriable)
         self.expected_seq = expected_seq
         self.received_seq = received_seq
 
@@ -88,16 +70,16 @@ class SequenceGapError(ConflictError):
 class ProducerFencedError(OnceflowError):
     """403: a newer epoch of this producer id exists (this producer is a zombie)."""
 
-    def __init__(self, message: str, *, current_epoch: int | None = None, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, current_epoch: int | None = None, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+        super().__init__(message, status=status, code=code, retriable=retriable)
         self.current_epoch = current_epoch
 
 
 class PreconditionFailedError(OnceflowError):
     """412: If-Match named a tail that is no longer the stream's tail (``next_offset`` is)."""
 
-    def __init__(self, message: str, *, next_offset: str | None = None, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, next_offset: str | None = None, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+        super().__init__(message, status=status, code=code, retriable=retriable)
         self.next_offset = next_offset
 
 
@@ -135,8 +117,8 @@ class CommitOutcomeUnknownError(OutcomeUnknownError):
     its number. Call ``commit()`` again: it resends the same request, which the server answers as
     committed if it was, and commits now if it was not; ``abort()`` is refused until then."""
 
-    def __init__(self, message: str, *, txn: int, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, txn: int, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+        super().__init__(message, status=status, code=code, retriable=retriable)
         self.txn = txn
 
 
@@ -144,8 +126,8 @@ class AbortRequiredError(OnceflowError):
     """The open transaction cannot commit: one of its writes failed or its outcome is unknown
     (``cause``). ``abort()`` it (``transaction()`` does when its block raises) and begin again."""
 
-    def __init__(self, message: str, *, cause: BaseException, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, cause: BaseException, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+        super().__init__(message, status=status, code=code, retriable=retriable)
         self.cause = cause
 
 

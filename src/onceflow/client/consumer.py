@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -359,8 +359,30 @@ class AsyncConsumer:
 class Consumer:
     """The blocking twin of :class:`AsyncConsumer` (same arguments); iterate it for messages."""
 
-    def __init__(self, base_url: str, **kw: Any) -> None:
-        self._core: AsyncConsumer = run_sync(_make_consumer(base_url, kw))
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        group: str,
+        streams: Sequence[str] | None = None,
+        prefix: str | None = None,
+        store: OffsetStore | None = None,
+        delivery: Delivery = "at-least-once",
+        start: StartPolicy = "earliest",
+        live: Literal["long-poll"] | None = "long-poll",
+        discover_interval: float = 5.0,
+        client: httpx.AsyncClient | None = None,
+        buffer: int = 4,
+        max_read_bytes: int | None = None,
+    ) -> None:
+        def make() -> AsyncConsumer:  # on the background loop: the consumer's queue belongs to it
+            return AsyncConsumer(
+                base_url, group=group, streams=streams, prefix=prefix, store=store, delivery=delivery, start=start,
+                live=live, discover_interval=discover_interval, client=client, buffer=buffer,
+                max_read_bytes=max_read_bytes,
+            )
+
+        self._core: AsyncConsumer = run_sync(_start_consumer(make))
         self._buffer: list[Message] = []
 
     def poll(self, timeout: float | None = None) -> list[Message]:
@@ -405,7 +427,7 @@ class Consumer:
         self.close()
 
 
-async def _make_consumer(base_url: str, kw: dict[str, Any]) -> AsyncConsumer:
-    consumer = AsyncConsumer(base_url, **kw)
+async def _start_consumer(make: Callable[[], AsyncConsumer]) -> AsyncConsumer:
+    consumer = make()
     await consumer.start()
     return consumer

@@ -548,9 +548,33 @@ class IdempotentProducer:
     context manager, or call ``close()``: both flush first.
     """
 
-    def __init__(self, url: str, stream: str | None = None, **kw: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        stream: str | None = None,
+        *,
+        producer_id: str | None = None,
+        epoch: int | None = None,
+        epoch_file: str | Path | None = None,
+        auto_claim: bool = False,
+        idempotent: bool = True,
+        content_type: str | None = None,
+        max_batch_bytes: int = 1 << 20,
+        linger_ms: float = 0.0,
+        max_in_flight: int = 5,
+        retry_backoff: tuple[float, float] = (0.05, 2.0),
+        delivery_timeout: float = 120.0,
+        request_timeout: float = 30.0,
+        on_error: ErrorCallback | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
         background_loop()
-        self._core = AsyncIdempotentProducer(url, stream, **kw)
+        self._core = AsyncIdempotentProducer(
+            url, stream, producer_id=producer_id, epoch=epoch, epoch_file=epoch_file, auto_claim=auto_claim,
+            idempotent=idempotent, content_type=content_type, max_batch_bytes=max_batch_bytes, linger_ms=linger_ms,
+            max_in_flight=max_in_flight, retry_backoff=retry_backoff, delivery_timeout=delivery_timeout,
+            request_timeout=request_timeout, on_error=on_error, client=client,
+        )
         run_sync(self._core.start())
 
     @property

@@ -84,8 +84,8 @@ class Stream(_Base):
         self._client = client or httpx.Client(timeout=DEFAULT_TIMEOUT, verify=tls_verify(url), headers=auth_headers())
 
     @classmethod
-    def connect(cls, base_url: str, name: str, **kw: Any) -> Stream:
-        return cls(stream_url(base_url, name), **kw)
+    def connect(cls, base_url: str, name: str, *, client: httpx.Client | None = None, content_type: str | None = None) -> Stream:
+        return cls(stream_url(base_url, name), client=client, content_type=content_type)
 
     def __enter__(self) -> Stream:
         return self
@@ -174,12 +174,20 @@ class Stream(_Base):
         headers = append_headers(ct, seq=seq, close=close, if_match=if_match, producer=producer)
         return parse_append(self._request("POST", "append", headers=headers, content=body), f"append to {self.name}")
 
-    def append_many(self, values: Iterable[Any], **kw: Any) -> AppendResult:
+    def append_many(
+        self,
+        values: Iterable[Any],
+        *,
+        seq: str | None = None,
+        close: bool = False,
+        if_match: str | None = None,
+        producer: tuple[str, int, int] | None = None,
+    ) -> AppendResult:
         """Append many JSON messages in one request (atomically: all or none)."""
         ct = self._ensure_type()
         if not is_json_type(ct):
             raise TypeError("append_many needs a JSON stream; concatenate bytes for byte streams")
-        headers = append_headers(ct, **kw)
+        headers = append_headers(ct, seq=seq, close=close, if_match=if_match, producer=producer)
         return parse_append(self._request("POST", "append", headers=headers, content=encode_json_messages(values)), f"append to {self.name}")
 
     # -- reads
@@ -240,8 +248,8 @@ class AsyncStream(_Base):
         self._client = client or httpx.AsyncClient(timeout=DEFAULT_TIMEOUT, verify=tls_verify(url), headers=auth_headers())
 
     @classmethod
-    def connect(cls, base_url: str, name: str, **kw: Any) -> AsyncStream:
-        return cls(stream_url(base_url, name), **kw)
+    def connect(cls, base_url: str, name: str, *, client: httpx.AsyncClient | None = None, content_type: str | None = None) -> AsyncStream:
+        return cls(stream_url(base_url, name), client=client, content_type=content_type)
 
     async def __aenter__(self) -> AsyncStream:
         return self
@@ -318,11 +326,19 @@ class AsyncStream(_Base):
         headers = append_headers(ct, seq=seq, close=close, if_match=if_match, producer=producer)
         return parse_append(await self._request("POST", "append", headers=headers, content=body), f"append to {self.name}")
 
-    async def append_many(self, values: Iterable[Any], **kw: Any) -> AppendResult:
+    async def append_many(
+        self,
+        values: Iterable[Any],
+        *,
+        seq: str | None = None,
+        close: bool = False,
+        if_match: str | None = None,
+        producer: tuple[str, int, int] | None = None,
+    ) -> AppendResult:
         ct = await self._ensure_type()
         if not is_json_type(ct):
             raise TypeError("append_many needs a JSON stream; concatenate bytes for byte streams")
-        headers = append_headers(ct, **kw)
+        headers = append_headers(ct, seq=seq, close=close, if_match=if_match, producer=producer)
         return parse_append(await self._request("POST", "append", headers=headers, content=encode_json_messages(values)), f"append to {self.name}")
 
     async def read(self, offset: str = "-1") -> Chunk:

@@ -532,9 +532,23 @@ class TransactionalProducer:
     """The blocking twin of :class:`AsyncTransactionalProducer` (same arguments; ``init`` runs in
     the constructor)."""
 
-    def __init__(self, base_url: str, transactional_id: str, **kw: Any) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        transactional_id: str,
+        *,
+        timeout_ms: int = 60_000,
+        max_batch_bytes: int = 1 << 20,
+        retry_backoff: tuple[float, float] = (0.05, 2.0),
+        delivery_timeout: float = 60.0,
+        client: httpx.AsyncClient | None = None,
+        token: str | None = None,
+    ) -> None:
         background_loop()
-        self._core = AsyncTransactionalProducer(base_url, transactional_id, **kw)
+        self._core = AsyncTransactionalProducer(
+            base_url, transactional_id, timeout_ms=timeout_ms, max_batch_bytes=max_batch_bytes,
+            retry_backoff=retry_backoff, delivery_timeout=delivery_timeout, client=client, token=token,
+        )
         try:
             run_sync(self._core.init())
         except BaseException:

@@ -1,8 +1,9 @@
 """Streams, idempotent producers, forks and expiry over the storage layer.
 
 The broker knows the protocol's semantics but not HTTP: every operation returns an
-:class:`Outcome` whose ``kind`` names what happened, and ``onceflow.server`` maps kinds to status
-codes and headers in one table.
+:class:`Outcome` whose ``kind`` names what happened (an :data:`OutcomeKind`) or why it was refused
+(a :class:`~onceflow.core.refusal.Refusal`), and ``onceflow.server.answers`` maps refusals to status
+codes in one table.
 
 Concurrency: everything runs on one event loop. An append validates and stages its batch without
 awaiting in between, so validation + append is serialised per stream (and therefore per
@@ -32,6 +33,7 @@ from ..storage.position import Position, parse_token
 from ..wire import MAX_SAFE_INT
 from .clock import SYSTEM, Clock
 from .jsonmode import JsonError, encode_messages, first_messages
+from .refusal import Refusal
 from .txn import TXN_PRODUCER_PREFIX, CommitSeen, Coordinator, OpenTxn, TxnError, TxnMeta, TxnStatus
 
 __all__ = [
@@ -40,7 +42,7 @@ __all__ = [
     "Outcome",
     "ProducerHeaders",
     "ReadResult",
-    "Stream",
+    "StreamState",
     "normalize_content_type",
     "validate_name",
 ]
@@ -91,38 +93,16 @@ class ProducerHeaders:
     seq: int
 
 
-OutcomeKind = Literal[
-    "created",
-    "exists",
-    "appended",
-    "duplicate",
-    "closed_now",
-    "already_closed",
-    "stream_closed",
-    "stale_epoch",
-    "invalid_epoch_seq",
-    "sequence_gap",
-    "content_type_mismatch",
-    "stream_seq_conflict",
-    "tail_mismatch",
-    "config_conflict",
-    "bad_request",
-    "not_found",
-    "gone",
-    "deleted",
-    "unavailable",
-    "txn_refused",
-    "concurrent_transactions",
-    "limit",
-]
+OutcomeKind = Literal["created", "exists", "appended", "duplicate", "closed_now", "already_closed", "deleted"]
+"""What an operation did when it did it; a refusal is a :class:`~onceflow.core.refusal.Refusal`."""
 
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What an operation did, in the broker's words. ``detail`` is a sentence for the client."""
 
-    kind: OutcomeKind
-    stream: Stream | None = None
+    kind: OutcomeKind | Refusal
+    stream: StreamState | None = None
     next: Position | None = None
     closed: bool = False
     epoch: int | None = None
@@ -143,17 +123,18 @@ class ReadResult:
 
 
 @dataclass(eq=False)
-class Stream:
-    """One live stream: its metadata, its own log and, for a fork, its parent and its forks."""
+class StreamState:
+    """One live stream as the broker holds it: its metadata, its own log and, for a fork, its
+    parent and its forks (the client's handle on a stream is :class:`onceflow.client.Stream`)."""
 
     meta: StreamMeta
     directory: Path
     log: StreamLog
-    parent: Stream | None = None
+    parent: StreamState | None = None
     clock: Clock = SYSTEM
     # live forks of this stream (soft-deleted ones too); a dict used as an ordered set, like the
     # waiters: woken in a fixed order (and deterministically, which the simulator's replays rely on)
-    children: dict[Stream, None] = field(default_factory=dict)
+    children: dict[StreamState, None] = field(default_factory=dict)
     last_access: float = 0.0
     waiters: dict[asyncio.Future[None], None] = field(default_factory=dict)
     staged_waiters: dict[asyncio.Future[None], None] = field(default_factory=dict)  # out-of-order producer requests
@@ -320,7 +301,7 @@ class Broker:
         self.coordinator.write_marker = self._write_marker
         self._unfinished: list[TxnMeta] = []
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="onceflow-io")
-        self.streams: dict[str, Stream] = {}
+        self.streams: dict[str, StreamState] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
 
@@ -347,7 +328,7 @@ class Broker:
             except (OSError, ValueError, TypeError) as exc:
                 log.error("skipping stream directory %s: unreadable metadata: %s", d, exc)
         for meta, d in metas:
-            self._register(Stream(meta, d, self._open_log(d, meta.base), clock=self.clock))
+            self._register(StreamState(meta, d, self._open_log(d, meta.base), clock=self.clock))
         for s in self.streams.values():
             if s.meta.fork_parent is not None:
                 s.parent = self.streams.get(s.meta.fork_parent)
@@ -421,7 +402,7 @@ class Broker:
             fs=self.fs, clock=self.clock.time,
         )
 
-    def _register(self, s: Stream) -> None:
+    def _register(self, s: StreamState) -> None:
         self.streams[s.name] = s
         s.log.add_listener(s.notify)
 
@@ -450,7 +431,7 @@ class Broker:
         await self._stage_marker(s, producer_id, epoch, txn, commit).done
 
     @staticmethod
-    def _stage_marker(s: Stream, producer_id: str, epoch: int, txn: int, commit: bool) -> Staged:
+    def _stage_marker(s: StreamState, producer_id: str, epoch: int, txn: int, commit: bool) -> Staged:
         flags = FLAG_CONTROL | (FLAG_COMMIT if commit else 0) | (FLAG_JSON if s.is_json else 0)
         return s.log.stage(count=0, payload=b"", flags=flags, producer_id=producer_id, epoch=epoch, first_seq=txn, last_seq=txn)
 
@@ -463,7 +444,7 @@ class Broker:
 
     # ------------------------------------------------------------------ lookup
 
-    def get(self, name: str) -> Stream | None:
+    def get(self, name: str) -> StreamState | None:
         """The stream at ``name`` (soft-deleted ones included), or None; expires lazily."""
         s = self.streams.get(name)
         if s is not None and not s.meta.soft_deleted and s.expired():
@@ -471,7 +452,7 @@ class Broker:
             s = self.streams.get(name)
         return s
 
-    def list(self, prefix: str = "") -> Iterator[Stream]:
+    def list(self, prefix: str = "") -> Iterator[StreamState]:
         for name in sorted(self.streams):
             s = self.streams[name]
             if name.startswith(prefix) and not s.meta.soft_deleted:
@@ -498,33 +479,33 @@ class Broker:
         """Create a stream, or confirm an identical one exists (PUT semantics)."""
         problem = validate_name(name)
         if problem:
-            return Outcome("bad_request", detail=problem)
+            return Outcome(Refusal.BAD_REQUEST, detail=problem)
         if ttl is not None and expires_at is not None:
-            return Outcome("bad_request", detail="give Stream-TTL or Stream-Expires-At, not both")
+            return Outcome(Refusal.BAD_REQUEST, detail="give Stream-TTL or Stream-Expires-At, not both")
         ttl_seconds: int | None = None
         if ttl is not None:
             if not _TTL.match(ttl) or int(ttl) > MAX_SAFE_INT:
-                return Outcome("bad_request", detail=f"Stream-TTL must be a non-negative integer of seconds, got {ttl!r}")
+                return Outcome(Refusal.BAD_REQUEST, detail=f"Stream-TTL must be a non-negative integer of seconds, got {ttl!r}")
             ttl_seconds = int(ttl)
         expires_epoch: float | None = None
         if expires_at is not None:
             expires_epoch = _parse_rfc3339(expires_at)
             if expires_epoch is None:
-                return Outcome("bad_request", detail=f"Stream-Expires-At is not an RFC 3339 timestamp: {expires_at!r}")
+                return Outcome(Refusal.BAD_REQUEST, detail=f"Stream-Expires-At is not an RFC 3339 timestamp: {expires_at!r}")
         sub_offset = 0
         if fork_sub_offset is not None:
             if fork_from is None:
-                return Outcome("bad_request", detail="Stream-Fork-Sub-Offset requires Stream-Forked-From")
+                return Outcome(Refusal.BAD_REQUEST, detail="Stream-Fork-Sub-Offset requires Stream-Forked-From")
             if not _TTL.match(fork_sub_offset) or int(fork_sub_offset) > MAX_SAFE_INT:
-                return Outcome("bad_request", detail="Stream-Fork-Sub-Offset must be a non-negative integer")
+                return Outcome(Refusal.BAD_REQUEST, detail="Stream-Fork-Sub-Offset must be a non-negative integer")
             sub_offset = int(fork_sub_offset)
         fork_pos: Position | None = None
         if fork_offset is not None:
             if fork_from is None:
-                return Outcome("bad_request", detail="Stream-Fork-Offset requires Stream-Forked-From")
+                return Outcome(Refusal.BAD_REQUEST, detail="Stream-Fork-Offset requires Stream-Forked-From")
             fork_pos = parse_token(fork_offset)
             if fork_pos is None:
-                return Outcome("bad_request", detail=f"Stream-Fork-Offset is not a valid offset: {fork_offset!r}")
+                return Outcome(Refusal.BAD_REQUEST, detail=f"Stream-Fork-Offset is not a valid offset: {fork_offset!r}")
             source = self.get(fork_from)
             if source is not None and source.past_final(fork_pos):
                 fork_pos = source.tail
@@ -535,7 +516,7 @@ class Broker:
         if existing is not None:
             if existing.meta.soft_deleted:
                 return Outcome(
-                    "config_conflict",
+                    Refusal.CONFIG_CONFLICT,
                     detail="a deleted stream with live forks still holds this name; delete its forks first",
                 )
             m = existing.meta
@@ -553,34 +534,34 @@ class Broker:
             )
             if same:
                 return Outcome("exists", stream=existing, next=existing.tail, closed=existing.closed)
-            return Outcome("config_conflict", stream=existing, detail="a stream with a different configuration exists at this name")
+            return Outcome(Refusal.CONFIG_CONFLICT, stream=existing, detail="a stream with a different configuration exists at this name")
 
         if len(self.streams) >= self.max_streams:
             return Outcome(
-                "limit",
+                Refusal.LIMIT,
                 detail=f"this server holds its limit of {self.max_streams} streams (onceflow serve --max-streams); "
                 "delete streams or raise the limit",
             )
-        parent: Stream | None = None
+        parent: StreamState | None = None
         inherited = False
         base = ZERO
         prefix: tuple[bytes, int] | None = None
         if fork_from is not None:
             parent = self.get(fork_from)
             if parent is None:
-                return Outcome("not_found", detail=f"the stream to fork, {fork_from!r}, does not exist")
+                return Outcome(Refusal.NOT_FOUND, detail=f"the stream to fork, {fork_from!r}, does not exist")
             if parent.meta.soft_deleted:
-                return Outcome("config_conflict", detail=f"the stream to fork, {fork_from!r}, was deleted")
+                return Outcome(Refusal.CONFIG_CONFLICT, detail=f"the stream to fork, {fork_from!r}, was deleted")
             if content_type is not None and normalize_content_type(content_type) != normalize_content_type(parent.meta.content_type):
-                return Outcome("config_conflict", detail="a fork's content type must match its source's")
+                return Outcome(Refusal.CONFIG_CONFLICT, detail="a fork's content type must match its source's")
             content_type = parent.meta.content_type
             base = fork_pos if fork_pos is not None else parent.tail
             if base > parent.tail or base.pos > parent.tail.pos:
-                return Outcome("bad_request", detail="Stream-Fork-Offset is beyond the end of the source stream")
+                return Outcome(Refusal.BAD_REQUEST, detail="Stream-Fork-Offset is beyond the end of the source stream")
             try:
                 parent.check_position(base)
             except InvalidPosition as exc:
-                return Outcome("bad_request", detail=f"Stream-Fork-Offset: {exc}")
+                return Outcome(Refusal.BAD_REQUEST, detail=f"Stream-Fork-Offset: {exc}")
             if sub_offset:
                 prefix_or_error = self._fork_prefix(parent, base, sub_offset)
                 if isinstance(prefix_or_error, Outcome):
@@ -598,7 +579,7 @@ class Broker:
             try:
                 payload, count = encode_messages(body, allow_empty=True)
             except JsonError as exc:
-                return Outcome("bad_request", detail=str(exc))
+                return Outcome(Refusal.BAD_REQUEST, detail=str(exc))
         elif not body:
             count = 0
 
@@ -633,15 +614,15 @@ class Broker:
             write_meta(self.fs, directory, meta)
         except OSError as exc:
             self.fs.rmtree(directory)
-            return Outcome("unavailable", detail=f"could not create the stream on disk: {exc.strerror}")
-        stream = Stream(meta, directory, slog, parent=parent, clock=self.clock)
+            return Outcome(Refusal.UNAVAILABLE, detail=f"could not create the stream on disk: {exc.strerror}")
+        stream = StreamState(meta, directory, slog, parent=parent, clock=self.clock)
         if parent is not None:
             parent.children[stream] = None
         self._register(stream)
         return Outcome("created", stream=stream, next=stream.tail, closed=stream.closed)
 
     @staticmethod
-    def _fork_prefix(parent: Stream, base: Position, sub: int) -> tuple[bytes, int] | Outcome:
+    def _fork_prefix(parent: StreamState, base: Position, sub: int) -> tuple[bytes, int] | Outcome:
         """The first ``sub`` messages (JSON) or bytes of the batch at ``base`` in ``parent``, which
         a sub-offset fork copies into its own log as plain data, byte for byte.
 
@@ -650,37 +631,37 @@ class Broker:
         sub-offset past the data)."""
         batches = parent.read_range(base, 1) if base.pos < parent.tail.pos else []
         if not batches:
-            return Outcome("bad_request", detail="Stream-Fork-Sub-Offset points past the end of the source stream")
+            return Outcome(Refusal.BAD_REQUEST, detail="Stream-Fork-Sub-Offset points past the end of the source stream")
         batch = batches[0]
         if parent.is_open_txn(batch):
             return Outcome(
-                "txn_refused",
+                Refusal.TXN_REFUSED,
                 detail="Stream-Fork-Sub-Offset names data of a transaction that is still open; "
                 "fork there once it has committed, or fork at Stream-Fork-Offset alone",
             )
         if parent.is_aborted(batch):
-            return Outcome("bad_request", detail="Stream-Fork-Sub-Offset names data of an aborted transaction, which is no data")
+            return Outcome(Refusal.BAD_REQUEST, detail="Stream-Fork-Sub-Offset names data of an aborted transaction, which is no data")
         payload = batch.payload
         if parent.is_json:
             if sub > batch.header.count:
-                return Outcome("bad_request", detail="Stream-Fork-Sub-Offset is past the next message boundary")
+                return Outcome(Refusal.BAD_REQUEST, detail="Stream-Fork-Sub-Offset is past the next message boundary")
             try:
                 return first_messages(payload, sub), sub
             except JsonError as exc:  # only a damaged log; never what an append stored
                 log.error("stream %r: the batch at %s does not split into messages: %s", parent.name, base.token(), exc)
-                return Outcome("unavailable", detail=f"the source stream's data at Stream-Fork-Offset cannot be split: {exc}")
+                return Outcome(Refusal.UNAVAILABLE, detail=f"the source stream's data at Stream-Fork-Offset cannot be split: {exc}")
         if sub > len(payload):
-            return Outcome("bad_request", detail="Stream-Fork-Sub-Offset is past the next data boundary")
+            return Outcome(Refusal.BAD_REQUEST, detail="Stream-Fork-Sub-Offset is past the next data boundary")
         return payload[:sub], 1
 
     # ------------------------------------------------------------------ append / close
 
-    def _live(self, name: str) -> Stream | Outcome:
+    def _live(self, name: str) -> StreamState | Outcome:
         s = self.get(name)
         if s is None:
-            return Outcome("not_found", detail=f"no stream named {name!r}")
+            return Outcome(Refusal.NOT_FOUND, detail=f"no stream named {name!r}")
         if s.meta.soft_deleted:
-            return Outcome("gone", detail=f"stream {name!r} was deleted")
+            return Outcome(Refusal.GONE, detail=f"stream {name!r} was deleted")
         return s
 
     async def append(
@@ -720,12 +701,12 @@ class Broker:
         txn_number: int | None = None
         if transactional_id is not None:
             if producer is None:
-                return Outcome("bad_request", detail="a transactional append needs Producer-Id, Producer-Epoch and Producer-Seq")
+                return Outcome(Refusal.BAD_REQUEST, detail="a transactional append needs Producer-Id, Producer-Epoch and Producer-Seq")
             expected_pid = TXN_PRODUCER_PREFIX + transactional_id
             if producer.producer_id != expected_pid:
-                return Outcome("bad_request", detail=f"a transactional append of {transactional_id!r} must use Producer-Id {expected_pid}")
+                return Outcome(Refusal.BAD_REQUEST, detail=f"a transactional append of {transactional_id!r} must use Producer-Id {expected_pid}")
             if close:
-                return Outcome("bad_request", detail="a stream cannot be closed inside a transaction")
+                return Outcome(Refusal.BAD_REQUEST, detail="a stream cannot be closed inside a transaction")
             found = self._live(name)
             if isinstance(found, Outcome):
                 return found
@@ -734,7 +715,7 @@ class Broker:
             except TxnError as exc:
                 return txn_outcome(exc)
             if found.log.pending.closed:
-                return Outcome("stream_closed", stream=found, next=found.log.pending.end, closed=True, detail="the stream is closed")
+                return Outcome(Refusal.STREAM_CLOSED, stream=found, next=found.log.pending.end, closed=True, detail="the stream is closed")
             prior = found.log.producer(producer.producer_id)
             if prior is not None and prior.epoch == producer.epoch and producer.seq <= prior.last_seq:
                 answered = await self._transactional_duplicate(found, producer, transactional_id, commit_txn)
@@ -749,10 +730,10 @@ class Broker:
                 return await self._committed_retry(found, producer, transactional_id, commit_txn)
             txn_number = meta.txn
         elif commit_txn is not None:
-            return Outcome("bad_request", detail="Transaction-Commit needs Transaction-Id (and Producer-Id, Producer-Epoch, Producer-Seq)")
+            return Outcome(Refusal.BAD_REQUEST, detail="Transaction-Commit needs Transaction-Id (and Producer-Id, Producer-Epoch, Producer-Seq)")
         elif producer is not None and producer.producer_id.startswith(TXN_PRODUCER_PREFIX):
             return Outcome(
-                "bad_request", detail=f"Producer-Id {producer.producer_id!r} is reserved for transactional appends: "
+                Refusal.BAD_REQUEST, detail=f"Producer-Id {producer.producer_id!r} is reserved for transactional appends: "
                 "send Transaction-Id with it, or use another producer id",
             )
         deadline: float | None = None
@@ -764,7 +745,7 @@ class Broker:
             ):
                 # it waited for earlier sequence numbers and the transaction ended meanwhile: its
                 # data must not land after the transaction's marker, outside any transaction
-                return Outcome("txn_refused", txn=txn_number, detail=f"transaction {txn_number} of {transactional_id!r} ended while this append waited")
+                return Outcome(Refusal.TXN_REFUSED, txn=txn_number, detail=f"transaction {txn_number} of {transactional_id!r} ended while this append waited")
             if commit_txn is not None:
                 assert producer is not None and transactional_id is not None
                 outcome = await self._append_and_commit(
@@ -828,10 +809,10 @@ class Broker:
                     return found
                 return await self._committed_retry(found, producer, tid, txn)  # committed while this waited
             if not coord.still_open(tid, producer.epoch, txn, name):
-                return Outcome("txn_refused", txn=txn, detail=f"transaction {txn} of {tid!r} ended while this append waited")
+                return Outcome(Refusal.TXN_REFUSED, txn=txn, detail=f"transaction {txn} of {tid!r} ended while this append waited")
             marker: list[Staged] = []
 
-            def commit_too(s: Stream) -> None:
+            def commit_too(s: StreamState) -> None:
                 if coord.one_stream(meta, txn, name):
                     marker.append(self._stage_marker(s, meta.producer_id, meta.epoch, txn, True))
 
@@ -851,7 +832,7 @@ class Broker:
                 try:
                     await self._stage_marker(outcome.stream, meta.producer_id, meta.epoch, txn, True).done
                 except OSError as exc:
-                    return Outcome("unavailable", stream=outcome.stream, detail=f"the commit was not stored: {exc.strerror or exc}")
+                    return Outcome(Refusal.UNAVAILABLE, stream=outcome.stream, detail=f"the commit was not stored: {exc.strerror or exc}")
                 coord.commit_by_marker(meta)
                 return replace(outcome, committed=True)
         try:
@@ -859,10 +840,10 @@ class Broker:
         except TxnError as exc:  # also a decision logged whose markers failed: retriable, see Coordinator.end
             return txn_outcome(exc)
         except OSError as exc:
-            return Outcome("unavailable", stream=outcome.stream, detail=f"the data was stored, the commit was not: {exc.strerror or exc}")
+            return Outcome(Refusal.UNAVAILABLE, stream=outcome.stream, detail=f"the data was stored, the commit was not: {exc.strerror or exc}")
         return replace(outcome, committed=True)
 
-    async def _transactional_duplicate(self, s: Stream, producer: ProducerHeaders, tid: str, commit_txn: int | None) -> Outcome | None:
+    async def _transactional_duplicate(self, s: StreamState, producer: ProducerHeaders, tid: str, commit_txn: int | None) -> Outcome | None:
         """Answer a transactional append that ``s`` already holds (same epoch, a sequence number at
         or below the producer's last there) without beginning or changing any transaction.
 
@@ -887,7 +868,7 @@ class Broker:
                     except TxnError as exc:
                         return txn_outcome(exc)
                     except OSError as exc:
-                        return Outcome("unavailable", stream=s, detail=f"the commit could not be finished: {exc.strerror or exc}")
+                        return Outcome(Refusal.UNAVAILABLE, stream=s, detail=f"the commit could not be finished: {exc.strerror or exc}")
                     return await self._committed_retry(s, producer, tid, commit_txn)
                 if meta.status is TxnStatus.COMPLETE_COMMIT:
                     return await self._committed_retry(s, producer, tid, commit_txn)
@@ -896,7 +877,7 @@ class Broker:
             except TxnError as exc:
                 return txn_outcome(exc)
             return Outcome(
-                "txn_refused", txn=meta.txn, detail=f"this append was stored before, it cannot commit transaction {commit_txn} "
+                Refusal.TXN_REFUSED, txn=meta.txn, detail=f"this append was stored before, it cannot commit transaction {commit_txn} "
                 f"of {tid!r} (the current one is {meta.txn}, {meta.status.value})",
             )
         outcome = await self._settle_duplicate(s, producer, closed=False)
@@ -905,7 +886,7 @@ class Broker:
         return replace(outcome, txn=self._open_transaction_of(s, producer, coord.txns[tid]))
 
     @staticmethod
-    def _open_transaction_of(s: Stream, producer: ProducerHeaders, meta: TxnMeta) -> int | None:
+    def _open_transaction_of(s: StreamState, producer: ProducerHeaders, meta: TxnMeta) -> int | None:
         """The number of the transaction a durable duplicate in ``s`` belongs to if that
         transaction is still open there, else None (it ended there, or it is too old to tell)."""
         if meta.epoch != producer.epoch or meta.status not in (TxnStatus.ONGOING, TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
@@ -917,14 +898,14 @@ class Broker:
             return None
         return meta.txn if entry.start.pos >= began.pos else None
 
-    async def _committed_retry(self, s: Stream, producer: ProducerHeaders, tid: str, txn: int) -> Outcome:
+    async def _committed_retry(self, s: StreamState, producer: ProducerHeaders, tid: str, txn: int) -> Outcome:
         """An append naming a transaction that already committed: only a retry of one of its
         appends (a duplicate) is answered, as committed; anything else would land outside it."""
         state = s.log.producer(producer.producer_id)
         if state is not None and state.epoch == producer.epoch and producer.seq <= state.last_seq:
             outcome = await self._settle_duplicate(s, producer, closed=False)
             return replace(outcome, txn=txn, committed=outcome.kind == "duplicate")
-        return Outcome("txn_refused", txn=txn, detail=f"transaction {txn} of {tid!r} is already committed; this append is not part of it")
+        return Outcome(Refusal.TXN_REFUSED, txn=txn, detail=f"transaction {txn} of {tid!r} is already committed; this append is not part of it")
 
     async def _append_once(
         self,
@@ -937,7 +918,7 @@ class Broker:
         stream_seq: str | None,
         if_match: Position | None,
         txn: bool = False,
-        after_stage: Callable[[Stream], None] | None = None,
+        after_stage: Callable[[StreamState], None] | None = None,
     ) -> Outcome:
         found = self._live(name)
         if isinstance(found, Outcome):
@@ -954,12 +935,12 @@ class Broker:
             if close and not body and producer is None:
                 await self._await_end(s, pending.end)
                 return Outcome("already_closed", stream=s, next=pending.client_end, closed=True)
-            return Outcome("stream_closed", stream=s, next=pending.client_end, closed=True, detail="the stream is closed")
+            return Outcome(Refusal.STREAM_CLOSED, stream=s, next=pending.client_end, closed=True, detail="the stream is closed")
 
         # Step 2: the content type must match (not checked for close-only requests).
         if body and content_type != s.meta.content_type and normalize_content_type(content_type) != s.media_type:
             return Outcome(
-                "content_type_mismatch",
+                Refusal.CONTENT_TYPE_MISMATCH,
                 stream=s,
                 detail=f"this stream holds {s.meta.content_type}, the request sent {content_type}",
             )
@@ -969,30 +950,30 @@ class Broker:
             state = log_.producer(producer.producer_id)
             if state is not None:
                 if producer.epoch < state.epoch:
-                    return Outcome("stale_epoch", stream=s, epoch=state.epoch, detail="stale producer epoch: a newer epoch has claimed this producer id")
+                    return Outcome(Refusal.STALE_EPOCH, stream=s, epoch=state.epoch, detail="stale producer epoch: a newer epoch has claimed this producer id")
                 if producer.epoch == state.epoch and producer.seq <= state.last_seq:
                     return await self._settle_duplicate(s, producer, closed=False)
                 if producer.epoch == state.epoch and producer.seq > state.last_seq + 1:
                     return Outcome(
-                        "sequence_gap", stream=s, expected_seq=state.last_seq + 1, received_seq=producer.seq,
+                        Refusal.SEQUENCE_GAP, stream=s, expected_seq=state.last_seq + 1, received_seq=producer.seq,
                         detail=f"producer sequence gap: expected {state.last_seq + 1}, got {producer.seq}",
                     )
             if (state is None or producer.epoch > state.epoch) and producer.seq != 0:
                 if state is None:
                     return Outcome(
-                        "sequence_gap", stream=s, expected_seq=0, received_seq=producer.seq,
+                        Refusal.SEQUENCE_GAP, stream=s, expected_seq=0, received_seq=producer.seq,
                         detail=f"producer sequence gap: a new producer starts at 0, got {producer.seq}",
                     )
-                return Outcome("invalid_epoch_seq", stream=s, detail="a new producer epoch must start at sequence 0")
+                return Outcome(Refusal.INVALID_EPOCH_SEQ, stream=s, detail="a new producer epoch must start at sequence 0")
 
         # Step 4: optimistic concurrency (If-Match names the tail the writer expects).
         if if_match is not None and if_match != pending.end:
-            return Outcome("tail_mismatch", stream=s, next=pending.end, detail="the stream's tail is not the one given in If-Match")
+            return Outcome(Refusal.TAIL_MISMATCH, stream=s, next=pending.end, detail="the stream's tail is not the one given in If-Match")
 
         # Step 5: Stream-Seq must grow strictly (byte-wise).
         sseq = stream_seq.encode() if stream_seq is not None else None
         if sseq is not None and pending.stream_seq is not None and sseq <= pending.stream_seq:
-            return Outcome("stream_seq_conflict", stream=s, detail=f"Stream-Seq {stream_seq!r} is not greater than the last one")
+            return Outcome(Refusal.STREAM_SEQ_CONFLICT, stream=s, detail=f"Stream-Seq {stream_seq!r} is not greater than the last one")
 
         # Step 6: frame the payload.
         payload, count, flags = body, (1 if body else 0), 0
@@ -1002,7 +983,7 @@ class Broker:
                 try:
                     payload, count = encode_messages(body, allow_empty=False)
                 except JsonError as exc:
-                    return Outcome("bad_request", stream=s, detail=str(exc))
+                    return Outcome(Refusal.BAD_REQUEST, stream=s, detail=str(exc))
         if close:
             flags |= FLAG_CLOSE
         if txn:
@@ -1026,7 +1007,7 @@ class Broker:
         try:
             await staged.done
         except OSError as exc:
-            return Outcome("unavailable", stream=s, detail=f"the append was not stored: {exc.strerror or exc}")
+            return Outcome(Refusal.UNAVAILABLE, stream=s, detail=f"the append was not stored: {exc.strerror or exc}")
         kind: OutcomeKind = "closed_now" if close and not body else "appended"
         return Outcome(
             kind,
@@ -1037,14 +1018,14 @@ class Broker:
             seq=producer.seq if producer else None,
         )
 
-    async def _await_end(self, s: Stream, end: Position) -> None:
+    async def _await_end(self, s: StreamState, end: Position) -> None:
         """Wait until ``end`` is durable (a retry may overtake the original's fsync)."""
         while s.log.durable.end.pos < end.pos and s.log.pending.end.pos >= end.pos and not s.deleted:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             s.waiters[fut] = None
             await fut
 
-    async def _settle_duplicate(self, s: Stream, producer: ProducerHeaders, *, closed: bool) -> Outcome:
+    async def _settle_duplicate(self, s: StreamState, producer: ProducerHeaders, *, closed: bool) -> Outcome:
         """Answer a retry with the original's result, once the original is durable."""
         state = s.log.producer(producer.producer_id)
         assert state is not None
@@ -1053,7 +1034,7 @@ class Broker:
         await self._await_end(s, end)
         durable = s.log.durable_producer(producer.producer_id)
         if durable is None or (durable.epoch, durable.last_seq) < (producer.epoch, producer.seq):
-            return Outcome("unavailable", stream=s, detail="the original append failed; retry it")
+            return Outcome(Refusal.UNAVAILABLE, stream=s, detail="the original append failed; retry it")
         nxt = entry.end if entry is not None else s.tail
         if nxt.pos > s.tail.pos:  # the request that closed the stream without data: the tail it left
             nxt = s.tail
@@ -1075,10 +1056,10 @@ class Broker:
         try:
             self._delete(found)
         except OSError as exc:
-            return Outcome("unavailable", detail=f"the delete was not stored: {exc.strerror or exc}")
+            return Outcome(Refusal.UNAVAILABLE, detail=f"the delete was not stored: {exc.strerror or exc}")
         return Outcome("deleted")
 
-    def _delete(self, s: Stream) -> None:
+    def _delete(self, s: StreamState) -> None:
         """Delete ``s`` (soft while it has forks). Raises OSError, changing nothing, when the delete
         cannot be stored: a delete that was answered must survive a restart (and a power loss)."""
         if s.forks > 0:
@@ -1106,7 +1087,7 @@ class Broker:
         if unsynced is not None:
             raise unsynced  # gone, but maybe not for good: not "deleted" (a retry gets 404)
 
-    def _expire(self, s: Stream) -> None:
+    def _expire(self, s: StreamState) -> None:
         log.info("stream %r expired", s.name)
         try:
             self._delete(s)
@@ -1141,7 +1122,7 @@ class Broker:
 
     # ------------------------------------------------------------------ reads
 
-    def resolve_start(self, s: Stream, offset: str | None, *, committed: bool = True) -> Position | str:
+    def resolve_start(self, s: StreamState, offset: str | None, *, committed: bool = True) -> Position | str:
         """The position a read's ``offset`` parameter names, or what is wrong with it."""
         if offset is None or offset == "-1":
             return ZERO if s.parent is not None or s.log.base == ZERO else s.log.base
@@ -1161,12 +1142,12 @@ class Broker:
         return at
 
     @staticmethod
-    def visible_end(s: Stream, committed: bool = True) -> Position:
+    def visible_end(s: StreamState, committed: bool = True) -> Position:
         """Where reads end: the last stable offset for read_committed, else the durable tail."""
         return s.stable() if committed else s.tail
 
     def read(
-        self, s: Stream, at: Position, max_bytes: int | None = None, *, committed: bool = True,
+        self, s: StreamState, at: Position, max_bytes: int | None = None, *, committed: bool = True,
         until: Position | None = None, max_records: int | None = None,
     ) -> ReadResult:
         """Durable data from ``at``: at most about ``max_bytes`` (server default otherwise).
@@ -1198,7 +1179,7 @@ class Broker:
         return ReadResult(batches, nxt, up_to_date, up_to_date and s.closed and end == s.tail)
 
     def boundaries(
-        self, s: Stream, at: Position, until: Position | None, *, every: int, max_records: int | None = None,
+        self, s: StreamState, at: Position, until: Position | None, *, every: int, max_records: int | None = None,
         committed: bool = True,
     ) -> tuple[Sequence[Position], Position]:
         """Batch boundaries after ``at``, at least ``every`` records apart, and where a read of at
@@ -1221,7 +1202,7 @@ class Broker:
                     last = pos
         return marks, pos
 
-    async def wait(self, s: Stream, after: Position, max_wait: float) -> bool:
+    async def wait(self, s: StreamState, after: Position, max_wait: float) -> bool:
         """Wait until the stream has data past ``after``, closes or goes away. False on timeout."""
         if s.tail != after or s.closed or s.deleted or s.meta.soft_deleted or self._closing:
             return True
@@ -1237,16 +1218,8 @@ class Broker:
 
 
 def txn_outcome(exc: TxnError) -> Outcome:
-    """The outcome for a refused transactional request."""
-    kind: OutcomeKind = {
-        "fenced": "stale_epoch",
-        "unknown_transactional_id": "not_found",
-        "bad_epoch": "bad_request",
-        "bad_request": "bad_request",
-        "concurrent_transactions": "concurrent_transactions",
-        "unavailable": "unavailable",
-    }.get(exc.kind, "txn_refused")  # type: ignore[assignment]
-    return Outcome(kind, epoch=exc.extra.get("epoch"), txn=exc.extra.get("txn"), detail=str(exc))
+    """The outcome for a refused transactional request: the coordinator's refusal as it is."""
+    return Outcome(exc.refusal, epoch=exc.extra.get("epoch"), txn=exc.extra.get("txn"), detail=str(exc))
 
 
 def _parse_rfc3339(text: str) -> float | None:

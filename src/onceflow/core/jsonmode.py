@@ -6,12 +6,14 @@ import json
 import re
 from typing import Any
 
+from ..errors import OnceflowError
+
 __all__ = ["JsonError", "encode_messages", "first_messages", "wrap_payloads"]
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
 
-class JsonError(ValueError):
+class JsonError(OnceflowError, ValueError):
     """The body is not acceptable JSON for this operation; the message says why."""
 
 

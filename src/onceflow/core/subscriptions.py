@@ -42,9 +42,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from .._files import fsync_dir, replace_file
+from ..errors import OnceflowError
 from ..storage.log import InvalidPosition, StreamLog
 from ..storage.position import ZERO, Position, parse_token
-from .broker import Broker, Stream, validate_name
+from .broker import Broker, StreamState, validate_name
+from .refusal import Refusal, Refused
 
 __all__ = [
     "DEFAULT_LEASE_TTL_MS",
@@ -90,33 +92,25 @@ Poster = Callable[[str, bytes, dict[str, str], float], Awaitable[tuple[int, byte
 """``(url, body, headers, timeout seconds) -> (status, response body)``; raises :class:`DeliveryError`."""
 
 
-class DeliveryError(Exception):
+class DeliveryError(OnceflowError):
     """A webhook POST did not get an HTTP answer (refused, timed out, resolved to a private address)."""
 
 
-class SubscriptionError(Exception):
-    """A refused subscription request: an HTTP status, a protocol error code and a sentence."""
-
-    def __init__(self, status: int, code: str, message: str, **extra: object) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.extra = extra
-
-    def body(self) -> dict[str, object]:
-        return {"error": {"code": self.code, "message": str(self), **self.extra}}
+class SubscriptionError(Refused):
+    """A refused subscription request: ``refusal`` says why (``code`` is its protocol error code),
+    ``extra`` what the error body reports besides. ``onceflow.server.answers`` gives its status."""
 
 
 def _invalid(message: str) -> SubscriptionError:
-    return SubscriptionError(400, "INVALID_REQUEST", message)
+    return SubscriptionError(Refusal.INVALID_REQUEST, message)
 
 
 def _not_found(sid: str) -> SubscriptionError:
-    return SubscriptionError(404, "SUBSCRIPTION_NOT_FOUND", f"no subscription with id {sid!r}")
+    return SubscriptionError(Refusal.SUBSCRIPTION_NOT_FOUND, f"no subscription with id {sid!r}")
 
 
 def _fenced(message: str, generation: int) -> SubscriptionError:
-    return SubscriptionError(409, "FENCED", message, generation=generation)
+    return SubscriptionError(Refusal.GENERATION_FENCED, message, generation=generation)
 
 
 def _now_iso() -> str:
@@ -298,7 +292,7 @@ def validate_webhook_url(url: object, *, targets: WebhookTargets = "public") -> 
         raise _invalid('webhook subscriptions need "webhook": {"url": "https://..."}')
 
     def reject(why: str) -> SubscriptionError:
-        return SubscriptionError(400, "WEBHOOK_URL_REJECTED", f"webhook.url {url!r} is rejected: {why}")
+        return SubscriptionError(Refusal.WEBHOOK_URL_REJECTED, f"webhook.url {url!r} is rejected: {why}")
 
     if len(url) > MAX_URL:
         raise reject(f"it is longer than {MAX_URL} characters")
@@ -494,7 +488,9 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamInfo:
+class LinkState:
+    """One linked stream of a subscription as its answers report it (not the client's StreamInfo)."""
+
     path: str
     link_type: str
     acked: Position | None
@@ -798,7 +794,7 @@ class Subscriptions:
     def _check_token(self, sub: Subscription, token: str, reply: WakeReply) -> None:
         """401 unless the token is one this server issued for this subscription; 409 FENCED when
         the token, or the request's generation / wake_id, is not the current wake's."""
-        invalid = SubscriptionError(401, "TOKEN_INVALID", f"the bearer token was not issued for subscription {sub.id!r}")
+        invalid = SubscriptionError(Refusal.TOKEN_INVALID, f"the bearer token was not issued for subscription {sub.id!r}")
         fields = self._token_fields(token)
         if fields is None or fields[0] != sub.id:
             raise invalid
@@ -870,11 +866,11 @@ class Subscriptions:
         try:
             await self._persist(sub.id)
         except (OSError, RuntimeError) as exc:
-            raise SubscriptionError(503, "UNAVAILABLE", f"the subscription state could not be stored: {exc}") from None
+            raise SubscriptionError(Refusal.SUBSCRIPTION_UNAVAILABLE, f"the subscription state could not be stored: {exc}") from None
 
     # ------------------------------------------------------------------ streams and links
 
-    def _live(self, name: str) -> Stream | None:
+    def _live(self, name: str) -> StreamState | None:
         s = self.broker.get(name)
         if s is None or s.deleted or s.meta.soft_deleted:
             return None
@@ -903,7 +899,7 @@ class Subscriptions:
             if not ids:
                 del index[key]
 
-    def _watch(self, s: Stream) -> None:
+    def _watch(self, s: StreamState) -> None:
         if self._watched.get(s.name) is not s.log:
             name = s.name
             s.log.add_listener(lambda: self._on_durable(name))
@@ -932,7 +928,7 @@ class Subscriptions:
             self._drop_index(self._by_stream, path, sub.id)
         sub.snapshot.pop(path, None)
 
-    def _refresh(self, sub: Subscription, link: Link) -> Stream | None:
+    def _refresh(self, sub: Subscription, link: Link) -> StreamState | None:
         """The link's stream, after fitting the link to what happened to it: a glob link to a
         deleted stream goes, an explicit one starts over, and a stream re-created under the
         same name is read from its start."""
@@ -953,24 +949,24 @@ class Subscriptions:
         self._watch(s)
         return s
 
-    def _start_of(self, s: Stream) -> Position:
+    def _start_of(self, s: StreamState) -> Position:
         start = self.broker.resolve_start(s, BEFORE_FIRST)
         return start if isinstance(start, Position) else ZERO
 
-    def stream_infos(self, sub: Subscription) -> list[StreamInfo]:
+    def stream_infos(self, sub: Subscription) -> list[LinkState]:
         """Each linked stream with its cursor, tail (the last stable offset) and pending state."""
-        out: list[StreamInfo] = []
+        out: list[LinkState] = []
         for path in sorted(sub.links):
             link = sub.links[path]
             s = self._refresh(sub, link)
             if path not in sub.links:
                 continue
             if s is None:
-                out.append(StreamInfo(path, link.link_type, link.acked, None, False))
+                out.append(LinkState(path, link.link_type, link.acked, None, False))
                 continue
             tail = s.stable()
             done = link.acked if link.acked is not None else self._start_of(s)
-            out.append(StreamInfo(path, link.link_type, link.acked, tail, tail.pos > done.pos))
+            out.append(LinkState(path, link.link_type, link.acked, tail, tail.pos > done.pos))
         return out
 
     def stream_changed(self, name: str) -> None:
@@ -1229,7 +1225,7 @@ class Subscriptions:
         if existing is not None:
             if existing.config_hash != digest:
                 raise SubscriptionError(
-                    409, "SUBSCRIPTION_ALREADY_EXISTS",
+                    Refusal.SUBSCRIPTION_ALREADY_EXISTS,
                     f"subscription {sid!r} exists with a different configuration; DELETE it first or use another id",
                 )
             return existing, False
@@ -1237,7 +1233,7 @@ class Subscriptions:
             try:
                 self.signing_key()
             except (OSError, ValueError) as exc:
-                raise SubscriptionError(503, "UNAVAILABLE", f"the webhook signing key is unavailable: {exc}") from None
+                raise SubscriptionError(Refusal.SUBSCRIPTION_UNAVAILABLE, f"the webhook signing key is unavailable: {exc}") from None
         sub = Subscription(sid, secrets.token_hex(8), config, digest, _now_iso(), base_url)
         for path in config.streams:
             self._link(sub, path, explicit=True, at_tail=True)
@@ -1272,7 +1268,7 @@ class Subscriptions:
         try:
             await self._persist(sid)
         except (OSError, RuntimeError) as exc:
-            raise SubscriptionError(503, "UNAVAILABLE", f"the deletion could not be stored: {exc}") from None
+            raise SubscriptionError(Refusal.SUBSCRIPTION_UNAVAILABLE, f"the deletion could not be stored: {exc}") from None
 
     async def add_streams(self, sid: str, body: object) -> None:
         sub = self.get(sid)
@@ -1310,7 +1306,7 @@ class Subscriptions:
         self._require(sub, "pull-wake", "claim")
         if sub.holder is not None:
             raise SubscriptionError(
-                409, "ALREADY_CLAIMED", f"worker {sub.holder!r} holds the current wake",
+                Refusal.ALREADY_CLAIMED, f"worker {sub.holder!r} holds the current wake",
                 current_holder=sub.holder, generation=sub.generation,
             )
         infos = self.stream_infos(sub)
@@ -1318,7 +1314,7 @@ class Subscriptions:
         if not pending:
             if sub.wake_id is not None:
                 self._end_wake(sub)  # its streams went away
-            raise SubscriptionError(409, "NO_PENDING_WORK", f"subscription {sid!r} has no pending work")
+            raise SubscriptionError(Refusal.NO_PENDING_WORK, f"subscription {sid!r} has no pending work")
         if sub.wake_id is None:
             self._new_wake(sub, pending[0])
             sub.announced = True  # claimed at once: no wake event needed
@@ -1346,7 +1342,7 @@ class Subscriptions:
         """Hand the wake back without acking; pending work is woken again."""
         sub = self.get(sid)
         if token is None:
-            raise SubscriptionError(401, "TOKEN_INVALID", "release needs Authorization: Bearer <claim token>")
+            raise SubscriptionError(Refusal.TOKEN_INVALID, "release needs Authorization: Bearer <claim token>")
         reply = parse_wake_reply(body, acks_allowed=False)
         self._require(sub, "pull-wake", "release")
         self._check_token(sub, token, reply)
@@ -1358,7 +1354,7 @@ class Subscriptions:
         sub = self.get(sid)
         if token is None:
             what = "callback token" if kind == "webhook" else "claim token"
-            raise SubscriptionError(401, "TOKEN_INVALID", f"{action} needs Authorization: Bearer <{what}>")
+            raise SubscriptionError(Refusal.TOKEN_INVALID, f"{action} needs Authorization: Bearer <{what}>")
         reply = parse_wake_reply(body)
         self._require(sub, kind, action)
         self._check_token(sub, token, reply)
@@ -1388,18 +1384,18 @@ class Subscriptions:
             link = sub.links.get(path)
             s = self._refresh(sub, link) if link is not None else None
             if link is None or path not in sub.links:
-                raise SubscriptionError(409, "INVALID_OFFSET", f"stream {path!r} is not linked to subscription {sub.id!r}")
+                raise SubscriptionError(Refusal.INVALID_OFFSET, f"stream {path!r} is not linked to subscription {sub.id!r}")
             if s is None:
-                raise SubscriptionError(409, "INVALID_OFFSET", f"stream {path!r} does not exist (any more)")
+                raise SubscriptionError(Refusal.INVALID_OFFSET, f"stream {path!r} does not exist (any more)")
             done = link.acked if link.acked is not None else self._start_of(s)
             if at.pos < done.pos:
-                raise SubscriptionError(409, "INVALID_OFFSET", f"ack {at.token()} for {path!r} is behind its acked offset {done.token()}")
+                raise SubscriptionError(Refusal.INVALID_OFFSET, f"ack {at.token()} for {path!r} is behind its acked offset {done.token()}")
             if at.pos > s.stable().pos:
-                raise SubscriptionError(409, "INVALID_OFFSET", f"ack {at.token()} for {path!r} is beyond its tail {s.stable().token()}")
+                raise SubscriptionError(Refusal.INVALID_OFFSET, f"ack {at.token()} for {path!r} is beyond its tail {s.stable().token()}")
             try:
                 s.check_position(at)
             except InvalidPosition as exc:
-                raise SubscriptionError(409, "INVALID_OFFSET", f"ack for {path!r}: {exc}") from None
+                raise SubscriptionError(Refusal.INVALID_OFFSET, f"ack for {path!r}: {exc}") from None
             prev = moves.get(path)
             moves[path] = at if prev is None or prev.pos < at.pos else prev
         for path, at in moves.items():

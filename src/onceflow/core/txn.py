@@ -44,7 +44,7 @@ import dataclasses
 import enum
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from ..storage.fs import FileSystem, OsFileSystem
 from ..storage.log import FsyncPolicy, StreamLog
 from ..storage.position import Position
 from .clock import SYSTEM, Clock
+from .refusal import Refusal, Refused
 
 __all__ = ["CommitSeen", "Coordinator", "Enlisted", "OpenTxn", "SinkState", "TxnError", "TxnMeta", "TxnStatus"]
 
@@ -87,13 +88,13 @@ _TRANSITIONS: dict[TxnStatus, set[TxnStatus]] = {
 }
 
 
-class TxnError(Exception):
-    """A refused transactional request; ``kind`` says why (mapped to a status by the server)."""
+class TxnError(Refused):
+    """A refused transactional request; ``refusal`` (also ``kind``) says why (mapped to a status by
+    ``onceflow.server.answers``)."""
 
-    def __init__(self, kind: str, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.extra = extra
+    @property
+    def kind(self) -> Refusal:
+        return self.refusal
 
 
 @dataclass
@@ -114,6 +115,29 @@ class TxnMeta:
     @property
     def producer_id(self) -> str:
         return TXN_PRODUCER_PREFIX + self.tid
+
+    def check_move(self, new: TxnStatus) -> None:
+        """Refuse (``invalid_state``) a move the transitions table does not allow."""
+        if not self.status.can_become(new):
+            raise TxnError(Refusal.INVALID_STATE, f"transaction {self.tid!r} cannot go from {self.status.value} to {new.value}")
+
+    def move(self, new: TxnStatus) -> None:
+        """The one way ``status`` changes: checked against the transitions table (``_TRANSITIONS``)."""
+        self.check_move(new)
+        self.status = new
+
+    @contextlib.contextmanager
+    def moving(self, new: TxnStatus) -> Iterator[None]:
+        """:meth:`move` to ``new`` while its record is written (the block): a write that fails
+        (OSError) did not reach the log, so neither does the move; the status goes back to the one
+        the disk still has. That is an undo of a move never stored, not a transition."""
+        before = self.status
+        self.move(new)
+        try:
+            yield
+        except OSError:
+            self.status = before
+            raise
 
     @property
     def completing(self) -> bool:
@@ -403,24 +427,23 @@ class Coordinator:
         apply them: a record that does not reach the disk leaves memory as the disk has it, so
         neither a retry nor the sweep acts on a state that was never stored, and no answer names
         one that a restart would take back. The caller holds the id's lock."""
+        status: TxnStatus | None = changes.pop("status", None)
+        if status is not None:
+            meta.check_move(status)
         new = dataclasses.replace(meta, **changes)
-        if new.status is not meta.status and not meta.status.can_become(new.status):
-            raise TxnError("invalid_state", f"transaction {meta.tid!r} cannot go from {meta.status.value} to {new.status.value}")
+        if status is not None:
+            new = dataclasses.replace(new, status=status)  # the record to write, not yet the state
         await self._write(new.record())
         for name, value in changes.items():  # at once: nothing runs between the fsync and this
             setattr(meta, name, value)
+        if status is not None:
+            meta.move(status)
 
     async def _transition(self, meta: TxnMeta, status: TxnStatus, *, durable: bool = True) -> None:
-        if not meta.status.can_become(status):
-            raise TxnError("invalid_state", f"transaction {meta.tid!r} cannot go from {meta.status.value} to {status.value}")
-        before, meta.status = meta.status, status
-        try:
+        # a record that does not reach the log (the log rolls a failed write back) takes the move
+        # back with it, or a retry or the sweep would act on a decision that was never stored
+        with meta.moving(status):
             await self._write(meta.record(), durable=durable)
-        except OSError:
-            # the record did not reach the log (the log rolls a failed write back): neither may
-            # the state, or a retry or the sweep would act on a decision that was never stored
-            meta.status = before
-            raise
 
     async def close(self) -> None:
         if self._log is not None:
@@ -453,7 +476,7 @@ class Coordinator:
         if meta.completing:
             outcome = "commit" if meta.status is TxnStatus.PREPARE_COMMIT else "abort"
             raise TxnError(
-                "concurrent_transactions",
+                Refusal.CONCURRENT_TRANSACTIONS,
                 f"transaction {meta.txn} of {meta.tid!r} is still being completed (its {outcome} is decided, not all "
                 "of its markers are written yet); retry shortly", txn=meta.txn,
             )
@@ -461,11 +484,11 @@ class Coordinator:
     def _current(self, tid: str, epoch: int) -> TxnMeta:
         meta = self.txns.get(tid)
         if meta is None or meta.epoch < 0:
-            raise TxnError("unknown_transactional_id", f"transactional id {tid!r} was never initialised")
+            raise TxnError(Refusal.UNKNOWN_TRANSACTIONAL_ID, f"transactional id {tid!r} was never initialised")
         if epoch < meta.epoch:
-            raise TxnError("fenced", f"epoch {epoch} of {tid!r} was fenced by epoch {meta.epoch}", epoch=meta.epoch)
+            raise TxnError(Refusal.FENCED, f"epoch {epoch} of {tid!r} was fenced by epoch {meta.epoch}", epoch=meta.epoch)
         if epoch > meta.epoch:
-            raise TxnError("bad_epoch", f"epoch {epoch} of {tid!r} was never issued (current: {meta.epoch})")
+            raise TxnError(Refusal.BAD_EPOCH, f"epoch {epoch} of {tid!r} was never issued (current: {meta.epoch})")
         return meta
 
     async def init(
@@ -493,7 +516,7 @@ class Coordinator:
                 return meta
             if expected_epoch is not None and (meta.epoch if meta is not None else -1) != expected_epoch:
                 current = meta.epoch if meta is not None else -1
-                raise TxnError("fenced", f"epoch {expected_epoch} of {tid!r} is no longer current ({current}): another "
+                raise TxnError(Refusal.FENCED, f"epoch {expected_epoch} of {tid!r} is no longer current ({current}): another "
                                "holder took the id over, or the server fenced it", epoch=current)
             known = meta is not None
             if meta is None:
@@ -532,7 +555,7 @@ class Coordinator:
                 expected = meta.txn if meta.status is TxnStatus.ONGOING else meta.txn + 1
                 if commit != expected:
                     raise TxnError(
-                        "stale_transaction", f"Transaction-Commit names transaction {commit} of {tid!r}, but this append "
+                        Refusal.STALE_TRANSACTION, f"Transaction-Commit names transaction {commit} of {tid!r}, but this append "
                         f"would belong to transaction {expected}", txn=meta.txn,
                     )
             if meta.status is not TxnStatus.ONGOING:
@@ -560,9 +583,7 @@ class Coordinator:
         """Record that ``meta``'s one-stream transaction committed: its commit marker is durable
         (the caller holds the id's lock and checked :meth:`one_stream` when it staged the marker).
         The record is not waited for: if it is lost, recovery learns the outcome from the marker."""
-        if not meta.status.can_become(TxnStatus.COMPLETE_COMMIT):
-            raise TxnError("invalid_state", f"transaction {meta.tid!r} cannot go from {meta.status.value} to complete_commit")
-        meta.status = TxnStatus.COMPLETE_COMMIT
+        meta.move(TxnStatus.COMPLETE_COMMIT)
         staged = self._stage(meta.record())
         staged.add_done_callback(_log_failure)
 
@@ -592,7 +613,7 @@ class Coordinator:
                 expected = meta.txn if meta.status is TxnStatus.ONGOING else meta.txn + 1
                 if txn != expected:
                     raise TxnError(
-                        "stale_transaction", f"these offsets are for transaction {txn} of {tid!r}, but the one they can "
+                        Refusal.STALE_TRANSACTION, f"these offsets are for transaction {txn} of {tid!r}, but the one they can "
                         f"join is {expected}", txn=meta.txn,
                     )
             if meta.status is not TxnStatus.ONGOING:
@@ -623,13 +644,13 @@ class Coordinator:
                 return meta
             done = TxnStatus.COMPLETE_COMMIT if commit else TxnStatus.COMPLETE_ABORT
             if txn != meta.txn:
-                raise TxnError("stale_transaction", f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
+                raise TxnError(Refusal.STALE_TRANSACTION, f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
             if meta.status is done:
                 return meta  # a retry of a request that already completed
             if meta.status is TxnStatus.EMPTY and txn == 0:
                 return meta  # nothing was ever written: committing or aborting it is a no-op
             if meta.status is not TxnStatus.ONGOING:
-                raise TxnError("invalid_state", f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
+                raise TxnError(Refusal.INVALID_STATE, f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
             await self._finish_decided(meta, self._finish(meta, commit=commit))
             return meta
 
@@ -644,7 +665,7 @@ class Coordinator:
                 raise
             outcome = "commit" if meta.status is TxnStatus.PREPARE_COMMIT else "abort"
             raise TxnError(
-                "unavailable", f"transaction {meta.txn} of {meta.tid!r} is decided ({outcome}) but not all of its markers "
+                Refusal.UNAVAILABLE, f"transaction {meta.txn} of {meta.tid!r} is decided ({outcome}) but not all of its markers "
                 f"could be written ({exc.strerror or exc}); retry: the retry, the server's sweep or its recovery finishes it",
                 txn=meta.txn,
             ) from exc
@@ -697,7 +718,7 @@ class Coordinator:
             return
         who = f"query {query}" if query is not None else "a writer that names no query"
         raise TxnError(
-            "sink_owned",
+            Refusal.SINK_OWNED,
             f"sink {sink!r} belongs to query {state.owner} (its last committed batch: {state.batch}); this write comes "
             f"from {who}. A sink records the batches of one query: give a new checkpoint location or another query "
             f"a sinkId of its own, or reset this sink on purpose (stop its query, then POST /v1/sinks/{sink}/reset "
@@ -799,13 +820,13 @@ class Coordinator:
         decision = tuple(sorted(members))
         tids = sorted({tid for tid, _, _ in members})
         if len(tids) != len(members):
-            raise TxnError("bad_request", "a transactional id appears twice among the members")
+            raise TxnError(Refusal.BAD_REQUEST, "a transactional id appears twice among the members")
         async with self._sink_lock(sink):
             state = self.sinks.get(sink)
             others = self._tasks_of_others(sink, query)
             strangers = sorted(set(tids) & others)
             if strangers:
-                raise TxnError("sink_owned", f"members {strangers} of sink {sink!r} were begun by another query")
+                raise TxnError(Refusal.SINK_OWNED, f"members {strangers} of sink {sink!r} were begun by another query")
             mine = self._tasks_of(sink, query, batch)
             sweep = self._leftovers(abort_prefix, others)
             async with self._locked(sorted(set(tids) | set(mine) | set(sweep))):
@@ -825,7 +846,7 @@ class Coordinator:
                     await self._abort_tasks(sink, members, mine, sweep)
                     if batch == done and fingerprint is not None and state.fingerprint is not None and fingerprint != state.fingerprint:
                         raise TxnError(
-                            "replay_mismatch",
+                            Refusal.REPLAY_MISMATCH,
                             f"batch {batch} of sink {sink!r} was committed with rows {state.fingerprint} (count-checksum), "
                             f"and is being replayed with rows {fingerprint}: the batch was planned over other input (a lost "
                             "or edited offset log?) or the query's output is not deterministic. Nothing was written. Skipping "
@@ -838,28 +859,26 @@ class Coordinator:
                     try:
                         meta = self._current(tid, epoch)
                         if txn != meta.txn:
-                            raise TxnError("stale_transaction", f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
+                            raise TxnError(Refusal.STALE_TRANSACTION, f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
                         if meta.status is TxnStatus.EMPTY and txn == 0:
                             continue  # the member wrote nothing
                         if meta.status is not TxnStatus.ONGOING:
-                            raise TxnError("invalid_state", f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
+                            raise TxnError(Refusal.INVALID_STATE, f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
                     except TxnError:
                         await self._abort_tasks(sink, members, mine, sweep)
                         raise
                     prepared.append(meta)
                 # Step 3: the commit point of every member.
-                for meta in prepared:
-                    meta.status = TxnStatus.PREPARE_COMMIT
-                rec: dict[str, Any] = {
-                    "kind": "members", "sink": sink, "batch": batch, "members": [m.record() for m in prepared],
-                    "query": query, "fingerprint": fingerprint, "decision": [list(m) for m in decision],
-                }
-                try:
+                # A write that fails leaves them undecided after all (``moving`` takes each move
+                # back): still open, a retry may commit them.
+                with contextlib.ExitStack() as moves:
+                    for meta in prepared:
+                        moves.enter_context(meta.moving(TxnStatus.PREPARE_COMMIT))
+                    rec: dict[str, Any] = {
+                        "kind": "members", "sink": sink, "batch": batch, "members": [m.record() for m in prepared],
+                        "query": query, "fingerprint": fingerprint, "decision": [list(m) for m in decision],
+                    }
                     await self._write(rec)
-                except OSError:
-                    for meta in prepared:  # not decided after all: still open, a retry may commit them
-                        meta.status = TxnStatus.ONGOING
-                    raise
                 self.sinks[sink] = SinkState(
                     batch=batch if batch is not None else done,
                     owner=query if query is not None else (state.owner if state is not None else None),
@@ -901,7 +920,7 @@ class Coordinator:
         async with self._sink_lock(sink):
             state = self.sinks.get(sink)
             if state is not None and state.owner != owner:
-                raise TxnError("sink_owned", f"sink {sink!r} belongs to query {state.owner}, not {owner}: nothing was reset",
+                raise TxnError(Refusal.SINK_OWNED, f"sink {sink!r} belongs to query {state.owner}, not {owner}: nothing was reset",
                                owner=state.owner, batch=state.batch)
             tasks = dict(self._enlisted.get(sink, {}))
             sweep = self._leftovers(f"spark/{sink}/", set())
@@ -1033,7 +1052,12 @@ class Coordinator:
                 continue
             if c.txn > meta.txn or (c.txn == meta.txn and meta.status is TxnStatus.ONGOING):
                 log.info("transaction %d of %r was committed by its marker in %r; recording it", c.txn, c.tid, c.stream)
-                meta.txn, meta.status, meta.streams, meta.offsets = c.txn, TxnStatus.COMPLETE_COMMIT, {c.stream}, {}
+                # The log lost both records of that transaction (ONGOING and COMPLETE_COMMIT are not
+                # synced): replay both moves, the lost begin first unless the log has it.
+                if meta.status is not TxnStatus.ONGOING:
+                    meta.move(TxnStatus.ONGOING)
+                meta.txn, meta.streams, meta.offsets = c.txn, {c.stream}, {}
+                meta.move(TxnStatus.COMPLETE_COMMIT)
                 await self._write(meta.record())
 
     async def _fence(self, meta: TxnMeta, epoch: int) -> None:
@@ -1114,12 +1138,12 @@ class Coordinator:
         """Commit offsets outside a transaction. Monotonic unless ``reset``; a ``member_epoch``
         lower than one already seen for the group is a zombie's and is refused."""
         if member_epoch is not None and member_epoch < self.member_epochs.get(group, -1):
-            raise TxnError("fenced", f"member epoch {member_epoch} of group {group!r} was fenced by {self.member_epochs[group]}", epoch=self.member_epochs[group])
+            raise TxnError(Refusal.FENCED, f"member epoch {member_epoch} of group {group!r} was fenced by {self.member_epochs[group]}", epoch=self.member_epochs[group])
         current = self.groups.get(group, {})
         if not reset:
             back = [s for s, off in offsets.items() if s in current and off < current[s]]
             if back:
-                raise TxnError("offset_regression", f"offsets of {back} would move backwards; pass reset to rewind")
+                raise TxnError(Refusal.OFFSET_REGRESSION, f"offsets of {back} would move backwards; pass reset to rewind")
         rec: dict[str, Any] = {"kind": "offsets", "group": group, "offsets": offsets, "member_epoch": member_epoch, "reset": reset}
         await self._write(rec)
         if member_epoch is not None:

@@ -78,7 +78,7 @@ log = logging.getLogger("onceflow.processors")
 
 T = TypeVar("T")
 
-Outcome = Literal["fresh", "resumed", "reset"]
+RecoveryOutcome = Literal["fresh", "resumed", "reset"]
 ProcessFn = Callable[["Batch"], "Iterable[Any] | None | Awaitable[Iterable[Any] | None]"]
 SinkFn = Callable[["Batch"], "None | Awaitable[None]"]
 
@@ -135,7 +135,7 @@ class Recovery:
     processing continues after its range; ``reset``: the last step did not finish (no attempt, or
     no output with its hash at the attempt's index) and its range is processed again."""
 
-    outcome: Outcome
+    outcome: RecoveryOutcome
     epoch: int
     hash: str | None = None
 
@@ -856,26 +856,62 @@ class StreamProcessor(_Blocking):
     """The blocking twin of :class:`AsyncStreamProcessor` (same arguments); ``fn`` runs on the
     client's background thread."""
 
-    def __init__(self, base_url: str, processor_id: str, **kw: Any) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        processor_id: str,
+        *,
+        inputs: Sequence[str],
+        output: str,
+        fn: ProcessFn,
+        backing: str | None = None,
+        max_read_bytes: int = 64 << 10,
+        client: httpx.AsyncClient | None = None,
+        unwrap: bool = True,
+        hint_every: int = 100,
+        retry_timeout: float = 60.0,
+        poll_interval: float = 1.0,
+    ) -> None:
         background_loop()
-        self._core = AsyncStreamProcessor(base_url, processor_id, **kw)
+        self._core = AsyncStreamProcessor(
+            base_url, processor_id, inputs=inputs, output=output, fn=fn, backing=backing, max_read_bytes=max_read_bytes, client=client, unwrap=unwrap,
+            hint_every=hint_every, retry_timeout=retry_timeout, poll_interval=poll_interval,
+        )
 
 
 class SinkProcessor(_Blocking):
     """The blocking twin of :class:`AsyncSinkProcessor` (same arguments); ``fn`` runs on the
     client's background thread."""
 
-    def __init__(self, base_url: str, processor_id: str, **kw: Any) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        processor_id: str,
+        *,
+        inputs: Sequence[str],
+        fn: SinkFn,
+        backing: str | None = None,
+        max_read_bytes: int = 64 << 10,
+        client: httpx.AsyncClient | None = None,
+        unwrap: bool = True,
+        hint_every: int = 100,
+        retry_timeout: float = 60.0,
+        poll_interval: float = 1.0,
+    ) -> None:
         background_loop()
-        self._core = AsyncSinkProcessor(base_url, processor_id, **kw)
+        self._core = AsyncSinkProcessor(
+            base_url, processor_id, inputs=inputs, fn=fn, backing=backing, max_read_bytes=max_read_bytes, client=client, unwrap=unwrap,
+            hint_every=hint_every, retry_timeout=retry_timeout, poll_interval=poll_interval,
+        )
 
 
 class Source:
     """The blocking twin of :class:`AsyncSource` (same arguments)."""
 
-    def __init__(self, base_url: str, source_id: str, output: str, **kw: Any) -> None:
+    def __init__(self, base_url: str, source_id: str, output: str, *, client: httpx.AsyncClient | None = None,
+                 hint_every: int = 100, retry_timeout: float = 60.0) -> None:
         background_loop()
-        self._core = AsyncSource(base_url, source_id, output, **kw)
+        self._core = AsyncSource(base_url, source_id, output, client=client, hint_every=hint_every, retry_timeout=retry_timeout)
 
     @property
     def position(self) -> Any:

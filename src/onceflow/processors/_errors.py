@@ -1,8 +1,8 @@
-"""Errors of the processor runtime: subclasses of the client's :class:`OnceflowError` root."""
+"""Errors of the processor runtime: subclasses of the package root :class:`~onceflow.errors.OnceflowError`."""
 
 from __future__ import annotations
 
-from ..client import OnceflowError
+from ..errors import OnceflowError
 
 __all__ = ["ProcessorError", "ProcessorFencedError"]
 

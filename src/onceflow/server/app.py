@@ -1,7 +1,8 @@
 """The Durable Streams protocol over HTTP, as an ASGI application.
 
 Streams live at ``/v1/stream/<name>``. This module parses requests, calls the broker and turns its
-:class:`~onceflow.core.broker.Outcome` into a response in one place (:func:`_outcome_response`).
+:class:`~onceflow.core.broker.Outcome` into a response in one place (:func:`_outcome_response`, with the
+status table of :mod:`onceflow.server.answers`).
 It knows nothing of files. Extensions beyond the protocol are documented in ``docs/protocol.md``.
 """
 
@@ -20,13 +21,16 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote_to_bytes
 
-from ..core.broker import Broker, Outcome, ProducerHeaders, ReadResult, Stream, txn_outcome, validate_name
+from ..core.broker import Broker, Outcome, ProducerHeaders, ReadResult, StreamState, txn_outcome, validate_name
 from ..core.jsonmode import wrap_payloads
+from ..core.refusal import Refusal
 from ..core.subscriptions import WebhookTargets
 from ..core.txn import SinkState, TxnError, TxnMeta
+from ..errors import OnceflowError
 from ..storage.log import InvalidPosition
 from ..storage.position import Position, parse_token
 from ..wire import FRAME, MAX_SAFE_INT, RECORDS_MEDIA_TYPE
+from .answers import SUCCESS, answer_for
 from .subscriptions import SubscriptionAPI
 
 __all__ = ["App", "AppConfig", "BadRequest", "fork_source", "list_prefix", "request_headers", "request_path", "sink_action"]
@@ -34,9 +38,9 @@ __all__ = ["App", "AppConfig", "BadRequest", "fork_source", "list_prefix", "requ
 log = logging.getLogger("onceflow.server")
 
 Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+ASGIMessage = MutableMapping[str, Any]  # an ASGI event (not the client's Message)
+Receive = Callable[[], Awaitable[ASGIMessage]]
+Send = Callable[[ASGIMessage], Awaitable[None]]
 
 PREFIX = "/v1/stream/"
 LIST_PATH = "/v1/streams"  # extension: list streams by name prefix
@@ -74,11 +78,13 @@ class AppConfig:
     webhook_targets: WebhookTargets = "public"  # where webhooks may go (docs/security.md)
 
 
-class BadRequest(Exception):
+class BadRequest(OnceflowError):
+    """A request the server refuses before it reaches the core: ``status`` and ``code`` are its answer."""
+
+    status: int
+
     def __init__(self, message: str, status: int = 400, code: str = "bad_request") -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
+        super().__init__(message, status=status, code=code)
 
 
 # Headers that name resources or carry protocol state: sent twice, a server that reads the first and
@@ -410,12 +416,7 @@ class App:
         if method != "POST":
             raise BadRequest(f"{method} is not supported here; use POST", 405, "method_not_allowed")
         body = await self._json_body(headers, receive)
-        try:
-            return await self._sink_action(sink, action, body)
-        except TxnError as exc:
-            if exc.kind in ("sink_owned", "replay_mismatch"):  # refusals of the sink itself, not of a transaction
-                return _error(409, exc.kind, str(exc))
-            raise
+        return await self._sink_action(sink, action, body)
 
     async def _sink_action(self, sink: str, action: str, body: dict[str, Any]) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         coord = self.broker.coordinator
@@ -676,7 +677,7 @@ class App:
         await _send(send, 200, h, _body_of(s, result))
 
     def _framed_read(
-        self, s: Stream, start: Position, fmt: str, params: dict[str, list[str]], max_bytes: int | None, committed: bool,
+        self, s: StreamState, start: Position, fmt: str, params: dict[str, list[str]], max_bytes: int | None, committed: bool,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """Extension reads for exact-range readers (the Spark source), docs/protocol.md:
 
@@ -730,7 +731,7 @@ class App:
             raise BadRequest(f"{key} must be a positive integer, got {raw!r}")
         return int(raw)
 
-    async def _sse(self, s: Stream, start: Position, cursor: str | None, receive: Receive, send: Send, committed: bool = True) -> None:
+    async def _sse(self, s: StreamState, start: Position, cursor: str | None, receive: Receive, send: Send, committed: bool = True) -> None:
         ct = s.meta.content_type.split(";", 1)[0].strip().lower()
         text = ct.startswith("text/") or ct == "application/json"
         h = [
@@ -845,19 +846,19 @@ def _producer_headers(headers: dict[str, str]) -> ProducerHeaders | None:
     return ProducerHeaders(pid, int(epoch), int(seq))
 
 
-def _etag(s: Stream, start: str, end: Position, closed: bool) -> bytes:
+def _etag(s: StreamState, start: str, end: Position, closed: bool) -> bytes:
     ident = f"{s.meta.created_ms:x}"
     return f'"{ident}:{start}:{end.token()}{":c" if closed else ""}"'.encode()
 
 
-def _body_of(s: Stream, result: ReadResult) -> bytes:
+def _body_of(s: StreamState, result: ReadResult) -> bytes:
     payloads = [b.payload for b in result.batches]
     if s.is_json:
         return wrap_payloads(payloads)
     return payloads[0] if len(payloads) == 1 else b"".join(payloads)
 
 
-def _sse_payload(s: Stream, result: ReadResult, text: bool) -> str:
+def _sse_payload(s: StreamState, result: ReadResult, text: bool) -> str:
     raw = _body_of(s, result)
     if not text:
         return base64.b64encode(raw).decode()
@@ -891,39 +892,12 @@ async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], bod
     await send({"type": "http.response.body", "body": body})
 
 
-_STATUS: dict[str, int] = {
-    "created": 201,
-    "appended": 204,
-    "exists": 200,
-    "closed_now": 204,
-    "already_closed": 204,
-    "duplicate": 204,
-    "deleted": 204,
-    "stream_closed": 409,
-    "stale_epoch": 403,
-    "invalid_epoch_seq": 400,
-    "sequence_gap": 409,
-    "content_type_mismatch": 409,
-    "stream_seq_conflict": 409,
-    "config_conflict": 409,
-    "tail_mismatch": 412,
-    "bad_request": 400,
-    "not_found": 404,
-    "gone": 410,
-    "unavailable": 503,
-    "txn_refused": 409,
-    # the id's last decision is still being completed (a marker failed): retriable, like Kafka's
-    # CONCURRENT_TRANSACTIONS; the clients retry 5xx
-    "concurrent_transactions": 503,
-    "limit": 429,
-}
-
-
 def _outcome_response(o: Outcome) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """The one place where broker outcomes become HTTP statuses and headers."""
+    """The one place where broker outcomes become HTTP statuses and headers (the statuses come
+    from :mod:`onceflow.server.answers`)."""
     h: list[tuple[bytes, bytes]] = []
-    status = _STATUS[o.kind]
-    if status < 300:
+    if not isinstance(o.kind, Refusal):
+        status = SUCCESS[o.kind]
         if o.kind in ("created", "exists"):
             assert o.stream is not None
             meta = o.stream.meta
@@ -946,18 +920,20 @@ def _outcome_response(o: Outcome) -> tuple[int, list[tuple[bytes, bytes]], bytes
             if o.committed:
                 h.append((b"transaction-committed", b"true"))
         return status, h, b""
+    answer = answer_for(o.kind)
+    code = answer.code
     extra: list[tuple[bytes, bytes]] = []
-    if o.kind in ("stream_closed", "tail_mismatch") and o.next is not None:
+    if code in ("stream_closed", "tail_mismatch") and o.next is not None:
         extra.append((b"stream-next-offset", o.next.token().encode()))
-    if o.kind == "stream_closed":
+    if code == "stream_closed":
         extra.append((b"stream-closed", b"true"))
-    if o.kind == "stale_epoch" and o.epoch is not None:
+    if code == "stale_epoch" and o.epoch is not None:
         extra.append(_h("producer-epoch", o.epoch))
-    if o.kind in ("txn_refused", "concurrent_transactions") and o.txn is not None:
+    if code in ("txn_refused", "concurrent_transactions") and o.txn is not None:
         extra.append(_h("transaction-number", o.txn))
-    if o.kind == "sequence_gap":
+    if code == "sequence_gap":
         extra.append(_h("producer-expected-seq", o.expected_seq or 0))
         extra.append(_h("producer-received-seq", o.received_seq or 0))
-    if o.kind in ("unavailable", "concurrent_transactions"):
+    if answer.retry_after:
         extra.append((b"retry-after", b"1"))
-    return _error(status, o.kind, o.detail or o.kind.replace("_", " "), extra)
+    return _error(answer.status, code, o.detail or code.replace("_", " "), extra)

@@ -53,6 +53,8 @@ from urllib.parse import parse_qs
 
 from ..core.broker import Broker
 from ..core.subscriptions import Subscription, SubscriptionError, glob_prefix
+from ..errors import OnceflowError
+from .answers import answer_for
 from .app import (
     GROUPS_PREFIX,
     LIST_PATH,
@@ -60,8 +62,8 @@ from .app import (
     SINKS_PREFIX,
     TXN_PREFIX,
     App,
+    ASGIMessage,
     BadRequest,
-    Message,
     Receive,
     Send,
     fork_source,
@@ -81,7 +83,7 @@ Scope = Literal["read", "write"]
 Auth = Literal["token", "anyone", "wake_token"]
 
 
-class GuardConfigError(ValueError):
+class GuardConfigError(OnceflowError, ValueError):
     """The guard configuration is malformed; the message says where."""
 
 
@@ -466,8 +468,10 @@ class Guard:
                 path = request_path(scope)
                 headers = request_headers(scope)
                 endpoint, name, extra = route(method, path, scope)
-            except (BadRequest, SubscriptionError) as exc:
+            except BadRequest as exc:
                 raise _Refused(exc.status, "bad_request", str(exc)) from None
+            except SubscriptionError as exc:
+                raise _Refused(answer_for(exc.refusal).status, "bad_request", str(exc)) from None
             grants = self._authenticate(headers, endpoint, name)
             body: Any = None
             if endpoint.body != "none" and grants is not None:
@@ -600,7 +604,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that yields ``body`` as one message, then whatever the client sends next."""
     sent = False
 
-    async def replayed() -> Message:
+    async def replayed() -> ASGIMessage:
         nonlocal sent
         if not sent:
             sent = True

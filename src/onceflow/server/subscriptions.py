@@ -33,6 +33,7 @@ from urllib.parse import unquote
 import httpx
 
 from ..core.broker import Broker
+from ..core.refusal import Refusal
 from ..core.subscriptions import (
     DeliveryError,
     SubscriptionError,
@@ -41,6 +42,7 @@ from ..core.subscriptions import (
     allowed_target,
     parse_config,
 )
+from .answers import answer_for
 
 __all__ = ["MAX_BODY", "SubscriptionAPI", "control_segments"]
 
@@ -61,7 +63,8 @@ def _json(status: int, value: object, extra: list[tuple[bytes, bytes]] | None = 
 
 
 def _error(exc: SubscriptionError) -> Response:
-    return _json(exc.status, exc.body())
+    answer = answer_for(exc.refusal)
+    return _json(answer.status, {"error": {"code": answer.code, "message": str(exc), **exc.extra}})
 
 
 def _not_allowed(method: str, allowed: str) -> Response:
@@ -125,14 +128,14 @@ class SubscriptionAPI:
             try:
                 jwks = m.jwks()
             except (OSError, ValueError) as exc:
-                raise SubscriptionError(503, "UNAVAILABLE", f"the webhook signing key is unavailable: {exc}") from None
+                raise SubscriptionError(Refusal.SUBSCRIPTION_UNAVAILABLE, f"the webhook signing key is unavailable: {exc}") from None
             return 200, [
                 (b"content-type", b"application/jwk-set+json"),
                 (b"cache-control", b"public, max-age=300"),
             ], json.dumps(jwks, separators=(",", ":")).encode()
         if len(seg) < 2 or seg[0] != "subscriptions" or not seg[1]:
             raise SubscriptionError(
-                404, "NOT_FOUND",
+                Refusal.NO_CONTROL_API,
                 f"no control API at {STREAM_ROOT}/__ds/{'/'.join(seg)}: use __ds/jwks.json or __ds/subscriptions/<id>[/streams|/callback|/claim|/ack|/release]",
             )
         sid, rest = seg[1], seg[2:]
@@ -172,7 +175,7 @@ class SubscriptionAPI:
             await m.release(sid, token, body)
             return 204, [], b""
         raise SubscriptionError(
-            404, "NOT_FOUND",
+            Refusal.NO_CONTROL_API,
             f"no control API {'/'.join(rest)!r} on a subscription: use streams, callback, claim, ack or release",
         )
 
@@ -265,7 +268,7 @@ def control_segments(scope: Scope) -> list[str]:
     try:
         return [unquote(s, errors="strict") for s in segments]
     except UnicodeDecodeError:
-        raise SubscriptionError(400, "INVALID_REQUEST", "the path has percent-escapes that are not UTF-8") from None
+        raise SubscriptionError(Refusal.INVALID_REQUEST, "the path has percent-escapes that are not UTF-8") from None
 
 
 def _origin(scope: Scope, headers: dict[str, str]) -> str:

@@ -33,6 +33,7 @@ from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 from .._files import replace_file
 from ..client import Message
+from ..errors import OnceflowError
 
 __all__ = [
     "Checkpoint",
@@ -64,7 +65,7 @@ Step = Literal["restored", "started", "prepared", "saved", "committed", "marked"
 """
 
 
-class SinkError(Exception):
+class SinkError(OnceflowError):
     """A sink cannot continue: misuse, a broken invariant, or an effect the target refused."""
 
 

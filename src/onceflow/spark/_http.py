@@ -19,7 +19,7 @@ from ..client import OnceflowError, TransportError
 from ..client.lowlevel import auth_headers, error_from_response, stream_url, tls_verify
 from ..wire import iter_frames
 
-__all__ = ["Conn", "Frame", "StreamInfo", "record_offset"]
+__all__ = ["Conn", "Frame", "StreamTail", "record_offset"]
 
 
 def record_offset(token: str) -> int:
@@ -36,7 +36,9 @@ def record_offset(token: str) -> int:
 
 
 @dataclass(frozen=True)
-class StreamInfo:
+class StreamTail:
+    """A stream's name, content type and tails as the connector reads them (not the client's StreamInfo)."""
+
     name: str
     content_type: str
     next_offset: str
@@ -90,19 +92,19 @@ class Conn:
 
     # ------------------------------------------------------------------ streams
 
-    def list_streams(self, prefix: str) -> list[StreamInfo]:
+    def list_streams(self, prefix: str) -> list[StreamTail]:
         resp = self.request("GET", f"{self.url}/v1/streams", f"list streams under {prefix!r}", params={"prefix": prefix})
         return [
-            StreamInfo(s["name"], s["content_type"], s["next_offset"], s.get("stable_offset", s["next_offset"]))
+            StreamTail(s["name"], s["content_type"], s["next_offset"], s.get("stable_offset", s["next_offset"]))
             for s in resp.json()["streams"]
         ]
 
-    def head(self, stream: str) -> StreamInfo | None:
+    def head(self, stream: str) -> StreamTail | None:
         resp = self.request("HEAD", stream_url(self.url, stream), f"head {stream}", ok=(200, 404))
         if resp.status_code == 404:
             return None
         nxt = resp.headers["stream-next-offset"]
-        return StreamInfo(stream, resp.headers.get("content-type", ""), nxt, resp.headers.get("stream-last-stable-offset", nxt))
+        return StreamTail(stream, resp.headers.get("content-type", ""), nxt, resp.headers.get("stream-last-stable-offset", nxt))
 
     def read_frames(self, stream: str, start: str, until: str, *, isolation: str) -> Iterator[tuple[list[Frame], str]]:
         """The batches in ``[start, until)``, one response at a time, with each response's next offset."""

@@ -6,6 +6,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..errors import OnceflowError
 from ._http import Conn
 from .protocol import WriterSettings
 
@@ -14,7 +15,7 @@ __all__ = ["OptionError", "Options"]
 DEFAULT_URL = "http://127.0.0.1:4437"
 
 
-class OptionError(ValueError):
+class OptionError(OnceflowError, ValueError):
     """An option of ``format("onceflow")`` is missing or wrong."""
 
 

@@ -18,7 +18,7 @@ from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, Inp
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
 from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType, TimestampType
 
-from ._http import Conn, Frame, StreamInfo, record_offset
+from ._http import Conn, Frame, StreamTail, record_offset
 from .options import Options
 
 __all__ = ["OnceflowBatchReader", "OnceflowStreamReader", "RangePartition", "arrow_schema", "source_schema"]
@@ -140,7 +140,7 @@ class _Streams:
 
     def ends(self, conn: Conn) -> dict[str, str]:
         """Each stream's end for this isolation: the last stable offset, or the tail."""
-        infos: list[StreamInfo]
+        infos: list[StreamTail]
         if self.opts.pattern is not None:
             infos = conn.list_streams(self.opts.pattern)
         else:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import crc32c
 
+from ..errors import OnceflowError
+
 __all__ = [
     "FLAG_CLOSE",
     "FLAG_COMMIT",
@@ -66,7 +68,7 @@ MAX_BATCH_BYTES = 1 << 30
 _LEN_AND_REST = struct.Struct("<I")
 
 
-class CorruptBatch(Exception):
+class CorruptBatch(OnceflowError):
     """The bytes at a position are not a complete, intact batch."""
 
 

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import crc32c
 
+from ..errors import OnceflowError
 from .batch import (
     FLAG_CLOSE,
     FLAG_COMMIT,
@@ -75,7 +76,7 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 DEFAULT_SNAPSHOT_BYTES = 8 << 20
 
 
-class InvalidPosition(Exception):
+class InvalidPosition(OnceflowError):
     """A read was asked to start somewhere that is not a batch boundary of this log."""
 
 
