@@ -266,6 +266,31 @@ class StreamState:
         return self.log.read(at, max_bytes, limit)
 
 
+@dataclass(slots=True)
+class _CreateSpec:
+    """A create request's parsed headers; a fork fills in what it inherits from its source."""
+
+    name: str
+    content_type: str | None
+    ttl_seconds: int | None
+    expires_at: str | None
+    expires_epoch: float | None
+    closed: bool
+    fork_from: str | None
+    fork_pos: Position | None
+    sub_offset: int
+
+
+@dataclass(slots=True)
+class _Fork:
+    """Where a new stream starts: its source (None for a plain create), base and sub-offset prefix."""
+
+    parent: StreamState | None
+    base: Position
+    prefix: tuple[bytes, int] | None
+    inherited: bool = False
+
+
 class Broker:
     """All streams under one data directory."""
 
@@ -477,6 +502,45 @@ class Broker:
         fork_sub_offset: str | None = None,
     ) -> Outcome:
         """Create a stream, or confirm an identical one exists (PUT semantics)."""
+        spec = self._create_spec(
+            name,
+            content_type=content_type,
+            ttl=ttl,
+            expires_at=expires_at,
+            closed=closed,
+            fork_from=fork_from,
+            fork_offset=fork_offset,
+            fork_sub_offset=fork_sub_offset,
+        )
+        if isinstance(spec, Outcome):
+            return spec
+        existing = self.get(name)
+        if existing is not None:
+            return self._confirm_existing(existing, spec)
+        if len(self.streams) >= self.max_streams:
+            return Outcome(
+                Refusal.LIMIT,
+                detail=f"this server holds its limit of {self.max_streams} streams (onceflow serve --max-streams); "
+                "delete streams or raise the limit",
+            )
+        fork = self._resolve_fork(spec)
+        if isinstance(fork, Outcome):
+            return fork
+        return self._write_new_stream(spec, fork, body)
+
+    def _create_spec(
+        self,
+        name: str,
+        *,
+        content_type: str | None,
+        ttl: str | None,
+        expires_at: str | None,
+        closed: bool,
+        fork_from: str | None,
+        fork_offset: str | None,
+        fork_sub_offset: str | None,
+    ) -> _CreateSpec | Outcome:
+        """Decides whether a create's name and headers are well formed, and parses them."""
         problem = validate_name(name)
         if problem:
             return Outcome(Refusal.BAD_REQUEST, detail=problem)
@@ -511,67 +575,80 @@ class Broker:
                 fork_pos = source.tail
         if content_type is not None and not _CONTENT_TYPE.match(content_type.strip()):
             content_type = None
+        return _CreateSpec(
+            name=name,
+            content_type=content_type,
+            ttl_seconds=ttl_seconds,
+            expires_at=expires_at,
+            expires_epoch=expires_epoch,
+            closed=closed,
+            fork_from=fork_from,
+            fork_pos=fork_pos,
+            sub_offset=sub_offset,
+        )
 
-        existing = self.get(name)
-        if existing is not None:
-            if existing.meta.soft_deleted:
-                return Outcome(
-                    Refusal.CONFIG_CONFLICT,
-                    detail="a deleted stream with live forks still holds this name; delete its forks first",
-                )
-            m = existing.meta
-            want_ct = content_type or (m.content_type if fork_from else "application/octet-stream")
-            expiry_same = (ttl_seconds, expires_at) == (m.ttl_seconds, m.expires_at) or (
-                m.expiry_inherited and ttl_seconds is None and expires_at is None
-            )
-            same = (
-                normalize_content_type(want_ct) == normalize_content_type(m.content_type)
-                and expiry_same
-                and closed == existing.closed
-                and fork_from == m.fork_parent
-                and (fork_pos is None or fork_pos == m.base)
-                and sub_offset == m.fork_sub_offset
-            )
-            if same:
-                return Outcome("exists", stream=existing, next=existing.tail, closed=existing.closed)
-            return Outcome(Refusal.CONFIG_CONFLICT, stream=existing, detail="a stream with a different configuration exists at this name")
-
-        if len(self.streams) >= self.max_streams:
+    @staticmethod
+    def _confirm_existing(existing: StreamState, spec: _CreateSpec) -> Outcome:
+        """Decides whether a create at a taken name repeats the existing stream's configuration."""
+        if existing.meta.soft_deleted:
             return Outcome(
-                Refusal.LIMIT,
-                detail=f"this server holds its limit of {self.max_streams} streams (onceflow serve --max-streams); "
-                "delete streams or raise the limit",
+                Refusal.CONFIG_CONFLICT,
+                detail="a deleted stream with live forks still holds this name; delete its forks first",
             )
-        parent: StreamState | None = None
-        inherited = False
-        base = ZERO
+        m = existing.meta
+        want_ct = spec.content_type or (m.content_type if spec.fork_from else "application/octet-stream")
+        expiry_same = (spec.ttl_seconds, spec.expires_at) == (m.ttl_seconds, m.expires_at) or (
+            m.expiry_inherited and spec.ttl_seconds is None and spec.expires_at is None
+        )
+        same = (
+            normalize_content_type(want_ct) == normalize_content_type(m.content_type)
+            and expiry_same
+            and spec.closed == existing.closed
+            and spec.fork_from == m.fork_parent
+            and (spec.fork_pos is None or spec.fork_pos == m.base)
+            and spec.sub_offset == m.fork_sub_offset
+        )
+        if same:
+            return Outcome("exists", stream=existing, next=existing.tail, closed=existing.closed)
+        return Outcome(Refusal.CONFIG_CONFLICT, stream=existing, detail="a stream with a different configuration exists at this name")
+
+    def _resolve_fork(self, spec: _CreateSpec) -> _Fork | Outcome:
+        """Decides whether a new stream may fork where it asks to, and what it takes from its source
+        (content type, base, a sub-offset prefix, an inherited expiry); a plain create forks nothing."""
+        if spec.fork_from is None:
+            return _Fork(parent=None, base=ZERO, prefix=None)
+        parent = self.get(spec.fork_from)
+        if parent is None:
+            return Outcome(Refusal.NOT_FOUND, detail=f"the stream to fork, {spec.fork_from!r}, does not exist")
+        if parent.meta.soft_deleted:
+            return Outcome(Refusal.CONFIG_CONFLICT, detail=f"the stream to fork, {spec.fork_from!r}, was deleted")
+        if spec.content_type is not None and normalize_content_type(spec.content_type) != normalize_content_type(parent.meta.content_type):
+            return Outcome(Refusal.CONFIG_CONFLICT, detail="a fork's content type must match its source's")
+        spec.content_type = parent.meta.content_type
+        base = spec.fork_pos if spec.fork_pos is not None else parent.tail
+        if base > parent.tail or base.pos > parent.tail.pos:
+            return Outcome(Refusal.BAD_REQUEST, detail="Stream-Fork-Offset is beyond the end of the source stream")
+        try:
+            parent.check_position(base)
+        except InvalidPosition as exc:
+            return Outcome(Refusal.BAD_REQUEST, detail=f"Stream-Fork-Offset: {exc}")
         prefix: tuple[bytes, int] | None = None
-        if fork_from is not None:
-            parent = self.get(fork_from)
-            if parent is None:
-                return Outcome(Refusal.NOT_FOUND, detail=f"the stream to fork, {fork_from!r}, does not exist")
-            if parent.meta.soft_deleted:
-                return Outcome(Refusal.CONFIG_CONFLICT, detail=f"the stream to fork, {fork_from!r}, was deleted")
-            if content_type is not None and normalize_content_type(content_type) != normalize_content_type(parent.meta.content_type):
-                return Outcome(Refusal.CONFIG_CONFLICT, detail="a fork's content type must match its source's")
-            content_type = parent.meta.content_type
-            base = fork_pos if fork_pos is not None else parent.tail
-            if base > parent.tail or base.pos > parent.tail.pos:
-                return Outcome(Refusal.BAD_REQUEST, detail="Stream-Fork-Offset is beyond the end of the source stream")
-            try:
-                parent.check_position(base)
-            except InvalidPosition as exc:
-                return Outcome(Refusal.BAD_REQUEST, detail=f"Stream-Fork-Offset: {exc}")
-            if sub_offset:
-                prefix_or_error = self._fork_prefix(parent, base, sub_offset)
-                if isinstance(prefix_or_error, Outcome):
-                    return prefix_or_error
-                prefix = prefix_or_error
-            if ttl_seconds is None and expires_at is None:
-                inherited = True
-                ttl_seconds = parent.meta.ttl_seconds
-                expires_at, expires_epoch = parent.meta.expires_at, parent.meta.expires_at_epoch
-        content_type = content_type or "application/octet-stream"
+        if spec.sub_offset:
+            prefix_or_error = self._fork_prefix(parent, base, spec.sub_offset)
+            if isinstance(prefix_or_error, Outcome):
+                return prefix_or_error
+            prefix = prefix_or_error
+        fork = _Fork(parent=parent, base=base, prefix=prefix)
+        if spec.ttl_seconds is None and spec.expires_at is None:
+            fork.inherited = True
+            spec.ttl_seconds = parent.meta.ttl_seconds
+            spec.expires_at, spec.expires_epoch = parent.meta.expires_at, parent.meta.expires_at_epoch
+        return fork
+
+    def _write_new_stream(self, spec: _CreateSpec, fork: _Fork, body: bytes) -> Outcome:
+        """Decides the new stream's first batches (fork prefix, body, close) and writes them and
+        its meta to a fresh directory; a disk error leaves nothing behind."""
+        content_type = spec.content_type or "application/octet-stream"
         is_json = normalize_content_type(content_type) == "application/json"
 
         payload, count = body, 1
@@ -583,19 +660,20 @@ class Broker:
         elif not body:
             count = 0
 
+        base, prefix = fork.base, fork.prefix
         meta = StreamMeta(
-            name=name,
+            name=spec.name,
             content_type=content_type,
             created_ms=int(self.clock.time() * 1000),
-            ttl_seconds=ttl_seconds,
-            expires_at=expires_at,
-            expires_at_epoch=expires_epoch,
-            fork_parent=fork_from,
-            fork_offset=(base.offset, base.pos) if fork_from is not None else None,
-            fork_sub_offset=sub_offset,
-            expiry_inherited=inherited,
+            ttl_seconds=spec.ttl_seconds,
+            expires_at=spec.expires_at,
+            expires_at_epoch=spec.expires_epoch,
+            fork_parent=spec.fork_from,
+            fork_offset=(base.offset, base.pos) if spec.fork_from is not None else None,
+            fork_sub_offset=spec.sub_offset,
+            expiry_inherited=fork.inherited,
         )
-        directory = self._dir_for(name)
+        directory = self._dir_for(spec.name)
         if self.fs.exists(directory):  # debris of an expired or unfinished stream
             self._trash(directory)
         flags = FLAG_JSON if is_json else 0
@@ -604,7 +682,7 @@ class Broker:
             initial = [(p, c, flags) for p, c in ([prefix] if prefix else []) if c or p]
             if count:
                 initial.append((payload, count, flags))
-            if closed:
+            if spec.closed:
                 if initial:
                     p, c, f = initial[-1]
                     initial[-1] = (p, c, f | FLAG_CLOSE)
@@ -615,6 +693,7 @@ class Broker:
         except OSError as exc:
             self.fs.rmtree(directory)
             return Outcome(Refusal.UNAVAILABLE, detail=f"could not create the stream on disk: {exc.strerror}")
+        parent = fork.parent
         stream = StreamState(meta, directory, slog, parent=parent, clock=self.clock)
         if parent is not None:
             parent.children[stream] = None
@@ -925,9 +1004,33 @@ class Broker:
             return found
         s = found
         s.touch()
-        log_ = s.log
-        pending = log_.pending
+        # The checks and the staging run without yielding to the loop in between (the helpers await
+        # only on the paths that answer), so no other append slips between a check and its stage.
+        refused = await self._check_append(s, body, content_type=content_type, close=close, producer=producer, if_match=if_match)
+        if refused is not None:
+            return refused
+        sseq = stream_seq.encode() if stream_seq is not None else None
+        pending = s.log.pending
+        # Step 5: Stream-Seq must grow strictly (byte-wise).
+        if sseq is not None and pending.stream_seq is not None and sseq <= pending.stream_seq:
+            return Outcome(Refusal.STREAM_SEQ_CONFLICT, stream=s, detail=f"Stream-Seq {stream_seq!r} is not greater than the last one")
+        framed = self._frame_append(s, body, close=close, txn=txn)
+        if isinstance(framed, Outcome):
+            return framed
+        return await self._stage_append(s, framed, body, close=close, producer=producer, sseq=sseq, after_stage=after_stage)
 
+    async def _check_append(
+        self,
+        s: StreamState,
+        body: bytes,
+        *,
+        content_type: str | None,
+        close: bool,
+        producer: ProducerHeaders | None,
+        if_match: Position | None,
+    ) -> Outcome | None:
+        """Decides whether an append may go ahead on ``s`` (steps 1-4); the answer if not, else None."""
+        pending = s.log.pending
         # Step 1: a closed stream accepts only a retry of the request that closed it.
         if pending.closed:
             if producer is not None and pending.closed_by == (producer.producer_id, producer.epoch, producer.seq):
@@ -947,35 +1050,41 @@ class Broker:
 
         # Step 3: idempotent producer validation (client-declared epoch, server-validated).
         if producer is not None:
-            state = log_.producer(producer.producer_id)
-            if state is not None:
-                if producer.epoch < state.epoch:
-                    return Outcome(Refusal.STALE_EPOCH, stream=s, epoch=state.epoch, detail="stale producer epoch: a newer epoch has claimed this producer id")
-                if producer.epoch == state.epoch and producer.seq <= state.last_seq:
-                    return await self._settle_duplicate(s, producer, closed=False)
-                if producer.epoch == state.epoch and producer.seq > state.last_seq + 1:
-                    return Outcome(
-                        Refusal.SEQUENCE_GAP, stream=s, expected_seq=state.last_seq + 1, received_seq=producer.seq,
-                        detail=f"producer sequence gap: expected {state.last_seq + 1}, got {producer.seq}",
-                    )
-            if (state is None or producer.epoch > state.epoch) and producer.seq != 0:
-                if state is None:
-                    return Outcome(
-                        Refusal.SEQUENCE_GAP, stream=s, expected_seq=0, received_seq=producer.seq,
-                        detail=f"producer sequence gap: a new producer starts at 0, got {producer.seq}",
-                    )
-                return Outcome(Refusal.INVALID_EPOCH_SEQ, stream=s, detail="a new producer epoch must start at sequence 0")
+            refused = await self._check_producer(s, producer)
+            if refused is not None:
+                return refused
 
         # Step 4: optimistic concurrency (If-Match names the tail the writer expects).
         if if_match is not None and if_match != pending.end:
             return Outcome(Refusal.TAIL_MISMATCH, stream=s, next=pending.end, detail="the stream's tail is not the one given in If-Match")
+        return None
 
-        # Step 5: Stream-Seq must grow strictly (byte-wise).
-        sseq = stream_seq.encode() if stream_seq is not None else None
-        if sseq is not None and pending.stream_seq is not None and sseq <= pending.stream_seq:
-            return Outcome(Refusal.STREAM_SEQ_CONFLICT, stream=s, detail=f"Stream-Seq {stream_seq!r} is not greater than the last one")
+    async def _check_producer(self, s: StreamState, producer: ProducerHeaders) -> Outcome | None:
+        """Decides whether a producer's (epoch, seq) is the next one on ``s``: a retry is answered as
+        its original, a stale epoch or a gap is refused, the next one gets None."""
+        state = s.log.producer(producer.producer_id)
+        if state is not None:
+            if producer.epoch < state.epoch:
+                return Outcome(Refusal.STALE_EPOCH, stream=s, epoch=state.epoch, detail="stale producer epoch: a newer epoch has claimed this producer id")
+            if producer.epoch == state.epoch and producer.seq <= state.last_seq:
+                return await self._settle_duplicate(s, producer, closed=False)
+            if producer.epoch == state.epoch and producer.seq > state.last_seq + 1:
+                return Outcome(
+                    Refusal.SEQUENCE_GAP, stream=s, expected_seq=state.last_seq + 1, received_seq=producer.seq,
+                    detail=f"producer sequence gap: expected {state.last_seq + 1}, got {producer.seq}",
+                )
+        if (state is None or producer.epoch > state.epoch) and producer.seq != 0:
+            if state is None:
+                return Outcome(
+                    Refusal.SEQUENCE_GAP, stream=s, expected_seq=0, received_seq=producer.seq,
+                    detail=f"producer sequence gap: a new producer starts at 0, got {producer.seq}",
+                )
+            return Outcome(Refusal.INVALID_EPOCH_SEQ, stream=s, detail="a new producer epoch must start at sequence 0")
+        return None
 
-        # Step 6: frame the payload.
+    @staticmethod
+    def _frame_append(s: StreamState, body: bytes, *, close: bool, txn: bool) -> tuple[bytes, int, int] | Outcome:
+        """Decides an append's payload, message count and flags (step 6); a malformed JSON body is refused."""
         payload, count, flags = body, (1 if body else 0), 0
         if s.is_json:
             flags |= FLAG_JSON
@@ -988,9 +1097,22 @@ class Broker:
             flags |= FLAG_CLOSE
         if txn:
             flags |= FLAG_TXN
+        return payload, count, flags
 
-        # Step 7: stage at the pending tail, then wait for durability.
-        staged = log_.stage(
+    async def _stage_append(
+        self,
+        s: StreamState,
+        framed: tuple[bytes, int, int],
+        body: bytes,
+        *,
+        close: bool,
+        producer: ProducerHeaders | None,
+        sseq: bytes | None,
+        after_stage: Callable[[StreamState], None] | None,
+    ) -> Outcome:
+        """Stages a checked append at the pending tail and decides its answer once it is durable (step 7)."""
+        payload, count, flags = framed
+        staged = s.log.stage(
             count=count,
             payload=payload,
             flags=flags,

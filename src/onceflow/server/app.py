@@ -180,6 +180,17 @@ def make_cursor(client_cursor: str | None) -> str:
     return str(current)
 
 
+@dataclass(frozen=True, slots=True)
+class _ReadQuery:
+    """A read's checked query parameters."""
+
+    offset: str | None
+    live: str | None
+    cursor: str | None
+    committed: bool
+    max_bytes: int | None
+
+
 class App:
     """ASGI application serving one :class:`Broker`."""
 
@@ -570,6 +581,38 @@ class App:
 
     async def _get(self, name: str, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
         params = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        q = self._read_query(params)
+        s = self.broker.get(name)
+        if s is None:
+            raise BadRequest(f"no stream named {name!r}", 404, "not_found")
+        if s.meta.soft_deleted:
+            raise BadRequest(f"stream {name!r} was deleted", 410, "gone")
+        start = self.broker.resolve_start(s, q.offset, committed=q.committed)
+        if isinstance(start, str):
+            raise BadRequest(start)
+        s.touch()
+        fmt = params.get("format", [None])[0]
+        if fmt is not None:
+            if q.live is not None:
+                raise BadRequest("format= reads are not live; leave out the live parameter")
+            await _send(send, *self._framed_read(s, start, fmt, params, q.max_bytes, q.committed))
+            return
+        if q.live == "sse":
+            await self._sse(s, start, q.cursor, receive, send, q.committed)
+            return
+        visible = self.broker.visible_end(s, q.committed)
+        if q.offset == "now" and q.live is None:
+            await _send(send, *self._tail_answer(s, visible))
+            return
+        if q.live == "long-poll" and start.pos >= visible.pos:
+            timed_out = await self._long_poll_wait(name, s, start, q)
+            if timed_out is not None:
+                await _send(send, *timed_out)
+                return
+        await _send(send, *self._read_answer(s, start, q, headers))
+
+    def _read_query(self, params: dict[str, list[str]]) -> _ReadQuery:
+        """Decides whether a read's query parameters (offset, live, cursor, isolation, max_bytes) are well formed."""
         offsets = params.get("offset")
         if offsets is not None and len(offsets) > 1:
             raise BadRequest("give the offset parameter once")
@@ -594,70 +637,64 @@ class App:
             if not _DIGITS.match(raw_max) or not 1 <= int(raw_max) <= self.broker.max_read_bytes:
                 raise BadRequest(f"max_bytes must be an integer from 1 to {self.broker.max_read_bytes}, got {raw_max!r}")
             max_bytes = int(raw_max)
-        s = self.broker.get(name)
-        if s is None:
-            raise BadRequest(f"no stream named {name!r}", 404, "not_found")
-        if s.meta.soft_deleted:
-            raise BadRequest(f"stream {name!r} was deleted", 410, "gone")
-        start = self.broker.resolve_start(s, offset, committed=committed)
-        if isinstance(start, str):
-            raise BadRequest(start)
-        s.touch()
-        fmt = params.get("format", [None])[0]
-        if fmt is not None:
-            if live is not None:
-                raise BadRequest("format= reads are not live; leave out the live parameter")
-            await _send(send, *self._framed_read(s, start, fmt, params, max_bytes, committed))
-            return
-        if live == "sse":
-            await self._sse(s, start, cursor, receive, send, committed)
-            return
-        visible = self.broker.visible_end(s, committed)
-        if offset == "now" and live is None:
+        return _ReadQuery(offset=offset, live=live, cursor=cursor, committed=committed, max_bytes=max_bytes)
+
+    @staticmethod
+    def _tail_answer(s: StreamState, visible: Position) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """Decides the answer to ``offset=now`` without live: no data, the visible tail as the next offset."""
+        h = [
+            (b"content-type", s.meta.content_type.encode()),
+            (b"stream-next-offset", visible.token().encode()),
+            (b"stream-up-to-date", b"true"),
+            (b"cache-control", b"no-store"),
+        ]
+        if s.closed:
+            h.append((b"stream-closed", b"true"))
+        return 200, h, b"[]" if s.is_json else b""
+
+    async def _long_poll_wait(
+        self, name: str, s: StreamState, start: Position, q: _ReadQuery,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """Waits for data past ``start`` and decides whether the long poll ends empty (a 204 to send)
+        or goes on to read (None)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.long_poll_timeout
+        # wake on every durable change, but answer only once data is visible (a transaction's
+        # data moves the tail, not the LSO) or the time is up
+        while not s.closed and not s.deleted and self.broker.visible_end(s, q.committed).pos <= start.pos:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self.broker.closing:
+                break
+            await self.broker.wait(s, s.tail, remaining)
+            s.touch()
+        if s.deleted:
+            raise BadRequest(f"stream {name!r} was deleted", 404, "not_found")
+        if self.broker.visible_end(s, q.committed).pos <= start.pos:
             h = [
-                (b"content-type", s.meta.content_type.encode()),
-                (b"stream-next-offset", visible.token().encode()),
+                (b"stream-next-offset", start.token().encode()),
                 (b"stream-up-to-date", b"true"),
-                (b"cache-control", b"no-store"),
             ]
             if s.closed:
                 h.append((b"stream-closed", b"true"))
-            await _send(send, 200, h, b"[]" if s.is_json else b"")
-            return
-        if live == "long-poll" and start.pos >= visible.pos:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.config.long_poll_timeout
-            # wake on every durable change, but answer only once data is visible (a transaction's
-            # data moves the tail, not the LSO) or the time is up
-            while not s.closed and not s.deleted and self.broker.visible_end(s, committed).pos <= start.pos:
-                remaining = deadline - loop.time()
-                if remaining <= 0 or self.broker.closing:
-                    break
-                await self.broker.wait(s, s.tail, remaining)
-                s.touch()
-            if s.deleted:
-                raise BadRequest(f"stream {name!r} was deleted", 404, "not_found")
-            if self.broker.visible_end(s, committed).pos <= start.pos:
-                h = [
-                    (b"stream-next-offset", start.token().encode()),
-                    (b"stream-up-to-date", b"true"),
-                ]
-                if s.closed:
-                    h.append((b"stream-closed", b"true"))
-                else:
-                    h.append((b"stream-cursor", make_cursor(cursor).encode()))
-                await _send(send, 204, h, b"")
-                return
+            else:
+                h.append((b"stream-cursor", make_cursor(q.cursor).encode()))
+            return 204, h, b""
+        return None
+
+    def _read_answer(
+        self, s: StreamState, start: Position, q: _ReadQuery, headers: dict[str, str],
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """Reads from ``start`` and decides the answer: 304 for a matching If-None-Match, else 200 with
+        the data and the caching headers the read allows."""
         try:
-            result = self.broker.read(s, start, max_bytes, committed=committed)
+            result = self.broker.read(s, start, q.max_bytes, committed=q.committed)
         except InvalidPosition as exc:
             raise BadRequest(str(exc)) from None
-        start_label = offset if offset is not None else "-1"
+        start_label = q.offset if q.offset is not None else "-1"
         etag = _etag(s, start_label, result.next, result.closed)
         inm = headers.get("if-none-match")
         if inm is not None and etag.decode() in [t.strip() for t in inm.split(",")]:
-            await _send(send, 304, [(b"etag", etag)], b"")
-            return
+            return 304, [(b"etag", etag)], b""
         h = [
             (b"content-type", s.meta.content_type.encode()),
             (b"stream-next-offset", result.next.token().encode()),
@@ -667,14 +704,14 @@ class App:
             h.append((b"stream-up-to-date", b"true"))
         if result.closed:
             h.append((b"stream-closed", b"true"))
-        if live == "long-poll":
+        if q.live == "long-poll":
             if not result.closed:
-                h.append((b"stream-cursor", make_cursor(cursor).encode()))
+                h.append((b"stream-cursor", make_cursor(q.cursor).encode()))
         elif result.batches:
             h.append((b"cache-control", b"public, max-age=60, stale-while-revalidate=300"))
         else:
             h.append((b"cache-control", b"no-store"))
-        await _send(send, 200, h, _body_of(s, result))
+        return 200, h, _body_of(s, result)
 
     def _framed_read(
         self, s: StreamState, start: Position, fmt: str, params: dict[str, list[str]], max_bytes: int | None, committed: bool,
