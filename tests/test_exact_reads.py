@@ -248,6 +248,7 @@ async def test_a_storage_error_while_committing_is_a_503_not_a_500(onceflow: InP
     async def disk_full(*_: object) -> None:
         raise OSError(28, "No space left on device")
 
+    write_marker = onceflow.broker.coordinator.write_marker
     onceflow.broker.coordinator.write_marker = disk_full
     r = await onceflow.client.post("/v1/sinks/q/commit", json={"batch": 0, "members": members(a, b)})
     assert r.status_code == 503
@@ -255,7 +256,7 @@ async def test_a_storage_error_while_committing_is_a_503_not_a_500(onceflow: InP
     assert "No space left on device" in r.json()["error"]["message"]
     assert await committed(onceflow, "x") == []  # decided, but no marker reached the stream yet
     # once the disk recovers, the server's sweep finishes the logged decision without a restart
-    onceflow.broker.coordinator.write_marker = onceflow.broker._write_marker
+    onceflow.broker.coordinator.write_marker = write_marker
     await onceflow.broker.coordinator.expire()
     assert sorted(m["from"] for m in await committed(onceflow, "x")) == ["a", "b"]
     assert await committed(onceflow, "y") == [{"from": "b"}]

@@ -214,7 +214,7 @@ def test_data_dir_layout_is_documented(tmp_path: Path) -> None:
     b = Broker(tmp_path)
     b.open()
     assert sorted(os.listdir(tmp_path)) == ["coordinator", "streams", "trash"]
-    b.coordinator._log.close_files()  # type: ignore[union-attr]
+    b.coordinator.log.close_files()  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------------- deeply nested JSON (issue 15, item 13)

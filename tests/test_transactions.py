@@ -288,8 +288,8 @@ async def test_recovery_completes_a_logged_decision_and_keeps_aborts_hidden(once
     assert isinstance(raised.value.__cause__, ConnectionAbortedError)
     for s in onceflow.broker.streams.values():  # kill -9: no flush, no snapshot
         s.log.close_files()
-    assert coord._log is not None
-    coord._log.close_files()
+    assert coord.log is not None
+    coord.log.close_files()
     onceflow.broker.streams.clear()
     again = Broker(onceflow.data)
     again.open()

@@ -58,7 +58,7 @@ async def test_one_request_commits_a_one_stream_transaction_in_one_write(onceflo
     assert len(writes) == 1  # the data and its commit marker: one write (and one fsync)
     body = await status(onceflow, "w")
     assert (body["txn"], body["status"]) == (1, "complete_commit")
-    await onceflow.broker.coordinator._log.drain()  # type: ignore[union-attr]
+    await onceflow.broker.coordinator.log.drain()  # type: ignore[union-attr]
     assert statuses(onceflow.data, "w") == [(0, "empty"), (1, "ongoing"), (1, "complete_commit")]  # no decision record
     # the next transaction: opened by a plain append, committed by the last one
     assert (await t.send("s", {"n": 2})).status_code == 200
@@ -136,7 +136,7 @@ async def test_a_commit_append_ends_a_transaction_of_several_streams_or_with_off
     assert (await t.send("a", {"to": "a", "n": 2}, commit=2)).headers["transaction-committed"] == "true"
     assert (await onceflow.client.get("/v1/groups/g/offsets")).json()["offsets"] == {"in": position}
     assert await committed(onceflow, "a") == [{"to": "a"}, {"to": "a", "n": 2}]
-    await onceflow.broker.coordinator._log.drain()  # type: ignore[union-attr]
+    await onceflow.broker.coordinator.log.drain()  # type: ignore[union-attr]
     assert (1, "prepare_commit") in statuses(onceflow.data, "w") and (2, "prepare_commit") in statuses(onceflow.data, "w")
 
 

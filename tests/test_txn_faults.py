@@ -369,7 +369,7 @@ async def test_an_init_whose_record_failed_is_not_answered_by_its_retry_with_tha
         await make(c, "s")
         zombie = Txn(c.client, "w")
         await zombie.init()
-        disk.fail(c.broker.coordinator._log)
+        disk.fail(c.broker.coordinator.log)
         failed = await c.client.post(T + "w/init", json={"request_id": "new"})
         assert failed.status_code == 503
         disk.heal()
@@ -408,7 +408,7 @@ async def test_offsets_whose_record_failed_are_not_part_of_the_transaction(
         if not open_before:
             assert (await t.end(commit=True)).status_code == 200
         before = state(await status(c, "w"))
-        disk.fail(c.broker.coordinator._log)
+        disk.fail(c.broker.coordinator.log)
         assert (await send_offsets(c, t, "g", {"in": offs[1]})).status_code == 503
         disk.heal()
         assert state(await status(c, "w")) == before
@@ -550,7 +550,7 @@ async def test_a_completion_record_that_fails_does_not_lose_the_commits_offsets(
 
         async def marker_then_fail(stream: str, pid: str, epoch: int, txn: int, commit: bool) -> None:
             await real_marker(stream, pid, epoch, txn, commit)
-            disk.fail(coord._log, times=1)  # the next coordinator write: the completion record
+            disk.fail(coord.log, times=1)  # the next coordinator write: the completion record
 
         t = Txn(c.client, "w")
         await t.init()

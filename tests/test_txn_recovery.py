@@ -49,17 +49,7 @@ async def serve(data: Path, *, recover: bool = True) -> AsyncIterator[InProcess]
 
 async def kill(broker: Broker) -> None:
     """kill -9, after everything staged reached the files: no flush, no snapshot, no COMPLETE sync."""
-    for task in list(broker._tasks):
-        task.cancel()
-    for s in broker.streams.values():
-        await s.log.drain()
-        s.log.close_files()
-    coord = broker.coordinator._log
-    assert coord is not None
-    await coord.drain()
-    coord.close_files()
-    broker.streams.clear()
-    broker.executor.shutdown(wait=True)
+    await broker.crash()
 
 
 def coordinator_records(data: Path) -> list[tuple[Position, bytes, Record]]:
@@ -531,7 +521,7 @@ async def test_a_compaction_cut_short_leaves_a_log_that_replays_to_the_same_stat
     if fault.startswith("dies"):
         with pytest.raises(Died):
             broker.open()
-        broker.coordinator._log.close_files()  # type: ignore[union-attr]
+        broker.coordinator.log.close_files()  # type: ignore[union-attr]
         broker.executor.shutdown(wait=True)
         assert (data / "coordinator.new").exists()
         monkeypatch.undo()
@@ -637,7 +627,7 @@ async def test_no_compaction_between_a_durable_record_and_its_effect_in_memory(t
         for n in range(200):
             task = asyncio.create_task(coord.commit_offsets("g", {"in": tail}, member_epoch=n))
             while not task.done():
-                log_ = coord._log
+                log_ = coord.log
                 assert log_ is not None
                 if log_.idle and coord._awaiting:  # durable, not yet applied
                     caught += 1

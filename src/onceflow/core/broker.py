@@ -421,6 +421,23 @@ class Broker:
         await self.coordinator.close()
         self.executor.shutdown(wait=True)
 
+    async def crash(self) -> None:
+        """A seam for tests and tools: stop as ``kill -9`` would once everything staged reached the
+        files. Background tasks are cancelled and the files closed, with no flush, no snapshot and no
+        completion sync; a new ``Broker`` on the same directory then recovers from what is on disk.
+        The broker is unusable afterwards (its streams are dropped, its executor shut down)."""
+        for task in list(self._tasks):
+            task.cancel()
+        for s in self.streams.values():
+            await s.log.drain()
+            s.log.close_files()
+        coord = self.coordinator.log
+        assert coord is not None
+        await coord.drain()
+        coord.close_files()
+        self.streams.clear()
+        self.executor.shutdown(wait=True)
+
     def _open_log(self, directory: Path, base: Position) -> StreamLog:
         return StreamLog.open(
             directory, base, policy=self.fsync, segment_bytes=self.segment_bytes, executor=self.executor,

@@ -241,6 +241,12 @@ class Coordinator:
         self.compactions = 0
         self.write_marker: MarkerWriter | None = None
 
+    @property
+    def log(self) -> StreamLog | None:
+        """The coordinator's own log (None before ``open``): a seam for tests and tools that inject
+        disk faults into it, wait for it to drain, or drop its files as a crash would."""
+        return self._log
+
     # ------------------------------------------------------------------ persistence
 
     def open(self) -> list[TxnMeta]:
