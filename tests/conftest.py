@@ -1,7 +1,11 @@
 """Shared fixtures: an in-process broker + ASGI client, and a real server subprocess.
 
 The server processes, free ports, PostgreSQL/Redis and the fault proxy come from
-:mod:`onceflow.testing`; ``ServerProcess`` here is its :class:`~onceflow.testing.OnceflowProcess`.
+:mod:`onceflow.testing`; ``ServerProcess`` (in ``tests/helpers/servers.py``) is its
+:class:`~onceflow.testing.OnceflowProcess`. Helpers shared between test modules live in the
+``tests/helpers`` package (``tests`` is on pytest's ``pythonpath``); a test module never imports
+another test module (``tests/test_layout.py`` checks). Fixtures for one area live in that area's
+``conftest.py`` (``tests/sinks/conftest.py``: PostgreSQL, Redis and a shared server).
 """
 
 from __future__ import annotations
@@ -10,18 +14,14 @@ import importlib.util
 import os
 import sys
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
+from helpers.servers import InProcess, ServerProcess
 from onceflow.core.broker import Broker
 from onceflow.server.app import App, AppConfig
-from onceflow.testing import OnceflowProcess as ServerProcess
-from onceflow.testing import free_port
-
-__all__ = ["InProcess", "ServerProcess", "free_port"]
 
 
 def _tools_on_subprocess_path() -> None:
@@ -42,14 +42,6 @@ _tools_on_subprocess_path()
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@dataclass
-class InProcess:
-    broker: Broker
-    app: App
-    client: httpx.AsyncClient
-    data: Path
 
 
 @pytest.fixture
