@@ -1,4 +1,5 @@
-"""The shape of the package: the product ships no dev tools, and the CLI says how to get them."""
+"""The shape of the project: the product ships no dev tools, the CLI says how to get them, and no test
+module imports another."""
 
 from __future__ import annotations
 
@@ -50,3 +51,21 @@ def test_the_version_is_written_once() -> None:
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert onceflow.__version__ in (version, "0+unknown")  # from the installed metadata
     assert version not in (ROOT / "src" / "onceflow" / "__init__.py").read_text()
+
+
+def test_no_test_module_imports_another() -> None:
+    # shared helpers live in tests/helpers and fixtures in conftest.py files; a test module that
+    # imports another (or a conftest) ties their fates and hides where a helper lives
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top.startswith("test_") or top == "conftest":
+                    offenders.append(f"{path.relative_to(ROOT)}: imports {name}")
+    assert offenders == [], "import shared helpers from tests/helpers instead:\n" + "\n".join(offenders)

@@ -263,7 +263,7 @@ def test_a_path_that_is_not_utf8_is_400_on_both_http_front_ends(tmp_path: Path, 
     the raw path itself, strictly, so neither creates a stream for such a name nor maps two to one."""
     import httpx
 
-    from conftest import ServerProcess
+    from helpers.servers import ServerProcess
 
     srv = ServerProcess(tmp_path / "data", "--http", front)
     srv.start()
