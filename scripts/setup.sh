@@ -57,7 +57,7 @@ if [ "$want" = dev ] && ! command -v npx >/dev/null 2>&1; then
   apt_install nodejs npm
 fi
 
-# the official TypeScript client, for tests/test_interop.py (pinned by .ci/ts-client/package-lock.json)
+# the official TypeScript client, for tests/interop/test_interop.py (pinned by .ci/ts-client/package-lock.json)
 if [ "$want" = dev ] && [ ! -f .ci/ts-client/node_modules/@durable-streams/client/package.json ]; then
   echo "setup: installing @durable-streams/client into .ci/ts-client from npm"
   (cd .ci/ts-client && npm ci --no-audit --no-fund --loglevel=error)

@@ -4,7 +4,7 @@ Every public exception of the package descends from it (the client's HTTP errors
 core's refusals, the processors', sinks' and Spark connector's errors), so ``except OnceflowError``
 catches all of them, and ``retriable`` says for each whether doing the same thing again may succeed.
 Classes that were ``ValueError``\\ s before (``OptionError``, ``JsonError``, ``GuardConfigError``)
-keep that base too. See docs/vocabulary.md.
+keep that base too. See docs/architecture.md, "The vocabulary".
 """
 
 from __future__ import annotations

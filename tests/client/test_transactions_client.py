@@ -232,7 +232,7 @@ def _chaos(srv: ServerProcess, inputs: list[str], outputs: list[str], per_input:
 
 
 # CI runs a bounded N; a soak sets ONCEFLOW_COPY_N, e.g.
-#   ONCEFLOW_COPY_N=100000 .venv/bin/python -m pytest tests/test_transactions_client.py -k kill9
+#   ONCEFLOW_COPY_N=100000 .venv/bin/python -m pytest tests/client/test_transactions_client.py -k kill9
 SOAK_N = int(os.environ.get("ONCEFLOW_COPY_N", "0"))
 
 

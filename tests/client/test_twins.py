@@ -1,7 +1,7 @@
 """Each blocking client class and its asyncio twin have the same public methods with the same
 signatures (ignoring async-ness), so a misspelt option is a type error in both and neither drifts.
 
-Strategy (docs/vocabulary.md): the stateful blocking classes (producers, consumers, processors,
+Strategy (docs/architecture.md, "The vocabulary"): the stateful blocking classes (producers, consumers, processors,
 sources) wrap their async twin, run on the client's background loop, and spell out its
 parameters; the stream handles are two thin shells over the same sans-I/O helpers. Either way this
 test is what keeps a pair in step (httpx checks its generated sync twin the same way).

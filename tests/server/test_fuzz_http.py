@@ -1,6 +1,6 @@
 """Fuzzing the HTTP extensions, and property tests of what clients rely on across random request sequences.
 
-tests/test_http_bad_input.py fuzzes the Durable Streams core (stream headers, offsets, live modes);
+tests/server/test_http_bad_input.py fuzzes the Durable Streams core (stream headers, offsets, live modes);
 this file covers what it leaves out: transactions (/v1/txn), consumer-group offsets (/v1/groups),
 sink commits (/v1/sinks), the subscription routes (/v1/stream/__ds), deeply nested JSON bodies, the
 stream listing, exact-range reads (format=records / boundaries) and transactional appends. Every answer must be < 500, and a rejected request (4xx) must change nothing
@@ -286,7 +286,7 @@ async def test_guard_refusals_change_nothing(
 #
 # Raw sockets against the native HTTP/1.1 server (server/http.py): sequences of requests written in one
 # go (pipelined), split at random byte boundaries with pauses inside request lines, headers and bodies,
-# or trickled a few bytes at a time. Every response must be well-framed (tests/wirekit.py), the answers
+# or trickled a few bytes at a time. Every response must be well-framed (tests/helpers/wirekit.py), the answers
 # must be those of the requests in order, what was acknowledged must be stored exactly once in order,
 # and the server must keep serving afterwards.
 

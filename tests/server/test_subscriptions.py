@@ -199,7 +199,7 @@ def test_glob_rules() -> None:
     assert m("**", "anything/at/all")
 
 
-# The webhook URL policy and delivery checks: tests/test_webhook_targets.py
+# The webhook URL policy and delivery checks: tests/core/test_webhook_targets.py
 
 
 BAD_CREATES: list[tuple[object, str, str]] = [

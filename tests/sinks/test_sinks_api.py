@@ -1,6 +1,6 @@
 """The sink API and SinkRunner's checkpoint cycle, with in-memory sinks against a real
 `onceflow serve`: the order of the steps, what a restore does in each window, misuse errors, and
-the public surface. (Real PostgreSQL / Redis / webhooks: tests/test_sinks_faults.py.)"""
+the public surface. (Real PostgreSQL / Redis / webhooks: tests/sinks/test_sinks_faults.py.)"""
 
 from __future__ import annotations
 

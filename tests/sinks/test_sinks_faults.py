@@ -1,5 +1,5 @@
 """Every exactly-once sink in every fault window, against a real `onceflow serve`, a real
-PostgreSQL and a real Redis (throwaway instances, see tests/services.py).
+PostgreSQL and a real Redis (throwaway instances, see tests/sinks/conftest.py).
 
 The windows (docs/sinks.md has the table):
 

@@ -69,7 +69,7 @@ async def test_a_commit_whose_decision_was_not_logged_is_not_carried_out(tmp_pat
 
 
 async def test_a_transaction_over_two_streams_is_never_half_committed(tmp_path: Path) -> None:
-    """`onceflow chaos --duration 45 --seed 1` (tests/test_chaos.py) on a full disk: a transaction over tx/0
+    """`onceflow chaos --duration 45 --seed 1` (tests/tools/test_chaos.py) on a full disk: a transaction over tx/0
     and tx/1 whose commit failed ended with its tx/1 part committed and its tx/0 part aborted."""
     data = tmp_path / "data"
     broker = Broker(data)

@@ -4,7 +4,7 @@ The broker (an :class:`~onceflow.core.broker.Outcome` whose ``kind`` is a ``Refu
 transaction coordinator (:class:`~onceflow.core.txn.TxnError`) and the subscriptions
 (:class:`~onceflow.core.subscriptions.SubscriptionError`) say why they refuse a request with a
 member of this enum, and nothing else. The core knows no HTTP: ``onceflow.server.answers`` maps
-every member to its status code and error code, in one table (docs/vocabulary.md).
+every member to its status code and error code, in one table (docs/architecture.md, "The vocabulary").
 
 A member's value is the name the core has always used for it (the stream protocol's lower-case
 error codes, the coordinator's kinds, the subscription protocol's upper-case codes), so comparing a

@@ -3,7 +3,7 @@
 The core says why it refuses with a :class:`~onceflow.core.refusal.Refusal` and knows no HTTP;
 this module gives each refusal its status code and the error code its JSON body carries
 (``{"error": {"code": ..., "message": ...}}``), and says which answers carry ``Retry-After``.
-Every member of ``Refusal`` is here (tests/test_answers.py enumerates them). The successes a
+Every member of ``Refusal`` is here (tests/test_vocabulary.py enumerates them). The successes a
 broker :class:`~onceflow.core.broker.Outcome` names are here too (:data:`SUCCESS`).
 """
 
