@@ -31,10 +31,25 @@ def main() -> int:
     port = free_port()
     data = Path(tempfile.mkdtemp(prefix="onceflow-conformance-"))
     server = subprocess.Popen(
-        [sys.executable, "-m", "onceflow.cli", "serve", "--data", str(data), "--port", str(port),
-         "--long-poll-timeout", "0.5", "--fsync", "always",
-         "--webhook-targets", "loopback"],  # the suite's webhook receivers listen on 127.0.0.1
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "onceflow.cli",
+            "serve",
+            "--data",
+            str(data),
+            "--port",
+            str(port),
+            "--long-poll-timeout",
+            "0.5",
+            "--fsync",
+            "always",
+            "--webhook-targets",
+            "loopback",
+        ],  # the suite's webhook receivers listen on 127.0.0.1
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         assert server.stdout is not None
@@ -47,7 +62,11 @@ def main() -> int:
         started = time.monotonic()
         run = subprocess.run(
             ["npx", "vitest", "run", "--reporter=json", f"--outputFile={out}"],
-            cwd=SUITE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=SUITE,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         if not out.exists():
             print(run.stdout[-5000:])

@@ -35,7 +35,11 @@ def test_a_tool_command_without_the_tools_says_how_to_install_them(
     monkeypatch.setattr(cli, "_tools_installed", lambda: False)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert f"onceflow {argv[0]} needs the dev tools" in err and "scripts/setup.sh dev" in err and "pip install -e tools" in err
+    assert (
+        f"onceflow {argv[0]} needs the dev tools" in err
+        and "scripts/setup.sh dev" in err
+        and "pip install -e tools" in err
+    )
 
 
 def test_the_tool_commands_are_there_with_the_tools() -> None:

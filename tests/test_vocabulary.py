@@ -43,7 +43,14 @@ def test_refused_carries_its_refusal() -> None:
 
 def _public_exceptions() -> list[type[BaseException]]:
     found: dict[str, type[BaseException]] = {}
-    skip = ("onceflow.bench", "onceflow.chaos", "onceflow.sim", "onceflow.faultproxy", "onceflow.tools", "onceflow.spark.datasource")
+    skip = (
+        "onceflow.bench",
+        "onceflow.chaos",
+        "onceflow.sim",
+        "onceflow.faultproxy",
+        "onceflow.tools",
+        "onceflow.spark.datasource",
+    )
     for mod in pkgutil.walk_packages(onceflow.__path__, "onceflow."):
         if mod.name.startswith(skip):
             continue
@@ -53,7 +60,9 @@ def _public_exceptions() -> list[type[BaseException]]:
             continue
         for name, obj in vars(module).items():
             if (
-                inspect.isclass(obj) and issubclass(obj, BaseException) and not name.startswith("_")
+                inspect.isclass(obj)
+                and issubclass(obj, BaseException)
+                and not name.startswith("_")
                 and obj.__module__.startswith("onceflow.")
             ):
                 found[f"{obj.__module__}.{name}"] = obj

@@ -26,7 +26,7 @@ def replace_file(path: Path, data: bytes, *, sync: bool = True, sync_dir: bool =
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         if sync:
             os.fsync(fd)
     finally:

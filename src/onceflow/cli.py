@@ -42,14 +42,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         limits = HttpLimits(
-            header_timeout=args.header_timeout, idle_timeout=args.idle_timeout, body_timeout=args.body_timeout,
-            min_body_rate=args.min_body_rate, write_timeout=args.write_timeout, max_connections=args.max_connections,
-            max_header_bytes=args.max_header_bytes, max_headers=args.max_headers, body_buffer=args.body_buffer,
+            header_timeout=args.header_timeout,
+            idle_timeout=args.idle_timeout,
+            body_timeout=args.body_timeout,
+            min_body_rate=args.min_body_rate,
+            write_timeout=args.write_timeout,
+            max_connections=args.max_connections,
+            max_header_bytes=args.max_header_bytes,
+            max_headers=args.max_headers,
+            body_buffer=args.body_buffer,
         )
     except ValueError as exc:
         print(f"onceflow serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     args.data.mkdir(parents=True, exist_ok=True)
     try:
         _run(
@@ -85,65 +93,161 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="onceflow", description="A durable stream log with exactly-once semantics.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("serve", help="run the server (Durable Streams protocol over a local segment log)",
-                       description="Serve streams at http://HOST:PORT/v1/stream/<name>, stored crash-safely under --data.")
-    s.add_argument("--data", type=Path, default=Path("./onceflow-data"), help="data directory (default: ./onceflow-data)")
+    s = sub.add_parser(
+        "serve",
+        help="run the server (Durable Streams protocol over a local segment log)",
+        description="Serve streams at http://HOST:PORT/v1/stream/<name>, stored crash-safely under --data.",
+    )
+    s.add_argument(
+        "--data", type=Path, default=Path("./onceflow-data"), help="data directory (default: ./onceflow-data)"
+    )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=4437, help="port (default: 4437, the protocol's port; 0 picks a free one)")
-    s.add_argument("--fsync", choices=["always", "interval", "never"], default="always",
-                   help="always: acknowledge appends only after fsync, one fsync shared by concurrent appends (default); "
-                        "interval: fsync every second; never: leave it to the OS")
-    s.add_argument("--long-poll-timeout", type=float, default=20.0, metavar="SECONDS",
-                   help="how long a long-poll or idle SSE read waits for data (default: 20)")
-    s.add_argument("--max-body", type=_size, default=64 << 20, metavar="BYTES",
-                   help="largest request body accepted, e.g. 64MiB (default); larger bodies get 413")
-    s.add_argument("--txn-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="default timeout after which an open transaction is aborted (default: 60)")
-    s.add_argument("--max-streams", type=int, default=100_000, metavar="N",
-                   help="most streams the server holds; creating one more gets 429 (default: 100000)")
-    s.add_argument("--max-open-files", type=int, default=None, metavar="N",
-                   help="most segment and log files kept open at once; idle ones are closed and reopened on use "
-                        "(default: a quarter of the open-file limit, which serve raises to its hard limit, at most 4096)")
-    s.add_argument("--http", choices=["native", "uvicorn"], default="native",
-                   help="HTTP server: onceflow's own asyncio/httptools server (default) or uvicorn")
-    s.add_argument("--guard", type=Path, default=None, metavar="FILE",
-                   help="JSON file of bearer tokens (read/write scopes per name prefix) and limits; "
-                        "default: $ONCEFLOW_GUARD if set, else no tokens and no limits (see docs/security.md)")
-    s.add_argument("--webhook-targets", choices=["public", "loopback", "private"], default="public",
-                   help="where subscriptions may send webhooks: public addresses over https (default); also "
-                        "localhost and loopback addresses; also private networks and local names (docs/security.md)")
+    s.add_argument(
+        "--port", type=int, default=4437, help="port (default: 4437, the protocol's port; 0 picks a free one)"
+    )
+    s.add_argument(
+        "--fsync",
+        choices=["always", "interval", "never"],
+        default="always",
+        help="always: acknowledge appends only after fsync, one fsync shared by concurrent appends (default); "
+        "interval: fsync every second; never: leave it to the OS",
+    )
+    s.add_argument(
+        "--long-poll-timeout",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="how long a long-poll or idle SSE read waits for data (default: 20)",
+    )
+    s.add_argument(
+        "--max-body",
+        type=_size,
+        default=64 << 20,
+        metavar="BYTES",
+        help="largest request body accepted, e.g. 64MiB (default); larger bodies get 413",
+    )
+    s.add_argument(
+        "--txn-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="default timeout after which an open transaction is aborted (default: 60)",
+    )
+    s.add_argument(
+        "--max-streams",
+        type=int,
+        default=100_000,
+        metavar="N",
+        help="most streams the server holds; creating one more gets 429 (default: 100000)",
+    )
+    s.add_argument(
+        "--max-open-files",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most segment and log files kept open at once; idle ones are closed and reopened on use "
+        "(default: a quarter of the open-file limit, which serve raises to its hard limit, at most 4096)",
+    )
+    s.add_argument(
+        "--http",
+        choices=["native", "uvicorn"],
+        default="native",
+        help="HTTP server: onceflow's own asyncio/httptools server (default) or uvicorn",
+    )
+    s.add_argument(
+        "--guard",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="JSON file of bearer tokens (read/write scopes per name prefix) and limits; "
+        "default: $ONCEFLOW_GUARD if set, else no tokens and no limits (see docs/security.md)",
+    )
+    s.add_argument(
+        "--webhook-targets",
+        choices=["public", "loopback", "private"],
+        default="public",
+        help="where subscriptions may send webhooks: public addresses over https (default); also "
+        "localhost and loopback addresses; also private networks and local names (docs/security.md)",
+    )
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    h = s.add_argument_group("HTTP limits", "connection management of the HTTP layer (docs/security.md, \"HTTP layer\"); "
-                                           "with --http uvicorn only --idle-timeout and --max-connections apply")
-    h.add_argument("--max-connections", type=int, default=1000, metavar="N",
-                   help="open connections at most; one more is answered 503 and closed (default: 1000; lowered with "
-                        "a warning when the open-files limit cannot fit it)")
-    h.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="a request's line and headers must arrive within this from its first byte, else 408 and "
-                        "close; a new connection that sends nothing for this long is closed (default: 10)")
-    h.add_argument("--idle-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="close a keep-alive connection that has had no request for this long (default: 30)")
-    h.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="longest pause allowed inside a request body, and the time after which --min-body-rate "
-                        "applies; else 408 and close (default: 30)")
-    h.add_argument("--min-body-rate", type=_size, default=1024, metavar="BYTES",
-                   help="bytes per second a request body must average once it has taken --body-timeout; "
-                        "0 for no minimum (default: 1KiB)")
-    h.add_argument("--write-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="drop a connection whose client has not read any of a pending response for this long (default: 60)")
-    h.add_argument("--max-header-bytes", type=_size, default=32 << 10, metavar="BYTES",
-                   help="request line plus header names and values at most; larger: 431 (default: 32KiB)")
-    h.add_argument("--max-headers", type=int, default=100, metavar="N",
-                   help="request headers at most; more: 431 (default: 100)")
-    h.add_argument("--body-buffer", type=_size, default=1 << 20, metavar="BYTES",
-                   help="request body bytes held per connection before the app reads them (incl. pipelined "
-                        "requests); above it the connection stops reading until the app catches up (default: 1MiB)")
+    h = s.add_argument_group(
+        "HTTP limits",
+        'connection management of the HTTP layer (docs/security.md, "HTTP layer"); '
+        "with --http uvicorn only --idle-timeout and --max-connections apply",
+    )
+    h.add_argument(
+        "--max-connections",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="open connections at most; one more is answered 503 and closed (default: 1000; lowered with "
+        "a warning when the open-files limit cannot fit it)",
+    )
+    h.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a request's line and headers must arrive within this from its first byte, else 408 and "
+        "close; a new connection that sends nothing for this long is closed (default: 10)",
+    )
+    h.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a keep-alive connection that has had no request for this long (default: 30)",
+    )
+    h.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="longest pause allowed inside a request body, and the time after which --min-body-rate "
+        "applies; else 408 and close (default: 30)",
+    )
+    h.add_argument(
+        "--min-body-rate",
+        type=_size,
+        default=1024,
+        metavar="BYTES",
+        help="bytes per second a request body must average once it has taken --body-timeout; "
+        "0 for no minimum (default: 1KiB)",
+    )
+    h.add_argument(
+        "--write-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="drop a connection whose client has not read any of a pending response for this long (default: 60)",
+    )
+    h.add_argument(
+        "--max-header-bytes",
+        type=_size,
+        default=32 << 10,
+        metavar="BYTES",
+        help="request line plus header names and values at most; larger: 431 (default: 32KiB)",
+    )
+    h.add_argument(
+        "--max-headers", type=int, default=100, metavar="N", help="request headers at most; more: 431 (default: 100)"
+    )
+    h.add_argument(
+        "--body-buffer",
+        type=_size,
+        default=1 << 20,
+        metavar="BYTES",
+        help="request body bytes held per connection before the app reads them (incl. pipelined "
+        "requests); above it the connection stops reading until the app catches up (default: 1MiB)",
+    )
     s.set_defaults(func=cmd_serve)
 
-    c = sub.add_parser("copy", help="copy streams to streams exactly once, in transactions (a transactional copier)",
-                       description="Read --input streams as consumer group --group and write each message to one of the "
-                                   "--output streams (by CRC-32 of the message), in transactions that also commit the "
-                                   "consumed offsets. Safe to kill and restart with the same --transactional-id.")
+    c = sub.add_parser(
+        "copy",
+        help="copy streams to streams exactly once, in transactions (a transactional copier)",
+        description="Read --input streams as consumer group --group and write each message to one of the "
+        "--output streams (by CRC-32 of the message), in transactions that also commit the "
+        "consumed offsets. Safe to kill and restart with the same --transactional-id.",
+    )
     c.add_argument("--url", default="http://127.0.0.1:4437", help="server (default: http://127.0.0.1:4437)")
     c.add_argument("--input", action="append", required=True, metavar="STREAM", help="an input stream (repeatable)")
     c.add_argument("--output", action="append", required=True, metavar="STREAM", help="an output stream (repeatable)")
@@ -151,10 +255,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--group", required=True, help="consumer group whose offsets are committed with the output")
     c.add_argument("--txn-size", type=int, default=750, help="messages per transaction (default: 750)")
     c.add_argument("--live", action="store_true", help="keep tailing the inputs instead of stopping when caught up")
-    c.add_argument("--max-read-bytes", type=_size, default=64 << 10, metavar="BYTES",
-                   help="bound each read of an input (default: 64KiB), which bounds a transaction's size")
-    c.add_argument("--txn-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="the server aborts a transaction of this copier left open longer than this (default: 60)")
+    c.add_argument(
+        "--max-read-bytes",
+        type=_size,
+        default=64 << 10,
+        metavar="BYTES",
+        help="bound each read of an input (default: 64KiB), which bounds a transaction's size",
+    )
+    c.add_argument(
+        "--txn-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="the server aborts a transaction of this copier left open longer than this (default: 60)",
+    )
     c.add_argument("--quiet", action="store_true", help="no progress output")
     c.set_defaults(func=_copy)
 
@@ -174,8 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 TOOL_COMMANDS = ("bench", "chaos", "sim")
-TOOLS_MISSING = ("the dev tools (onceflow_tools: bench, chaos, sim): install them with "
-                 "`scripts/setup.sh dev` or `pip install -e tools` from a checkout of onceflow")
+TOOLS_MISSING = (
+    "the dev tools (onceflow_tools: bench, chaos, sim): install them with "
+    "`scripts/setup.sh dev` or `pip install -e tools` from a checkout of onceflow"
+)
 
 
 def _tools_installed() -> bool:

@@ -49,8 +49,14 @@ async def copy_streams(
     """Copy until the inputs are exhausted (``live=False``) or forever; returns messages copied."""
     producer = AsyncTransactionalProducer(base_url, transactional_id, timeout_ms=txn_timeout_ms)
     await producer.init()
-    consumer = AsyncConsumer(base_url, group=group, streams=list(inputs), delivery="exactly-once",
-                             live="long-poll" if live else None, max_read_bytes=max_read_bytes)
+    consumer = AsyncConsumer(
+        base_url,
+        group=group,
+        streams=list(inputs),
+        delivery="exactly-once",
+        live="long-poll" if live else None,
+        max_read_bytes=max_read_bytes,
+    )
     await consumer.start()
     copied = 0
     started = time.monotonic()
@@ -70,7 +76,11 @@ async def copy_streams(
             copied += in_txn
             if progress and in_txn:
                 rate = copied / max(1e-9, time.monotonic() - started)
-                print(f"copied {copied:,} messages ({rate:,.0f}/s), last transaction {in_txn}", file=sys.stderr, flush=True)
+                print(
+                    f"copied {copied:,} messages ({rate:,.0f}/s), last transaction {in_txn}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if not in_txn and not live:
                 return copied
     finally:
@@ -79,11 +89,20 @@ async def copy_streams(
 
 
 def run_copy(args: Any) -> int:
-    n = asyncio.run(copy_streams(
-        args.url, args.input, args.output, transactional_id=args.transactional_id, group=args.group,
-        txn_size=args.txn_size, live=args.live, progress=not args.quiet, max_read_bytes=args.max_read_bytes,
-        txn_timeout_ms=int(args.txn_timeout * 1000),
-    ))
+    n = asyncio.run(
+        copy_streams(
+            args.url,
+            args.input,
+            args.output,
+            transactional_id=args.transactional_id,
+            group=args.group,
+            txn_size=args.txn_size,
+            live=args.live,
+            progress=not args.quiet,
+            max_read_bytes=args.max_read_bytes,
+            txn_timeout_ms=int(args.txn_timeout * 1000),
+        )
+    )
     if not args.quiet:
         print(f"copied {n:,} messages", flush=True)
     return 0

@@ -54,9 +54,23 @@ class _Driver:
         with open(self.log, "ab") as out:
             out.write(f"\n=== driver start {self.starts} {' '.join(extra)}\n".encode())
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "onceflow.spark.pipeline", "--url", self.url, "--checkpoint", str(self.checkpoint),
-                 "--stop-file", str(self.stop_file), "--max-records-per-trigger", str(self.max_records_per_trigger), *extra],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,  # its own group: JVM and workers die with it
+                [
+                    sys.executable,
+                    "-m",
+                    "onceflow.spark.pipeline",
+                    "--url",
+                    self.url,
+                    "--checkpoint",
+                    str(self.checkpoint),
+                    "--stop-file",
+                    str(self.stop_file),
+                    "--max-records-per-trigger",
+                    str(self.max_records_per_trigger),
+                    *extra,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own group: JVM and workers die with it
             )
 
     def kill(self) -> None:
@@ -102,10 +116,14 @@ def _produce(url: str, n: int, drop: float, seed: int, seconds: float, stats: di
     port = int(url.rsplit(":", 1)[1])
     with FaultProxy(port, drop_probability=drop, seed=seed) as proxy:
         # small batches, so that many requests (and many dropped acknowledgements) carry the events
-        with IdempotentProducer(proxy.url, "demo/events", producer_id="demo-producer", linger_ms=2, max_batch_bytes=4 << 10) as producer:
+        with IdempotentProducer(
+            proxy.url, "demo/events", producer_id="demo-producer", linger_ms=2, max_batch_bytes=4 << 10
+        ) as producer:
             pause = seconds / max(1, n // 200)
             for i in range(n):
-                producer.append({"id": i, "user": f"user-{rng.randrange(40):02d}", "amount": round(rng.uniform(1, 100), 2)})
+                producer.append(
+                    {"id": i, "user": f"user-{rng.randrange(40):02d}", "amount": round(rng.uniform(1, 100), 2)}
+                )
                 if i % 200 == 199:
                     time.sleep(pause)  # a steady stream over `seconds` rather than one burst
                 stats["produced"] = i + 1
@@ -130,14 +148,23 @@ def run_demo(args: argparse.Namespace) -> int:
     driver = _Driver(server.url, work / "checkpoint", work / "driver.log", work / "stop", args.max_records_per_trigger)
     stats: dict[str, int] = {"produced": 0, "acks_dropped": 0}
     try:
-        httpx.put(f"{server.url}/v1/stream/demo/events", headers={"content-type": "application/json"}).raise_for_status()
-        producer = threading.Thread(target=_produce, args=(server.url, args.events, args.drop_acks, args.seed, 20.0, stats), daemon=True)
+        httpx.put(
+            f"{server.url}/v1/stream/demo/events", headers={"content-type": "application/json"}
+        ).raise_for_status()
+        producer = threading.Thread(
+            target=_produce, args=(server.url, args.events, args.drop_acks, args.seed, 20.0, stats), daemon=True
+        )
         producer.start()
-        _say(f"producing {args.events:,} events with the idempotent producer; {args.drop_acks:.0%} of acknowledgements are dropped")
+        _say(
+            f"producing {args.events:,} events with the idempotent producer; {args.drop_acks:.0%} of acknowledgements are dropped"
+        )
 
         plan = ["after-commit", "in-write"] + ["random"] * max(0, args.crashes - 2)
         plan = plan[: args.crashes]
-        planned_notes = {"after-commit": "crashing on purpose: after the sink committed", "in-write": "crashing on purpose: inside write()"}
+        planned_notes = {
+            "after-commit": "crashing on purpose: after the sink committed",
+            "in-write": "crashing on purpose: inside write()",
+        }
         crash_log = driver.checkpoint / "crashes.log"
         retries = 3  # planned crashes tried again after the driver failed by itself
         while plan:
@@ -151,11 +178,17 @@ def run_demo(args: argparse.Namespace) -> int:
                 driver.start("--crash-in-write", str(target))
             else:
                 driver.start()
-            _say(f"spark driver #{driver.starts} started (resumes after batch {done})"
-                 + ("" if kind == "random" else f"; it will be killed {kind.replace('-', ' ')} of batch {target}"))
+            _say(
+                f"spark driver #{driver.starts} started (resumes after batch {done})"
+                + ("" if kind == "random" else f"; it will be killed {kind.replace('-', ' ')} of batch {target}")
+            )
             if kind == "random":
                 deadline = time.monotonic() + 45  # with no data left, it is killed idle: a crash too
-                while sink_batch(server.url, "demo-enrich") < done + 1 and time.monotonic() < deadline and driver.wait(0.5) is None:
+                while (
+                    sink_batch(server.url, "demo-enrich") < done + 1
+                    and time.monotonic() < deadline
+                    and driver.wait(0.5) is None
+                ):
                     pass
                 time.sleep(rng.uniform(0.2, 3.0))
                 driver.kill()
@@ -167,25 +200,42 @@ def run_demo(args: argparse.Namespace) -> int:
                     code = driver.wait(1.0)
                 if code is None:
                     driver.kill()
-                    driver.kills.append(f"kill -9 from outside (the planned crash {kind.replace('-', ' ')} did not come: "
-                                        "too few events for that batch)")
-                elif retries > 0 and planned_notes[kind] not in (crash_log.read_text() if crash_log.exists() else "")[len(noted):]:
+                    driver.kills.append(
+                        f"kill -9 from outside (the planned crash {kind.replace('-', ' ')} did not come: "
+                        "too few events for that batch)"
+                    )
+                elif (
+                    retries > 0
+                    and planned_notes[kind] not in (crash_log.read_text() if crash_log.exists() else "")[len(noted) :]
+                ):
                     # it ended, but not by the planned crash (Spark failed by itself: see driver.log);
                     # restarting from the checkpoint is a crash recovery too, and the plan is tried again
                     driver.proc = None
-                    driver.kills.append(f"exited by itself with code {code} before its planned crash (see driver.log); planned again")
+                    driver.kills.append(
+                        f"exited by itself with code {code} before its planned crash (see driver.log); planned again"
+                    )
                     plan.insert(0, kind)
                     retries -= 1
                 else:
                     driver.proc = None
-                    driver.kills.append("kill -9 " + ("right after the sink committed, before Spark's commit log" if kind == "after-commit"
-                                                      else "inside write(), rows written but not committed"))
-            _say(f"spark driver #{driver.starts} killed: {driver.kills[-1]} (sink at batch {sink_batch(server.url, 'demo-enrich')})")
+                    driver.kills.append(
+                        "kill -9 "
+                        + (
+                            "right after the sink committed, before Spark's commit log"
+                            if kind == "after-commit"
+                            else "inside write(), rows written but not committed"
+                        )
+                    )
+            _say(
+                f"spark driver #{driver.starts} killed: {driver.kills[-1]} (sink at batch {sink_batch(server.url, 'demo-enrich')})"
+            )
 
         driver.start()
         _say(f"spark driver #{driver.starts} started; it runs until every event is processed")
         producer.join()
-        _say(f"produced {stats['produced']:,} events; {stats['acks_dropped']} acknowledgements were dropped and retried")
+        _say(
+            f"produced {stats['produced']:,} events; {stats['acks_dropped']} acknowledgements were dropped and retried"
+        )
         deadline = time.monotonic() + args.timeout
         last_report = 0.0
         while time.monotonic() < deadline:
@@ -250,19 +300,27 @@ def check_pipeline(events: list[Any], enriched: list[Any], counts: list[Any]) ->
         n, amount = truth.get(e["user"], (0, 0.0))
         truth[e["user"]] = (n + 1, amount + e["amount"])
     latest = {c["user"]: c for c in counts}
-    wrong_counts = sorted(u for u, (n, amount) in truth.items()
-                          if u not in latest or latest[u]["events"] != n or abs(latest[u]["amount"] - amount) > 1e-6 * max(1.0, amount))
+    wrong_counts = sorted(
+        u
+        for u, (n, amount) in truth.items()
+        if u not in latest or latest[u]["events"] != n or abs(latest[u]["amount"] - amount) > 1e-6 * max(1.0, amount)
+    )
     return PipelineCheck(
-        events=len(events), enriched=len(enriched), users=len(truth),
+        events=len(events),
+        enriched=len(enriched),
+        users=len(truth),
         source_duplicates=sorted(i for i, c in produced.items() for _ in range(c - 1)),
         duplicates=sorted(i for i, c in written.items() for _ in range(c - 1)),
-        missing=sorted(set(produced) - set(written)), extra=sorted(set(written) - set(produced)),
+        missing=sorted(set(produced) - set(written)),
+        extra=sorted(set(written) - set(produced)),
         wrong_counts=wrong_counts,
     )
 
 
 def _verify(url: str, expected: int, stats: dict[str, int], driver: _Driver) -> int:
-    result = check_pipeline(_read_all(url, "demo/events"), _read_all(url, "demo/enriched"), _read_all(url, "demo/counts"))
+    result = check_pipeline(
+        _read_all(url, "demo/events"), _read_all(url, "demo/enriched"), _read_all(url, "demo/counts")
+    )
     dup_source, duplicates, missing = len(result.source_duplicates), len(result.duplicates), len(result.missing)
     extra, wrong_counts = len(result.extra), result.wrong_counts
     rows = [
@@ -291,22 +349,43 @@ def _verify(url: str, expected: int, stats: dict[str, int], driver: _Driver) -> 
             print(f"    {line.removeprefix('pipeline: crashing on purpose: ')}")
     ok = result.events == expected and result.ok
     if ok:
-        print(f"\nexactly-once: OK ({expected:,} events, {len(driver.kills)} driver crashes, "
-              f"{stats['acks_dropped']} dropped acks: 0 duplicates, 0 missing)")
+        print(
+            f"\nexactly-once: OK ({expected:,} events, {len(driver.kills)} driver crashes, "
+            f"{stats['acks_dropped']} dropped acks: 0 duplicates, 0 missing)"
+        )
         return 0
-    print(f"\nexactly-once: FAILED ({duplicates} duplicates, {missing} missing, {dup_source} duplicated at the source, "
-          f"{len(wrong_counts)} wrong counts; driver log: {driver.log})")
+    print(
+        f"\nexactly-once: FAILED ({duplicates} duplicates, {missing} missing, {dup_source} duplicated at the source, "
+        f"{len(wrong_counts)} wrong counts; driver log: {driver.log})"
+    )
     return 1
 
 
 def add_demo_parser(sub: Any) -> None:
-    d = sub.add_parser("demo", help="run the end-to-end exactly-once demo (server + producer + Spark, with crashes)",
-                       description=__doc__.split("\n\n", 1)[0] + " Needs PySpark and Java; nothing else.")
+    d = sub.add_parser(
+        "demo",
+        help="run the end-to-end exactly-once demo (server + producer + Spark, with crashes)",
+        description=__doc__.split("\n\n", 1)[0] + " Needs PySpark and Java; nothing else.",
+    )
     d.add_argument("--events", type=int, default=20_000, help="events to produce (default: 20000)")
     d.add_argument("--crashes", type=int, default=3, help="times the Spark driver is killed (default: 3)")
-    d.add_argument("--drop-acks", type=float, default=0.2, metavar="P", help="fraction of append acknowledgements dropped (default: 0.2)")
-    d.add_argument("--max-records-per-trigger", type=int, default=2000, help="rows per micro-batch at most (default: 2000)")
+    d.add_argument(
+        "--drop-acks",
+        type=float,
+        default=0.2,
+        metavar="P",
+        help="fraction of append acknowledgements dropped (default: 0.2)",
+    )
+    d.add_argument(
+        "--max-records-per-trigger", type=int, default=2000, help="rows per micro-batch at most (default: 2000)"
+    )
     d.add_argument("--seed", type=int, default=1, help="random seed (default: 1)")
-    d.add_argument("--timeout", type=float, default=600, metavar="SECONDS", help="give up waiting for the pipeline after this (default: 600)")
+    d.add_argument(
+        "--timeout",
+        type=float,
+        default=600,
+        metavar="SECONDS",
+        help="give up waiting for the pipeline after this (default: 600)",
+    )
     d.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (server data, Spark checkpoints, driver log)")
     d.set_defaults(func=lambda a: run_demo(a))

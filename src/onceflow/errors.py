@@ -24,7 +24,9 @@ class OnceflowError(Exception):
 
     retriable: bool = False
 
-    def __init__(self, message: str = "", *, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+    def __init__(
+        self, message: str = "", *, status: int | None = None, code: str = "", retriable: bool | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status

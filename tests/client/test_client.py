@@ -49,19 +49,58 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def test_public_surface_is_what_the_docs_promise() -> None:
     expected = {
-        "AbortRequiredError", "AppendResult", "AsyncConsumer", "AsyncIdempotentProducer", "AsyncStream",
-        "AsyncTransactionalProducer", "BadRequestError", "Chunk", "CommitOutcomeUnknownError", "ConflictError", "Consumer", "ContentTypeMismatchError", "Delivery",
-        "FileOffsetStore", "GroupOffsetStore", "IdempotentProducer", "TransactionalProducer",
-        "LiveMode", "MemoryOffsetStore", "Message", "OffsetStore", "OnceflowError", "OutcomeUnknownError", "PayloadTooLargeError",
-        "PreconditionFailedError", "ProducerFencedError", "ProducerStats", "SequenceGapError", "ServerError", "Stream",
-        "StreamClosedError", "StreamGoneError", "StreamInfo", "StreamNotFoundError", "TopicProducer", "TransportError",
-        "partition_for", "partition_names",
+        "AbortRequiredError",
+        "AppendResult",
+        "AsyncConsumer",
+        "AsyncIdempotentProducer",
+        "AsyncStream",
+        "AsyncTransactionalProducer",
+        "BadRequestError",
+        "Chunk",
+        "CommitOutcomeUnknownError",
+        "ConflictError",
+        "Consumer",
+        "ContentTypeMismatchError",
+        "Delivery",
+        "FileOffsetStore",
+        "GroupOffsetStore",
+        "IdempotentProducer",
+        "TransactionalProducer",
+        "LiveMode",
+        "MemoryOffsetStore",
+        "Message",
+        "OffsetStore",
+        "OnceflowError",
+        "OutcomeUnknownError",
+        "PayloadTooLargeError",
+        "PreconditionFailedError",
+        "ProducerFencedError",
+        "ProducerStats",
+        "SequenceGapError",
+        "ServerError",
+        "Stream",
+        "StreamClosedError",
+        "StreamGoneError",
+        "StreamInfo",
+        "StreamNotFoundError",
+        "TopicProducer",
+        "TransportError",
+        "partition_for",
+        "partition_names",
     }
     assert set(client_pkg.__all__) == expected
     public = {n for n in dir(client_pkg) if not n.startswith("_")}
     assert expected <= public
-    for name in ("BadRequestError", "ProducerFencedError", "StreamClosedError", "TransportError", "ServerError",
-                 "OutcomeUnknownError", "CommitOutcomeUnknownError", "AbortRequiredError"):
+    for name in (
+        "BadRequestError",
+        "ProducerFencedError",
+        "StreamClosedError",
+        "TransportError",
+        "ServerError",
+        "OutcomeUnknownError",
+        "CommitOutcomeUnknownError",
+        "AbortRequiredError",
+    ):
         assert issubclass(getattr(client_pkg, name), OnceflowError)
 
 

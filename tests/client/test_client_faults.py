@@ -61,7 +61,9 @@ def assert_exactly_once_in_order(messages: list[Any], n: int) -> None:
         missing = [i for i in range(n) if i not in seen][:10]
         dupes = len(got) - len(seen)
         first_bad = next((k for k, v in enumerate(got) if v != k), None)
-        pytest.fail(f"{len(got)} messages for {n}: missing (first 10) {missing}, {dupes} duplicates, first out of place at {first_bad}")
+        pytest.fail(
+            f"{len(got)} messages for {n}: missing (first 10) {missing}, {dupes} duplicates, first out of place at {first_bad}"
+        )
 
 
 def wait_until_settled(p: IdempotentProducer) -> None:
@@ -130,7 +132,9 @@ async def hooked(onceflow: InProcess) -> AsyncIterator[Callable[[Hook], httpx.As
     clients: list[httpx.AsyncClient] = []
 
     def make(hook: Hook = _passthrough) -> httpx.AsyncClient:
-        c = httpx.AsyncClient(transport=HookTransport(httpx.ASGITransport(app=onceflow.app), hook), base_url="http://testserver")
+        c = httpx.AsyncClient(
+            transport=HookTransport(httpx.ASGITransport(app=onceflow.app), hook), base_url="http://testserver"
+        )
         clients.append(c)
         return c
 
@@ -198,7 +202,13 @@ def test_blocking_producer_rides_through_repeated_kill_9(tmp_path: Path) -> None
                     if time.monotonic() > deadline:
                         raise AssertionError(f"no progress: {producer.stats.acked} acked, waiting for {threshold}")
                     time.sleep(0.001)
-                kills.append({"acked": producer.stats.acked, "in_flight": producer.in_flight_count, "appended": producer.stats.appended})
+                kills.append(
+                    {
+                        "acked": producer.stats.acked,
+                        "in_flight": producer.in_flight_count,
+                        "appended": producer.stats.appended,
+                    }
+                )
                 srv.kill()
                 if stop.wait(rng.uniform(0.05, 0.4)):
                     return
@@ -211,8 +221,13 @@ def test_blocking_producer_rides_through_repeated_kill_9(tmp_path: Path) -> None
     try:
         create_json_stream(srv.url, "kill9")
         producer = IdempotentProducer(
-            srv.url, "kill9", max_in_flight=5, max_batch_bytes=16 * 1024, delivery_timeout=60.0,
-            retry_backoff=(0.02, 0.5), request_timeout=10.0,
+            srv.url,
+            "kill9",
+            max_in_flight=5,
+            max_batch_bytes=16 * 1024,
+            delivery_timeout=60.0,
+            retry_backoff=(0.02, 0.5),
+            request_timeout=10.0,
         )
         killer = threading.Thread(target=kill_loop, name="killer", daemon=True)
         killer.start()
@@ -234,7 +249,9 @@ def test_blocking_producer_rides_through_repeated_kill_9(tmp_path: Path) -> None
         assert not killer_errors, f"killer thread failed: {killer_errors!r}"
         stats = producer.stats
         assert len(kills) == kills_wanted, (seed, kills)
-        assert all(k["in_flight"] > 0 for k in kills), f"a kill landed while nothing was in flight: {kills} (seed {seed})"
+        assert all(k["in_flight"] > 0 for k in kills), (
+            f"a kill landed while nothing was in flight: {kills} (seed {seed})"
+        )
         assert all(k["acked"] >= t for k, t in zip(kills, thresholds, strict=True))
         assert kills[-1]["acked"] < n and kills[-1]["appended"] < n  # the last kill came while appending
         assert stats.acked == n and stats.failed == 0 and stats.appended == n
@@ -256,12 +273,15 @@ def test_blocking_producer_rides_through_repeated_kill_9(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-def test_lost_acks_are_retried_and_recognised_as_duplicates(shared_server: ServerProcess, make_proxy: Callable[..., FaultProxy]) -> None:
+def test_lost_acks_are_retried_and_recognised_as_duplicates(
+    shared_server: ServerProcess, make_proxy: Callable[..., FaultProxy]
+) -> None:
     n = 20_000
     create_json_stream(shared_server.url, "lost-acks")
     proxy = make_proxy(drop_probability=0.3, seed=11)
-    producer = IdempotentProducer(proxy.url, "lost-acks", max_in_flight=5, max_batch_bytes=2048,
-                                  retry_backoff=(0.01, 0.2), delivery_timeout=60.0)
+    producer = IdempotentProducer(
+        proxy.url, "lost-acks", max_in_flight=5, max_batch_bytes=2048, retry_backoff=(0.01, 0.2), delivery_timeout=60.0
+    )
     try:
         for i in range(n):
             producer.append({"i": i})
@@ -290,8 +310,14 @@ async def test_async_producer_lost_acks_are_retried_and_recognised_as_duplicates
     n = 5_000
     create_json_stream(shared_server.url, "lost-acks-async")
     proxy = make_proxy(drop_probability=0.3, seed=5)
-    async with AsyncIdempotentProducer(proxy.url, "lost-acks-async", max_in_flight=5, max_batch_bytes=1024,
-                                       retry_backoff=(0.01, 0.2), delivery_timeout=60.0) as producer:
+    async with AsyncIdempotentProducer(
+        proxy.url,
+        "lost-acks-async",
+        max_in_flight=5,
+        max_batch_bytes=1024,
+        retry_backoff=(0.01, 0.2),
+        delivery_timeout=60.0,
+    ) as producer:
         for i in range(n):
             producer.append({"i": i})
             if i % 500 == 0:
@@ -315,8 +341,9 @@ def test_lost_ack_of_every_third_post_with_delayed_responses(
     n = 3_000
     create_json_stream(shared_server.url, "every-third")
     proxy = make_proxy(drop_every=3, delay=0.002, delay_jitter=0.01)
-    with IdempotentProducer(proxy.url, "every-third", max_in_flight=4, max_batch_bytes=512,
-                            retry_backoff=(0.01, 0.1), delivery_timeout=60.0) as producer:
+    with IdempotentProducer(
+        proxy.url, "every-third", max_in_flight=4, max_batch_bytes=512, retry_backoff=(0.01, 0.1), delivery_timeout=60.0
+    ) as producer:
         for i in range(n):
             producer.append({"i": i})
         producer.flush(timeout=60)
@@ -336,8 +363,15 @@ def test_without_idempotence_the_same_lost_acks_duplicate(
     n = 600
     create_json_stream(shared_server.url, "plain-dups")
     proxy = make_proxy(drop_every=3)
-    with IdempotentProducer(proxy.url, "plain-dups", idempotent=False, max_in_flight=1, max_batch_bytes=256,
-                            retry_backoff=(0.01, 0.1), delivery_timeout=60.0) as producer:
+    with IdempotentProducer(
+        proxy.url,
+        "plain-dups",
+        idempotent=False,
+        max_in_flight=1,
+        max_batch_bytes=256,
+        retry_backoff=(0.01, 0.1),
+        delivery_timeout=60.0,
+    ) as producer:
         for i in range(n):
             producer.append({"i": i})
         producer.flush(timeout=60)
@@ -351,7 +385,9 @@ def test_without_idempotence_the_same_lost_acks_duplicate(
 
 
 @pytest.mark.anyio
-async def test_gap_is_resolved_when_the_first_batch_arrives_last(onceflow: InProcess, hooked: Callable[[Hook], httpx.AsyncClient]) -> None:
+async def test_gap_is_resolved_when_the_first_batch_arrives_last(
+    onceflow: InProcess, hooked: Callable[[Hook], httpx.AsyncClient]
+) -> None:
     """Seq 0 is held until seq 1 was refused with a 409 gap: the later batches wait and are resent,
     and the stream keeps the append order. (The server's own reorder wait is switched off so that
     the gap reaches the client at once.)"""
@@ -371,8 +407,14 @@ async def test_gap_is_resolved_when_the_first_batch_arrives_last(onceflow: InPro
                 seq1_refused.set()
         return resp
 
-    async with AsyncIdempotentProducer(f"{IN_PROCESS}/v1/stream/gap", producer_id="gapper", epoch=0, max_in_flight=5,
-                                       max_batch_bytes=16, client=hooked(hook)) as p:
+    async with AsyncIdempotentProducer(
+        f"{IN_PROCESS}/v1/stream/gap",
+        producer_id="gapper",
+        epoch=0,
+        max_in_flight=5,
+        max_batch_bytes=16,
+        client=hooked(hook),
+    ) as p:
         for i in range(50):
             p.append({"i": i})
         await p.flush(timeout=20)
@@ -384,15 +426,18 @@ async def test_gap_is_resolved_when_the_first_batch_arrives_last(onceflow: InPro
 
 
 @pytest.mark.slow
-def test_reordered_requests_over_tcp_keep_order(shared_server: ServerProcess, make_proxy: Callable[..., FaultProxy]) -> None:
+def test_reordered_requests_over_tcp_keep_order(
+    shared_server: ServerProcess, make_proxy: Callable[..., FaultProxy]
+) -> None:
     """Random request jitter in the proxy makes batches overtake each other on their way to the server.
     The server's reorder wait absorbs most of it and the client's 409 handling the rest (stats.gaps
     may be 0 or more); the stream must keep the append order either way."""
     n = 4_000
     create_json_stream(shared_server.url, "reorder")
     proxy = make_proxy(request_jitter=0.02, seed=3)
-    with IdempotentProducer(proxy.url, "reorder", max_in_flight=5, max_batch_bytes=256,
-                            retry_backoff=(0.01, 0.1), delivery_timeout=60.0) as producer:
+    with IdempotentProducer(
+        proxy.url, "reorder", max_in_flight=5, max_batch_bytes=256, retry_backoff=(0.01, 0.1), delivery_timeout=60.0
+    ) as producer:
         for i in range(n):
             producer.append({"i": i})
         producer.flush(timeout=60)
@@ -412,8 +457,15 @@ def test_fenced_producer_fails_flush_and_reports_every_lost_message(shared_serve
     base = shared_server.url
     create_json_stream(base, "fence")
     failures: list[tuple[OnceflowError, int]] = []
-    p = IdempotentProducer(base, "fence", producer_id="zombie", epoch=0, max_in_flight=3, max_batch_bytes=64,
-                           on_error=lambda e, k: failures.append((e, k)))
+    p = IdempotentProducer(
+        base,
+        "fence",
+        producer_id="zombie",
+        epoch=0,
+        max_in_flight=3,
+        max_batch_bytes=64,
+        on_error=lambda e, k: failures.append((e, k)),
+    )
     try:
         for i in range(10):
             p.append({"i": i})
@@ -440,14 +492,18 @@ def test_fenced_producer_fails_flush_and_reports_every_lost_message(shared_serve
 
 
 @pytest.mark.anyio
-async def test_auto_claim_moves_past_the_servers_epoch(onceflow: InProcess, hooked: Callable[[Hook], httpx.AsyncClient]) -> None:
+async def test_auto_claim_moves_past_the_servers_epoch(
+    onceflow: InProcess, hooked: Callable[[Hook], httpx.AsyncClient]
+) -> None:
     s = await inproc_create(onceflow, "claim")
     await s.append({"old": 5}, producer=("eph", 5, 0))
     url = f"{IN_PROCESS}/v1/stream/claim"
 
     # without auto_claim an ephemeral producer at epoch 0 is fenced
     failed: list[int] = []
-    plain = AsyncIdempotentProducer(url, producer_id="eph", epoch=0, client=hooked(_passthrough), on_error=lambda e, k: failed.append(k))
+    plain = AsyncIdempotentProducer(
+        url, producer_id="eph", epoch=0, client=hooked(_passthrough), on_error=lambda e, k: failed.append(k)
+    )
     await plain.start()
     try:
         plain.append({"i": -1})
@@ -458,8 +514,15 @@ async def test_auto_claim_moves_past_the_servers_epoch(onceflow: InProcess, hook
         await plain.close()
 
     # with auto_claim it takes epoch 6 and delivers everything, pipelined
-    async with AsyncIdempotentProducer(url, producer_id="eph", epoch=0, auto_claim=True, max_in_flight=5,
-                                       max_batch_bytes=32, client=hooked(_passthrough)) as p:
+    async with AsyncIdempotentProducer(
+        url,
+        producer_id="eph",
+        epoch=0,
+        auto_claim=True,
+        max_in_flight=5,
+        max_batch_bytes=32,
+        client=hooked(_passthrough),
+    ) as p:
         for i in range(60):
             p.append({"i": i})
         await p.flush(timeout=20)
@@ -494,8 +557,15 @@ async def test_auto_claim_does_not_resend_a_batch_that_may_have_been_stored(
         return resp
 
     failures: list[OnceflowError] = []
-    p = AsyncIdempotentProducer(f"{IN_PROCESS}/v1/stream/claim-lost", producer_id="lost-claim", epoch=0, auto_claim=True,
-                                retry_backoff=(0.01, 0.02), client=hooked(hook), on_error=lambda e, k: failures.append(e))
+    p = AsyncIdempotentProducer(
+        f"{IN_PROCESS}/v1/stream/claim-lost",
+        producer_id="lost-claim",
+        epoch=0,
+        auto_claim=True,
+        retry_backoff=(0.01, 0.02),
+        client=hooked(hook),
+        on_error=lambda e, k: failures.append(e),
+    )
     await p.start()
     try:
         p.append({"i": 0})
@@ -528,8 +598,15 @@ async def test_a_batch_given_up_is_reported_unknown_only_if_it_may_have_been_sto
         raise httpx.ReadError("the connection dropped before the answer", request=request)
 
     failures: list[OnceflowError] = []
-    p = AsyncIdempotentProducer(f"{IN_PROCESS}/v1/stream/given-up", producer_id="given-up", epoch=0, delivery_timeout=0.2,
-                                retry_backoff=(0.01, 0.02), client=hooked(hook), on_error=lambda e, k: failures.append(e))
+    p = AsyncIdempotentProducer(
+        f"{IN_PROCESS}/v1/stream/given-up",
+        producer_id="given-up",
+        epoch=0,
+        delivery_timeout=0.2,
+        retry_backoff=(0.01, 0.02),
+        client=hooked(hook),
+        on_error=lambda e, k: failures.append(e),
+    )
     await p.start()
     try:
         p.append({"i": 0})
@@ -549,8 +626,9 @@ def test_auto_claim_blocking_producer_against_a_real_server(shared_server: Serve
     with Stream.connect(base, "claim-real") as s:
         s.append({"old": 5}, producer=("eph-real", 5, 0))
     # five requests in flight: the late 403s answering epoch 0 must not break the claim
-    with IdempotentProducer(base, "claim-real", producer_id="eph-real", epoch=0, auto_claim=True,
-                            max_in_flight=5, max_batch_bytes=32) as p:
+    with IdempotentProducer(
+        base, "claim-real", producer_id="eph-real", epoch=0, auto_claim=True, max_in_flight=5, max_batch_bytes=32
+    ) as p:
         for i in range(200):
             p.append({"i": i})
         p.flush(timeout=30)
@@ -590,9 +668,16 @@ async def test_auto_claim_survives_a_slow_fence_reply_from_the_old_epoch(
         return resp
 
     failures: list[OnceflowError] = []
-    p = AsyncIdempotentProducer(f"{IN_PROCESS}/v1/stream/claim-race", producer_id="racer", epoch=0, auto_claim=True,
-                                max_in_flight=2, max_batch_bytes=1, client=hooked(hook),
-                                on_error=lambda e, k: failures.append(e))
+    p = AsyncIdempotentProducer(
+        f"{IN_PROCESS}/v1/stream/claim-race",
+        producer_id="racer",
+        epoch=0,
+        auto_claim=True,
+        max_in_flight=2,
+        max_batch_bytes=1,
+        client=hooked(hook),
+        on_error=lambda e, k: failures.append(e),
+    )
     await p.start()
     try:
         p.append({"i": 0})
@@ -641,8 +726,15 @@ async def test_auto_claim_does_not_claim_twice_on_a_late_fence_reply(
             await asyncio.wait_for(seq1_resent.wait(), 10)  # its 200 comes back after seq 1's 403
         return resp
 
-    p = AsyncIdempotentProducer(f"{IN_PROCESS}/v1/stream/claim-twice", producer_id="twice", epoch=0, auto_claim=True,
-                                max_in_flight=2, max_batch_bytes=1, client=hooked(hook))
+    p = AsyncIdempotentProducer(
+        f"{IN_PROCESS}/v1/stream/claim-twice",
+        producer_id="twice",
+        epoch=0,
+        auto_claim=True,
+        max_in_flight=2,
+        max_batch_bytes=1,
+        client=hooked(hook),
+    )
     await p.start()
     try:
         p.append({"i": 0})
@@ -683,8 +775,15 @@ async def test_close_after_a_fence_reports_every_undelivered_message(
         return await inner.handle_async_request(request)
 
     failures: list[tuple[OnceflowError, int]] = []
-    p = AsyncIdempotentProducer(f"{IN_PROCESS}/v1/stream/fence-close", producer_id="z2", epoch=0, max_in_flight=3,
-                                max_batch_bytes=64, client=hooked(hook), on_error=lambda e, k: failures.append((e, k)))
+    p = AsyncIdempotentProducer(
+        f"{IN_PROCESS}/v1/stream/fence-close",
+        producer_id="z2",
+        epoch=0,
+        max_in_flight=3,
+        max_batch_bytes=64,
+        client=hooked(hook),
+        on_error=lambda e, k: failures.append((e, k)),
+    )
     await p.start()
     try:
         for i in range(10):
@@ -711,7 +810,9 @@ async def test_epoch_file_gives_successive_producers_new_epochs(onceflow: InProc
     url = f"{IN_PROCESS}/v1/stream/epochs"
     epoch_file = tmp_path / "producer.epoch"
     for run in (0, 1):
-        async with AsyncIdempotentProducer(url, producer_id="stable", epoch_file=epoch_file, client=onceflow.client) as p:
+        async with AsyncIdempotentProducer(
+            url, producer_id="stable", epoch_file=epoch_file, client=onceflow.client
+        ) as p:
             assert p.epoch == run
             for i in range(10):
                 p.append({"run": run, "i": i})
@@ -740,8 +841,13 @@ async def test_appending_to_a_closed_stream_fails_with_stream_closed_error(oncef
     await s.append({"x": 1})
     closed = await s.close_stream()
     failures: list[tuple[OnceflowError, int]] = []
-    p = AsyncIdempotentProducer(f"{IN_PROCESS}/v1/stream/closed", max_in_flight=2, max_batch_bytes=16,
-                                client=onceflow.client, on_error=lambda e, k: failures.append((e, k)))
+    p = AsyncIdempotentProducer(
+        f"{IN_PROCESS}/v1/stream/closed",
+        max_in_flight=2,
+        max_batch_bytes=16,
+        client=onceflow.client,
+        on_error=lambda e, k: failures.append((e, k)),
+    )
     await p.start()
     try:
         for i in range(12):
@@ -796,7 +902,9 @@ async def test_pending_and_in_flight_counts(onceflow: InProcess, hooked: Callabl
             await gate.wait()
         return await inner.handle_async_request(request)
 
-    p = AsyncIdempotentProducer(f"{IN_PROCESS}/v1/stream/counts", max_in_flight=3, max_batch_bytes=1, client=hooked(hook))
+    p = AsyncIdempotentProducer(
+        f"{IN_PROCESS}/v1/stream/counts", max_in_flight=3, max_batch_bytes=1, client=hooked(hook)
+    )
     await p.start()
     try:
         for i in range(20):
@@ -847,7 +955,9 @@ def test_blocking_counts_after_flush(shared_server: ServerProcess) -> None:
 async def test_linger_batches_many_appends_into_few_requests(onceflow: InProcess) -> None:
     await inproc_create(onceflow, "linger")
     n, linger = 300, 0.05
-    async with AsyncIdempotentProducer(f"{IN_PROCESS}/v1/stream/linger", linger_ms=linger * 1000, client=onceflow.client) as p:
+    async with AsyncIdempotentProducer(
+        f"{IN_PROCESS}/v1/stream/linger", linger_ms=linger * 1000, client=onceflow.client
+    ) as p:
         t0 = time.monotonic()
         for i in range(n):
             p.append({"i": i})

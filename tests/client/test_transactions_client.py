@@ -124,8 +124,16 @@ def test_copier_copies_everything_once(srv: ServerProcess) -> None:
     for k in range(2):
         with IdempotentProducer(srv.url, f"cp/in{k}") as prod:
             prod.extend({"src": k, "i": i} for i in range(2_000))
-    n = asyncio.run(copy_streams(srv.url, ["cp/in0", "cp/in1"], ["cp/out0", "cp/out1", "cp/out2"],
-                                 transactional_id="c1", group="copy", txn_size=300))
+    n = asyncio.run(
+        copy_streams(
+            srv.url,
+            ["cp/in0", "cp/in1"],
+            ["cp/out0", "cp/out1", "cp/out2"],
+            transactional_id="c1",
+            group="copy",
+            txn_size=300,
+        )
+    )
     assert n == 4_000
     out = [m for i in range(3) for m in read(srv.url, f"cp/out{i}")]
     assert len(out) == 4_000 and {(m["src"], m["i"]) for m in out} == {(k, i) for k in range(2) for i in range(2_000)}
@@ -135,9 +143,26 @@ class Copier:
     """`onceflow copy --live` as a killable child process."""
 
     def __init__(self, url: str, tid: str, inputs: list[str], outputs: list[str]) -> None:
-        self.args = [sys.executable, "-m", "onceflow.cli", "copy", "--url", url, "--transactional-id", tid,
-                     "--group", "chaos", "--txn-size", "750", "--live", "--quiet", "--max-read-bytes", "4KiB",
-                     "--txn-timeout", "30"]
+        self.args = [
+            sys.executable,
+            "-m",
+            "onceflow.cli",
+            "copy",
+            "--url",
+            url,
+            "--transactional-id",
+            tid,
+            "--group",
+            "chaos",
+            "--txn-size",
+            "750",
+            "--live",
+            "--quiet",
+            "--max-read-bytes",
+            "4KiB",
+            "--txn-timeout",
+            "30",
+        ]
         for i in inputs:
             self.args += ["--input", i]
         for o in outputs:
@@ -226,7 +251,9 @@ def _chaos(srv: ServerProcess, inputs: list[str], outputs: list[str], per_input:
     assert (missing, extra) == (0, 0), f"{missing} messages missing, {extra} unexpected, after {len(kills)} kills"
     for o in outputs:  # the reader never saw anything that is not (yet) in the committed output
         bad = next((i for i, (a, b) in enumerate(zip(seen[o], final[o], strict=False)) if a != b), None)
-        assert bad is None and len(seen[o]) <= len(final[o]), f"the read_committed reader of {o} saw aborted data at {bad}"
+        assert bad is None and len(seen[o]) <= len(final[o]), (
+            f"the read_committed reader of {o} saw aborted data at {bad}"
+        )
     if len(inputs) == 1 and len(outputs) == 1:
         assert [m["i"] for m in final[outputs[0]]] == list(range(per_input)), "order was not kept"
 

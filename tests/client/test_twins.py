@@ -38,13 +38,21 @@ from onceflow.processors import (
 PAIRS: list[tuple[type, type, dict[str, str]]] = [
     (AsyncStream, Stream, {}),
     (AsyncIdempotentProducer, IdempotentProducer, {"start": "the blocking twin starts in its constructor"}),
-    (AsyncTransactionalProducer, TransactionalProducer, {
-        "resume": "for the Spark connector's writers, whose epochs the sink's begin issues; the blocking twin init()s in its constructor",
-    }),
-    (AsyncConsumer, Consumer, {
-        "start": "the blocking twin starts in its constructor",
-        "hold_back": "the blocking twin's commit() holds back the messages it has not handed out itself",
-    }),
+    (
+        AsyncTransactionalProducer,
+        TransactionalProducer,
+        {
+            "resume": "for the Spark connector's writers, whose epochs the sink's begin issues; the blocking twin init()s in its constructor",
+        },
+    ),
+    (
+        AsyncConsumer,
+        Consumer,
+        {
+            "start": "the blocking twin starts in its constructor",
+            "hold_back": "the blocking twin's commit() holds back the messages it has not handed out itself",
+        },
+    ),
     (AsyncStreamProcessor, StreamProcessor, {}),
     (AsyncSinkProcessor, SinkProcessor, {}),
     (AsyncSource, Source, {}),
@@ -52,7 +60,11 @@ PAIRS: list[tuple[type, type, dict[str, str]]] = [
 
 # parameters only the async method has: (class, method, parameter) -> why
 ASYNC_ONLY_PARAMS: dict[tuple[type, str, str], str] = {
-    (AsyncStreamProcessor, "run", "stop"): "an asyncio.Event of the caller's loop; the blocking run() returns on max_steps or when caught up",
+    (
+        AsyncStreamProcessor,
+        "run",
+        "stop",
+    ): "an asyncio.Event of the caller's loop; the blocking run() returns on max_steps or when caught up",
     (AsyncSinkProcessor, "run", "stop"): "as for AsyncStreamProcessor",
 }
 
@@ -94,7 +106,9 @@ def test_twins_have_the_same_public_methods(async_cls: type, sync_cls: type, asy
     methods_s = {n for n, f in s.items() if f != "property"}
     assert sorted(methods_a) == sorted(methods_s)
     for name in methods_s:
-        assert _signature(async_cls, name, a[name]) == _signature(sync_cls, name, s[name]), f"{sync_cls.__name__}.{name}"
+        assert _signature(async_cls, name, a[name]) == _signature(sync_cls, name, s[name]), (
+            f"{sync_cls.__name__}.{name}"
+        )
     # a property of the blocking twin reads an attribute (or property) of the async one
     source = inspect.getsource(async_cls) + "".join(inspect.getsource(b) for b in async_cls.__mro__[1:-1])
     for name in sorted(n for n, f in s.items() if f == "property"):

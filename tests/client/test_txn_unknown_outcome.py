@@ -205,8 +205,12 @@ async def test_a_transaction_with_a_lost_append_refuses_to_commit_until_aborted(
     await producer.append("f", {"n": "lost"})
     err = await lose_every_answer(faults, "f", producer.flush())
     assert isinstance(err, OutcomeUnknownError) and err.code == "outcome_unknown"
-    for attempt in (producer.commit(), producer.append("e", {"n": "more"}), producer.flush(),
-                    producer.send_offsets_to_transaction("g", {"e": "0000000000000000_0000000000000000"})):
+    for attempt in (
+        producer.commit(),
+        producer.append("e", {"n": "more"}),
+        producer.flush(),
+        producer.send_offsets_to_transaction("g", {"e": "0000000000000000_0000000000000000"}),
+    ):
         with pytest.raises(AbortRequiredError) as exc:
             await attempt
         assert exc.value.cause is err and "abort()" in exc.value.message
@@ -441,7 +445,9 @@ def test_an_exactly_once_consumer_rewinds_to_the_committed_offsets_after_an_abor
         with Stream.connect(srv.url, "eo/in") as s:
             for i in range(0, 30, 5):
                 s.append_many([{"i": j} for j in range(i, i + 5)])
-        consumer = Consumer(srv.url, group="eo", streams=["eo/in"], delivery="exactly-once", live=None, max_read_bytes=1)
+        consumer = Consumer(
+            srv.url, group="eo", streams=["eo/in"], delivery="exactly-once", live=None, max_read_bytes=1
+        )
         aborted = 0
         with TransactionalProducer(proxy.url, "eo", delivery_timeout=0.3, retry_backoff=(0.01, 0.02)) as p:
             while batch := consumer.poll():

@@ -218,7 +218,6 @@ async def test_a_closed_fork_reports_its_own_tail(onceflow: InProcess) -> None:
     assert (await onceflow.client.get(S + "fk", params={"offset": "-1"})).content == b"abcdef"
 
 
-
 async def test_a_live_sse_reader_at_the_tail_learns_of_the_close(onceflow: InProcess) -> None:
     assert (await onceflow.client.put(S + "live", headers=JSON)).status_code == 201
     tail = (await onceflow.client.post(S + "live", json=[{"n": 1}], headers=JSON)).headers["stream-next-offset"]

@@ -71,8 +71,15 @@ async def test_records_read_leaves_out_aborted_data_and_stops_at_the_lso(onceflo
     assert [m for _, _, ms in frames(r.content) for m in ms] == [{"plain": 1}]
     head = await onceflow.client.head(S + "s")
     assert r.headers["stream-next-offset"] == head.headers["stream-last-stable-offset"]
-    unc = await onceflow.client.get(S + "s", params={"offset": "-1", "format": "records", "isolation": "read_uncommitted"})
-    assert [m for _, _, ms in frames(unc.content) for m in ms] == [{"aborted": True}, {"plain": 1}, {"open": True}, {"plain": 2}]
+    unc = await onceflow.client.get(
+        S + "s", params={"offset": "-1", "format": "records", "isolation": "read_uncommitted"}
+    )
+    assert [m for _, _, ms in frames(unc.content) for m in ms] == [
+        {"aborted": True},
+        {"plain": 1},
+        {"open": True},
+        {"plain": 2},
+    ]
 
 
 async def test_boundaries_split_a_range_and_bound_a_trigger(onceflow: InProcess) -> None:
@@ -90,15 +97,20 @@ async def test_boundaries_split_a_range_and_bound_a_trigger(onceflow: InProcess)
     assert one.json()["end"] == ends[1]  # at least one batch, even when it is bigger than the cap
 
 
-@pytest.mark.parametrize("params,needle", [
-    ({"offset": "-1", "format": "xml"}, "format must be records or boundaries"),
-    ({"offset": "-1", "format": "records", "until": "nonsense"}, "until must be an offset"),
-    ({"offset": "-1", "format": "records", "until": "now"}, "until must be an offset"),
-    ({"offset": "-1", "format": "boundaries", "every": "0"}, "every must be a positive integer"),
-    ({"offset": "-1", "format": "boundaries", "max_records": "x"}, "max_records must be a positive integer"),
-    ({"offset": "-1", "format": "records", "live": "long-poll"}, "not live"),
-])
-async def test_bad_exact_read_parameters_are_400_with_a_reason(onceflow: InProcess, params: dict[str, str], needle: str) -> None:
+@pytest.mark.parametrize(
+    "params,needle",
+    [
+        ({"offset": "-1", "format": "xml"}, "format must be records or boundaries"),
+        ({"offset": "-1", "format": "records", "until": "nonsense"}, "until must be an offset"),
+        ({"offset": "-1", "format": "records", "until": "now"}, "until must be an offset"),
+        ({"offset": "-1", "format": "boundaries", "every": "0"}, "every must be a positive integer"),
+        ({"offset": "-1", "format": "boundaries", "max_records": "x"}, "max_records must be a positive integer"),
+        ({"offset": "-1", "format": "records", "live": "long-poll"}, "not live"),
+    ],
+)
+async def test_bad_exact_read_parameters_are_400_with_a_reason(
+    onceflow: InProcess, params: dict[str, str], needle: str
+) -> None:
     await make(onceflow, "s")
     await append(onceflow, "s", [1])
     r = await onceflow.client.get(S + "s", params=params)
@@ -135,7 +147,9 @@ def members(*ts: Txn) -> list[dict[str, Any]]:
 async def test_members_commit_as_one_and_a_replayed_batch_adds_nothing(onceflow: InProcess) -> None:
     a, b = await two_tasks(onceflow, "q")
     assert await committed(onceflow, "x") == []
-    r = await onceflow.client.post("/v1/sinks/q/commit", json={"batch": 7, "members": members(a, b), "abort_prefix": "spark/q/"})
+    r = await onceflow.client.post(
+        "/v1/sinks/q/commit", json={"batch": 7, "members": members(a, b), "abort_prefix": "spark/q/"}
+    )
     assert r.status_code == 200, r.text
     assert r.json() == {"sink": "q", "status": "committed", "batch": 7}
     assert sorted(m["from"] for m in await committed(onceflow, "x")) == ["a", "b"]
@@ -147,7 +161,9 @@ async def test_members_commit_as_one_and_a_replayed_batch_adds_nothing(onceflow:
     for t in (a, b):
         await t.init()
         await t.send("x", {"rerun": t.tid})
-    rerun = await onceflow.client.post("/v1/sinks/q/commit", json={"batch": 7, "members": members(a, b), "abort_prefix": "spark/q/"})
+    rerun = await onceflow.client.post(
+        "/v1/sinks/q/commit", json={"batch": 7, "members": members(a, b), "abort_prefix": "spark/q/"}
+    )
     assert rerun.json() == {"sink": "q", "status": "already_committed", "batch": 7}
     assert sorted(m["from"] for m in await committed(onceflow, "x")) == ["a", "b"]
     head = await onceflow.client.head(S + "x")
@@ -163,7 +179,9 @@ async def test_leftover_attempts_under_the_prefix_are_aborted(onceflow: InProces
     other = Txn(onceflow.client, "spark/qq/p0/a0")  # another sink: not under "spark/q/"
     await other.init()
     await other.send("y", {"from": "other sink"})
-    r = await onceflow.client.post("/v1/sinks/q/commit", json={"batch": 0, "members": members(a, b), "abort_prefix": "spark/q/"})
+    r = await onceflow.client.post(
+        "/v1/sinks/q/commit", json={"batch": 0, "members": members(a, b), "abort_prefix": "spark/q/"}
+    )
     assert r.json()["status"] == "committed"
     assert await committed(onceflow, "y") == [{"from": "b"}]
     assert {"from": "speculative"} in await uncommitted(onceflow, "y")
@@ -176,7 +194,9 @@ async def test_a_fenced_member_fails_the_commit_and_nothing_is_visible(onceflow:
     a, b = await two_tasks(onceflow, "q")
     stale = members(a, b)
     await b.init()  # a zombie's epoch: b's old transaction is aborted
-    r = await onceflow.client.post("/v1/sinks/q/commit", json={"batch": 1, "members": stale, "abort_prefix": "spark/q/"})
+    r = await onceflow.client.post(
+        "/v1/sinks/q/commit", json={"batch": 1, "members": stale, "abort_prefix": "spark/q/"}
+    )
     assert r.status_code == 403, r.text
     assert await committed(onceflow, "x") == []
     head = await onceflow.client.head(S + "x")
@@ -193,15 +213,20 @@ async def test_abort_drops_members_and_leftovers(onceflow: InProcess) -> None:
         assert (await onceflow.client.get("/v1/txn/" + t.tid)).json()["status"] == "complete_abort"
 
 
-@pytest.mark.parametrize("path,body,status", [
-    ("/v1/sinks/q/commit", {"batch": 1}, 400),
-    ("/v1/sinks/q/commit", {"batch": -1, "members": []}, 400),
-    ("/v1/sinks/q/commit", {"members": [{"id": "t", "epoch": 0}]}, 400),
-    ("/v1/sinks/q/commit", {"members": [{"id": "never-initialised", "epoch": 0, "txn": 1}]}, 404),
-    ("/v1/sinks/q/commit", {"members": [], "abort_prefix": ""}, 400),
-    ("/v1/sinks/q/frobnicate", {"members": []}, 404),
-])
-async def test_bad_sink_requests_get_a_clear_4xx(onceflow: InProcess, path: str, body: dict[str, Any], status: int) -> None:
+@pytest.mark.parametrize(
+    "path,body,status",
+    [
+        ("/v1/sinks/q/commit", {"batch": 1}, 400),
+        ("/v1/sinks/q/commit", {"batch": -1, "members": []}, 400),
+        ("/v1/sinks/q/commit", {"members": [{"id": "t", "epoch": 0}]}, 400),
+        ("/v1/sinks/q/commit", {"members": [{"id": "never-initialised", "epoch": 0, "txn": 1}]}, 404),
+        ("/v1/sinks/q/commit", {"members": [], "abort_prefix": ""}, 400),
+        ("/v1/sinks/q/frobnicate", {"members": []}, 404),
+    ],
+)
+async def test_bad_sink_requests_get_a_clear_4xx(
+    onceflow: InProcess, path: str, body: dict[str, Any], status: int
+) -> None:
     r = await onceflow.client.post(path, json=body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["message"]

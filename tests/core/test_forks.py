@@ -58,7 +58,9 @@ async def listed(c: InProcess, name: str) -> dict[str, Any]:
     return entry
 
 
-async def fork(c: InProcess, name: str, source: str, offset: str | None = None, sub: int | None = None) -> httpx.Response:
+async def fork(
+    c: InProcess, name: str, source: str, offset: str | None = None, sub: int | None = None
+) -> httpx.Response:
     h = {"stream-forked-from": S + source}
     if offset is not None:
         h["stream-fork-offset"] = offset
@@ -119,7 +121,9 @@ async def test_a_fork_never_shows_an_aborted_transaction_of_its_parent(onceflow:
 async def test_a_fork_at_an_offset_inside_the_open_transaction(onceflow: InProcess) -> None:
     t, lso = await parent_with_open_txn(onceflow)
     await t.send("p", {"txn": 2})
-    middle = (await onceflow.client.get(S + "p", params={"offset": lso, "isolation": "read_uncommitted", "max_bytes": "1"})).headers["stream-next-offset"]
+    middle = (
+        await onceflow.client.get(S + "p", params={"offset": lso, "isolation": "read_uncommitted", "max_bytes": "1"})
+    ).headers["stream-next-offset"]
     assert (await fork(onceflow, "f", "p", offset=middle)).status_code == 201
     assert await read(onceflow, "f", isolation="read_uncommitted") == [{"plain": 1}, {"txn": 1}]
     assert await read(onceflow, "f") == [{"plain": 1}]
@@ -230,12 +234,16 @@ async def test_a_subscription_to_the_fork_wakes_when_the_parent_transaction_comm
     t, lso = await parent_with_open_txn(onceflow)
     assert (await fork(onceflow, "events/f", "p")).status_code == 201
     assert (await c.put(S + "wake/pool", headers=JSON)).status_code == 201
-    r = await c.put(S + "__ds/subscriptions/sub", json={"type": "pull-wake", "streams": ["events/f"], "wake_stream": "wake/pool"})
+    r = await c.put(
+        S + "__ds/subscriptions/sub", json={"type": "pull-wake", "streams": ["events/f"], "wake_stream": "wake/pool"}
+    )
     assert r.status_code == 201, r.text
     try:
         info = next(x for x in (await c.get(S + "__ds/subscriptions/sub")).json()["streams"] if x["path"] == "events/f")
         assert info["acked_offset"] == lso  # linked at its tail: the parent's LSO
-        assert (await c.post(S + "__ds/subscriptions/sub/claim", json={"worker": "w"})).status_code == 409  # nothing pending
+        assert (
+            await c.post(S + "__ds/subscriptions/sub/claim", json={"worker": "w"})
+        ).status_code == 409  # nothing pending
         assert (await t.end(commit=True)).status_code == 200  # only the parent's log changes
 
         async def woken() -> bool:
@@ -249,7 +257,10 @@ async def test_a_subscription_to_the_fork_wakes_when_the_parent_transaction_comm
             await asyncio.sleep(0.02)
         claim = (await c.post(S + "__ds/subscriptions/sub/claim", json={"worker": "w"})).json()
         f = next(x for x in claim["streams"] if x["path"] == "events/f")
-        assert f["has_pending"] is True and f["tail_offset"] == (await head(onceflow, "events/f")).headers["stream-next-offset"]
+        assert (
+            f["has_pending"] is True
+            and f["tail_offset"] == (await head(onceflow, "events/f")).headers["stream-next-offset"]
+        )
     finally:
         await onceflow.app.subscriptions.close()
 
@@ -316,8 +327,12 @@ def deep(depth: int) -> bytes:
     return b"[" * depth + b"0" + b"]" * depth
 
 
-@pytest.mark.parametrize("message", [*POISON, None], ids=[*(p[:24].decode("utf-8", "replace") for p in POISON), "deepest-accepted"])
-async def test_a_sub_offset_fork_copies_any_message_an_append_accepted(onceflow: InProcess, message: bytes | None) -> None:
+@pytest.mark.parametrize(
+    "message", [*POISON, None], ids=[*(p[:24].decode("utf-8", "replace") for p in POISON), "deepest-accepted"]
+)
+async def test_a_sub_offset_fork_copies_any_message_an_append_accepted(
+    onceflow: InProcess, message: bytes | None
+) -> None:
     """Whatever JSON an append accepted, a sub-offset fork copies it byte for byte, or refuses with a 4xx."""
     assert (await onceflow.client.put(S + "src", headers=JSON)).status_code == 201
     if message is None:  # the deepest nesting an append accepts (it depends on the interpreter)

@@ -207,7 +207,9 @@ async def test_group_offsets_are_monotonic_and_fence_zombie_members(onceflow: In
         ("/v1/groups/g/offsets", {"offsets": []}, 400),
     ],
 )
-async def test_bad_transaction_requests_are_4xx_with_a_reason(onceflow: InProcess, path: str, body: dict[str, Any], status: int) -> None:
+async def test_bad_transaction_requests_are_4xx_with_a_reason(
+    onceflow: InProcess, path: str, body: dict[str, Any], status: int
+) -> None:
     r = await onceflow.client.post(path, json=body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["message"]

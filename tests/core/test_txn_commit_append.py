@@ -48,7 +48,9 @@ def statuses(data: Path, tid: str) -> list[tuple[int, str]]:
     return out
 
 
-async def test_one_request_commits_a_one_stream_transaction_in_one_write(onceflow: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_one_request_commits_a_one_stream_transaction_in_one_write(
+    onceflow: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     await make(onceflow, "s")
     t = Txn(onceflow.client, "w")
     await t.init()
@@ -120,10 +122,17 @@ async def test_a_malformed_transaction_commit_header_is_a_400(onceflow: InProces
     await make(onceflow, "s")
     t = Txn(onceflow.client, "w")
     await t.init()
-    r = await onceflow.client.post(S + "s", json=[1], headers={
-        "producer-id": "txn:w", "producer-epoch": str(t.epoch), "producer-seq": "0",
-        "transaction-id": "w", "transaction-commit": header,
-    })
+    r = await onceflow.client.post(
+        S + "s",
+        json=[1],
+        headers={
+            "producer-id": "txn:w",
+            "producer-epoch": str(t.epoch),
+            "producer-seq": "0",
+            "transaction-id": "w",
+            "transaction-commit": header,
+        },
+    )
     assert r.status_code == 400 and "Transaction-Commit" in r.json()["error"]["message"]
     plain = await onceflow.client.post(S + "s", json=[1], headers={"transaction-commit": "1"})
     assert plain.status_code == 400 and "Transaction-Id" in plain.json()["error"]["message"]
@@ -142,14 +151,18 @@ async def test_a_commit_append_ends_a_transaction_of_several_streams_or_with_off
     # one stream, but with a group's offsets: they take effect with the data
     await onceflow.client.post(S + "in", json=[1, 2], headers={"content-type": "application/json"})
     position = (await onceflow.client.head(S + "in")).headers["stream-next-offset"]
-    off = await onceflow.client.post("/v1/txn/w/offsets", json={"epoch": t.epoch, "group": "g", "offsets": {"in": position}})
+    off = await onceflow.client.post(
+        "/v1/txn/w/offsets", json={"epoch": t.epoch, "group": "g", "offsets": {"in": position}}
+    )
     assert off.status_code == 200 and off.json()["txn"] == 2
     assert (await onceflow.client.get("/v1/groups/g/offsets")).json()["offsets"] == {}  # not before the commit
     assert (await t.send("a", {"to": "a", "n": 2}, commit=2)).headers["transaction-committed"] == "true"
     assert (await onceflow.client.get("/v1/groups/g/offsets")).json()["offsets"] == {"in": position}
     assert await committed(onceflow, "a") == [{"to": "a"}, {"to": "a", "n": 2}]
     await onceflow.broker.coordinator.log.drain()  # type: ignore[union-attr]
-    assert (1, "prepare_commit") in statuses(onceflow.data, "w") and (2, "prepare_commit") in statuses(onceflow.data, "w")
+    assert (1, "prepare_commit") in statuses(onceflow.data, "w") and (2, "prepare_commit") in statuses(
+        onceflow.data, "w"
+    )
 
 
 # ---------------------------------------------------------------------- crashes
@@ -174,8 +187,13 @@ async def commit_one_and_kill(data: Path, then_open_another: bool = False) -> Tx
 async def test_a_commit_by_marker_survives_losing_the_coordinators_records(tmp_path: Path, lost: str) -> None:
     data = tmp_path / "data"
     t = await commit_one_and_kill(data)
-    gone = lose_records(data, lambda r: r.get("tid") == "w" and r["txn"] == 1 and (lost != "complete" or r["status"] == "complete_commit"))
-    assert {r["status"] for r in gone} == ({"complete_commit"} if lost == "complete" else {"ongoing", "complete_commit"})
+    gone = lose_records(
+        data,
+        lambda r: r.get("tid") == "w" and r["txn"] == 1 and (lost != "complete" or r["status"] == "complete_commit"),
+    )
+    assert {r["status"] for r in gone} == (
+        {"complete_commit"} if lost == "complete" else {"ongoing", "complete_commit"}
+    )
     async with serve(data) as c:
         t.c = c.client
         assert await committed(c, "s") == [{"n": 1}]
@@ -268,13 +286,17 @@ async def test_the_transactional_producer_commits_with_its_last_append(onceflow:
     async def note(req: httpx.Request) -> None:
         requests.append(f"{req.method} {req.url.path}")
 
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=onceflow.app), base_url="http://t", event_hooks={"request": [note]})
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=onceflow.app), base_url="http://t", event_hooks={"request": [note]}
+    )
     p = AsyncTransactionalProducer("http://t", "w", client=client)
     await p.init()
     for n in range(3):
         async with p.transaction():
             await p.extend("a", [{"n": n}, {"n": n, "more": True}])
-    assert [r for r in requests if r.startswith("POST")] == ["POST /v1/txn/w/init"] + ["POST /v1/stream/a"] * 3  # one request each
+    assert [r for r in requests if r.startswith("POST")] == ["POST /v1/txn/w/init"] + [
+        "POST /v1/stream/a"
+    ] * 3  # one request each
     requests.clear()
     async with p.transaction():  # two streams: the first is sent, the second carries the commit
         await p.append("a", {"to": "a"})
@@ -291,8 +313,14 @@ async def test_the_transactional_producer_commits_with_its_last_append(onceflow:
     async with p.transaction():
         await p.append("a", {"after": "abort"})
     assert await committed(onceflow, "a") == [
-        {"n": 0}, {"n": 0, "more": True}, {"n": 1}, {"n": 1, "more": True}, {"n": 2}, {"n": 2, "more": True},
-        {"to": "a"}, {"after": "abort"},
+        {"n": 0},
+        {"n": 0, "more": True},
+        {"n": 1},
+        {"n": 1, "more": True},
+        {"n": 2},
+        {"n": 2, "more": True},
+        {"to": "a"},
+        {"after": "abort"},
     ]
     assert await committed(onceflow, "b") == [{"to": "b"}]
     assert (await onceflow.client.get("/v1/groups/g/offsets")).json()["offsets"] == {"in": position}

@@ -113,7 +113,9 @@ async def decided_but_unfinished(c: InProcess, disk: Disk) -> tuple[Txn, list[st
 # ---------------------------------------------------------------------- 1. a commit decided, not finished
 
 
-async def test_offsets_sent_while_a_commit_is_unfinished_do_not_corrupt_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_offsets_sent_while_a_commit_is_unfinished_do_not_corrupt_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The reported scenario, end to end: the next batch's offsets arrive while the commit's
     marker in "b" could not be written. They must neither replace the decided offsets nor drop the
     decision's streams: the sweep then finishes the commit in both streams with the decided
@@ -142,12 +144,22 @@ async def test_offsets_sent_while_a_commit_is_unfinished_do_not_corrupt_it(tmp_p
         await c.broker.close()
 
 
-@pytest.mark.parametrize("request_kind", [
-    "offsets", "append", "append to another stream", "commit append of the next",
-    "commit of the next", "abort of the next", "abort of the decided",
-])
+@pytest.mark.parametrize(
+    "request_kind",
+    [
+        "offsets",
+        "append",
+        "append to another stream",
+        "commit append of the next",
+        "commit of the next",
+        "abort of the next",
+        "abort of the decided",
+    ],
+)
 async def test_every_request_meeting_an_unfinished_commit_is_retriable_and_changes_nothing(
-    onceflow: InProcess, monkeypatch: pytest.MonkeyPatch, request_kind: str,
+    onceflow: InProcess,
+    monkeypatch: pytest.MonkeyPatch,
+    request_kind: str,
 ) -> None:
     disk = Disk(monkeypatch)
     t, offs = await decided_but_unfinished(onceflow, disk)
@@ -192,7 +204,9 @@ async def test_every_request_meeting_an_unfinished_commit_is_retriable_and_chang
 
 @pytest.mark.parametrize("how", ["commit", "commit append", "init"])
 async def test_a_commit_whose_decision_is_logged_is_finished_by_its_retry(
-    onceflow: InProcess, monkeypatch: pytest.MonkeyPatch, how: str,
+    onceflow: InProcess,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
 ) -> None:
     """The retry of the commit itself (or an init, which must end what the old epoch left) finishes
     the decided commit: while the disk still fails it is 503 and changes nothing, once it works the
@@ -237,7 +251,9 @@ async def test_a_commit_whose_decision_is_logged_is_finished_by_its_retry(
     assert "decided" in first.json()["error"]["message"]  # the first answer said the outcome is fixed
 
 
-async def test_the_transactional_producer_rides_out_a_marker_write_that_fails_once(onceflow: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_transactional_producer_rides_out_a_marker_write_that_fails_once(
+    onceflow: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     disk = Disk(monkeypatch)
     await make(onceflow, "a", "b")
     p = AsyncTransactionalProducer("http://testserver", "w", client=onceflow.client, retry_backoff=(0.01, 0.05))
@@ -293,9 +309,16 @@ async def test_a_duplicate_is_answered_as_such_and_touches_no_transaction(oncefl
     assert (await t.end(commit=True)).status_code == 200
     # transaction 2 writes to "u" only; a late duplicate in "s" belongs to transaction 1
     assert (await t.send("u", {"n": 2})).status_code == 200 and t.txn == 2
-    late = await onceflow.client.post(S + "s", json=[{"n": 1}], headers={
-        "producer-id": "txn:w", "producer-epoch": str(t.epoch), "producer-seq": "0", "transaction-id": "w",
-    })
+    late = await onceflow.client.post(
+        S + "s",
+        json=[{"n": 1}],
+        headers={
+            "producer-id": "txn:w",
+            "producer-epoch": str(t.epoch),
+            "producer-seq": "0",
+            "transaction-id": "w",
+        },
+    )
     assert late.status_code == 204 and "transaction-number" not in late.headers
     assert state(await status(onceflow, "w")) == (t.epoch, 2, "ongoing", ["u"])
     assert (await t.end(commit=True)).status_code == 200
@@ -324,7 +347,8 @@ async def test_a_transactional_append_to_a_closed_stream_begins_no_transaction(o
 
 
 async def test_a_timed_out_transaction_whose_abort_marker_failed_still_fences_its_producer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """3a: the sweep aborts a transaction open past its timeout; its abort marker fails. Once the
     sweep finishes the abort, the producer is fenced all the same, also after a restart: its next
@@ -357,7 +381,8 @@ async def test_a_timed_out_transaction_whose_abort_marker_failed_still_fences_it
 
 
 async def test_an_init_whose_record_failed_is_not_answered_by_its_retry_with_that_epoch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """3b: the record of a new epoch fails to reach the disk. Its retry (same request id) must not
     be answered with the epoch only memory holds: after a restart that epoch would be unknown and
@@ -389,7 +414,9 @@ async def test_an_init_whose_record_failed_is_not_answered_by_its_retry_with_tha
 
 @pytest.mark.parametrize("open_before", [True, False])
 async def test_offsets_whose_record_failed_are_not_part_of_the_transaction(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, open_before: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    open_before: bool,
 ) -> None:
     """An offsets request answered 503 (its record failed) left nothing behind: not in the open
     transaction (a commit publishes only acknowledged offsets), and with no transaction open, no
@@ -441,11 +468,12 @@ async def test_a_plain_append_cannot_use_a_transactional_producer_id(onceflow: I
     assert await uncommitted(onceflow, "s") == [{"n": 1}]
 
 
-
 # ---------------------------------------------------------------------- a fence meeting an unfinished abort (found by the simulator)
 
 
-async def test_fencing_a_task_whose_abort_is_unfinished_writes_the_abort_first(onceflow: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_fencing_a_task_whose_abort_is_unfinished_writes_the_abort_first(
+    onceflow: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Found by ``onceflow sim`` (seed 28 of the first version with the sink protocol): a task's
     abort was decided but its marker could not be written; the batch's next commit fenced the task
     by moving its id to a new epoch, dropping the unfinished abort. The task's rows stayed open in
@@ -478,7 +506,9 @@ async def test_fencing_a_task_whose_abort_is_unfinished_writes_the_abort_first(o
     assert (await commit_batch(onceflow.client, st, 0, [again])).status == "committed"  # fences the late task
     await late.abandon()
     head = await onceflow.client.head(S + "out")
-    assert head.headers["stream-last-stable-offset"] == head.headers["stream-next-offset"], "a transaction was left open"
+    assert head.headers["stream-last-stable-offset"] == head.headers["stream-next-offset"], (
+        "a transaction was left open"
+    )
     assert sorted(m["id"] for m in await committed(onceflow, "out")) == [1]
 
 
@@ -531,7 +561,9 @@ async def test_an_init_naming_the_epoch_it_replaces_cannot_fence_a_newer_holder(
     assert await committed(onceflow, "a") == [{"n": 2}]
 
 
-async def test_a_completion_record_that_fails_does_not_lose_the_commits_offsets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_completion_record_that_fails_does_not_lose_the_commits_offsets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Found by ``onceflow sim`` (seed 18050 of the 100,000-seed soak). A commit's completion
     record is not waited for: recovery redoes a decision whose completion is missing. But when
     that record's write fails (EIO, ENOSPC) the log rolls it back, while the next transaction's

@@ -131,7 +131,9 @@ async def test_a_stream_whose_addition_was_lost_joins_the_open_transaction(tmp_p
         await t.send("a", {"to": "a"})
         await t.send("b", {"to": "b"})
         await kill(c.broker)
-    lost = lose_tail_from(data, lambda r: r.get("tid") == "w" and r["status"] == "ongoing" and r["streams"] == ["a", "b"])
+    lost = lose_tail_from(
+        data, lambda r: r.get("tid") == "w" and r["status"] == "ongoing" and r["streams"] == ["a", "b"]
+    )
     assert len(lost) == 1
     async with serve(data) as c:
         t.c = c.client
@@ -251,7 +253,9 @@ async def test_a_decision_whose_markers_reached_some_streams_is_finished_in_the_
 
 
 @pytest.mark.parametrize("shutdown", ["kill", "clean close"])
-async def test_the_next_transaction_is_not_swept_into_a_decision_whose_completion_was_lost(tmp_path: Path, shutdown: str) -> None:
+async def test_the_next_transaction_is_not_swept_into_a_decision_whose_completion_was_lost(
+    tmp_path: Path, shutdown: str
+) -> None:
     """Transaction N committed (decision, markers) but its COMPLETE record and the next
     transaction's ONGOING record were lost, while N+1's data reached a stream N also wrote and a
     stream it did not. Recovery redoes N's decision: that must not commit N+1's data, which sits
@@ -330,7 +334,9 @@ async def test_an_append_that_waited_past_the_end_of_its_transaction_is_refused(
         await t.send("s", {"seq": 0})
         first = t.txn
         headers = {"producer-id": "txn:w", "producer-epoch": str(t.epoch), "transaction-id": "w", **JSON}
-        waiting = asyncio.ensure_future(c.client.post(S + "s", json=[{"seq": 2}], headers={**headers, "producer-seq": "2"}))
+        waiting = asyncio.ensure_future(
+            c.client.post(S + "s", json=[{"seq": 2}], headers={**headers, "producer-seq": "2"})
+        )
         await asyncio.sleep(0.1)
         assert not waiting.done()
         assert (await t.end(commit=True)).status_code == 200
@@ -350,7 +356,9 @@ def coordinator_state(broker: Broker) -> dict[str, Any]:
     coord = broker.coordinator
     return {
         "txns": {tid: meta.record() for tid, meta in coord.txns.items()},
-        "groups": coord.groups, "member_epochs": coord.member_epochs, "sinks": coord.sinks,
+        "groups": coord.groups,
+        "member_epochs": coord.member_epochs,
+        "sinks": coord.sinks,
     }
 
 
@@ -366,20 +374,30 @@ async def busy_coordinator(c: InProcess) -> None:
     for n in range(40):
         assert (await w.send("a", {"n": n})).status_code == 200
         if n % 5 == 0:
-            off = await c.client.post("/v1/txn/w/offsets", json={"epoch": w.epoch, "group": "copy", "offsets": {"in": tail}})
+            off = await c.client.post(
+                "/v1/txn/w/offsets", json={"epoch": w.epoch, "group": "copy", "offsets": {"in": tail}}
+            )
             assert off.status_code == 200
         assert (await w.end(commit=n % 4 != 3)).status_code == 200
     # the last transaction carries offsets and commits; the group is then reset below them
     assert (await w.send("a", {"n": "last"})).status_code == 200
-    assert (await c.client.post("/v1/txn/w/offsets", json={"epoch": w.epoch, "group": "copy", "offsets": {"in": tail}})).status_code == 200
+    assert (
+        await c.client.post("/v1/txn/w/offsets", json={"epoch": w.epoch, "group": "copy", "offsets": {"in": tail}})
+    ).status_code == 200
     assert (await w.end(commit=True)).status_code == 200
-    assert (await c.client.post("/v1/groups/reset/offsets", json={"offsets": {"in": tail}, "member_epoch": 3})).status_code == 200
-    back = await c.client.post("/v1/groups/copy/offsets", json={"offsets": {"in": start}, "reset": True, "member_epoch": 7})
+    assert (
+        await c.client.post("/v1/groups/reset/offsets", json={"offsets": {"in": tail}, "member_epoch": 3})
+    ).status_code == 200
+    back = await c.client.post(
+        "/v1/groups/copy/offsets", json={"offsets": {"in": start}, "reset": True, "member_epoch": 7}
+    )
     assert back.status_code == 200 and back.json()["offsets"] == {"in": start}
     s = Txn(c.client, "spark/k/p0/a0")
     await s.init()
     await s.send("a", {"spark": 1})
-    r = await c.client.post("/v1/sinks/k/commit", json={"batch": 4, "members": [{"id": s.tid, "epoch": s.epoch, "txn": s.txn}]})
+    r = await c.client.post(
+        "/v1/sinks/k/commit", json={"batch": 4, "members": [{"id": s.tid, "epoch": s.epoch, "txn": s.txn}]}
+    )
     assert r.status_code == 200
     o = Txn(c.client, "open")
     await o.init()
@@ -419,7 +437,9 @@ class Died(BaseException):
     """The process dies here (nothing after it runs, not even an ``except Exception``)."""
 
 
-@pytest.mark.parametrize("fault", ["dies before the first rename", "dies between the renames", "disk full at the second rename"])
+@pytest.mark.parametrize(
+    "fault", ["dies before the first rename", "dies between the renames", "disk full at the second rename"]
+)
 async def test_a_compaction_cut_short_leaves_a_log_that_replays_to_the_same_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
 ) -> None:
@@ -490,7 +510,10 @@ async def test_the_coordinator_log_is_compacted_while_serving_without_losing_a_c
             ended, open_txn = 0, None
             for n in range(12):
                 if n % 3 == 0:  # the transaction carries a group's offsets
-                    off = await c.client.post(f"/v1/txn/w{k}/offsets", json={"epoch": t.epoch, "group": f"g{k}", "offsets": {"in": tokens[n % 4]}})
+                    off = await c.client.post(
+                        f"/v1/txn/w{k}/offsets",
+                        json={"epoch": t.epoch, "group": f"g{k}", "offsets": {"in": tokens[n % 4]}},
+                    )
                     assert off.status_code == 200, off.text
                     open_txn = off.json()["txn"]
                 if n % 2:  # committed by its one append
@@ -509,7 +532,11 @@ async def test_the_coordinator_log_is_compacted_while_serving_without_losing_a_c
             nonlocal member_epoch
             for n in range(20):
                 member_epoch += 1
-                body = {"offsets": {"in": tokens[min(3, n // 5)]}, "member_epoch": member_epoch, "reset": n == 0}  # rewound each round
+                body = {
+                    "offsets": {"in": tokens[min(3, n // 5)]},
+                    "member_epoch": member_epoch,
+                    "reset": n == 0,
+                }  # rewound each round
                 r = await c.client.post("/v1/groups/plain/offsets", json=body)
                 assert r.status_code == 200, r.text
 
@@ -548,7 +575,9 @@ async def test_no_compaction_between_a_durable_record_and_its_effect_in_memory(t
     async with serve(data) as c:
         coord = c.broker.coordinator
         await make(c, "in")
-        tail = (await c.client.post(S + "in", json=[1], headers={"content-type": "application/json"})).headers["stream-next-offset"]
+        tail = (await c.client.post(S + "in", json=[1], headers={"content-type": "application/json"})).headers[
+            "stream-next-offset"
+        ]
         for n in range(300):  # enough to pass compact_bytes below
             await coord.commit_offsets(f"filler{n % 7}", {"in": tail})
         coord.compact_bytes = 1000

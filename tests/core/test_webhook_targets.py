@@ -29,14 +29,33 @@ pytestmark = pytest.mark.anyio
 SUBS = "/v1/stream/__ds/subscriptions"
 
 METADATA_FORMS = [
-    "169.254.169.254", "::ffff:169.254.169.254", "64:ff9b::a9fe:a9fe", "64:ff9b:1::a9fe:a9fe", "2002:a9fe:a9fe::1",
+    "169.254.169.254",
+    "::ffff:169.254.169.254",
+    "64:ff9b::a9fe:a9fe",
+    "64:ff9b:1::a9fe:a9fe",
+    "2002:a9fe:a9fe::1",
     "::a9fe:a9fe",
 ]
 
 
-@pytest.mark.parametrize("ip", [*METADATA_FORMS, "127.0.0.1", "::1", "10.1.2.3", "64:ff9b::a00:1", "2002:a00:1::1",
-                                "::ffff:127.0.0.1", "::7f00:1", "0.0.0.0", "::",  # noqa: S104 - addresses judged, not bound "100.64.0.1", "fc00::1", "fe80::1",
-                                "224.0.0.1", "ff02::1", "192.0.2.1"])
+@pytest.mark.parametrize(
+    "ip",
+    [
+        *METADATA_FORMS,
+        "127.0.0.1",
+        "::1",
+        "10.1.2.3",
+        "64:ff9b::a00:1",
+        "2002:a00:1::1",
+        "::ffff:127.0.0.1",
+        "::7f00:1",
+        "0.0.0.0",  # noqa: S104 - addresses judged, not bound
+        "::",  # noqa: S104 - addresses judged, not bound "100.64.0.1", "fc00::1", "fe80::1",
+        "224.0.0.1",
+        "ff02::1",
+        "192.0.2.1",
+    ],
+)
 def test_non_public_addresses_in_every_ipv6_wrapping_are_not_public(ip: str) -> None:
     assert not is_public_address(ipaddress.ip_address(ip))
 
@@ -115,10 +134,16 @@ async def test_a_loopback_webhook_is_refused_by_default(app: App) -> None:
 @pytest.mark.parametrize("app", ["loopback"], indirect=True)
 async def test_loopback_webhooks_are_allowed_behind_the_flag_and_private_ones_still_not(app: App) -> None:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-        r = await c.put(f"{SUBS}/s", json={"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://127.0.0.1:9/h"}})
+        r = await c.put(
+            f"{SUBS}/s", json={"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://127.0.0.1:9/h"}}
+        )
         assert r.status_code == 201, r.text
-        r = await c.put(f"{SUBS}/t", json={"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://10.0.0.1/hook"}})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "WEBHOOK_URL_REJECTED"  # what the conformance suite wants
+        r = await c.put(
+            f"{SUBS}/t", json={"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://10.0.0.1/hook"}}
+        )
+        assert (
+            r.status_code == 400 and r.json()["error"]["code"] == "WEBHOOK_URL_REJECTED"
+        )  # what the conformance suite wants
     with pytest.raises(DeliveryError, match="not a public or loopback address"):
         await app.subscriptions._post("http://10.0.0.1:9/admin", b"{}", {}, 1.0)
 
@@ -155,7 +180,9 @@ async def test_the_connection_goes_to_the_address_that_was_checked(app: App, mon
     asked = fake_dns(monkeypatch, ["8.8.8.8", "127.0.0.1"])
     rec = Recorder()
     app.subscriptions._client = httpx.AsyncClient(transport=httpx.MockTransport(rec))  # no network in this test
-    status, _ = await app.subscriptions._post("https://hooks.example.com:8443/wake?x=1", b"{}", {"content-type": "application/json"}, 1.0)
+    status, _ = await app.subscriptions._post(
+        "https://hooks.example.com:8443/wake?x=1", b"{}", {"content-type": "application/json"}, 1.0
+    )
     assert status == 200
     (req,) = rec.requests
     assert req.url.host == "8.8.8.8" and req.url.port == 8443 and req.url.raw_path == b"/wake?x=1"
@@ -164,7 +191,9 @@ async def test_the_connection_goes_to_the_address_that_was_checked(app: App, mon
     assert asked == ["hooks.example.com"]  # resolved once, by the check
 
 
-async def test_a_name_resolving_to_an_embedded_private_address_is_refused(app: App, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_name_resolving_to_an_embedded_private_address_is_refused(
+    app: App, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for ip in ("64:ff9b::a9fe:a9fe", "2002:a9fe:a9fe::1", "::a9fe:a9fe", "::ffff:127.0.0.1"):
         fake_dns(monkeypatch, [ip])
         rec = Recorder()
@@ -186,9 +215,13 @@ async def test_an_answer_nested_too_deeply_starts_the_lease_instead_of_stalling_
 
     app.subscriptions._client = httpx.AsyncClient(transport=httpx.MockTransport(receiver))  # no network in this test
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-        r = await c.put(f"{SUBS}/s", json={"type": "webhook", "pattern": "e/*", "webhook": {"url": "https://8.8.8.8/hook"}})
+        r = await c.put(
+            f"{SUBS}/s", json={"type": "webhook", "pattern": "e/*", "webhook": {"url": "https://8.8.8.8/hook"}}
+        )
         assert r.status_code == 201, r.text
-        assert (await c.put("/v1/stream/e/a", content=b'{"n":1}', headers={"content-type": "application/json"})).status_code == 201
+        assert (
+            await c.put("/v1/stream/e/a", content=b'{"n":1}', headers={"content-type": "application/json"})
+        ).status_code == 201
         sub = app.subscriptions.manager.subs["s"]
         for _ in range(500):  # the delivery runs as a background task
             if answered and (sub.lease_deadline is not None or sub.delivering is None):

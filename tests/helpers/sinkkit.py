@@ -39,9 +39,13 @@ KINDS = ["pg-upsert", "pg-transactional", "pg-2pc", "redis-atomic", "redis-setnx
 WITH_STORE = {"pg-upsert", "pg-2pc", "redis-setnx"}
 # the hook where each kind's effect becomes durable (where a commit can fail or lose its answer)
 COMMIT_HOOK = {
-    "pg-upsert": "on_checkpoint_prepare", "redis-setnx": "on_checkpoint_prepare", "webhook": "on_checkpoint_prepare",
-    "pg-transactional": "on_checkpoint_complete", "pg-2pc": "on_checkpoint_complete",
-    "redis-atomic": "on_checkpoint_complete", "outbox": "on_checkpoint_complete",
+    "pg-upsert": "on_checkpoint_prepare",
+    "redis-setnx": "on_checkpoint_prepare",
+    "webhook": "on_checkpoint_prepare",
+    "pg-transactional": "on_checkpoint_complete",
+    "pg-2pc": "on_checkpoint_complete",
+    "redis-atomic": "on_checkpoint_complete",
+    "outbox": "on_checkpoint_complete",
 }
 
 
@@ -75,8 +79,15 @@ def outbox_stream(job: str) -> str:
 
 def hook_entry(job: str, i: int, hooks: str) -> dict[str, Any]:
     """An outbox entry as OutboxSink writes it (the webhook kind's input)."""
-    return {"id": f"{job}/src/{i}", "kind": "webhook", "url": f"{hooks}/hook", "method": "POST", "headers": {},
-            "body": value(i), "source": {"stream": "src", "offset": "-", "index": i}}
+    return {
+        "id": f"{job}/src/{i}",
+        "kind": "webhook",
+        "url": f"{hooks}/hook",
+        "method": "POST",
+        "headers": {},
+        "body": value(i),
+        "source": {"stream": "src", "offset": "-", "index": i},
+    }
 
 
 def populate(kind: str, env: Env, job: str) -> str:
@@ -113,8 +124,11 @@ def table(job: str) -> str:
 
 def make_sink(kind: str, env: Env, job: str) -> tuple[CheckpointAwareSink, dict[str, Any]]:
     """The sink of ``kind`` for ``job`` and the SinkRunner keyword arguments it needs."""
-    kw: dict[str, Any] = {"checkpoint_messages": CHECKPOINT_MESSAGES, "max_read_bytes": MAX_READ_BYTES,
-                          "streams": [input_stream(job)]}
+    kw: dict[str, Any] = {
+        "checkpoint_messages": CHECKPOINT_MESSAGES,
+        "max_read_bytes": MAX_READ_BYTES,
+        "streams": [input_stream(job)],
+    }
     if kind in WITH_STORE:
         kw["checkpoints"] = FileCheckpointStore(Path(env.work) / f"{job}.checkpoints.json")
     sink: CheckpointAwareSink
@@ -145,7 +159,9 @@ def make_sink(kind: str, env: Env, job: str) -> tuple[CheckpointAwareSink, dict[
         def effects(msg: Message) -> list[Webhook]:
             return [Webhook(f"{hooks}/hook", msg.value)]
 
-        sink = OutboxSink(env.onceflow, outbox_stream(job), group=job, transactional_id=f"outbox-{job}", effects=effects)
+        sink = OutboxSink(
+            env.onceflow, outbox_stream(job), group=job, transactional_id=f"outbox-{job}", effects=effects
+        )
         kw["ack"] = None
     elif kind == "webhook":
         sink = WebhookSink(retry_backoff=(0.01, 0.1), delivery_timeout=10.0)
@@ -314,7 +330,9 @@ class FaultySink(CheckpointAwareSink):
         self.inner.write(messages)
 
     def on_checkpoint_prepare(self, checkpoint_id: int) -> Any:
-        return self._maybe("on_checkpoint_prepare", checkpoint_id, lambda: self.inner.on_checkpoint_prepare(checkpoint_id))
+        return self._maybe(
+            "on_checkpoint_prepare", checkpoint_id, lambda: self.inner.on_checkpoint_prepare(checkpoint_id)
+        )
 
     def on_checkpoint_complete(self, checkpoint: Any) -> None:
         self._maybe("on_checkpoint_complete", checkpoint.id, lambda: self.inner.on_checkpoint_complete(checkpoint))
@@ -380,7 +398,10 @@ class RedisAnswerDropper:
             upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
             self._sockets += [client, upstream]
             pending = threading.Event()  # a script call was forwarded; its answer is awaited
-            for target, args in ((self._requests, (client, upstream, pending)), (self._answers, (upstream, client, pending))):
+            for target, args in (
+                (self._requests, (client, upstream, pending)),
+                (self._answers, (upstream, client, pending)),
+            ):
                 t = threading.Thread(target=target, args=args, daemon=True)
                 t.start()
                 self._threads.append(t)

@@ -20,8 +20,13 @@ class SSERead:
         self._gone = asyncio.Event()
         self._buf = b""
         scope = {
-            "type": "http", "method": "GET", "path": S + name, "query_string": f"offset={offset}&live=sse".encode(),
-            "headers": [], "scheme": "http", "server": ("testserver", 80),
+            "type": "http",
+            "method": "GET",
+            "path": S + name,
+            "query_string": f"offset={offset}&live=sse".encode(),
+            "headers": [],
+            "scheme": "http",
+            "server": ("testserver", 80),
         }
         self.task = asyncio.ensure_future(app(scope, self._receive, self._send))
 

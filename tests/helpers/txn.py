@@ -43,13 +43,17 @@ class Txn:
         self.epoch, self.txn, self.seqs = body["epoch"], body["txn"], {}
         return body
 
-    async def send(self, stream: str, value: Any, *, epoch: int | None = None, commit: int | None = None, seq: int | None = None) -> httpx.Response:
+    async def send(
+        self, stream: str, value: Any, *, epoch: int | None = None, commit: int | None = None, seq: int | None = None
+    ) -> httpx.Response:
         """One transactional append; ``commit``: as the last append of that transaction
         (``Transaction-Commit``); ``seq``: resend an earlier sequence number (a retry)."""
         seq = self.seqs.get(stream, 0) if seq is None else seq
         headers = {
-            "producer-id": "txn:" + self.tid, "producer-epoch": str(self.epoch if epoch is None else epoch),
-            "producer-seq": str(seq), "transaction-id": self.tid,
+            "producer-id": "txn:" + self.tid,
+            "producer-epoch": str(self.epoch if epoch is None else epoch),
+            "producer-seq": str(seq),
+            "transaction-id": self.tid,
         }
         if commit is not None:
             headers["transaction-commit"] = str(commit)
@@ -60,8 +64,10 @@ class Txn:
         return r
 
     async def end(self, commit: bool, *, txn: int | None = None, epoch: int | None = None) -> httpx.Response:
-        return await self.c.post(T + self.tid + ("/commit" if commit else "/abort"),
-                                 json={"epoch": self.epoch if epoch is None else epoch, "txn": self.txn if txn is None else txn})
+        return await self.c.post(
+            T + self.tid + ("/commit" if commit else "/abort"),
+            json={"epoch": self.epoch if epoch is None else epoch, "txn": self.txn if txn is None else txn},
+        )
 
 
 async def make(c: InProcess, *names: str) -> None:

@@ -76,7 +76,9 @@ TS_CLIENT = ROOT / ".ci" / "ts-client"
 WAIT = 60.0  # upper bound for anything a test waits on; never a timing assertion
 
 HAVE_NODE = shutil.which("node") is not None and shutil.which("npm") is not None
-needs_node = pytest.mark.skipif(not HAVE_NODE, reason="needs Node.js and npm for the @durable-streams/server reference server")
+needs_node = pytest.mark.skipif(
+    not HAVE_NODE, reason="needs Node.js and npm for the @durable-streams/server reference server"
+)
 
 REFERENCE_SERVER_JS = """
 import { DurableStreamTestServer } from "@durable-streams/server";
@@ -121,7 +123,9 @@ def onceflow_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 def _install_reference_server() -> None:
     if (INTEROP / "node_modules" / "@durable-streams" / "server" / "package.json").exists():
         return
-    subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--loglevel=error"], cwd=INTEROP, check=True, timeout=600)
+    subprocess.run(
+        ["npm", "install", "--no-audit", "--no-fund", "--loglevel=error"], cwd=INTEROP, check=True, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +138,10 @@ def reference_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             ["node", "--input-type=module", "-e", REFERENCE_SERVER_JS],
-            cwd=INTEROP, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+            cwd=INTEROP,
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + WAIT
@@ -220,7 +227,14 @@ def strictly_increasing(offsets: list[str]) -> bool:
 
 def test_official_json_create_append_catch_up(onceflow_url: str) -> None:
     url = f"{onceflow_url}/v1/stream/{fresh('json')}"
-    values: list[Any] = [{"id": 1, "text": "héllo"}, [1, 2, 3], "plain string", 42, None, {"nested": {"a": [True, False]}}]
+    values: list[Any] = [
+        {"id": 1, "text": "héllo"},
+        [1, 2, 3],
+        "plain string",
+        42,
+        None,
+        {"nested": {"a": [True, False]}},
+    ]
     with DurableStream.create(url, content_type="application/json", batching=False) as h:
         assert h.content_type is not None and h.content_type.startswith("application/json")
         offsets = [h.append(v).next_offset for v in values]
@@ -518,14 +532,20 @@ def test_official_typescript_client_across_its_api(onceflow_url: str) -> None:
     """Every named check of ``.ci/ts-client/checks.mjs`` passes (the failing ones are listed)."""
     _install_ts_client()
     run = subprocess.run(
-        ["node", "checks.mjs", onceflow_url], cwd=TS_CLIENT, capture_output=True, text=True, timeout=300,
+        ["node", "checks.mjs", onceflow_url],
+        cwd=TS_CLIENT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     lines = run.stdout.splitlines()
     failed = [line for line in lines if line.startswith("FAIL ")]
     passed = [line for line in lines if line.startswith("PASS ")]
     summary = [line for line in lines if line.startswith("SUMMARY ")]
     report = "\n".join(failed) or (run.stdout[-4000:] + run.stderr[-4000:])
-    assert not failed and run.returncode == 0, f"{len(failed)} of {len(failed) + len(passed)} TypeScript client checks failed:\n{report}"
+    assert not failed and run.returncode == 0, (
+        f"{len(failed)} of {len(failed) + len(passed)} TypeScript client checks failed:\n{report}"
+    )
     assert summary == [f"SUMMARY passed={len(passed)} failed=0"], report
     assert len(set(passed)) == len(passed), "two checks share a name"
     assert len(passed) >= 100, f"only {len(passed)} checks ran:\n{report}"  # the script ran through
@@ -628,7 +648,9 @@ def test_reference_long_poll_delivers_later_appends_then_eof(reference_url: str)
     ],
     ids=["json", "text", "binary"],
 )
-def test_reference_sse_live_then_eof(reference_url: str, content_type: str, before: list[Any], after: list[Any]) -> None:
+def test_reference_sse_live_then_eof(
+    reference_url: str, content_type: str, before: list[Any], after: list[Any]
+) -> None:
     name = fresh("sse")
     caught_up = threading.Event()
     json_mode = content_type == "application/json"
@@ -656,7 +678,9 @@ def test_reference_sse_live_then_eof(reference_url: str, content_type: str, befo
     if json_mode:
         assert [m for c in chunks for m in c.messages()] == before + after
     else:
-        assert b"".join(c.data for c in chunks) == b"".join(v.encode() if isinstance(v, str) else v for v in before + after)
+        assert b"".join(c.data for c in chunks) == b"".join(
+            v.encode() if isinstance(v, str) else v for v in before + after
+        )
     assert chunks[-1].closed and chunks[-1].next_offset == final
 
 
@@ -699,7 +723,9 @@ def test_reference_idempotent_producer_pipelined_batches(reference_url: str) -> 
     with Stream.connect(reference_url, name) as s:
         s.create("application/json")
         values = [{"i": i, "pad": "x" * (i % 7)} for i in range(300)]
-        with IdempotentProducer(reference_url, name, producer_id="pipelined", epoch=0, max_batch_bytes=256, max_in_flight=4) as p:
+        with IdempotentProducer(
+            reference_url, name, producer_id="pipelined", epoch=0, max_batch_bytes=256, max_in_flight=4
+        ) as p:
             for v in values:
                 p.append(v)
             p.flush(WAIT)
@@ -720,7 +746,14 @@ def test_reference_producer_retries_injected_faults_without_duplicates(reference
             resp = admin.post(f"{reference_url}/_test/inject-error", json={"path": path, "method": "POST", **fault})
             assert resp.status_code == 200, resp.text
 
-        with IdempotentProducer(reference_url, name, producer_id="faulty", epoch=0, retry_backoff=(0.01, 0.1), content_type="application/json") as p:
+        with IdempotentProducer(
+            reference_url,
+            name,
+            producer_id="faulty",
+            epoch=0,
+            retry_backoff=(0.01, 0.1),
+            content_type="application/json",
+        ) as p:
             inject(status=503, retryAfter=0, count=3)
             for i in range(10):
                 p.append({"i": i})
@@ -765,7 +798,9 @@ async def test_reference_lost_acknowledgements_are_deduplicated(reference_url: s
         await s.create("application/json")
         transport = LoseAcknowledgements(2)
         async with httpx.AsyncClient(transport=transport, timeout=30) as client:
-            p = AsyncIdempotentProducer(reference_url, name, producer_id="lossy", epoch=0, retry_backoff=(0.01, 0.1), client=client)
+            p = AsyncIdempotentProducer(
+                reference_url, name, producer_id="lossy", epoch=0, retry_backoff=(0.01, 0.1), client=client
+            )
             async with p:
                 for i in range(12):
                     p.append({"i": i})

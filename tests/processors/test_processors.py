@@ -53,7 +53,7 @@ async def make(of: InProcess, *names: str, content_type: str = "application/json
 async def fill(of: InProcess, name: str, values: list[Any], per_append: int = 1) -> None:
     s = AsyncStream.connect(URL, name, client=of.client)
     for i in range(0, len(values), per_append):
-        await s.append_many(values[i:i + per_append])
+        await s.append_many(values[i : i + per_append])
 
 
 async def read_all(of: InProcess, name: str) -> list[Any]:
@@ -93,7 +93,13 @@ def upper(batch: Batch) -> list[Any]:
 
 
 def processor(of: InProcess, fn: Callable[[Batch], Any] = upper, **kw: Any) -> AsyncStreamProcessor:
-    args: dict[str, Any] = {"inputs": ["in/a", "in/b"], "output": "out", "fn": fn, "client": of.client, "max_read_bytes": 1}
+    args: dict[str, Any] = {
+        "inputs": ["in/a", "in/b"],
+        "output": "out",
+        "fn": fn,
+        "client": of.client,
+        "max_read_bytes": 1,
+    }
     args.update(kw)
     return AsyncStreamProcessor(URL, args.pop("processor_id", "up"), **args)
 
@@ -102,7 +108,9 @@ def processor(of: InProcess, fn: Callable[[Batch], Any] = upper, **kw: Any) -> A
 
 
 @pytest.mark.anyio
-async def test_stream_processor_reads_many_inputs_and_writes_each_output_once_with_its_hash(onceflow: InProcess) -> None:
+async def test_stream_processor_reads_many_inputs_and_writes_each_output_once_with_its_hash(
+    onceflow: InProcess,
+) -> None:
     await make(onceflow, "in/a", "in/b")
     await fill(onceflow, "in/a", ["a1", "a2", "a3"])
     await fill(onceflow, "in/b", ["b1", "b2"])
@@ -142,7 +150,9 @@ async def test_a_downstream_processor_gets_values_and_metadata_apart(onceflow: I
         got.extend((r.value, dict(r.meta or {})) for r in batch.records)
         return [r.value["v"] + "!" for r in batch.records]
 
-    async with AsyncStreamProcessor(URL, "bang", inputs=["out"], output="out2", fn=second, client=onceflow.client) as p2:
+    async with AsyncStreamProcessor(
+        URL, "bang", inputs=["out"], output="out2", fn=second, client=onceflow.client
+    ) as p2:
         await p2.run()
     assert [v for v, _ in got] == [{"from": "in/a", "v": "X"}, {"from": "in/a", "v": "Y"}]
     assert all(meta["processor"] == "up" and len(meta["hash"]) == 32 for _, meta in got)
@@ -153,11 +163,11 @@ async def test_a_downstream_processor_gets_values_and_metadata_apart(onceflow: I
 @pytest.mark.parametrize(
     ("stream", "nth", "after", "outcome"),
     [
-        ("_cues/up", 2, False, "reset"),    # the snapshot of step 1 never written: nothing recorded yet
-        ("_cues/up", 2, True, "reset"),     # snapshot written, crash before the function ran
-        ("_cues/up", 3, True, "reset"),     # attempt written, crash before the output
-        ("out", 1, False, "reset"),         # the output write itself never reached the server
-        ("out", 1, True, "resumed"),        # output written, crash before the answer
+        ("_cues/up", 2, False, "reset"),  # the snapshot of step 1 never written: nothing recorded yet
+        ("_cues/up", 2, True, "reset"),  # snapshot written, crash before the function ran
+        ("_cues/up", 3, True, "reset"),  # attempt written, crash before the output
+        ("out", 1, False, "reset"),  # the output write itself never reached the server
+        ("out", 1, True, "resumed"),  # output written, crash before the answer
     ],
 )
 async def test_crash_at_each_point_of_a_step_then_restart_gives_output_exactly_once(
@@ -376,8 +386,12 @@ def test_blocking_stream_processor(server: ServerProcess) -> None:
     with httpx.Client() as c:
         for n in ("b/in", "b/out"):
             c.put(f"{server.url}/v1/stream/{n}", headers={"content-type": "application/json"}).raise_for_status()
-        c.post(f"{server.url}/v1/stream/b/in", content=b'[1,2,3]', headers={"content-type": "application/json"}).raise_for_status()
-    with StreamProcessor(server.url, "double", inputs=["b/in"], output="b/out", fn=lambda b: [v * 2 for v in b.values]) as p:
+        c.post(
+            f"{server.url}/v1/stream/b/in", content=b"[1,2,3]", headers={"content-type": "application/json"}
+        ).raise_for_status()
+    with StreamProcessor(
+        server.url, "double", inputs=["b/in"], output="b/out", fn=lambda b: [v * 2 for v in b.values]
+    ) as p:
         assert p.run() == 1
         assert p.epoch == 1
     with httpx.Client() as c:
@@ -404,7 +418,9 @@ async def test_sink_is_at_least_once_with_a_stable_hash_for_idempotency(onceflow
     await sink.start()
     with pytest.raises(Crash):
         await sink.run()
-    async with AsyncSinkProcessor(URL, "table", inputs=["in/a", "in/b"], fn=write, client=onceflow.client, max_read_bytes=1) as again:
+    async with AsyncSinkProcessor(
+        URL, "table", inputs=["in/a", "in/b"], fn=write, client=onceflow.client, max_read_bytes=1
+    ) as again:
         assert again.recovery is not None and again.recovery.outcome == "reset"
         await again.run()
     assert deliveries[0] == (deliveries[1][0], False) and deliveries[1][1] is True  # at least once, same hash
@@ -415,7 +431,9 @@ async def test_sink_is_at_least_once_with_a_stable_hash_for_idempotency(onceflow
 def test_blocking_sink(server: ServerProcess) -> None:
     with httpx.Client() as c:
         c.put(f"{server.url}/v1/stream/s/in", headers={"content-type": "application/json"}).raise_for_status()
-        c.post(f"{server.url}/v1/stream/s/in", content=b'["x","y"]', headers={"content-type": "application/json"}).raise_for_status()
+        c.post(
+            f"{server.url}/v1/stream/s/in", content=b'["x","y"]', headers={"content-type": "application/json"}
+        ).raise_for_status()
     got: list[Any] = []
     with SinkProcessor(server.url, "s", inputs=["s/in"], fn=lambda b: got.extend(b.values)) as sink:
         assert sink.run() == 1
@@ -431,7 +449,7 @@ async def test_source_resumes_from_the_last_position_it_wrote(onceflow: InProces
             pos = src.position
             i = 0 if pos is None else pos + 1
             while i < len(origin):
-                chunk = origin[i:i + 3]
+                chunk = origin[i : i + 3]
                 await src.emit(chunk, i + len(chunk) - 1)
                 i += len(chunk)
                 if crash_after is not None and i >= crash_after:
@@ -516,8 +534,19 @@ async def test_parallel_consumer_commits_only_below_an_unfinished_message(oncefl
         return [msg.value * 10]
 
     kw: dict[str, Any] = {"transactional_id": "pc-1"} if delivery == "exactly-once" else {}
-    pc = ParallelConsumer(URL, group="pc", streams=["pc/in"], handler=handle, concurrency=4, delivery=delivery,  # type: ignore[arg-type]
-                          output="pc/out", client=onceflow.client, max_read_bytes=1, commit_interval=0.02, **kw)
+    pc = ParallelConsumer(
+        URL,
+        group="pc",
+        streams=["pc/in"],
+        handler=handle,
+        concurrency=4,
+        delivery=delivery,  # type: ignore[arg-type]
+        output="pc/out",
+        client=onceflow.client,
+        max_read_bytes=1,
+        commit_interval=0.02,
+        **kw,
+    )
     run = asyncio.ensure_future(pc.run())
 
     async def others_done() -> bool:
@@ -551,9 +580,19 @@ async def test_parallel_consumer_exactly_once_survives_a_crash_mid_run(onceflow:
         return [{"n": msg.value}]
 
     def consumer() -> ParallelConsumer:
-        return ParallelConsumer(URL, group="eo", streams=["eo/in"], handler=slow, concurrency=4, delivery="exactly-once",
-                                transactional_id="eo-1", output="eo/out", client=onceflow.client, max_read_bytes=64,
-                                commit_interval=0.01)
+        return ParallelConsumer(
+            URL,
+            group="eo",
+            streams=["eo/in"],
+            handler=slow,
+            concurrency=4,
+            delivery="exactly-once",
+            transactional_id="eo-1",
+            output="eo/out",
+            client=onceflow.client,
+            max_read_bytes=64,
+            commit_interval=0.01,
+        )
 
     first = consumer()
     task = asyncio.ensure_future(first.run())
@@ -593,9 +632,17 @@ async def test_pipeline_fan_out_filter_and_keyed_workers(onceflow: InProcess) ->
         seen_by.setdefault(value["n"], set()).add(value["part"])
         return finish(value)
 
-    pipe = Pipeline(URL, group="p", inputs=["p/in1", "p/in2"], transactional_id="p-1", output="p/out",
-                    steps=[Step("A", split, workers=3), Step("B", b, workers=2, key=lambda v: v["n"])],
-                    client=onceflow.client, max_read_bytes=256, commit_interval=0.01)
+    pipe = Pipeline(
+        URL,
+        group="p",
+        inputs=["p/in1", "p/in2"],
+        transactional_id="p-1",
+        output="p/out",
+        steps=[Step("A", split, workers=3), Step("B", b, workers=2, key=lambda v: v["n"])],
+        client=onceflow.client,
+        max_read_bytes=256,
+        commit_interval=0.01,
+    )
     stats = await pipe.run()
     expected = [n for n in [*range(60), *range(100, 130)] if n % 10 != 9]
     got = await read_all(onceflow, "p/out") + await read_all(onceflow, "p/odd")
@@ -616,8 +663,17 @@ async def test_pipeline_step_failure_stops_the_run_and_commits_nothing_past_it(o
             raise RuntimeError("bad record")
         return [msg.value]
 
-    pipe = Pipeline(URL, group="f", inputs=["f/in"], steps=[Step("A", fragile)], delivery="at-least-once", output="f/out",
-                    client=onceflow.client, max_read_bytes=1, commit_interval=0.01)
+    pipe = Pipeline(
+        URL,
+        group="f",
+        inputs=["f/in"],
+        steps=[Step("A", fragile)],
+        delivery="at-least-once",
+        output="f/out",
+        client=onceflow.client,
+        max_read_bytes=1,
+        commit_interval=0.01,
+    )
     with pytest.raises(RuntimeError, match="bad record"):
         await pipe.run()
     committed = (await group_offsets(onceflow, "f")).get("f/in")
@@ -642,8 +698,14 @@ def test_pipeline_misuse_gives_clear_errors() -> None:
 async def test_pipeline_without_a_default_output_refuses_plain_values(onceflow: InProcess) -> None:
     await make(onceflow, "n/in")
     await fill(onceflow, "n/in", [1])
-    pipe = Pipeline(URL, group="n", inputs=["n/in"], steps=[Step("A", lambda m: [m.value])], delivery="at-least-once",
-                    client=onceflow.client)
+    pipe = Pipeline(
+        URL,
+        group="n",
+        inputs=["n/in"],
+        steps=[Step("A", lambda m: [m.value])],
+        delivery="at-least-once",
+        client=onceflow.client,
+    )
     with pytest.raises(ProcessorError, match="no default output"):
         await pipe.run()
 
@@ -715,11 +777,14 @@ def _fill(url: str, name: str, total: int, per_append: int) -> None:
         c.put(f"{url}/v1/stream/{name}", headers={"content-type": "application/json"}).raise_for_status()
         for i in range(0, total, per_append):
             body = json.dumps(list(range(i, i + per_append))).encode()
-            c.post(f"{url}/v1/stream/{name}", content=body, headers={"content-type": "application/json"}).raise_for_status()
+            c.post(
+                f"{url}/v1/stream/{name}", content=body, headers={"content-type": "application/json"}
+            ).raise_for_status()
 
 
-def run_with_kills(srv: ServerProcess, script: Path, progress: Callable[[], int], kill_at: list[int],
-                   server_kill_at: int) -> int:
+def run_with_kills(
+    srv: ServerProcess, script: Path, progress: Callable[[], int], kill_at: list[int], server_kill_at: int
+) -> int:
     """Run ``script`` and SIGKILL it each time ``progress()`` passes the next of ``kill_at`` (and
     kill and restart the server too at kill number ``server_kill_at``), then run it to the end.
     Returns how many kills happened mid-run."""
@@ -762,7 +827,9 @@ def quiet_server(tmp_path: Path) -> Iterator[ServerProcess]:
 
 
 @pytest.mark.slow
-def test_pipeline_output_exactly_once_through_kill9_of_pipeline_and_server(quiet_server: ServerProcess, tmp_path: Path) -> None:
+def test_pipeline_output_exactly_once_through_kill9_of_pipeline_and_server(
+    quiet_server: ServerProcess, tmp_path: Path
+) -> None:
     srv = quiet_server
     total = 3000
     _fill(srv.url, "k/in", total, 50)

@@ -41,15 +41,28 @@ async def set_up(c: InProcess) -> None:
     if (await cl.head(S + "fz")).status_code == 200:
         return
     assert (await cl.put(S + "fz", headers={"content-type": "application/json"})).status_code == 201
-    assert (await cl.post(S + "fz", content=b'[{"n":0},{"n":1}]', headers={"content-type": "application/json"})).status_code == 204
+    assert (
+        await cl.post(S + "fz", content=b'[{"n":0},{"n":1}]', headers={"content-type": "application/json"})
+    ).status_code == 204
     epoch = (await cl.post("/v1/txn/tz/init", json={})).json()["epoch"]
-    txh = {"content-type": "application/json", "producer-id": "txn:tz", "producer-epoch": str(epoch), "transaction-id": "tz"}
+    txh = {
+        "content-type": "application/json",
+        "producer-id": "txn:tz",
+        "producer-epoch": str(epoch),
+        "transaction-id": "tz",
+    }
     r = await cl.post(S + "fz", content=b'{"t":1}', headers={**txh, "producer-seq": "0"})
     assert r.status_code == 200
-    assert (await cl.post("/v1/txn/tz/commit", json={"epoch": epoch, "txn": int(r.headers["transaction-number"])})).status_code == 200
-    assert (await cl.post(S + "fz", content=b'{"t":2}', headers={**txh, "producer-seq": "1"})).status_code == 200  # left open
+    assert (
+        await cl.post("/v1/txn/tz/commit", json={"epoch": epoch, "txn": int(r.headers["transaction-number"])})
+    ).status_code == 200
+    assert (
+        await cl.post(S + "fz", content=b'{"t":2}', headers={**txh, "producer-seq": "1"})
+    ).status_code == 200  # left open
     head = await cl.head(S + "fz")
-    r = await cl.post("/v1/groups/gz/offsets", json={"offsets": {"fz": head.headers["stream-last-stable-offset"]}, "member_epoch": 5})
+    r = await cl.post(
+        "/v1/groups/gz/offsets", json={"offsets": {"fz": head.headers["stream-last-stable-offset"]}, "member_epoch": 5}
+    )
     assert r.status_code == 200
     assert (await cl.put(S + "wz", headers={"content-type": "application/json"})).status_code in (200, 201)
     r = await cl.put(S + "__ds/subscriptions/subz", json={"type": "pull-wake", "streams": ["fz"], "wake_stream": "wz"})
@@ -61,8 +74,12 @@ async def snapshot(c: InProcess) -> dict[str, Any]:
     cl = c.client
     head = await cl.head(S + "fz")
     out: dict[str, Any] = {
-        "head": (head.status_code, head.headers.get("stream-next-offset"), head.headers.get("stream-last-stable-offset"),
-                 head.headers.get("stream-closed")),
+        "head": (
+            head.status_code,
+            head.headers.get("stream-next-offset"),
+            head.headers.get("stream-last-stable-offset"),
+            head.headers.get("stream-closed"),
+        ),
         "list": (await cl.get("/v1/streams")).json(),
         "group": (await cl.get("/v1/groups/gz/offsets")).json(),
         "txn": (await cl.get("/v1/txn/tz")).json(),
@@ -84,70 +101,125 @@ offsets_like = st.one_of(
     st.sampled_from(["-1", "now", "0000000000000000_0000000000000000", "0000000000000001_0000000000000008", "zz"]),
     text,
 )
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
-                           max_leaves=6)
-members = st.lists(st.fixed_dictionaries({}, optional={"id": st.sampled_from(["tz", "sk1", "", "a/b"]) | text,
-                                                       "epoch": ints | scalars, "txn": ints | scalars}), max_size=3)
+json_values = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3), max_leaves=6
+)
+members = st.lists(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "id": st.sampled_from(["tz", "sk1", "", "a/b"]) | text,
+            "epoch": ints | scalars,
+            "txn": ints | scalars,
+        },
+    ),
+    max_size=3,
+)
 deep = st.integers(500, 5000).flatmap(lambda n: st.sampled_from([b"[" * n + b"]" * n, b'{"a":' * n + b"1" + b"}" * n]))
-subscription_bodies = st.fixed_dictionaries({}, optional={
-    "type": st.sampled_from(["pull-wake", "webhook", "x"]) | scalars,
-    "pattern": st.sampled_from(["fz", "*", "**", "f*", "a//b", "__ds/*", ""]) | scalars,
-    "streams": st.lists(st.sampled_from(["fz", "/fz/", "", "..", "__ds/x"]) | scalars, max_size=3) | scalars,
-    "wake_stream": st.sampled_from(["wz", "fz", "nope", ""]) | scalars,
-    "webhook": st.fixed_dictionaries({"url": st.sampled_from(["http://127.0.0.1:9/x", "ftp://x", "https://[::1]/", "https://10.0.0.1/"])}) | scalars,
-    "lease_ttl_ms": ints | scalars, "worker": text | scalars, "wake_id": text | scalars, "generation": ints | scalars,
-    "done": st.booleans() | scalars, "acks": st.lists(st.fixed_dictionaries({"stream": text, "offset": offsets_like}), max_size=2) | scalars,
-}).map(lambda d: json.dumps(d).encode())
+subscription_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["pull-wake", "webhook", "x"]) | scalars,
+        "pattern": st.sampled_from(["fz", "*", "**", "f*", "a//b", "__ds/*", ""]) | scalars,
+        "streams": st.lists(st.sampled_from(["fz", "/fz/", "", "..", "__ds/x"]) | scalars, max_size=3) | scalars,
+        "wake_stream": st.sampled_from(["wz", "fz", "nope", ""]) | scalars,
+        "webhook": st.fixed_dictionaries(
+            {"url": st.sampled_from(["http://127.0.0.1:9/x", "ftp://x", "https://[::1]/", "https://10.0.0.1/"])}
+        )
+        | scalars,
+        "lease_ttl_ms": ints | scalars,
+        "worker": text | scalars,
+        "wake_id": text | scalars,
+        "generation": ints | scalars,
+        "done": st.booleans() | scalars,
+        "acks": st.lists(st.fixed_dictionaries({"stream": text, "offset": offsets_like}), max_size=2) | scalars,
+    },
+).map(lambda d: json.dumps(d).encode())
 bodies = st.one_of(
     deep,
     subscription_bodies,
-    st.fixed_dictionaries({}, optional={
-        "epoch": ints | scalars, "txn": ints | scalars, "timeout_ms": ints | scalars, "group": st.sampled_from(["gz", ""]) | scalars,
-        "offsets": st.dictionaries(st.sampled_from(["fz", "nope", ""]) | text, offsets_like | scalars, max_size=2) | scalars,
-        "member_epoch": ints | scalars, "reset": st.booleans() | scalars, "members": members | scalars,
-        "batch": ints | scalars, "abort_prefix": st.sampled_from(["sk", "", "zz"]) | scalars,
-        "query": st.sampled_from(["Q1", "Q2", ""]) | scalars, "owner": st.sampled_from(["Q1", ""]) | scalars,
-        "task": st.sampled_from(["r/t1", ""]) | scalars, "partition": ints | scalars, "fingerprint": text | scalars,
-    }).map(lambda d: json.dumps(d).encode()),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "epoch": ints | scalars,
+            "txn": ints | scalars,
+            "timeout_ms": ints | scalars,
+            "group": st.sampled_from(["gz", ""]) | scalars,
+            "offsets": st.dictionaries(st.sampled_from(["fz", "nope", ""]) | text, offsets_like | scalars, max_size=2)
+            | scalars,
+            "member_epoch": ints | scalars,
+            "reset": st.booleans() | scalars,
+            "members": members | scalars,
+            "batch": ints | scalars,
+            "abort_prefix": st.sampled_from(["sk", "", "zz"]) | scalars,
+            "query": st.sampled_from(["Q1", "Q2", ""]) | scalars,
+            "owner": st.sampled_from(["Q1", ""]) | scalars,
+            "task": st.sampled_from(["r/t1", ""]) | scalars,
+            "partition": ints | scalars,
+            "fingerprint": text | scalars,
+        },
+    ).map(lambda d: json.dumps(d).encode()),
     json_values.map(lambda v: json.dumps(v).encode()),
     st.binary(max_size=40),
 )
 ids = (st.sampled_from(["tz", "gz", "sz", "", "a/b", "..", "x" * 300, "\x00", "new"]) | st.text(max_size=10)).map(
-    lambda i: quote(i, safe="/"))  # sent percent-encoded, so that any text reaches the server
+    lambda i: quote(i, safe="/")
+)  # sent percent-encoded, so that any text reaches the server
 paths = st.one_of(
     st.builds(lambda i, a: f"/v1/txn/{i}/{a}", ids, st.sampled_from(["init", "commit", "abort", "offsets", "", "x"])),
     st.builds(lambda i: f"/v1/txn/{i}", ids),
     st.builds(lambda i, a: f"/v1/groups/{i}/{a}", ids, st.sampled_from(["offsets", "", "commit"])),
-    st.builds(lambda i, a: f"/v1/sinks/{i}{a}", ids, st.sampled_from(["", "/commit", "/abort", "/begin", "/alive", "/reset", "/x"])),
-    st.builds(lambda i, a: f"{S}__ds/subscriptions/{i}{a}", ids | st.just("subz"),
-              st.sampled_from(["", "/streams", "/streams/fz", "/claim", "/ack", "/release", "/callback", "/x"])),
+    st.builds(
+        lambda i, a: f"/v1/sinks/{i}{a}",
+        ids,
+        st.sampled_from(["", "/commit", "/abort", "/begin", "/alive", "/reset", "/x"]),
+    ),
+    st.builds(
+        lambda i, a: f"{S}__ds/subscriptions/{i}{a}",
+        ids | st.just("subz"),
+        st.sampled_from(["", "/streams", "/streams/fz", "/claim", "/ack", "/release", "/callback", "/x"]),
+    ),
     st.sampled_from([S + "__ds/jwks.json", S + "__ds", S + "__ds/x", S + "bad%ff", S + "__ds/subscriptions/%ff"]),
     st.sampled_from(["/v1/streams", "/v1/streams/", "/v1/", "/", S, S + "fz", S + "fz/", S + "nope"]),
 )
-header_names = st.sampled_from([
-    "content-type", "producer-id", "producer-epoch", "producer-seq", "transaction-id", "transaction-commit", "if-match",
-    "stream-closed",
-])
+header_names = st.sampled_from(
+    [
+        "content-type",
+        "producer-id",
+        "producer-epoch",
+        "producer-seq",
+        "transaction-id",
+        "transaction-commit",
+        "if-match",
+        "stream-closed",
+    ]
+)
 header_values = st.one_of(
     st.sampled_from(["application/json", "text/plain", "", "0", "1", "-1", "tz", "txn:tz", "true", "9" * 25]),
     st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20),
 )
 query = st.dictionaries(
     st.sampled_from(["offset", "format", "until", "max_records", "every", "isolation", "max_bytes", "prefix", "live"]),
-    st.one_of(offsets_like, st.sampled_from(["records", "boundaries", "read_committed", "read_uncommitted", "0", "1", "99",
-                                             "long-poll", "tz", "f"])),
+    st.one_of(
+        offsets_like,
+        st.sampled_from(
+            ["records", "boundaries", "read_committed", "read_uncommitted", "0", "1", "99", "long-poll", "tz", "f"]
+        ),
+    ),
     max_size=4,
 )
 
 
-async def check_request(c: InProcess, method: str, path: str, headers: dict[str, str], params: dict[str, str],
-                        body: bytes) -> None:
+async def check_request(
+    c: InProcess, method: str, path: str, headers: dict[str, str], params: dict[str, str], body: bytes
+) -> None:
     await set_up(c)
     before = await snapshot(c)
     if params.get("live") is not None:
         params = {**params, "live": "long-poll"}  # never sse: an endless response
-    r = await c.client.request(method, path, headers=headers, params=params,
-                               content=body if method in ("POST", "PUT", "PATCH") else None)
+    r = await c.client.request(
+        method, path, headers=headers, params=params, content=body if method in ("POST", "PUT", "PATCH") else None
+    )
     assert r.status_code < 500, (method, path, params, r.status_code, r.text)
     if 400 <= r.status_code < 500:
         if method != "HEAD":
@@ -161,8 +233,14 @@ async def check_request(c: InProcess, method: str, path: str, headers: dict[str,
 
 
 @FUZZ_SETTINGS
-@given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "HEAD", "PATCH", "OPTIONS"]), path=paths, body=bodies,
-       headers=st.dictionaries(st.just("content-type"), st.sampled_from(["application/json", "text/plain", ""]), max_size=1))
+@given(
+    method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "HEAD", "PATCH", "OPTIONS"]),
+    path=paths,
+    body=bodies,
+    headers=st.dictionaries(
+        st.just("content-type"), st.sampled_from(["application/json", "text/plain", ""]), max_size=1
+    ),
+)
 async def test_fuzzed_extension_requests_never_5xx_and_rejections_change_nothing(
     onceflow: InProcess, method: str, path: str, body: bytes, headers: dict[str, str]
 ) -> None:
@@ -170,12 +248,22 @@ async def test_fuzzed_extension_requests_never_5xx_and_rejections_change_nothing
 
 
 JSON_ENDPOINTS = [  # every endpoint that parses a JSON body, with names that exist so that the body is parsed
-    ("POST", "/v1/txn/tz/init"), ("POST", "/v1/txn/tz/commit"), ("POST", "/v1/txn/tz/abort"), ("POST", "/v1/txn/tz/offsets"),
-    ("POST", "/v1/groups/gz/offsets"), ("POST", "/v1/sinks/sz/commit"), ("POST", "/v1/sinks/sz/abort"),
-    ("PUT", S + "__ds/subscriptions/new"), ("PUT", S + "__ds/subscriptions/subz"), ("POST", S + "__ds/subscriptions/subz/streams"),
-    ("POST", S + "__ds/subscriptions/subz/claim"), ("POST", S + "__ds/subscriptions/subz/ack"),
-    ("POST", S + "__ds/subscriptions/subz/release"), ("POST", S + "__ds/subscriptions/subz/callback"),
-    ("POST", S + "fz"), ("PUT", S + "new"),
+    ("POST", "/v1/txn/tz/init"),
+    ("POST", "/v1/txn/tz/commit"),
+    ("POST", "/v1/txn/tz/abort"),
+    ("POST", "/v1/txn/tz/offsets"),
+    ("POST", "/v1/groups/gz/offsets"),
+    ("POST", "/v1/sinks/sz/commit"),
+    ("POST", "/v1/sinks/sz/abort"),
+    ("PUT", S + "__ds/subscriptions/new"),
+    ("PUT", S + "__ds/subscriptions/subz"),
+    ("POST", S + "__ds/subscriptions/subz/streams"),
+    ("POST", S + "__ds/subscriptions/subz/claim"),
+    ("POST", S + "__ds/subscriptions/subz/ack"),
+    ("POST", S + "__ds/subscriptions/subz/release"),
+    ("POST", S + "__ds/subscriptions/subz/callback"),
+    ("POST", S + "fz"),
+    ("PUT", S + "new"),
 ]
 
 
@@ -190,7 +278,9 @@ async def test_fuzzed_json_bodies_never_5xx_and_rejections_change_nothing(
 
 @FUZZ_SETTINGS
 @given(params=query, headers=st.dictionaries(header_names, header_values, max_size=3))
-async def test_fuzzed_stream_reads_never_5xx(onceflow: InProcess, params: dict[str, str], headers: dict[str, str]) -> None:
+async def test_fuzzed_stream_reads_never_5xx(
+    onceflow: InProcess, params: dict[str, str], headers: dict[str, str]
+) -> None:
     await check_request(onceflow, "GET", S + "fz", headers, params, b"")
 
 
@@ -204,6 +294,7 @@ async def test_fuzzed_transactional_appends_never_5xx_and_rejections_change_noth
 
 # ---------------------------------------------------------------- properties
 
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=st.lists(st.tuples(st.integers(0, 2), st.booleans()), min_size=1, max_size=25))
 async def test_idempotent_producers_with_random_retries_store_each_batch_once_in_order(
@@ -215,14 +306,21 @@ async def test_idempotent_producers_with_random_retries_store_each_batch_once_in
     assert (await cl.put(S + name, headers={"content-type": "application/json"})).status_code == 201
     seqs = [0, 0, 0]
     for k, retry in plan:
-        h = {"content-type": "application/json", "producer-id": f"p{k}", "producer-epoch": "0", "producer-seq": str(seqs[k])}
+        h = {
+            "content-type": "application/json",
+            "producer-id": f"p{k}",
+            "producer-epoch": "0",
+            "producer-seq": str(seqs[k]),
+        }
         body = json.dumps([{"p": k, "s": seqs[k]}]).encode()
         assert (await cl.post(S + name, content=body, headers=h)).status_code == 200
         if retry:
             assert (await cl.post(S + name, content=body, headers=h)).status_code == 204
         seqs[k] += 1
     got = (await cl.get(S + name, params={"offset": "-1"})).json()
-    assert got == [{"p": k, "s": s} for k, s in ((k, sum(1 for kk, _ in plan[:i] if kk == k)) for i, (k, _) in enumerate(plan))]
+    assert got == [
+        {"p": k, "s": s} for k, s in ((k, sum(1 for kk, _ in plan[:i] if kk == k)) for i, (k, _) in enumerate(plan))
+    ]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -277,7 +375,8 @@ async def test_guard_refusals_change_nothing(
         r = await gc.request(method, path, headers=headers, content=body if method in ("POST", "PUT") else None)
     assert r.status_code < 500, (method, path, r.status_code, r.text)
     refused_by_guard = r.status_code in (401, 429) or (
-        r.status_code == 403 and (method == "HEAD" or r.json()["error"]["code"] == "forbidden"))
+        r.status_code == 403 and (method == "HEAD" or r.json()["error"]["code"] == "forbidden")
+    )
     if refused_by_guard:
         assert await snapshot(onceflow) == before
 
@@ -321,7 +420,9 @@ async def native_server(tmp_path: Path, limits: HttpLimits, tight: bool) -> Asyn
 @pytest.fixture
 async def native(tmp_path: Path) -> AsyncIterator[Native]:
     """Timeouts 100x longer than any pause a client below makes: nothing may time out."""
-    async with native_server(tmp_path, HttpLimits(header_timeout=5, idle_timeout=5, body_timeout=5), tight=False) as srv:
+    async with native_server(
+        tmp_path, HttpLimits(header_timeout=5, idle_timeout=5, body_timeout=5), tight=False
+    ) as srv:
         yield srv
 
 
@@ -353,7 +454,7 @@ class Req:
                 return head + b"Content-Length: %d\r\n\r\n" % len(self.body) + self.body
             out, at = [head + b"Transfer-Encoding: chunked\r\n\r\n"], 0
             for size in self.chunked:
-                piece = self.body[at:at + size]
+                piece = self.body[at : at + size]
                 at += len(piece)
                 if piece:
                     out.append(b"%x\r\n%s\r\n" % (len(piece), piece))
@@ -372,8 +473,12 @@ class Req:
 payloads = st.binary(min_size=1, max_size=48).map(lambda b: bytes(c % 94 + 33 for c in b))  # printable, no CR/LF
 requests = st.one_of(
     st.just(Req("create")),
-    st.builds(lambda b, ch, e: Req("append", b, tuple(ch), e), payloads,
-              st.one_of(st.just([]), st.lists(st.integers(1, 20), min_size=1, max_size=4)), st.booleans()),
+    st.builds(
+        lambda b, ch, e: Req("append", b, tuple(ch), e),
+        payloads,
+        st.one_of(st.just([]), st.lists(st.integers(1, 20), min_size=1, max_size=4)),
+        st.booleans(),
+    ),
     st.sampled_from([Req("read"), Req("head"), Req("missing")]),
     st.builds(lambda b: Req("wrong_type", b), payloads),
     st.builds(lambda e: Req("too_big", b"z" * (MAX_BODY + 1), (), e), st.booleans()),
@@ -403,8 +508,9 @@ def expected_status(req: Req, created: bool) -> int | None:
     return None
 
 
-async def write_plan(writer: asyncio.StreamWriter, data: bytes, mode: str, sizes: list[int], pauses: list[float],
-                     budget: float) -> None:
+async def write_plan(
+    writer: asyncio.StreamWriter, data: bytes, mode: str, sizes: list[int], pauses: list[float], budget: float
+) -> None:
     """Write ``data`` in one go, or in pieces with pauses between them (``budget`` seconds of pauses at most)."""
     if mode == "pipelined":
         writer.write(data)
@@ -416,7 +522,7 @@ async def write_plan(writer: asyncio.StreamWriter, data: bytes, mode: str, sizes
     for size, pause in zip(itertools.cycle(sizes), itertools.cycle(pauses), strict=False):
         if at >= len(data):
             break
-        writer.write(data[at:at + size])
+        writer.write(data[at : at + size])
         at += size
         await writer.drain()
         pause = min(pause, budget)
@@ -424,8 +530,9 @@ async def write_plan(writer: asyncio.StreamWriter, data: bytes, mode: str, sizes
         await asyncio.sleep(pause)
 
 
-async def run_plan(srv: Native, plan: tuple[list[Req], bool, str, list[int], list[float]],
-                   event: Callable[[str], object] = event) -> None:
+async def run_plan(
+    srv: Native, plan: tuple[list[Req], bool, str, list[int], list[float]], event: Callable[[str], object] = event
+) -> None:
     reqs, garbage, mode, sizes, pauses = plan
     if garbage:
         reqs = [*reqs, Req("garbage")]

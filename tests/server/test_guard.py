@@ -63,7 +63,9 @@ async def test_requests_without_a_valid_token_are_401(guarded: httpx.AsyncClient
 
 async def test_scopes_apply_per_prefix_and_refusals_change_nothing(guarded: httpx.AsyncClient) -> None:
     assert (await guarded.put(S + "orders/a", headers={**JSON, **bearer("ingest")})).status_code == 201
-    assert (await guarded.post(S + "orders/a", content=b'{"n":1}', headers={**JSON, **bearer("ingest")})).status_code == 204
+    assert (
+        await guarded.post(S + "orders/a", content=b'{"n":1}', headers={**JSON, **bearer("ingest")})
+    ).status_code == 204
     # the writer may not read, the reader may not write, neither outside its prefix
     assert (await guarded.get(S + "orders/a", params={"offset": "-1"}, headers=bearer("ingest"))).status_code == 403
     r = await guarded.post(S + "orders/a", content=b'{"n":2}', headers={**JSON, **bearer("report")})
@@ -82,7 +84,9 @@ async def test_listing_transactions_and_groups_are_checked_by_name(guarded: http
     assert (await guarded.get("/v1/streams", headers=bearer("report"))).status_code == 403  # all names: needs prefix ""
     assert (await guarded.post("/v1/txn/orders/copier/init", json={}, headers=bearer("ingest"))).status_code == 200
     assert (await guarded.post("/v1/txn/billing/copier/init", json={}, headers=bearer("ingest"))).status_code == 403
-    assert (await guarded.get("/v1/txn/billing/copier", headers=bearer("admin"))).status_code == 404  # never initialised
+    assert (
+        await guarded.get("/v1/txn/billing/copier", headers=bearer("admin"))
+    ).status_code == 404  # never initialised
     r = await guarded.post("/v1/groups/orders/g/offsets", json={"offsets": {}}, headers=bearer("report"))
     assert r.status_code == 403
     assert (await guarded.get("/v1/groups/orders/g/offsets", headers=bearer("report"))).status_code == 200
@@ -112,8 +116,12 @@ async def test_producer_limit_refuses_only_new_producers(guarded: httpx.AsyncCli
     r = await guarded.post(S + "s", content=b"{}", headers=prod("p3", 0))
     assert r.status_code == 429 and "producers" in r.json()["error"]["message"]
     assert (await guarded.post(S + "s", content=b"{}", headers=prod("p1", 1))).status_code == 200
-    assert (await guarded.post(S + "s", content=b"{}", headers=prod("p1", 1))).status_code == 204  # a retry still dedups
-    assert (await guarded.post(S + "s", content=b"{}", headers=JSON)).status_code == 204  # plain appends are not counted
+    assert (
+        await guarded.post(S + "s", content=b"{}", headers=prod("p1", 1))
+    ).status_code == 204  # a retry still dedups
+    assert (
+        await guarded.post(S + "s", content=b"{}", headers=JSON)
+    ).status_code == 204  # plain appends are not counted
     assert len((await guarded.get(S + "s", params={"offset": "-1"})).json()) == 4
 
 
@@ -132,8 +140,15 @@ async def test_live_read_limit_counts_open_long_polls(guarded: httpx.AsyncClient
 
 @pytest.mark.parametrize(
     "raw",
-    [[], {"tokens": []}, {"tokens": {"t": [{"prefix": "a"}]}}, {"tokens": {"t": [{"prefix": "a", "scopes": ["admin"]}]}},
-     {"limits": {"streams": -1}}, {"limits": {"stream": 1}}, {"extra": 1}],
+    [
+        [],
+        {"tokens": []},
+        {"tokens": {"t": [{"prefix": "a"}]}},
+        {"tokens": {"t": [{"prefix": "a", "scopes": ["admin"]}]}},
+        {"limits": {"streams": -1}},
+        {"limits": {"stream": 1}},
+        {"extra": 1},
+    ],
 )
 def test_malformed_configurations_are_refused(raw: Any) -> None:
     with pytest.raises(GuardConfigError):
@@ -151,12 +166,18 @@ def test_serve_with_a_guard_file(tmp_path: Path) -> None:
     finally:
         srv.kill()
     cfg.write_text("{not json")
-    r = subprocess.run([sys.executable, "-m", "onceflow.cli", "serve", "--data", str(tmp_path / "d2"), "--guard", str(cfg)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", "serve", "--data", str(tmp_path / "d2"), "--guard", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "guard configuration" in r.stderr
 
 
-def test_the_python_clients_send_the_token_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_python_clients_send_the_token_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every client of onceflow's library authenticates with $ONCEFLOW_TOKEN (or an explicit
     token); without one a guarded server refuses it with a clear 401."""
     from onceflow.client import (
@@ -186,7 +207,9 @@ def test_the_python_clients_send_the_token_from_the_environment(tmp_path: Path, 
         monkeypatch.setenv("ONCEFLOW_TOKEN", "admin")  # groups and transactional ids are named by id
         with TransactionalProducer(srv.url, "pub/copier") as tp, tp.transaction():
             tp.append("pub/s", {"n": 4})
-        with Consumer(srv.url, group="pub/g", streams=["pub/s"], live=None, store=GroupOffsetStore(srv.url)) as consumer:
+        with Consumer(
+            srv.url, group="pub/g", streams=["pub/s"], live=None, store=GroupOffsetStore(srv.url)
+        ) as consumer:
             got = [m.value for m in consumer]
         assert got == [{"n": i} for i in range(5)]
         # an explicit token wins over the environment

@@ -56,8 +56,10 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
     broker.open()
     app = App(broker, AppConfig(long_poll_timeout=0.2))
     guard = Guard(app, broker, GuardConfig.from_json({"tokens": {name: grants for name, grants in GRANTS.items()}}))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as raw, \
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://t") as guarded:
+    async with (
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as raw,
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://t") as guarded,
+    ):
         w = World(broker, app, raw, guarded)
         await populate(w)
         yield w
@@ -73,7 +75,13 @@ async def populate(w: World) -> None:
         r = await c.post(f"{S}{tenant}/s", content=b'{"n":1}', headers=JSON)
         w.facts[f"{tenant}/tail"] = r.headers["stream-next-offset"]
         epoch = (await c.post(f"/v1/txn/{tenant}/t/init", json={})).json()["epoch"]
-        h = {**JSON, "producer-id": f"txn:{tenant}/t", "producer-epoch": str(epoch), "producer-seq": "0", "transaction-id": f"{tenant}/t"}
+        h = {
+            **JSON,
+            "producer-id": f"txn:{tenant}/t",
+            "producer-epoch": str(epoch),
+            "producer-seq": "0",
+            "transaction-id": f"{tenant}/t",
+        }
         r = await c.post(f"{S}{tenant}/s", content=b'{"t":1}', headers=h)
         assert r.status_code == 200, r.text
         w.facts[f"{tenant}/txn"] = {"id": f"{tenant}/t", "epoch": epoch, "txn": int(r.headers["transaction-number"])}
@@ -103,9 +111,16 @@ async def snapshot(w: World) -> dict[str, Any]:
     out["txns"] = {tid: (m.epoch, m.txn, m.status.value, sorted(m.streams)) for tid, m in coord.txns.items()}
     out["groups"] = {g: dict(o) for g, o in coord.groups.items()}
     out["sinks"] = dict(coord.sinks)
-    out["subs"] = {sid: (sub.config.to_json(), sub.generation, sub.wake_id, sub.holder,
-                         {p: (k.explicit, k.glob, k.acked) for p, k in sub.links.items()})
-                   for sid, sub in w.app.subscriptions.manager.subs.items()}
+    out["subs"] = {
+        sid: (
+            sub.config.to_json(),
+            sub.generation,
+            sub.wake_id,
+            sub.holder,
+            {p: (k.explicit, k.glob, k.acked) for p, k in sub.links.items()},
+        )
+        for sid, sub in w.app.subscriptions.manager.subs.items()
+    }
     return out
 
 
@@ -126,116 +141,313 @@ def req(method: str, path: str, body: Any = None, **headers: str) -> tuple[str, 
 
 def txn_headers(w: World, tenant: str, seq: str) -> dict[str, str]:
     t = w.facts[f"{tenant}/txn"]
-    return {"content_type": "application/json", "producer_id": f"txn:{t['id']}", "producer_epoch": str(t["epoch"]),
-            "producer_seq": seq, "transaction_id": t["id"]}
+    return {
+        "content_type": "application/json",
+        "producer_id": f"txn:{t['id']}",
+        "producer_epoch": str(t["epoch"]),
+        "producer_seq": seq,
+        "transaction_id": t["id"],
+    }
 
 
 R, W, RW = frozenset({"read"}), frozenset({"write"}), frozenset({"read", "write"})
 SUB_SPEC = {"type": "pull-wake", "pattern": "pub/x/*", "streams": ["pub/s"], "wake_stream": "pub/wake"}
 
 CASES: list[Case] = [
-    Case("stream.read", R, lambda w: req("GET", S + "pub/s?offset=-1"), {"path": lambda w: req("GET", S + "orders/s?offset=-1")}),
-    Case("stream.read", R, lambda w: req("GET", S + "pub/s?offset=-1&format=records"),
-         {"path": lambda w: req("GET", S + "orders/s?offset=-1&format=records")}),
+    Case(
+        "stream.read",
+        R,
+        lambda w: req("GET", S + "pub/s?offset=-1"),
+        {"path": lambda w: req("GET", S + "orders/s?offset=-1")},
+    ),
+    Case(
+        "stream.read",
+        R,
+        lambda w: req("GET", S + "pub/s?offset=-1&format=records"),
+        {"path": lambda w: req("GET", S + "orders/s?offset=-1&format=records")},
+    ),
     Case("stream.head", R, lambda w: req("HEAD", S + "pub/s"), {"path": lambda w: req("HEAD", S + "orders/s")}),
-    Case("stream.create", W, lambda w: req("PUT", S + "pub/new", content_type="application/json"),
-         {"path": lambda w: req("PUT", S + "orders/new", content_type="application/json")}),
-    Case("stream.create", RW, lambda w: req("PUT", S + "pub/fork", content_type="application/json", stream_forked_from="pub/s"), {
-        "path": lambda w: req("PUT", S + "orders/fork", content_type="application/json", stream_forked_from="pub/s"),
-        "Stream-Forked-From": lambda w: req("PUT", S + "pub/fork", content_type="application/json", stream_forked_from="orders/s"),
-        "Stream-Forked-From (URL)": lambda w: req("PUT", S + "pub/fork", content_type="application/json",
-                                                   stream_forked_from="/v1/stream/orders/s"),
-    }),
-    Case("stream.append", W, lambda w: req("POST", S + "pub/s", b'{"n":2}', content_type="application/json"),
-         {"path": lambda w: req("POST", S + "orders/s", b'{"n":2}', content_type="application/json")}),
-    Case("stream.append", W, lambda w: req("POST", S + "pub/s", b'{"t":2}', **txn_headers(w, "pub", "1")), {
-        "path": lambda w: req("POST", S + "orders/s", b'{"t":2}', **txn_headers(w, "pub", "1")),
-        "Transaction-Id": lambda w: req("POST", S + "pub/s", b'{"t":2}', **txn_headers(w, "orders", "1")),
-        "Producer-Id txn:": lambda w: req("POST", S + "pub/s", b'{"t":2}', **{
-            k: v for k, v in txn_headers(w, "orders", "0").items() if k != "transaction_id"}),
-    }),
+    Case(
+        "stream.create",
+        W,
+        lambda w: req("PUT", S + "pub/new", content_type="application/json"),
+        {"path": lambda w: req("PUT", S + "orders/new", content_type="application/json")},
+    ),
+    Case(
+        "stream.create",
+        RW,
+        lambda w: req("PUT", S + "pub/fork", content_type="application/json", stream_forked_from="pub/s"),
+        {
+            "path": lambda w: req(
+                "PUT", S + "orders/fork", content_type="application/json", stream_forked_from="pub/s"
+            ),
+            "Stream-Forked-From": lambda w: req(
+                "PUT", S + "pub/fork", content_type="application/json", stream_forked_from="orders/s"
+            ),
+            "Stream-Forked-From (URL)": lambda w: req(
+                "PUT", S + "pub/fork", content_type="application/json", stream_forked_from="/v1/stream/orders/s"
+            ),
+        },
+    ),
+    Case(
+        "stream.append",
+        W,
+        lambda w: req("POST", S + "pub/s", b'{"n":2}', content_type="application/json"),
+        {"path": lambda w: req("POST", S + "orders/s", b'{"n":2}', content_type="application/json")},
+    ),
+    Case(
+        "stream.append",
+        W,
+        lambda w: req("POST", S + "pub/s", b'{"t":2}', **txn_headers(w, "pub", "1")),
+        {
+            "path": lambda w: req("POST", S + "orders/s", b'{"t":2}', **txn_headers(w, "pub", "1")),
+            "Transaction-Id": lambda w: req("POST", S + "pub/s", b'{"t":2}', **txn_headers(w, "orders", "1")),
+            "Producer-Id txn:": lambda w: req(
+                "POST",
+                S + "pub/s",
+                b'{"t":2}',
+                **{k: v for k, v in txn_headers(w, "orders", "0").items() if k != "transaction_id"},
+            ),
+        },
+    ),
     Case("stream.delete", W, lambda w: req("DELETE", S + "pub/s"), {"path": lambda w: req("DELETE", S + "orders/s")}),
-    Case("stream.other", W, lambda w: req("PATCH", S + "pub/s", b"x"), {"path": lambda w: req("PATCH", S + "orders/s", b"x")}),
-    Case("streams.list", R, lambda w: req("GET", "/v1/streams?prefix=pub/"), {
-        "prefix": lambda w: req("GET", "/v1/streams?prefix=orders/"),
-        "no prefix": lambda w: req("GET", "/v1/streams"),
-        "short prefix": lambda w: req("GET", "/v1/streams?prefix=pu"),
-    }),
+    Case(
+        "stream.other",
+        W,
+        lambda w: req("PATCH", S + "pub/s", b"x"),
+        {"path": lambda w: req("PATCH", S + "orders/s", b"x")},
+    ),
+    Case(
+        "streams.list",
+        R,
+        lambda w: req("GET", "/v1/streams?prefix=pub/"),
+        {
+            "prefix": lambda w: req("GET", "/v1/streams?prefix=orders/"),
+            "no prefix": lambda w: req("GET", "/v1/streams"),
+            "short prefix": lambda w: req("GET", "/v1/streams?prefix=pu"),
+        },
+    ),
     Case("txn.read", R, lambda w: req("GET", "/v1/txn/pub/t"), {"path": lambda w: req("GET", "/v1/txn/orders/t")}),
-    Case("txn.init", W, lambda w: req("POST", "/v1/txn/pub/t2/init", {}), {"path": lambda w: req("POST", "/v1/txn/orders/t2/init", {})}),
-    Case("txn.end", W, lambda w: req("POST", "/v1/txn/pub/t/abort", {k: w.facts["pub/txn"][k] for k in ("epoch", "txn")}),
-         {"path": lambda w: req("POST", "/v1/txn/orders/t/abort", {k: w.facts["orders/txn"][k] for k in ("epoch", "txn")})}),
-    Case("txn.offsets", RW, lambda w: req("POST", "/v1/txn/pub/t/offsets", {
-        "epoch": w.facts["pub/txn"]["epoch"], "group": "pub/g", "offsets": {"pub/s": w.facts["pub/tail"]}}), {
-        "path": lambda w: req("POST", "/v1/txn/orders/t/offsets", {
-            "epoch": w.facts["orders/txn"]["epoch"], "group": "pub/g", "offsets": {"pub/s": w.facts["pub/tail"]}}),
-        "group": lambda w: req("POST", "/v1/txn/pub/t/offsets", {
-            "epoch": w.facts["pub/txn"]["epoch"], "group": "orders/g", "offsets": {"pub/s": w.facts["pub/tail"]}}),
-        "offsets stream": lambda w: req("POST", "/v1/txn/pub/t/offsets", {
-            "epoch": w.facts["pub/txn"]["epoch"], "group": "pub/g", "offsets": {"orders/s": w.facts["orders/tail"]}}),
-    }),
-    Case("txn.other", W, lambda w: req("DELETE", "/v1/txn/pub/t"), {"path": lambda w: req("DELETE", "/v1/txn/orders/t")}),
-    Case("group.read", R, lambda w: req("GET", "/v1/groups/pub/g/offsets"), {"path": lambda w: req("GET", "/v1/groups/orders/g/offsets")}),
-    Case("group.commit", RW, lambda w: req("POST", "/v1/groups/pub/g/offsets", {"offsets": {"pub/s": w.facts["pub/tail"]}, "reset": True}), {
-        "path": lambda w: req("POST", "/v1/groups/orders/g/offsets", {"offsets": {"pub/s": w.facts["pub/tail"]}, "reset": True}),
-        "offsets stream": lambda w: req("POST", "/v1/groups/pub/g/offsets", {"offsets": {"orders/s": "0000000000000000_0000000000000000"},
-                                                                              "reset": True}),
-    }),
-    Case("group.other", W, lambda w: req("POST", "/v1/groups/pub/g/reset", {}), {"path": lambda w: req("POST", "/v1/groups/orders/g/reset", {})}),
+    Case(
+        "txn.init",
+        W,
+        lambda w: req("POST", "/v1/txn/pub/t2/init", {}),
+        {"path": lambda w: req("POST", "/v1/txn/orders/t2/init", {})},
+    ),
+    Case(
+        "txn.end",
+        W,
+        lambda w: req("POST", "/v1/txn/pub/t/abort", {k: w.facts["pub/txn"][k] for k in ("epoch", "txn")}),
+        {
+            "path": lambda w: req(
+                "POST", "/v1/txn/orders/t/abort", {k: w.facts["orders/txn"][k] for k in ("epoch", "txn")}
+            )
+        },
+    ),
+    Case(
+        "txn.offsets",
+        RW,
+        lambda w: req(
+            "POST",
+            "/v1/txn/pub/t/offsets",
+            {"epoch": w.facts["pub/txn"]["epoch"], "group": "pub/g", "offsets": {"pub/s": w.facts["pub/tail"]}},
+        ),
+        {
+            "path": lambda w: req(
+                "POST",
+                "/v1/txn/orders/t/offsets",
+                {"epoch": w.facts["orders/txn"]["epoch"], "group": "pub/g", "offsets": {"pub/s": w.facts["pub/tail"]}},
+            ),
+            "group": lambda w: req(
+                "POST",
+                "/v1/txn/pub/t/offsets",
+                {"epoch": w.facts["pub/txn"]["epoch"], "group": "orders/g", "offsets": {"pub/s": w.facts["pub/tail"]}},
+            ),
+            "offsets stream": lambda w: req(
+                "POST",
+                "/v1/txn/pub/t/offsets",
+                {
+                    "epoch": w.facts["pub/txn"]["epoch"],
+                    "group": "pub/g",
+                    "offsets": {"orders/s": w.facts["orders/tail"]},
+                },
+            ),
+        },
+    ),
+    Case(
+        "txn.other", W, lambda w: req("DELETE", "/v1/txn/pub/t"), {"path": lambda w: req("DELETE", "/v1/txn/orders/t")}
+    ),
+    Case(
+        "group.read",
+        R,
+        lambda w: req("GET", "/v1/groups/pub/g/offsets"),
+        {"path": lambda w: req("GET", "/v1/groups/orders/g/offsets")},
+    ),
+    Case(
+        "group.commit",
+        RW,
+        lambda w: req("POST", "/v1/groups/pub/g/offsets", {"offsets": {"pub/s": w.facts["pub/tail"]}, "reset": True}),
+        {
+            "path": lambda w: req(
+                "POST", "/v1/groups/orders/g/offsets", {"offsets": {"pub/s": w.facts["pub/tail"]}, "reset": True}
+            ),
+            "offsets stream": lambda w: req(
+                "POST",
+                "/v1/groups/pub/g/offsets",
+                {"offsets": {"orders/s": "0000000000000000_0000000000000000"}, "reset": True},
+            ),
+        },
+    ),
+    Case(
+        "group.other",
+        W,
+        lambda w: req("POST", "/v1/groups/pub/g/reset", {}),
+        {"path": lambda w: req("POST", "/v1/groups/orders/g/reset", {})},
+    ),
     Case("sink.read", R, lambda w: req("GET", "/v1/sinks/pub/k"), {"path": lambda w: req("GET", "/v1/sinks/orders/k")}),
-    Case("sink.post", W, lambda w: req("POST", "/v1/sinks/pub/k/commit", {"batch": 2, "members": [w.facts["pub/txn"]], "abort_prefix": "pub/x/"}), {
-        "path": lambda w: req("POST", "/v1/sinks/orders/k/commit", {"batch": 2, "members": [w.facts["pub/txn"]]}),
-        "member": lambda w: req("POST", "/v1/sinks/pub/k/commit", {"batch": 2, "members": [w.facts["orders/txn"]]}),
-        "abort_prefix": lambda w: req("POST", "/v1/sinks/pub/k/commit", {"batch": 2, "members": [], "abort_prefix": "orders/"}),
-        "abort_prefix everything": lambda w: req("POST", "/v1/sinks/pub/k/commit", {"batch": 2, "members": [], "abort_prefix": "p"}),
-        "one-segment sink": lambda w: req("POST", "/v1/sinks/pub/abort", {"members": [], "abort_prefix": "pub/"}),
-    }),
-    Case("sink.post", W, lambda w: req("POST", "/v1/sinks/pub/k/abort", {"members": [w.facts["pub/txn"]], "abort_prefix": "pub/"}), {
-        "member": lambda w: req("POST", "/v1/sinks/pub/k/abort", {"members": [w.facts["orders/txn"]]}),
-        "abort_prefix": lambda w: req("POST", "/v1/sinks/pub/k/abort", {"members": [], "abort_prefix": "orders/"}),
-    }),
-    Case("sink.post", W, lambda w: req("POST", "/v1/sinks/pub/k/begin", {"query": "q", "batch": 0, "partition": 0, "task": "t1"}), {
-        "path": lambda w: req("POST", "/v1/sinks/orders/k/begin", {"query": "q", "batch": 0, "partition": 0, "task": "t1"}),
-    }),
-    Case("sink.post", W, lambda w: req("POST", "/v1/sinks/pub/k/abort", {"members": [], "abort_prefix": "spark/pub/k/"}), {
-        # a sink task's id, spark/<sink id>/..., belongs to the tenant of the sink id
-        "abort_prefix of another tenant's tasks": lambda w: req("POST", "/v1/sinks/pub/k/abort", {"members": [], "abort_prefix": "spark/orders/"}),
-        "all the tasks": lambda w: req("POST", "/v1/sinks/pub/k/abort", {"members": [], "abort_prefix": "spark/"}),
-    }),
-    Case("sink.post", W, lambda w: req("POST", "/v1/sinks/pub/k/reset", {"owner": None}), {
-        "path": lambda w: req("POST", "/v1/sinks/orders/k/reset", {"owner": None}),
-    }),
-    Case("sink.other", W, lambda w: req("DELETE", "/v1/sinks/pub/k"), {"path": lambda w: req("DELETE", "/v1/sinks/orders/k")}),
+    Case(
+        "sink.post",
+        W,
+        lambda w: req(
+            "POST", "/v1/sinks/pub/k/commit", {"batch": 2, "members": [w.facts["pub/txn"]], "abort_prefix": "pub/x/"}
+        ),
+        {
+            "path": lambda w: req("POST", "/v1/sinks/orders/k/commit", {"batch": 2, "members": [w.facts["pub/txn"]]}),
+            "member": lambda w: req("POST", "/v1/sinks/pub/k/commit", {"batch": 2, "members": [w.facts["orders/txn"]]}),
+            "abort_prefix": lambda w: req(
+                "POST", "/v1/sinks/pub/k/commit", {"batch": 2, "members": [], "abort_prefix": "orders/"}
+            ),
+            "abort_prefix everything": lambda w: req(
+                "POST", "/v1/sinks/pub/k/commit", {"batch": 2, "members": [], "abort_prefix": "p"}
+            ),
+            "one-segment sink": lambda w: req("POST", "/v1/sinks/pub/abort", {"members": [], "abort_prefix": "pub/"}),
+        },
+    ),
+    Case(
+        "sink.post",
+        W,
+        lambda w: req("POST", "/v1/sinks/pub/k/abort", {"members": [w.facts["pub/txn"]], "abort_prefix": "pub/"}),
+        {
+            "member": lambda w: req("POST", "/v1/sinks/pub/k/abort", {"members": [w.facts["orders/txn"]]}),
+            "abort_prefix": lambda w: req("POST", "/v1/sinks/pub/k/abort", {"members": [], "abort_prefix": "orders/"}),
+        },
+    ),
+    Case(
+        "sink.post",
+        W,
+        lambda w: req("POST", "/v1/sinks/pub/k/begin", {"query": "q", "batch": 0, "partition": 0, "task": "t1"}),
+        {
+            "path": lambda w: req(
+                "POST", "/v1/sinks/orders/k/begin", {"query": "q", "batch": 0, "partition": 0, "task": "t1"}
+            ),
+        },
+    ),
+    Case(
+        "sink.post",
+        W,
+        lambda w: req("POST", "/v1/sinks/pub/k/abort", {"members": [], "abort_prefix": "spark/pub/k/"}),
+        {
+            # a sink task's id, spark/<sink id>/..., belongs to the tenant of the sink id
+            "abort_prefix of another tenant's tasks": lambda w: req(
+                "POST", "/v1/sinks/pub/k/abort", {"members": [], "abort_prefix": "spark/orders/"}
+            ),
+            "all the tasks": lambda w: req("POST", "/v1/sinks/pub/k/abort", {"members": [], "abort_prefix": "spark/"}),
+        },
+    ),
+    Case(
+        "sink.post",
+        W,
+        lambda w: req("POST", "/v1/sinks/pub/k/reset", {"owner": None}),
+        {
+            "path": lambda w: req("POST", "/v1/sinks/orders/k/reset", {"owner": None}),
+        },
+    ),
+    Case(
+        "sink.other",
+        W,
+        lambda w: req("DELETE", "/v1/sinks/pub/k"),
+        {"path": lambda w: req("DELETE", "/v1/sinks/orders/k")},
+    ),
     Case("subs.jwks", "anyone", lambda w: req("GET", f"{S}__ds/jwks.json")),
-    Case("subs.create", RW, lambda w: req("PUT", f"{SUBS}/new", SUB_SPEC), {
-        "pattern": lambda w: req("PUT", f"{SUBS}/new", {**SUB_SPEC, "pattern": "orders/*"}),
-        "pattern **": lambda w: req("PUT", f"{SUBS}/new", {**SUB_SPEC, "pattern": "**"}),
-        "pattern pub/** (matches the stream pub)": lambda w: req("PUT", f"{SUBS}/new", {**SUB_SPEC, "pattern": "pub/**"}),
-        "pattern */s": lambda w: req("PUT", f"{SUBS}/new", {**SUB_SPEC, "pattern": "*/s"}),
-        "streams": lambda w: req("PUT", f"{SUBS}/new", {**SUB_SPEC, "streams": ["pub/s", "/orders/s/"]}),
-        "wake_stream": lambda w: req("PUT", f"{SUBS}/new", {**SUB_SPEC, "wake_stream": "orders/wake"}),
-        "an existing subscription of orders/": lambda w: req("PUT", f"{SUBS}/orderssub", SUB_SPEC),
-    }),
-    Case("subs.create", R, lambda w: req("PUT", f"{SUBS}/hook", {"type": "webhook", "pattern": "pub/x/*",
-                                                                 "webhook": {"url": "https://hooks.example.com/x"}}), {
-        "pattern": lambda w: req("PUT", f"{SUBS}/hook", {"type": "webhook", "pattern": "orders/*",
-                                                         "webhook": {"url": "https://hooks.example.com/x"}}),
-    }),
-    Case("subs.read", RW, lambda w: req("GET", f"{SUBS}/pubsub"), {"subscription": lambda w: req("GET", f"{SUBS}/orderssub")}),
-    Case("subs.delete", RW, lambda w: req("DELETE", f"{SUBS}/pubsub"), {"subscription": lambda w: req("DELETE", f"{SUBS}/orderssub")}),
-    Case("subs.add_streams", RW, lambda w: req("POST", f"{SUBS}/pubsub/streams", {"streams": ["pub/s"]}), {
-        "subscription": lambda w: req("POST", f"{SUBS}/orderssub/streams", {"streams": ["pub/s"]}),
-        "streams": lambda w: req("POST", f"{SUBS}/pubsub/streams", {"streams": ["pub/s", "orders/s"]}),
-    }),
-    Case("subs.remove_stream", RW, lambda w: req("DELETE", f"{SUBS}/pubsub/streams/pub%2Fs"), {
-        "subscription": lambda w: req("DELETE", f"{SUBS}/orderssub/streams/pub%2Fs"),
-        "path": lambda w: req("DELETE", f"{SUBS}/pubsub/streams/orders%2Fs"),
-    }),
-    Case("subs.claim", RW, lambda w: req("POST", f"{SUBS}/pubsub/claim", {"worker": "w2"}),
-         {"subscription": lambda w: req("POST", f"{SUBS}/orderssub/claim", {"worker": "w2"})}),
-    Case("subs.wake", "wake", lambda w: req("POST", f"{SUBS}/pubsub/release",
-                                            {k: w.facts["claim"][k] for k in ("wake_id", "generation")})),
-    Case("subs.other", RW, lambda w: req("POST", f"{SUBS}/pubsub/bogus", {}), {"subscription": lambda w: req("POST", f"{SUBS}/orderssub/bogus", {})}),
+    Case(
+        "subs.create",
+        RW,
+        lambda w: req("PUT", f"{SUBS}/new", SUB_SPEC),
+        {
+            "pattern": lambda w: req("PUT", f"{SUBS}/new", {**SUB_SPEC, "pattern": "orders/*"}),
+            "pattern **": lambda w: req("PUT", f"{SUBS}/new", {**SUB_SPEC, "pattern": "**"}),
+            "pattern pub/** (matches the stream pub)": lambda w: req(
+                "PUT", f"{SUBS}/new", {**SUB_SPEC, "pattern": "pub/**"}
+            ),
+            "pattern */s": lambda w: req("PUT", f"{SUBS}/new", {**SUB_SPEC, "pattern": "*/s"}),
+            "streams": lambda w: req("PUT", f"{SUBS}/new", {**SUB_SPEC, "streams": ["pub/s", "/orders/s/"]}),
+            "wake_stream": lambda w: req("PUT", f"{SUBS}/new", {**SUB_SPEC, "wake_stream": "orders/wake"}),
+            "an existing subscription of orders/": lambda w: req("PUT", f"{SUBS}/orderssub", SUB_SPEC),
+        },
+    ),
+    Case(
+        "subs.create",
+        R,
+        lambda w: req(
+            "PUT",
+            f"{SUBS}/hook",
+            {"type": "webhook", "pattern": "pub/x/*", "webhook": {"url": "https://hooks.example.com/x"}},
+        ),
+        {
+            "pattern": lambda w: req(
+                "PUT",
+                f"{SUBS}/hook",
+                {"type": "webhook", "pattern": "orders/*", "webhook": {"url": "https://hooks.example.com/x"}},
+            ),
+        },
+    ),
+    Case(
+        "subs.read",
+        RW,
+        lambda w: req("GET", f"{SUBS}/pubsub"),
+        {"subscription": lambda w: req("GET", f"{SUBS}/orderssub")},
+    ),
+    Case(
+        "subs.delete",
+        RW,
+        lambda w: req("DELETE", f"{SUBS}/pubsub"),
+        {"subscription": lambda w: req("DELETE", f"{SUBS}/orderssub")},
+    ),
+    Case(
+        "subs.add_streams",
+        RW,
+        lambda w: req("POST", f"{SUBS}/pubsub/streams", {"streams": ["pub/s"]}),
+        {
+            "subscription": lambda w: req("POST", f"{SUBS}/orderssub/streams", {"streams": ["pub/s"]}),
+            "streams": lambda w: req("POST", f"{SUBS}/pubsub/streams", {"streams": ["pub/s", "orders/s"]}),
+        },
+    ),
+    Case(
+        "subs.remove_stream",
+        RW,
+        lambda w: req("DELETE", f"{SUBS}/pubsub/streams/pub%2Fs"),
+        {
+            "subscription": lambda w: req("DELETE", f"{SUBS}/orderssub/streams/pub%2Fs"),
+            "path": lambda w: req("DELETE", f"{SUBS}/pubsub/streams/orders%2Fs"),
+        },
+    ),
+    Case(
+        "subs.claim",
+        RW,
+        lambda w: req("POST", f"{SUBS}/pubsub/claim", {"worker": "w2"}),
+        {"subscription": lambda w: req("POST", f"{SUBS}/orderssub/claim", {"worker": "w2"})},
+    ),
+    Case(
+        "subs.wake",
+        "wake",
+        lambda w: req("POST", f"{SUBS}/pubsub/release", {k: w.facts["claim"][k] for k in ("wake_id", "generation")}),
+    ),
+    Case(
+        "subs.other",
+        RW,
+        lambda w: req("POST", f"{SUBS}/pubsub/bogus", {}),
+        {"subscription": lambda w: req("POST", f"{SUBS}/orderssub/bogus", {})},
+    ),
     Case("other", "token", lambda w: req("GET", "/v2/pub/s")),
 ]
 
@@ -313,9 +525,13 @@ async def test_a_wake_token_opens_only_its_own_subscription(world: World) -> Non
     release = {k: world.facts["claim"][k] for k in ("wake_id", "generation")}
     before = await snapshot(world)
     for token in (world.facts["other-claim"]["token"], "admin", "v1.AAAA.AAAA"):
-        r = await world.guarded.post(f"{SUBS}/pubsub/release", json=release, headers={"authorization": f"Bearer {token}"})
+        r = await world.guarded.post(
+            f"{SUBS}/pubsub/release", json=release, headers={"authorization": f"Bearer {token}"}
+        )
         assert r.status_code == 401, r.text
-    r = await world.guarded.post(f"{SUBS}/orderssub/ack", json=release, headers={"authorization": f"Bearer {world.facts['claim']['token']}"})
+    r = await world.guarded.post(
+        f"{SUBS}/orderssub/ack", json=release, headers={"authorization": f"Bearer {world.facts['claim']['token']}"}
+    )
     assert r.status_code == 401
     assert await snapshot(world) == before
 

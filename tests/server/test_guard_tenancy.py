@@ -73,7 +73,14 @@ async def secret(c: httpx.AsyncClient) -> str:
 async def open_txn(c: httpx.AsyncClient, tid: str, stream: str) -> tuple[int, int]:
     """The admin opens a transaction of ``tid`` with one message in ``stream``; (epoch, txn)."""
     epoch = (await c.post(f"/v1/txn/{tid}/init", json={}, headers=ADMIN)).json()["epoch"]
-    h = {**JSON, **ADMIN, "producer-id": f"txn:{tid}", "producer-epoch": str(epoch), "producer-seq": "0", "transaction-id": tid}
+    h = {
+        **JSON,
+        **ADMIN,
+        "producer-id": f"txn:{tid}",
+        "producer-epoch": str(epoch),
+        "producer-seq": "0",
+        "transaction-id": tid,
+    }
     r = await c.post(S + stream, content=b'{"t":1}', headers=h)
     assert r.status_code == 200, r.text
     return epoch, int(r.headers["transaction-number"])
@@ -134,10 +141,20 @@ async def test_sink_ids_are_names_under_the_grant(g: Guarded) -> None:
     c = g.client
     assert (await c.put(S + "pub/out", headers={**JSON, **PUB})).status_code == 201
     epoch, txn = (await c.post("/v1/txn/pub/w1/init", json={}, headers=PUB)).json()["epoch"], 0
-    h = {**JSON, **PUB, "producer-id": "txn:pub/w1", "producer-epoch": str(epoch), "producer-seq": "0", "transaction-id": "pub/w1"}
+    h = {
+        **JSON,
+        **PUB,
+        "producer-id": "txn:pub/w1",
+        "producer-epoch": str(epoch),
+        "producer-seq": "0",
+        "transaction-id": "pub/w1",
+    }
     txn = int((await c.post(S + "pub/out", content=b'{"n":1}', headers=h)).headers["transaction-number"])
-    r = await c.post("/v1/sinks/pub/s1/commit", json={"batch": 3, "members": [{"id": "pub/w1", "epoch": epoch, "txn": txn}]},
-                     headers=PUB)
+    r = await c.post(
+        "/v1/sinks/pub/s1/commit",
+        json={"batch": 3, "members": [{"id": "pub/w1", "epoch": epoch, "txn": txn}]},
+        headers=PUB,
+    )
     assert r.status_code == 200 and r.json() == {"sink": "pub/s1", "status": "committed", "batch": 3}
     assert (await c.get("/v1/sinks/pub/s1", headers=PUB)).json() == {"sink": "pub/s1", "batch": 3, "owner": None}
     assert forbidden(await c.get("/v1/sinks/orders/s1", headers=PUB))
@@ -150,18 +167,29 @@ async def test_transaction_offsets_for_a_group_outside_the_grant_are_refused(g: 
     c = g.client
     await secret(c)
     tail = (await c.head(S + "orders/secret", headers=ADMIN)).headers["stream-next-offset"]
-    assert (await c.post("/v1/groups/orders/g/offsets", json={"offsets": {"orders/secret": tail}}, headers=ADMIN)).status_code == 200
+    assert (
+        await c.post("/v1/groups/orders/g/offsets", json={"offsets": {"orders/secret": tail}}, headers=ADMIN)
+    ).status_code == 200
     assert (await c.put(S + "pub/x", headers={**JSON, **PUB})).status_code == 201
     epoch = (await c.post("/v1/txn/pub/t9/init", json={}, headers=PUB)).json()["epoch"]
-    r = await c.post("/v1/txn/pub/t9/offsets", json={"epoch": epoch, "group": "orders/g", "offsets": {"orders/secret": "-1"}},
-                     headers=PUB)
+    r = await c.post(
+        "/v1/txn/pub/t9/offsets",
+        json={"epoch": epoch, "group": "orders/g", "offsets": {"orders/secret": "-1"}},
+        headers=PUB,
+    )
     assert r.status_code in (400, 403)  # "-1" is no offset this server issued; the group is refused either way
     start = "0000000000000000_0000000000000000"
-    r = await c.post("/v1/txn/pub/t9/offsets", json={"epoch": epoch, "group": "orders/g", "offsets": {"orders/secret": start}},
-                     headers=PUB)
+    r = await c.post(
+        "/v1/txn/pub/t9/offsets",
+        json={"epoch": epoch, "group": "orders/g", "offsets": {"orders/secret": start}},
+        headers=PUB,
+    )
     assert forbidden(r), r.text
-    r = await c.post("/v1/txn/pub/t9/offsets", json={"epoch": epoch, "group": "pub/g", "offsets": {"orders/secret": start}},
-                     headers=PUB)
+    r = await c.post(
+        "/v1/txn/pub/t9/offsets",
+        json={"epoch": epoch, "group": "pub/g", "offsets": {"orders/secret": start}},
+        headers=PUB,
+    )
     assert forbidden(r), r.text  # the offsets name a stream outside the grant
     r = await c.post("/v1/txn/pub/t9/commit", json={"epoch": epoch, "txn": 0}, headers=PUB)
     assert (await c.get("/v1/groups/orders/g/offsets", headers=ADMIN)).json()["offsets"] == {"orders/secret": tail}
@@ -179,13 +207,22 @@ async def test_an_append_naming_a_transaction_outside_the_grant_is_refused(g: Gu
     epoch = (await c.post("/v1/txn/orders/t2/init", json={}, headers=ADMIN)).json()["epoch"]
     before = await txn_state(c, "orders/t2")
     assert (await c.put(S + "pub/x", headers={**JSON, **PUB})).status_code == 201
-    h = {**JSON, **PUB, "producer-id": "txn:orders/t2", "producer-epoch": str(epoch), "producer-seq": "0",
-         "transaction-id": "orders/t2", "transaction-commit": "1"}
+    h = {
+        **JSON,
+        **PUB,
+        "producer-id": "txn:orders/t2",
+        "producer-epoch": str(epoch),
+        "producer-seq": "0",
+        "transaction-id": "orders/t2",
+        "transaction-commit": "1",
+    }
     assert forbidden(await c.post(S + "pub/x", content=b'{"x":1}', headers=h))
     del h["transaction-id"], h["transaction-commit"]  # the transactional producer's id alone is a name too
     assert forbidden(await c.post(S + "pub/x", content=b'{"x":1}', headers=h))
     assert await txn_state(c, "orders/t2") == before
-    assert (await c.get(S + "pub/x", params={"offset": "-1", "isolation": "read_uncommitted"}, headers=PUB)).json() == []
+    assert (
+        await c.get(S + "pub/x", params={"offset": "-1", "isolation": "read_uncommitted"}, headers=PUB)
+    ).json() == []
 
 
 # ---------------------------------------------------------------------- item 5: subscriptions
@@ -207,7 +244,9 @@ async def test_a_subscription_pattern_or_wake_stream_outside_the_grant_is_refuse
         assert (await c.get(f"{SUBS}/s1", headers=ADMIN)).status_code == 404
     # another tenant's subscription can be neither read, changed, claimed nor deleted
     assert (await c.put(S + "orders/wake", headers={**JSON, **ADMIN})).status_code == 201
-    r = await c.put(f"{SUBS}/theirs", json={"type": "pull-wake", "pattern": "orders/*", "wake_stream": "orders/wake"}, headers=ADMIN)
+    r = await c.put(
+        f"{SUBS}/theirs", json={"type": "pull-wake", "pattern": "orders/*", "wake_stream": "orders/wake"}, headers=ADMIN
+    )
     assert r.status_code == 201
     for token in (PUB, PUBDS):
         assert forbidden(await c.get(f"{SUBS}/theirs", headers=token))
@@ -216,7 +255,9 @@ async def test_a_subscription_pattern_or_wake_stream_outside_the_grant_is_refuse
         assert forbidden(await c.delete(f"{SUBS}/theirs", headers=token))
     assert (await c.get(f"{SUBS}/theirs", headers=ADMIN)).status_code == 200
     # within the grant all of it works
-    r = await c.put(f"{SUBS}/mine", json={"type": "pull-wake", "pattern": "pub/*", "wake_stream": "pub/wake"}, headers=PUB)
+    r = await c.put(
+        f"{SUBS}/mine", json={"type": "pull-wake", "pattern": "pub/*", "wake_stream": "pub/wake"}, headers=PUB
+    )
     assert r.status_code == 201, r.text
     assert forbidden(await c.post(f"{SUBS}/mine/streams", json={"streams": ["orders/secret"]}, headers=PUB))
     assert [s["path"] for s in (await c.get(f"{SUBS}/mine", headers=PUB)).json()["streams"]] == []
@@ -228,15 +269,25 @@ async def test_a_subscription_pattern_or_wake_stream_outside_the_grant_is_refuse
 async def test_a_duplicated_protocol_header_is_400_and_slips_past_no_limit(g: Guarded) -> None:
     c = g.client
     assert (await c.put(S + "pub/x", headers={**JSON, **PUB})).status_code == 201
-    prod = [("content-type", "application/json"), ("authorization", "Bearer pub"), ("producer-epoch", "0"), ("producer-seq", "0")]
+    prod = [
+        ("content-type", "application/json"),
+        ("authorization", "Bearer pub"),
+        ("producer-epoch", "0"),
+        ("producer-seq", "0"),
+    ]
     assert (await c.post(S + "pub/x", content=b"{}", headers=[*prod, ("producer-id", "p1")])).status_code == 200
     r = await c.post(S + "pub/x", content=b"{}", headers=[*prod, ("producer-id", "p2")])
     assert r.status_code == 429  # the limit: one producer per stream
     r = await c.post(S + "pub/x", content=b"{}", headers=[*prod, ("producer-id", "p2"), ("producer-id", "p1")])
     assert r.status_code == 400 and "producer-id" in r.json()["error"]["message"].lower()
-    for dup in ([("content-type", "text/plain")], [("authorization", "Bearer admin")],
-                [("stream-closed", "true"), ("stream-closed", "false")], [("transaction-id", "pub/t")] * 2,
-                [("if-match", "0000000000000000_0000000000000000")] * 2, [("host", "a"), ("host", "b")]):
+    for dup in (
+        [("content-type", "text/plain")],
+        [("authorization", "Bearer admin")],
+        [("stream-closed", "true"), ("stream-closed", "false")],
+        [("transaction-id", "pub/t")] * 2,
+        [("if-match", "0000000000000000_0000000000000000")] * 2,
+        [("host", "a"), ("host", "b")],
+    ):
         r = await c.post(S + "pub/x", content=b"{}", headers=[*prod, ("producer-id", "p1"), *dup])
         assert r.status_code == 400, (dup, r.text)
     assert len((await c.get(S + "pub/x", params={"offset": "-1"}, headers=PUB)).json()) == 1
@@ -248,7 +299,9 @@ async def test_a_duplicated_protocol_header_is_400_and_slips_past_no_limit(g: Gu
 async def test_pull_wake_ack_and_release_work_under_the_guard(g: Guarded) -> None:
     c = g.client
     assert (await c.put(S + "pub/wake", headers={**JSON, **PUB})).status_code == 201
-    r = await c.put(f"{SUBS}/mine", json={"type": "pull-wake", "pattern": "pub/e/*", "wake_stream": "pub/wake"}, headers=PUB)
+    r = await c.put(
+        f"{SUBS}/mine", json={"type": "pull-wake", "pattern": "pub/e/*", "wake_stream": "pub/wake"}, headers=PUB
+    )
     assert r.status_code == 201, r.text
     assert (await c.put(S + "pub/e/a", content=b'{"n":1}', headers={**JSON, **PUB})).status_code == 201
     claim = (await c.post(f"{SUBS}/mine/claim", json={"worker": "w1"}, headers=PUB)).json()
@@ -257,8 +310,12 @@ async def test_pull_wake_ack_and_release_work_under_the_guard(g: Guarded) -> Non
     assert r.status_code == 204, r.text
     claim = (await c.post(f"{SUBS}/mine/claim", json={"worker": "w1"}, headers=PUB)).json()
     tail = next(s["tail_offset"] for s in claim["streams"] if s["path"] == "pub/e/a")
-    reply = {"wake_id": claim["wake_id"], "generation": claim["generation"], "acks": [{"stream": "pub/e/a", "offset": tail}],
-             "done": True}
+    reply = {
+        "wake_id": claim["wake_id"],
+        "generation": claim["generation"],
+        "acks": [{"stream": "pub/e/a", "offset": tail}],
+        "done": True,
+    }
     r = await c.post(f"{SUBS}/mine/ack", json=reply, headers=bearer(claim["token"]))
     assert r.status_code == 200 and r.json()["ok"] is True, r.text
     body = (await c.get(f"{SUBS}/mine", headers=PUB)).json()
@@ -269,7 +326,9 @@ async def test_wake_routes_take_only_a_wake_token_of_that_subscription(g: Guarde
     c = g.client
     assert (await c.put(S + "pub/wake", headers={**JSON, **PUB})).status_code == 201
     for sid in ("mine", "other"):
-        r = await c.put(f"{SUBS}/{sid}", json={"type": "pull-wake", "pattern": "pub/e/*", "wake_stream": "pub/wake"}, headers=PUB)
+        r = await c.put(
+            f"{SUBS}/{sid}", json={"type": "pull-wake", "pattern": "pub/e/*", "wake_stream": "pub/wake"}, headers=PUB
+        )
         assert r.status_code == 201
     assert (await c.put(S + "pub/e/a", content=b'{"n":1}', headers={**JSON, **PUB})).status_code == 201
     claim = (await c.post(f"{SUBS}/mine/claim", json={"worker": "w1"}, headers=PUB)).json()
@@ -329,7 +388,11 @@ async def test_a_subscription_created_while_a_request_body_is_in_flight_is_check
     await asyncio.wait({claim, taken}, return_when=asyncio.FIRST_COMPLETED)  # refused unread, or reading
     taken.cancel()
     assert (await c.put(S + "orders/wake", headers={**JSON, **ADMIN})).status_code == 201
-    r = await c.put(f"{SUBS}/later", json={"type": "pull-wake", "pattern": "orders/e/*", "wake_stream": "orders/wake"}, headers=ADMIN)
+    r = await c.put(
+        f"{SUBS}/later",
+        json={"type": "pull-wake", "pattern": "orders/e/*", "wake_stream": "orders/wake"},
+        headers=ADMIN,
+    )
     assert r.status_code == 201
     assert (await c.put(S + "orders/e/a", content=b'{"n":1}', headers={**JSON, **ADMIN})).status_code == 201
     gate.set()
@@ -344,7 +407,9 @@ async def test_a_stream_linked_later_counts_among_a_subscriptions_names(g: Guard
     c = g.client
     await secret(c)
     assert (await c.put(S + "pub/wake", headers={**JSON, **PUB})).status_code == 201
-    r = await c.put(f"{SUBS}/mine", json={"type": "pull-wake", "pattern": "pub/e/*", "wake_stream": "pub/wake"}, headers=PUB)
+    r = await c.put(
+        f"{SUBS}/mine", json={"type": "pull-wake", "pattern": "pub/e/*", "wake_stream": "pub/wake"}, headers=PUB
+    )
     assert r.status_code == 201
     assert (await c.post(f"{SUBS}/mine/streams", json={"streams": ["orders/secret"]}, headers=ADMIN)).status_code == 204
     assert (await c.post(S + "orders/secret", content=b'{"card":"5500"}', headers={**JSON, **ADMIN})).status_code == 204

@@ -41,7 +41,9 @@ def error_message(r: object) -> str:
         ({"if-match": "not-an-offset"}, "If-Match"),
     ],
 )
-async def test_malformed_append_headers_are_400_with_reason(onceflow: InProcess, headers: dict[str, str], fragment: str) -> None:
+async def test_malformed_append_headers_are_400_with_reason(
+    onceflow: InProcess, headers: dict[str, str], fragment: str
+) -> None:
     await make(onceflow)
     r = await onceflow.client.post(S + "s", content=b'{"a":1}', headers={"content-type": "application/json", **headers})
     assert r.status_code == 400
@@ -52,7 +54,13 @@ async def test_malformed_append_headers_are_400_with_reason(onceflow: InProcess,
 
 @pytest.mark.parametrize(
     ("body", "fragment"),
-    [(b"{bad", "invalid JSON"), (b"[]", "empty JSON array"), (b"NaN", "NaN"), (b"\xff\xfe", "UTF-8"), (b"", "empty body")],
+    [
+        (b"{bad", "invalid JSON"),
+        (b"[]", "empty JSON array"),
+        (b"NaN", "NaN"),
+        (b"\xff\xfe", "UTF-8"),
+        (b"", "empty body"),
+    ],
 )
 async def test_bad_json_bodies_are_400(onceflow: InProcess, body: bytes, fragment: str) -> None:
     await make(onceflow)
@@ -82,7 +90,12 @@ async def test_offsets_that_are_not_boundaries_or_past_the_end_are_400(onceflow:
     r = await onceflow.client.post(S + "s", content=b"x" * 100, headers={"content-type": "text/plain"})
     end = r.headers["stream-next-offset"]
     off, pos = (int(x) for x in end.split("_"))
-    for bad in (f"{off:016d}_{pos - 1:016d}", f"{off:016d}_{pos + 100:016d}", f"{off + 5:016d}_{pos:016d}", f"{0:016d}_{10:016d}"):
+    for bad in (
+        f"{off:016d}_{pos - 1:016d}",
+        f"{off:016d}_{pos + 100:016d}",
+        f"{off + 5:016d}_{pos:016d}",
+        f"{0:016d}_{10:016d}",
+    ):
         r = await onceflow.client.get(S + "s", params={"offset": bad})
         assert r.status_code == 400, bad
         assert "offset" in error_message(r)
@@ -115,7 +128,18 @@ async def test_body_over_the_limit_is_413_and_not_stored(onceflow: InProcess) ->
 
 @pytest.mark.parametrize(
     "name",
-    ["..", "a/../../b", "a/./b", "/etc/passwd", "a//b", "trailing/", "nul\x00byte", "ctl\x01", "back\\slash", "x" * 1025],
+    [
+        "..",
+        "a/../../b",
+        "a/./b",
+        "/etc/passwd",
+        "a//b",
+        "trailing/",
+        "nul\x00byte",
+        "ctl\x01",
+        "back\\slash",
+        "x" * 1025,
+    ],
 )
 async def test_names_that_could_escape_the_data_directory_are_rejected(onceflow: InProcess, name: str) -> None:
     # percent-encode so that the client sends the name verbatim (no dot-segment normalisation)
@@ -177,11 +201,23 @@ header_values = st.one_of(
 @given(
     method=st.sampled_from(["POST", "PUT", "GET", "HEAD", "DELETE"]),
     headers=st.dictionaries(
-        st.sampled_from([
-            "content-type", "producer-id", "producer-epoch", "producer-seq", "stream-seq", "stream-closed",
-            "stream-ttl", "stream-expires-at", "if-match", "if-none-match", "stream-forked-from",
-            "stream-fork-offset", "stream-fork-sub-offset",
-        ]),
+        st.sampled_from(
+            [
+                "content-type",
+                "producer-id",
+                "producer-epoch",
+                "producer-seq",
+                "stream-seq",
+                "stream-closed",
+                "stream-ttl",
+                "stream-expires-at",
+                "if-match",
+                "if-none-match",
+                "stream-forked-from",
+                "stream-fork-offset",
+                "stream-fork-sub-offset",
+            ]
+        ),
         header_values,
         max_size=5,
     ),
@@ -196,10 +232,14 @@ async def test_fuzzed_requests_never_5xx_and_rejections_change_nothing(
         await make(onceflow, "fz")
         await c.post(S + "fz", content=b'{"seed":1}', headers={"content-type": "application/json"})
     before = (await c.head(S + "fz")).headers.get("stream-next-offset")
-    safe_headers = {k: v.encode("utf-8") for k, v in headers.items() if "\n" not in v and "\r" not in v and "\x00" not in v}
+    safe_headers = {
+        k: v.encode("utf-8") for k, v in headers.items() if "\n" not in v and "\r" not in v and "\x00" not in v
+    }
     if query.get("live") in ("sse", "long-poll"):
         query = {**query, "live": "long-poll"}
-    r = await c.request(method, S + "fz", headers=safe_headers, params=query, content=body if method in ("POST", "PUT") else None)
+    r = await c.request(
+        method, S + "fz", headers=safe_headers, params=query, content=body if method in ("POST", "PUT") else None
+    )
     assert r.status_code < 500, (r.status_code, r.text)
     if r.status_code >= 400 and method != "HEAD":
         assert r.json()["error"]["message"]
@@ -234,7 +274,13 @@ async def test_deeply_nested_json_bodies_are_400_and_change_nothing(onceflow: In
         assert r.status_code == 400, r.text
         assert (await c.head(S + "deep")).status_code == 404
     assert (await c.get(S + "s?offset=-1")).content == b"[]"
-    for path in ("/v1/txn/t/init", "/v1/txn/t/commit", "/v1/groups/g/offsets", "/v1/sinks/k/commit", "/v1/sinks/k/abort"):
+    for path in (
+        "/v1/txn/t/init",
+        "/v1/txn/t/commit",
+        "/v1/groups/g/offsets",
+        "/v1/sinks/k/commit",
+        "/v1/sinks/k/abort",
+    ):
         for body in (DEEP, DEEP_OBJECT):
             r = await c.post(path, content=body, headers={"content-type": "application/json"})
             assert r.status_code == 400, (path, r.status_code, r.text)
@@ -253,7 +299,9 @@ async def test_a_path_that_is_not_utf8_is_400_in_process(onceflow: InProcess) ->
         r = await c.put(S + raw, headers={"content-type": "text/plain"})
         assert r.status_code == 400 and "UTF-8" in error_message(r), (raw, r.status_code, r.text)
     assert (await c.get("/v1/streams")).json() == {"streams": []}
-    assert (await c.put(S + "bad%ef%bf%bd", headers={"content-type": "text/plain"})).status_code == 201  # U+FFFD is UTF-8
+    assert (
+        await c.put(S + "bad%ef%bf%bd", headers={"content-type": "text/plain"})
+    ).status_code == 201  # U+FFFD is UTF-8
     assert [s["name"] for s in (await c.get("/v1/streams")).json()["streams"]] == ["bad\ufffd"]
 
 
@@ -287,8 +335,12 @@ async def test_a_duplicated_protocol_header_is_400_without_a_guard_too(onceflow:
     base = [("content-type", "application/json"), ("producer-epoch", "0"), ("producer-seq", "0")]
     r = await onceflow.client.post(S + "s", content=b"{}", headers=[*base, ("producer-id", "a"), ("Producer-Id", "b")])
     assert r.status_code == 400 and "more than once" in error_message(r)
-    r = await onceflow.client.post(S + "s", content=b"{}", headers=[*base, ("producer-id", "a"), ("content-type", "text/plain")])
+    r = await onceflow.client.post(
+        S + "s", content=b"{}", headers=[*base, ("producer-id", "a"), ("content-type", "text/plain")]
+    )
     assert r.status_code == 400 and "content-type" in error_message(r)
     assert (await onceflow.client.head(S + "s")).headers["stream-next-offset"] == "0000000000000000_0000000000000000"
-    r = await onceflow.client.post(S + "s", content=b"{}", headers=[*base, ("producer-id", "a"), ("x-trace", "1"), ("x-trace", "2")])
+    r = await onceflow.client.post(
+        S + "s", content=b"{}", headers=[*base, ("producer-id", "a"), ("x-trace", "1"), ("x-trace", "2")]
+    )
     assert r.status_code == 200  # other headers may repeat

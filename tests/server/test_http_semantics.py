@@ -70,7 +70,9 @@ async def test_duplicate_answers_with_the_original_offset(onceflow: InProcess) -
 
 
 @pytest.mark.anyio
-async def test_failed_write_is_not_acknowledged_and_the_retry_is_accepted(onceflow: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_failed_write_is_not_acknowledged_and_the_retry_is_accepted(
+    onceflow: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Fault 10: ENOSPC during an append: no ack, no partial record, fine once space returns."""
     c = onceflow.client
     await c.put(S + "full", headers=JSON)
@@ -104,7 +106,9 @@ async def test_failed_write_is_not_acknowledged_and_the_retry_is_accepted(oncefl
 
 
 @pytest.mark.anyio
-async def test_a_retry_racing_the_original_waits_for_its_fsync(onceflow: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_retry_racing_the_original_waits_for_its_fsync(
+    onceflow: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The dedup answer is given only once the original is durable (Pulsar #5218)."""
     c = onceflow.client
     await c.put(S + "race", headers=JSON)
@@ -212,7 +216,9 @@ def test_state_survives_sigterm_and_kill(server: ServerProcess) -> None:
 
 @pytest.mark.slow
 def test_serve_cli_prints_ready_line_and_help(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "onceflow.cli", "serve", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", "serve", "--help"], capture_output=True, text=True, check=True
+    )
     for flag in ("--data", "--host", "--port", "--fsync", "--long-poll-timeout"):
         assert flag in out.stdout
     srv = ServerProcess(tmp_path / "d")
@@ -253,7 +259,9 @@ async def test_a_real_gap_is_still_a_409_after_the_reorder_wait(onceflow: InProc
 
 
 @pytest.mark.anyio
-async def test_a_delete_that_could_not_be_stored_is_a_503_and_changes_nothing(onceflow: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_delete_that_could_not_be_stored_is_a_503_and_changes_nothing(
+    onceflow: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A delete whose move to the trash (or soft delete record) failed was answered 204 while the
     stream stayed on disk: a restart brought it back. It is a 503 now, and the stream stays served."""
     from onceflow.storage.fs import OsFileSystem

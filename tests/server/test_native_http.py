@@ -48,7 +48,9 @@ def serve(tmp_path: Path) -> Serve:
     """``async with serve(max_body=..., long_poll=..., **limits) as live``: a native server on a fresh broker."""
 
     @contextlib.asynccontextmanager
-    async def running(*, max_body: int = 1024, long_poll: float = 5.0, sse_max: float = 60.0, **limits: Any) -> AsyncIterator[Live]:
+    async def running(
+        *, max_body: int = 1024, long_poll: float = 5.0, sse_max: float = 60.0, **limits: Any
+    ) -> AsyncIterator[Live]:
         broker = Broker(tmp_path / f"data{len(list(tmp_path.iterdir()))}")
         broker.open()
         app = App(broker, AppConfig(long_poll_timeout=long_poll, max_body_bytes=max_body, sse_max_seconds=sse_max))
@@ -118,7 +120,7 @@ async def test_chunked_request_body_is_appended(live: Live) -> None:
     raw = (
         b"PUT /v1/stream/c HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 0\r\n\r\n"
         b"POST /v1/stream/c HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
-        b"4\r\n[{\"a\r\n5\r\n\":1}]\r\n0\r\n\r\n"
+        b'4\r\n[{"a\r\n5\r\n":1}]\r\n0\r\n\r\n'
         b"GET /v1/stream/c?offset=-1 HTTP/1.1\r\nHost: x\r\n\r\n"
     )
     responses = await exchange(live.port, raw, until=3)
@@ -131,7 +133,9 @@ async def test_chunked_body_over_the_limit_is_413_and_not_stored(live: Live) -> 
     raw = (
         b"PUT /v1/stream/big HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 0\r\n\r\n"
         b"POST /v1/stream/big HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n"
-        + b"%x\r\n%s\r\n" % (len(chunk), chunk) * 2
+        + b"%x\r\n%s\r\n"
+        % (len(chunk), chunk)
+        * 2
         + b"0\r\n\r\n"
         b"GET /v1/stream/big?offset=-1 HTTP/1.1\r\nHost: x\r\n\r\n"
     )
@@ -150,8 +154,9 @@ async def test_malformed_http_gets_400_and_the_server_keeps_serving(live: Live) 
 
 async def test_an_upgrade_request_is_answered_as_plain_http_then_closed(live: Live) -> None:
     reader, writer = await live.connect()
-    writer.write(b"GET /v1/stream/none HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
-                 b"\x81\x85 not HTTP")
+    writer.write(
+        b"GET /v1/stream/none HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n\x81\x85 not HTTP"
+    )
     r = await read_response(reader)
     assert r is not None and r.status == 404  # Upgrade ignored (RFC 9110 7.8)
     assert await closed_within(reader) == b""  # and no second response for the bytes that followed
@@ -173,7 +178,9 @@ async def test_a_request_target_that_is_not_a_path_gets_400(live: Live) -> None:
 async def test_expect_100_continue(live: Live) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
     try:
-        writer.write(b"PUT /v1/stream/e HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
+        writer.write(
+            b"PUT /v1/stream/e HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n"
+        )
         await writer.drain()
         assert (await reader.readline()).startswith(b"HTTP/1.1 100")
         assert await reader.readline() == b"\r\n"
@@ -196,7 +203,9 @@ async def test_http10_and_connection_close_are_honoured(live: Live) -> None:
 
 
 async def test_sse_disconnect_releases_the_reader(live: Live) -> None:
-    await exchange(live.port, b"PUT /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 1\r\n\r\na")
+    await exchange(
+        live.port, b"PUT /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 1\r\n\r\na"
+    )
     reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
     writer.write(b"GET /v1/stream/s?offset=-1&live=sse HTTP/1.1\r\nHost: x\r\n\r\n")
     await writer.drain()
@@ -266,7 +275,10 @@ async def test_a_body_trickled_at_a_few_bytes_per_second_is_cut_off(serve: Serve
     """Bytes keep coming (so an inactivity timeout alone never fires), but far below the minimum rate."""
     async with serve(body_timeout=0.5, min_body_rate=1000) as srv:
         reader, writer = await srv.connect()
-        writer.write(CREATE + b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 1000\r\n\r\n")
+        writer.write(
+            CREATE
+            + b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 1000\r\n\r\n"
+        )
         created = await read_response(reader)
         assert created is not None and created.status == 201
 
@@ -325,8 +337,10 @@ async def test_a_client_that_does_not_read_its_response_is_dropped(serve: Serve)
     async with serve(max_body=1 << 20, write_timeout=0.5) as srv:
         reader, writer = await srv.connect()
         body = b"x" * (1 << 20)
-        writer.write(CREATE + b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        writer.write(
+            CREATE + b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         assert (r := await read_response(reader)) is not None and r.status == 201
         assert (r := await read_response(reader)) is not None and r.status == 204
         for _ in range(32):  # 32 MiB of responses asked for and not read
@@ -343,7 +357,10 @@ async def test_a_slow_reader_that_keeps_reading_is_not_dropped(serve: Serve) -> 
     """The write timeout is about a client that reads nothing, not one that reads slowly."""
     async with serve(max_body=1 << 20, write_timeout=2.0) as srv:
         body = b"x" * (1 << 20)
-        append = b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        append = (
+            b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
         await exchange(srv.port, CREATE + append * 4, until=5)
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)  # so that the server's side fills up
@@ -392,7 +409,9 @@ async def test_a_header_that_never_ends_gets_431_before_it_is_all_sent(serve: Se
 async def test_too_many_headers_get_431(serve: Serve) -> None:
     async with serve(max_headers=20) as srv:
         reader, writer = await srv.connect()
-        writer.write(b"GET /v1/stream/none HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: 1\r\n" % i for i in range(30)) + b"\r\n")
+        writer.write(
+            b"GET /v1/stream/none HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: 1\r\n" % i for i in range(30)) + b"\r\n"
+        )
         data = await closed_within(reader)
         writer.close()
         assert data.startswith(b"HTTP/1.1 431 "), data[:200]
@@ -404,8 +423,10 @@ async def test_too_many_headers_get_431(serve: Serve) -> None:
 async def test_a_declared_length_over_the_limit_is_refused_before_the_body(serve: Serve) -> None:
     async with serve(max_body=1 << 20) as srv:
         reader, writer = await srv.connect()
-        writer.write(CREATE + b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
-                     b"Content-Length: %d\r\n\r\n" % (64 << 20))
+        writer.write(
+            CREATE + b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+            b"Content-Length: %d\r\n\r\n" % (64 << 20)
+        )
         assert (r := await read_response(reader)) is not None and r.status == 201
         r = await read_response(reader)  # no byte of the body sent
         writer.close()
@@ -416,8 +437,10 @@ async def test_a_declared_length_over_the_limit_is_refused_before_the_body(serve
 async def test_an_endless_chunked_body_is_refused_once_over_the_limit(serve: Serve) -> None:
     async with serve(max_body=1 << 20) as srv:
         reader, writer = await srv.connect()
-        writer.write(CREATE + b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
+        writer.write(
+            CREATE + b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         assert (r := await read_response(reader)) is not None and r.status == 201
         chunk = b"%x\r\n%s\r\n" % (65536, b"x" * 65536)
 
@@ -441,8 +464,10 @@ async def test_an_endless_chunked_body_is_refused_once_over_the_limit(serve: Ser
 async def test_expect_100_continue_with_a_length_over_the_limit_gets_413_not_100(serve: Serve) -> None:
     async with serve(max_body=1 << 20) as srv:
         reader, writer = await srv.connect()
-        writer.write(CREATE + b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
-                     b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % (64 << 20))
+        writer.write(
+            CREATE + b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+            b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % (64 << 20)
+        )
         assert (r := await read_response(reader)) is not None and r.status == 201
         r = await read_response(reader)
         writer.close()
@@ -479,7 +504,10 @@ async def test_pipelined_bodies_behind_a_slow_request_are_bounded(serve: Serve) 
         writer.write(CREATE)
         assert (r := await read_response(reader)) is not None and r.status == 201
         body = b"y" * (512 << 10)
-        append = b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        append = (
+            b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
         writer.write(b"GET /v1/stream/s?offset=now&live=long-poll HTTP/1.1\r\nHost: x\r\n\r\n")
         sending = asyncio.ensure_future(writer.drain())
         for _ in range(20):
@@ -503,11 +531,15 @@ async def test_pipelined_bodies_behind_a_slow_request_are_bounded(serve: Serve) 
 
 async def test_a_pipelined_expect_100_continue_waits_for_its_turn(serve: Serve) -> None:
     async with serve(long_poll=0.2, sse_max=1.0) as srv:
-        await exchange(srv.port, b"PUT /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 1\r\n\r\na")
+        await exchange(
+            srv.port, b"PUT /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 1\r\n\r\na"
+        )
         reader, writer = await srv.connect()
-        writer.write(b"GET /v1/stream/s?offset=-1&live=sse HTTP/1.1\r\nHost: x\r\n\r\n"
-                     b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n"
-                     b"Expect: 100-continue\r\n\r\n")
+        writer.write(
+            b"GET /v1/stream/s?offset=-1&live=sse HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"POST /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n"
+            b"Expect: 100-continue\r\n\r\n"
+        )
         sse = await read_response(reader)  # the whole SSE response, ended by sse_max
         assert sse is not None and sse.status == 200 and sse.interim == []
         assert b"event: control" in sse.body and b"HTTP/1.1" not in sse.body

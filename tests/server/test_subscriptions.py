@@ -84,7 +84,8 @@ async def receiver() -> AsyncIterator[Receiver]:
             payload = json.dumps(answer).encode()
             writer.write(
                 f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n"
-                f"connection: close\r\n\r\n".encode() + payload
+                f"connection: close\r\n\r\n".encode()
+                + payload
             )
             await writer.drain()
         finally:
@@ -127,10 +128,14 @@ async def wake_events(c: httpx.AsyncClient, wake_stream: str, sid: str) -> list[
     return [e for e in r.json() if e.get("subscription_id") == sid]
 
 
-async def pull_sub(c: httpx.AsyncClient, sid: str, *, pattern: str = "events/*", wake: str = "wake/pool", ttl: int = 30_000) -> None:
+async def pull_sub(
+    c: httpx.AsyncClient, sid: str, *, pattern: str = "events/*", wake: str = "wake/pool", ttl: int = 30_000
+) -> None:
     if (await c.head(f"{ROOT}/{wake}")).status_code == 404:
         await put_stream(c, wake)
-    r = await c.put(f"{SUBS}/{sid}", json={"type": "pull-wake", "pattern": pattern, "wake_stream": wake, "lease_ttl_ms": ttl})
+    r = await c.put(
+        f"{SUBS}/{sid}", json={"type": "pull-wake", "pattern": pattern, "wake_stream": wake, "lease_ttl_ms": ttl}
+    )
     assert r.status_code == 201, r.text
 
 
@@ -147,8 +152,14 @@ def stream_info(body: dict[str, Any], path: str) -> dict[str, Any]:
 
 async def test_create_reconfirm_conflict_get_delete(srv: Served) -> None:
     c = srv.client
-    config = {"type": "pull-wake", "pattern": "events/**", "streams": ["other/x"], "wake_stream": "wake/a",
-              "lease_ttl_ms": 5000, "description": "d"}
+    config = {
+        "type": "pull-wake",
+        "pattern": "events/**",
+        "streams": ["other/x"],
+        "wake_stream": "wake/a",
+        "lease_ttl_ms": 5000,
+        "description": "d",
+    }
     r = await c.put(f"{SUBS}/s1", json=config)
     assert r.status_code == 201, r.text
     body = r.json()
@@ -216,15 +227,39 @@ BAD_CREATES: list[tuple[object, str, str]] = [
     ({"type": "pull-wake", "streams": [7], "wake_stream": "w"}, "INVALID_REQUEST", "streams[0]"),
     ({"type": "pull-wake", "pattern": "e/*"}, "INVALID_REQUEST", "wake_stream"),
     ({"type": "pull-wake", "streams": ["w"], "wake_stream": "w"}, "INVALID_REQUEST", "wake stream"),
-    ({"type": "pull-wake", "pattern": "e/*", "wake_stream": "w", "lease_ttl_ms": 999}, "INVALID_REQUEST", "lease_ttl_ms"),
-    ({"type": "pull-wake", "pattern": "e/*", "wake_stream": "w", "lease_ttl_ms": 600_001}, "INVALID_REQUEST", "lease_ttl_ms"),
-    ({"type": "pull-wake", "pattern": "e/*", "wake_stream": "w", "lease_ttl_ms": "30000"}, "INVALID_REQUEST", "lease_ttl_ms"),
+    (
+        {"type": "pull-wake", "pattern": "e/*", "wake_stream": "w", "lease_ttl_ms": 999},
+        "INVALID_REQUEST",
+        "lease_ttl_ms",
+    ),
+    (
+        {"type": "pull-wake", "pattern": "e/*", "wake_stream": "w", "lease_ttl_ms": 600_001},
+        "INVALID_REQUEST",
+        "lease_ttl_ms",
+    ),
+    (
+        {"type": "pull-wake", "pattern": "e/*", "wake_stream": "w", "lease_ttl_ms": "30000"},
+        "INVALID_REQUEST",
+        "lease_ttl_ms",
+    ),
     ({"type": "pull-wake", "pattern": "e/*", "wake_stream": "w", "description": 5}, "INVALID_REQUEST", "description"),
-    ({"type": "pull-wake", "pattern": "e/*", "wake_stream": "w", "webhook": {"url": "http://127.0.0.1/"}}, "INVALID_REQUEST", "webhook"),
+    (
+        {"type": "pull-wake", "pattern": "e/*", "wake_stream": "w", "webhook": {"url": "http://127.0.0.1/"}},
+        "INVALID_REQUEST",
+        "webhook",
+    ),
     ({"type": "webhook", "pattern": "e/*"}, "INVALID_REQUEST", "webhook"),
     ({"type": "webhook", "pattern": "e/*", "webhook": {}}, "INVALID_REQUEST", "webhook"),
-    ({"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://10.0.0.1/hook"}}, "WEBHOOK_URL_REJECTED", "10.0.0.1"),
-    ({"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://127.0.0.1/"}, "wake_stream": "w"}, "INVALID_REQUEST", "wake_stream"),
+    (
+        {"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://10.0.0.1/hook"}},
+        "WEBHOOK_URL_REJECTED",
+        "10.0.0.1",
+    ),
+    (
+        {"type": "webhook", "pattern": "e/*", "webhook": {"url": "http://127.0.0.1/"}, "wake_stream": "w"},
+        "INVALID_REQUEST",
+        "wake_stream",
+    ),
 ]
 
 
@@ -254,11 +289,27 @@ async def test_bad_routes_and_methods(srv: Served) -> None:
         (c.post(f"{SUBS}/p/claim", json={"worker": ""}), 400, "INVALID_REQUEST"),
         (c.post(f"{SUBS}/p/claim", headers=JSON, content=b"{"), 400, "INVALID_REQUEST"),
         (c.post(f"{SUBS}/p/ack", json={"wake_id": "w", "generation": 1}), 401, "TOKEN_INVALID"),
-        (c.post(f"{SUBS}/p/ack", json={"wake_id": "w", "generation": 1}, headers=bearer("garbage")), 401, "TOKEN_INVALID"),
+        (
+            c.post(f"{SUBS}/p/ack", json={"wake_id": "w", "generation": 1}, headers=bearer("garbage")),
+            401,
+            "TOKEN_INVALID",
+        ),
         (c.post(f"{SUBS}/p/ack", json={"generation": 1}, headers=bearer("v1.x.y")), 400, "INVALID_REQUEST"),
-        (c.post(f"{SUBS}/p/ack", json={"wake_id": "w", "generation": "1"}, headers=bearer("x")), 400, "INVALID_REQUEST"),
-        (c.post(f"{SUBS}/p/release", json={"wake_id": "w", "generation": 1}, headers=bearer("v1.AA.AA")), 401, "TOKEN_INVALID"),
-        (c.post(f"{SUBS}/p/callback", json={"wake_id": "w", "generation": 1}, headers=bearer("x")), 400, "INVALID_REQUEST"),
+        (
+            c.post(f"{SUBS}/p/ack", json={"wake_id": "w", "generation": "1"}, headers=bearer("x")),
+            400,
+            "INVALID_REQUEST",
+        ),
+        (
+            c.post(f"{SUBS}/p/release", json={"wake_id": "w", "generation": 1}, headers=bearer("v1.AA.AA")),
+            401,
+            "TOKEN_INVALID",
+        ),
+        (
+            c.post(f"{SUBS}/p/callback", json={"wake_id": "w", "generation": 1}, headers=bearer("x")),
+            400,
+            "INVALID_REQUEST",
+        ),
         (c.post(f"{SUBS}/p/streams", json={"streams": []}), 400, "INVALID_REQUEST"),
         (c.post(f"{SUBS}/p/streams", json={"streams": ["wake/pool"]}), 400, "INVALID_REQUEST"),
         (c.delete(f"{SUBS}/p/streams/a%2F..%2Fb"), 400, "INVALID_REQUEST"),
@@ -299,13 +350,21 @@ async def test_pull_wake_claim_is_exclusive_and_ack_advances(srv: Served) -> Non
 
     r = await c.post(f"{SUBS}/p/claim", json={"worker": "w2"})
     assert r.status_code == 409
-    assert r.json()["error"] | {"message": ""} == {"code": "ALREADY_CLAIMED", "current_holder": "w1", "generation": 1, "message": ""}
+    assert r.json()["error"] | {"message": ""} == {
+        "code": "ALREADY_CLAIMED",
+        "current_holder": "w1",
+        "generation": 1,
+        "message": "",
+    }
 
     reply = {"wake_id": claim["wake_id"], "generation": 1}
     r = await c.post(f"{SUBS}/p/ack", json=reply, headers=bearer(claim["token"]))  # heartbeat
     assert r.json() == {"ok": True, "next_wake": False}
-    r = await c.post(f"{SUBS}/p/ack", json={**reply, "acks": [{"stream": "events/a", "offset": a["tail_offset"]}], "done": True},
-                     headers=bearer(claim["token"]))
+    r = await c.post(
+        f"{SUBS}/p/ack",
+        json={**reply, "acks": [{"stream": "events/a", "offset": a["tail_offset"]}], "done": True},
+        headers=bearer(claim["token"]),
+    )
     assert r.status_code == 200 and r.json() == {"ok": True, "next_wake": False}
     assert stream_info((await c.get(f"{SUBS}/p")).json(), "events/a")["acked_offset"] == a["tail_offset"]
     # the wake is over: its token is fenced
@@ -332,10 +391,16 @@ async def test_ack_done_with_more_pending_wakes_again(srv: Served) -> None:
     claim = (await c.post(f"{SUBS}/p/claim", json={"worker": "w1"})).json()
     first_tail = stream_info(claim, "events/a")["tail_offset"]
     await append(c, "events/a", {"n": 2})  # arrives while the wake is held
-    r = await c.post(f"{SUBS}/p/ack", headers=bearer(claim["token"]), json={
-        "wake_id": claim["wake_id"], "generation": claim["generation"], "done": True,
-        "acks": [{"stream": "events/a", "offset": first_tail}],
-    })
+    r = await c.post(
+        f"{SUBS}/p/ack",
+        headers=bearer(claim["token"]),
+        json={
+            "wake_id": claim["wake_id"],
+            "generation": claim["generation"],
+            "done": True,
+            "acks": [{"stream": "events/a", "offset": first_tail}],
+        },
+    )
     assert r.json() == {"ok": True, "next_wake": True}
     claim2 = (await c.post(f"{SUBS}/p/claim", json={"worker": "w2"})).json()
     assert claim2["generation"] == claim["generation"] + 1
@@ -347,25 +412,35 @@ async def test_release_hands_the_work_to_another_worker(srv: Served) -> None:
     await pull_sub(c, "p")
     await put_stream(c, "events/a", {"n": 1})
     claim = (await c.post(f"{SUBS}/p/claim", json={"worker": "w1"})).json()
-    r = await c.post(f"{SUBS}/p/release", json={"wake_id": claim["wake_id"], "generation": claim["generation"]},
-                     headers=bearer(claim["token"]))
+    r = await c.post(
+        f"{SUBS}/p/release",
+        json={"wake_id": claim["wake_id"], "generation": claim["generation"]},
+        headers=bearer(claim["token"]),
+    )
     assert r.status_code == 204
     # pending work remains, so a new wake event is written for a later claim
     await wait_for(lambda: _gen_announced(c, "p", claim["generation"] + 1))
     claim2 = (await c.post(f"{SUBS}/p/claim", json={"worker": "w2"})).json()
     assert claim2["generation"] == claim["generation"] + 1
     # the first worker is fenced: its generation and token are stale
-    r = await c.post(f"{SUBS}/p/ack", headers=bearer(claim["token"]),
-                     json={"wake_id": claim["wake_id"], "generation": claim["generation"], "done": True})
+    r = await c.post(
+        f"{SUBS}/p/ack",
+        headers=bearer(claim["token"]),
+        json={"wake_id": claim["wake_id"], "generation": claim["generation"], "done": True},
+    )
     assert r.status_code == 409 and r.json()["error"]["code"] == "FENCED"
     # the right token with a stale generation or wake id is fenced too
-    for body in ({"wake_id": claim2["wake_id"], "generation": claim["generation"]},
-                 {"wake_id": claim["wake_id"], "generation": claim2["generation"]}):
+    for body in (
+        {"wake_id": claim2["wake_id"], "generation": claim["generation"]},
+        {"wake_id": claim["wake_id"], "generation": claim2["generation"]},
+    ):
         r = await c.post(f"{SUBS}/p/ack", headers=bearer(claim2["token"]), json=body)
         assert r.status_code == 409 and r.json()["error"]["code"] == "FENCED"
     # a token of one subscription is not valid for another
     await pull_sub(c, "q", pattern="other/*")
-    r = await c.post(f"{SUBS}/q/ack", headers=bearer(claim2["token"]), json={"wake_id": claim2["wake_id"], "generation": 1})
+    r = await c.post(
+        f"{SUBS}/q/ack", headers=bearer(claim2["token"]), json={"wake_id": claim2["wake_id"], "generation": 1}
+    )
     assert r.status_code == 401
 
 
@@ -380,7 +455,11 @@ async def test_lease_expiry_hands_the_work_over(srv: Served) -> None:
     claim = (await c.post(f"{SUBS}/p/claim", json={"worker": "w1"})).json()
     # a heartbeat keeps it
     await asyncio.sleep(0.6)
-    r = await c.post(f"{SUBS}/p/ack", headers=bearer(claim["token"]), json={"wake_id": claim["wake_id"], "generation": claim["generation"]})
+    r = await c.post(
+        f"{SUBS}/p/ack",
+        headers=bearer(claim["token"]),
+        json={"wake_id": claim["wake_id"], "generation": claim["generation"]},
+    )
     assert r.status_code == 200
     await asyncio.sleep(0.6)
     assert (await c.post(f"{SUBS}/p/claim", json={"worker": "w2"})).status_code == 409
@@ -389,8 +468,11 @@ async def test_lease_expiry_hands_the_work_over(srv: Served) -> None:
     await wait_for(lambda: _gen_announced(c, "p", claim["generation"] + 1))
     r = await c.post(f"{SUBS}/p/claim", json={"worker": "w2"})
     assert r.status_code == 200 and r.json()["generation"] == claim["generation"] + 1
-    r = await c.post(f"{SUBS}/p/ack", headers=bearer(claim["token"]),
-                     json={"wake_id": claim["wake_id"], "generation": claim["generation"], "done": True})
+    r = await c.post(
+        f"{SUBS}/p/ack",
+        headers=bearer(claim["token"]),
+        json={"wake_id": claim["wake_id"], "generation": claim["generation"], "done": True},
+    )
     assert r.status_code == 409 and r.json()["error"]["code"] == "FENCED"
 
 
@@ -424,7 +506,9 @@ async def test_ack_offsets_are_validated(srv: Served) -> None:
     assert (await ack([{"stream": "events/a", "offset": t}])).status_code == 200
     # a regression is refused, and a failed batch moves nothing
     await append(c, "events/a", {"n": 3})
-    r = await ack([{"stream": "events/a", "offset": await tail(c, "events/a")}, {"stream": "events/a", "offset": middle}])
+    r = await ack(
+        [{"stream": "events/a", "offset": await tail(c, "events/a")}, {"stream": "events/a", "offset": middle}]
+    )
     assert r.status_code == 409
     assert stream_info((await c.get(f"{SUBS}/p")).json(), "events/a")["acked_offset"] == t
     first = (await c.get(f"{ROOT}/events/a", params={"offset": "-1", "max_bytes": 1})).headers["stream-next-offset"]
@@ -435,9 +519,14 @@ async def test_ack_offsets_are_validated(srv: Served) -> None:
 async def test_explicit_membership(srv: Served) -> None:
     c = srv.client
     await put_stream(c, "events/a", {"n": 1})
-    r = await c.put(f"{SUBS}/p", json={"type": "pull-wake", "pattern": "events/*", "streams": ["manual/a"], "wake_stream": "wake/pool"})
+    r = await c.put(
+        f"{SUBS}/p",
+        json={"type": "pull-wake", "pattern": "events/*", "streams": ["manual/a"], "wake_stream": "wake/pool"},
+    )
     assert r.status_code == 201
-    assert (await c.post(f"{SUBS}/p/streams", json={"streams": ["manual/b", "events/a", "manual/b"]})).status_code == 204
+    assert (
+        await c.post(f"{SUBS}/p/streams", json={"streams": ["manual/b", "events/a", "manual/b"]})
+    ).status_code == 204
     links = {s["path"]: s["link_type"] for s in (await c.get(f"{SUBS}/p")).json()["streams"]}
     assert links == {"events/a": "explicit", "manual/a": "explicit", "manual/b": "explicit"}
     for path in ("manual%2Fb", "events%2Fa", "never%2Flinked"):
@@ -471,15 +560,20 @@ async def test_deleted_stream_and_deleted_subscription(srv: Served) -> None:
     assert [s["path"] for s in (await c.get(f"{SUBS}/p")).json()["streams"]] == []
     # in-flight requests of a deleted subscription fail and move nothing
     assert (await c.delete(f"{SUBS}/p")).status_code == 204
-    r = await c.post(f"{SUBS}/p/ack", headers=bearer(claim["token"]),
-                     json={"wake_id": claim["wake_id"], "generation": claim["generation"], "done": True})
+    r = await c.post(
+        f"{SUBS}/p/ack",
+        headers=bearer(claim["token"]),
+        json={"wake_id": claim["wake_id"], "generation": claim["generation"], "done": True},
+    )
     assert r.status_code == 404
     # re-created with the same id: the old token belongs to another subscription's wake
     await pull_sub(c, "p")
     await put_stream(c, "events/b", {"n": 1})
     claim2 = (await c.post(f"{SUBS}/p/claim", json={"worker": "w1"})).json()
     assert claim2["generation"] == 1
-    r = await c.post(f"{SUBS}/p/ack", headers=bearer(claim["token"]), json={"wake_id": claim2["wake_id"], "generation": 1})
+    r = await c.post(
+        f"{SUBS}/p/ack", headers=bearer(claim["token"]), json={"wake_id": claim2["wake_id"], "generation": 1}
+    )
     assert r.status_code == 409 and r.json()["error"]["code"] == "FENCED"
 
 
@@ -494,7 +588,9 @@ def _verify(raw: bytes, header: str, jwks: dict[str, Any]) -> bool:
     (jwk,) = [k for k in jwks["keys"] if k["kid"] == kid]
     x = base64.urlsafe_b64decode(jwk["x"] + "=" * (-len(jwk["x"]) % 4))
     try:
-        Ed25519PublicKey.from_public_bytes(x).verify(base64.urlsafe_b64decode(sig + "=" * (-len(sig) % 4)), ts.encode() + b"." + raw)
+        Ed25519PublicKey.from_public_bytes(x).verify(
+            base64.urlsafe_b64decode(sig + "=" * (-len(sig) % 4)), ts.encode() + b"." + raw
+        )
     except InvalidSignature:
         return False
     return True
@@ -582,9 +678,16 @@ async def test_webhook_callback_before_answer_then_next_wake(srv: Served, receiv
             return
         first_tail = stream_info(body, "events/a")["tail_offset"]
         await append(c, "events/a", {"n": 2})
-        r = await c.post(body["callback_url"].removeprefix("http://testserver"), headers=bearer(body["callback_token"]), json={
-            "wake_id": body["wake_id"], "generation": 1, "done": True, "acks": [{"stream": "events/a", "offset": first_tail}],
-        })
+        r = await c.post(
+            body["callback_url"].removeprefix("http://testserver"),
+            headers=bearer(body["callback_token"]),
+            json={
+                "wake_id": body["wake_id"],
+                "generation": 1,
+                "done": True,
+                "acks": [{"stream": "events/a", "offset": first_tail}],
+            },
+        )
         results.append(r.json())
 
     receiver.before_answer = finish_first
@@ -597,7 +700,10 @@ async def test_webhook_callback_before_answer_then_next_wake(srv: Served, receiv
 
 async def test_webhook_lease_expiry_redelivers(srv: Served, receiver: Receiver) -> None:
     c = srv.client
-    await c.put(f"{SUBS}/hook", json={"type": "webhook", "pattern": "events/*", "webhook": {"url": receiver.url}, "lease_ttl_ms": 1000})
+    await c.put(
+        f"{SUBS}/hook",
+        json={"type": "webhook", "pattern": "events/*", "webhook": {"url": receiver.url}, "lease_ttl_ms": 1000},
+    )
     await put_stream(c, "events/a", {"n": 1})
     _, body, _ = await receiver.next()
     # the receiver answered 200 {} and never called back: after the lease, the work is re-woken
@@ -605,7 +711,11 @@ async def test_webhook_lease_expiry_redelivers(srv: Served, receiver: Receiver) 
     again = json.loads(receiver.requests[-1][1])
     assert again["generation"] == body["generation"] + 1
     callback = body["callback_url"].removeprefix("http://testserver")
-    r = await c.post(callback, headers=bearer(body["callback_token"]), json={"wake_id": body["wake_id"], "generation": body["generation"], "done": True})
+    r = await c.post(
+        callback,
+        headers=bearer(body["callback_token"]),
+        json={"wake_id": body["wake_id"], "generation": body["generation"], "done": True},
+    )
     assert r.status_code == 409
 
 
@@ -619,7 +729,10 @@ def test_state_survives_restart(tmp_path: Path) -> None:
     try:
         with httpx.Client(base_url=srv.url, timeout=10) as c:
             assert c.put(f"{ROOT}/wake/pool", headers=JSON).status_code == 201
-            r = c.put(f"{SUBS}/p", json={"type": "pull-wake", "pattern": "events/*", "wake_stream": "wake/pool", "lease_ttl_ms": 60_000})
+            r = c.put(
+                f"{SUBS}/p",
+                json={"type": "pull-wake", "pattern": "events/*", "wake_stream": "wake/pool", "lease_ttl_ms": 60_000},
+            )
             assert r.status_code == 201
             assert c.put(f"{ROOT}/events/a", headers=JSON, content=b'{"n":1}').status_code == 201
             claim = c.post(f"{SUBS}/p/claim", json={"worker": "w1"}).json()
@@ -632,15 +745,23 @@ def test_state_survives_restart(tmp_path: Path) -> None:
             r = c.post(f"{SUBS}/p/claim", json={"worker": "w2"})
             assert r.status_code == 409 and r.json()["error"]["current_holder"] == "w1"
             t = stream_info(claim, "events/a")["tail_offset"]
-            r = c.post(f"{SUBS}/p/ack", headers=bearer(claim["token"]), json={
-                "wake_id": claim["wake_id"], "generation": claim["generation"], "done": True,
-                "acks": [{"stream": "events/a", "offset": t}],
-            })
+            r = c.post(
+                f"{SUBS}/p/ack",
+                headers=bearer(claim["token"]),
+                json={
+                    "wake_id": claim["wake_id"],
+                    "generation": claim["generation"],
+                    "done": True,
+                    "acks": [{"stream": "events/a", "offset": t}],
+                },
+            )
             assert r.status_code == 200, r.text
             assert c.post(f"{ROOT}/events/a", headers=JSON, content=b'{"n":2}').status_code in (200, 204)
             deadline = time.monotonic() + 5
-            while not any(e["generation"] == claim["generation"] + 1
-                          for e in c.get(f"{ROOT}/wake/pool", params={"offset": "-1"}).json()):
+            while not any(
+                e["generation"] == claim["generation"] + 1
+                for e in c.get(f"{ROOT}/wake/pool", params={"offset": "-1"}).json()
+            ):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         srv.kill()  # a crash, not a clean stop

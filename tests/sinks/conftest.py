@@ -41,8 +41,10 @@ def drop_prepared(conninfo: str) -> list[str]:
     import psycopg
 
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        gids = [r[0] for r in conn.execute(
-            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()").fetchall()]
+        gids = [
+            r[0]
+            for r in conn.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()").fetchall()
+        ]
         for gid in gids:
             conn.execute(f"ROLLBACK PREPARED '{gid}'")
     return gids

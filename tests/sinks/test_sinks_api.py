@@ -139,8 +139,18 @@ def test_two_phase_commit_steps_run_in_order_and_ack_last(onceflow_url: str) -> 
     stats = runner(onceflow_url, MemoryTwoPhaseSink(ext), job, stream, checkpoints=store, on_step=on_step).run()
     assert ext.committed == list(range(N))
     assert (stats.checkpoints, stats.messages) == (3, N)
-    assert ext.log[:10] == ["restored 0", "begin t1", "started 1", "pre_commit t1", "prepared 1", "saved 1", "commit t1",
-                            "committed 1", "marked 1", "acked 1"]
+    assert ext.log[:10] == [
+        "restored 0",
+        "begin t1",
+        "started 1",
+        "pre_commit t1",
+        "prepared 1",
+        "saved 1",
+        "commit t1",
+        "committed 1",
+        "marked 1",
+        "acked 1",
+    ]
     # when the sink commits checkpoint N, the group is still acknowledged at checkpoint N-1: never ahead
     assert acked_when_committed == [{}, *saved[:-1]]
     assert saved[-1] == {stream: tail} == group_offsets(onceflow_url, job)
@@ -154,7 +164,9 @@ def test_restore_commits_a_saved_checkpoint(onceflow_url: str) -> None:
     fill(onceflow_url, stream)
     ext, store = External(), MemoryCheckpointStore()
     with pytest.raises(Crash):
-        runner(onceflow_url, MemoryTwoPhaseSink(ext), job, stream, checkpoints=store, on_step=crash_at("saved", 2)).run()
+        runner(
+            onceflow_url, MemoryTwoPhaseSink(ext), job, stream, checkpoints=store, on_step=crash_at("saved", 2)
+        ).run()
     assert ext.committed == list(range(10)) and list(ext.prepared) == ["t2"]
     ext.log.clear()
     stats = runner(onceflow_url, MemoryTwoPhaseSink(ext), job, stream, checkpoints=store).run()
@@ -169,7 +181,9 @@ def test_restore_aborts_a_prepared_transaction_no_checkpoint_names(onceflow_url:
     fill(onceflow_url, stream)
     ext, store = External(), MemoryCheckpointStore()
     with pytest.raises(Crash):
-        runner(onceflow_url, MemoryTwoPhaseSink(ext), job, stream, checkpoints=store, on_step=crash_at("prepared", 2)).run()
+        runner(
+            onceflow_url, MemoryTwoPhaseSink(ext), job, stream, checkpoints=store, on_step=crash_at("prepared", 2)
+        ).run()
     assert list(ext.prepared) == ["t2"]
     ext.log.clear()
     stats = runner(onceflow_url, MemoryTwoPhaseSink(ext), job, stream, checkpoints=store).run()
@@ -229,8 +243,9 @@ def test_live_runner_follows_input_that_arrives_later(onceflow_url: str) -> None
     fill(onceflow_url, stream)
     out: dict[str, int] = {}
     result: list[Any] = []
-    r = SinkRunner(onceflow_url, Collect(out), job=job, streams=[stream], live=True, checkpoint_messages=N,
-                   checkpoint_interval=0.2)
+    r = SinkRunner(
+        onceflow_url, Collect(out), job=job, streams=[stream], live=True, checkpoint_messages=N, checkpoint_interval=0.2
+    )
     thread = threading.Thread(target=lambda: result.append(r.run(max_checkpoints=2)), daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -266,16 +281,39 @@ class Atomic(Plain):
     atomic = True
 
 
-@pytest.mark.parametrize(("make", "error", "match"), [
-    (lambda: SinkRunner("http://x", MemoryTwoPhaseSink(External()), job="j", streams=["s"]), ValueError, "checkpoints="),
-    (lambda: SinkRunner("http://x", Atomic(), job="j", streams=["s"], checkpoints=MemoryCheckpointStore()), ValueError,
-     "stores its checkpoints"),
-    (lambda: SinkRunner("http://x", Plain(), job="j", streams=["s"], ack=None), ValueError, "nowhere to keep"),
-    (lambda: SinkRunner("http://x", Plain(), job="j", streams=["s"], prefix="p"), ValueError, "either streams"),
-    (lambda: SinkRunner("http://x", Plain(), job="", streams=["s"]), ValueError, "job"),
-    (lambda: SinkRunner("http://x", Plain(), job="j", streams=["s"], checkpoint_messages=0), ValueError, "checkpoint_messages"),
-    (lambda: SinkRunner("http://x", object(), job="j", streams=["s"]), TypeError, "CheckpointAwareSink"),  # type: ignore[arg-type]
-], ids=["2pc-without-store", "atomic-with-store", "no-offsets", "streams-and-prefix", "no-job", "empty-checkpoints", "not-a-sink"])
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (
+            lambda: SinkRunner("http://x", MemoryTwoPhaseSink(External()), job="j", streams=["s"]),
+            ValueError,
+            "checkpoints=",
+        ),
+        (
+            lambda: SinkRunner("http://x", Atomic(), job="j", streams=["s"], checkpoints=MemoryCheckpointStore()),
+            ValueError,
+            "stores its checkpoints",
+        ),
+        (lambda: SinkRunner("http://x", Plain(), job="j", streams=["s"], ack=None), ValueError, "nowhere to keep"),
+        (lambda: SinkRunner("http://x", Plain(), job="j", streams=["s"], prefix="p"), ValueError, "either streams"),
+        (lambda: SinkRunner("http://x", Plain(), job="", streams=["s"]), ValueError, "job"),
+        (
+            lambda: SinkRunner("http://x", Plain(), job="j", streams=["s"], checkpoint_messages=0),
+            ValueError,
+            "checkpoint_messages",
+        ),
+        (lambda: SinkRunner("http://x", object(), job="j", streams=["s"]), TypeError, "CheckpointAwareSink"),  # type: ignore[arg-type]
+    ],
+    ids=[
+        "2pc-without-store",
+        "atomic-with-store",
+        "no-offsets",
+        "streams-and-prefix",
+        "no-job",
+        "empty-checkpoints",
+        "not-a-sink",
+    ],
+)
 def test_runner_misuse_is_refused_clearly(make: Any, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         make()
@@ -394,14 +432,40 @@ def test_redis_wrong_type_fails_before_writing_anything(redis_url: str) -> None:
 
 def test_public_surface() -> None:
     assert sorted(onceflow.sinks.__all__) == [
-        "Checkpoint", "CheckpointAwareSink", "CheckpointStore", "FileCheckpointStore", "IdempotentSink", "KeyFunction",
-        "MemoryCheckpointStore", "OutboxSink", "PostgresInsertSink", "PostgresTransactionalSink", "PostgresTwoPhaseSink",
-        "PostgresUpsertSink", "RedisAtomicSink", "RedisIdempotentSink", "RedisListSink", "RunStats", "SinkError",
-        "SinkFencedError", "SinkRunner", "Step", "TwoPhaseCommitSink", "Webhook", "WebhookRejectedError", "WebhookSink",
-        "key_function", "outbox_dispatcher",
+        "Checkpoint",
+        "CheckpointAwareSink",
+        "CheckpointStore",
+        "FileCheckpointStore",
+        "IdempotentSink",
+        "KeyFunction",
+        "MemoryCheckpointStore",
+        "OutboxSink",
+        "PostgresInsertSink",
+        "PostgresTransactionalSink",
+        "PostgresTwoPhaseSink",
+        "PostgresUpsertSink",
+        "RedisAtomicSink",
+        "RedisIdempotentSink",
+        "RedisListSink",
+        "RunStats",
+        "SinkError",
+        "SinkFencedError",
+        "SinkRunner",
+        "Step",
+        "TwoPhaseCommitSink",
+        "Webhook",
+        "WebhookRejectedError",
+        "WebhookSink",
+        "key_function",
+        "outbox_dispatcher",
     ]
     for name in onceflow.sinks.__all__:
         assert getattr(onceflow.sinks, name) is not None
     with pytest.raises(AttributeError):
         _ = onceflow.sinks.NoSuchSink
-    assert onceflow.spark.foreach_batch.__all__ == ["PostgresBatchSink", "RedisBatchSink", "postgres_sink", "redis_sink"]
+    assert onceflow.spark.foreach_batch.__all__ == [
+        "PostgresBatchSink",
+        "RedisBatchSink",
+        "postgres_sink",
+        "redis_sink",
+    ]

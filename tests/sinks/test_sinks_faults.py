@@ -76,9 +76,12 @@ def receiver() -> Iterator[HookReceiver]:
         r.stop()
 
 
-def make_env(kind: str, request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver) -> Env:
+def make_env(
+    kind: str, request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> Env:
     return Env(
-        onceflow=onceflow_url, work=str(tmp_path),
+        onceflow=onceflow_url,
+        work=str(tmp_path),
         pg=request.getfixturevalue("pg") if kind.startswith("pg-") else None,
         redis=request.getfixturevalue("redis_url") if kind.startswith("redis-") else None,
         hooks=receiver.url,
@@ -124,15 +127,20 @@ KILL_CASES = [pytest.param(kind, step, id=f"{kind}-kill9-at-{step}") for kind in
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "step"), KILL_CASES)
-def test_kill9_in_a_window_then_recovery_is_exact(kind: str, step: str, request: pytest.FixtureRequest,
-                                                  onceflow_url: str, tmp_path: Path, receiver: HookReceiver) -> None:
+def test_kill9_in_a_window_then_recovery_is_exact(
+    kind: str, step: str, request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
     env = make_env(kind, request, onceflow_url, tmp_path, receiver)
     job = new_job(kind, step)
     tail = populate(kind, env, job)
     prepare_target(kind, env, job)
     config = {"kind": kind, "job": job, "env": env.to_json(), "kill_step": step, "kill_at": FAULT_AT}
-    proc = subprocess.run([sys.executable, str(WORKER), json.dumps(config)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, f"the worker did not die at {step} of checkpoint {FAULT_AT}:\n{proc.stderr}"
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), json.dumps(config)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL, (
+        f"the worker did not die at {step} of checkpoint {FAULT_AT}:\n{proc.stderr}"
+    )
 
     # the window is real: the output is exactly as far as the killed process got
     assert len(read_target(kind, env, job, receiver)) == visible_before_recovery(kind, step)
@@ -157,13 +165,18 @@ def test_kill9_in_a_window_then_recovery_is_exact(kind: str, step: str, request:
         assert receiver.without_key == 0
 
 
-COMMIT_CASES = [pytest.param(kind, after, id=f"{kind}-{'commit-succeeds-but-errors' if after else 'commit-fails'}")
-                for kind in KINDS if kind != "webhook" for after in (False, True)]
+COMMIT_CASES = [
+    pytest.param(kind, after, id=f"{kind}-{'commit-succeeds-but-errors' if after else 'commit-fails'}")
+    for kind in KINDS
+    if kind != "webhook"
+    for after in (False, True)
+]
 
 
 @pytest.mark.parametrize(("kind", "after"), COMMIT_CASES)
-def test_commit_fault_then_restart_is_exact(kind: str, after: bool, request: pytest.FixtureRequest,
-                                            onceflow_url: str, tmp_path: Path, receiver: HookReceiver) -> None:
+def test_commit_fault_then_restart_is_exact(
+    kind: str, after: bool, request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
     env = make_env(kind, request, onceflow_url, tmp_path, receiver)
     job = new_job(kind, "commit")
     tail = populate(kind, env, job)
@@ -178,8 +191,9 @@ def test_commit_fault_then_restart_is_exact(kind: str, after: bool, request: pyt
     check_exact(kind, env, job, tail, receiver)
 
 
-def test_a_failed_run_can_simply_be_run_again(request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path,
-                                              receiver: HookReceiver) -> None:
+def test_a_failed_run_can_simply_be_run_again(
+    request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
     """The same runner and sink objects, in the same process: run() restores before it continues."""
     kind = "pg-2pc"
     env = make_env(kind, request, onceflow_url, tmp_path, receiver)
@@ -196,9 +210,12 @@ def test_a_failed_run_can_simply_be_run_again(request: pytest.FixtureRequest, on
     check_exact(kind, env, job, tail, receiver)
 
 
-@pytest.mark.parametrize(("kind", "step"), [("pg-transactional", "prepared"), ("pg-2pc", "saved"), ("pg-upsert", "started")])
-def test_postgres_connection_killed_before_the_commit(kind: str, step: Step, request: pytest.FixtureRequest,
-                                                     onceflow_url: str, tmp_path: Path, receiver: HookReceiver) -> None:
+@pytest.mark.parametrize(
+    ("kind", "step"), [("pg-transactional", "prepared"), ("pg-2pc", "saved"), ("pg-upsert", "started")]
+)
+def test_postgres_connection_killed_before_the_commit(
+    kind: str, step: Step, request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
     """A real commit failure: the server terminates the sink's session just before the commit."""
     import psycopg
 
@@ -212,12 +229,17 @@ def test_postgres_connection_killed_before_the_commit(kind: str, step: Step, req
     def terminate(s: Step, checkpoint_id: int) -> None:
         if s == step and checkpoint_id == FAULT_AT:
             with psycopg.connect(pg_conninfo, autocommit=True) as admin:
-                killed = admin.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                                       "WHERE datname = current_database() AND pid <> pg_backend_pid()").fetchone()
+                killed = admin.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                ).fetchone()
             assert killed is not None and killed[0] >= 1
 
     sink, kw = make_sink(kind, env, job)
-    with SinkRunner(env.onceflow, sink, job=job, on_step=terminate, **kw) as runner, pytest.raises(psycopg.OperationalError):
+    with (
+        SinkRunner(env.onceflow, sink, job=job, on_step=terminate, **kw) as runner,
+        pytest.raises(psycopg.OperationalError),
+    ):
         runner.run()
     run_to_end(kind, env, job)
     check_exact(kind, env, job, tail, receiver)
@@ -227,8 +249,9 @@ def test_postgres_connection_killed_before_the_commit(kind: str, step: Step, req
 
 
 @pytest.mark.parametrize("fault", ["receiver-fails-before-applying", "receiver-applies-then-answers-500"])
-def test_webhook_delivery_faults_are_retried_with_the_same_key(fault: str, request: pytest.FixtureRequest,
-                                                               onceflow_url: str, tmp_path: Path, receiver: HookReceiver) -> None:
+def test_webhook_delivery_faults_are_retried_with_the_same_key(
+    fault: str, request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
     kind = "webhook"
     env = make_env(kind, request, onceflow_url, tmp_path, receiver)
     job = new_job(kind, "delivery")
@@ -245,8 +268,9 @@ def test_webhook_delivery_faults_are_retried_with_the_same_key(fault: str, reque
     assert receiver.repeats == (len(keys) if fault == "receiver-applies-then-answers-500" else 0)
 
 
-def test_webhook_rejected_for_good_stops_before_the_ack(request: pytest.FixtureRequest, onceflow_url: str,
-                                                       tmp_path: Path, receiver: HookReceiver) -> None:
+def test_webhook_rejected_for_good_stops_before_the_ack(
+    request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
     kind = "webhook"
     env = make_env(kind, request, onceflow_url, tmp_path, receiver)
     job = new_job(kind, "rejected")
@@ -265,8 +289,9 @@ def test_webhook_rejected_for_good_stops_before_the_ack(request: pytest.FixtureR
     check_exact(kind, env, job, tail, receiver)
 
 
-def test_outbox_to_webhooks_end_to_end(request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path,
-                                       receiver: HookReceiver) -> None:
+def test_outbox_to_webhooks_end_to_end(
+    request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
     """Source -> OutboxSink (one onceflow transaction per checkpoint) -> dispatcher -> receiver,
     with a failed commit in the outbox stage and a receiver that loses some of its answers."""
     kind = "outbox"
@@ -274,15 +299,18 @@ def test_outbox_to_webhooks_end_to_end(request: pytest.FixtureRequest, onceflow_
     job = new_job(kind, "e2e")
     populate(kind, env, job)
     sink, kw = make_sink(kind, env, job)
-    with SinkRunner(env.onceflow, FaultySink(sink, "on_checkpoint_complete", FAULT_AT, after=False), job=job, **kw) as r, \
-            pytest.raises(CommitFault):
+    with (
+        SinkRunner(env.onceflow, FaultySink(sink, "on_checkpoint_complete", FAULT_AT, after=False), job=job, **kw) as r,
+        pytest.raises(CommitFault),
+    ):
         r.run()
     run_to_end(kind, env, job)
     outbox = read_stream(env.onceflow, f"outbox-{job}")
     assert len(outbox) == len(expected())
     receiver.fail_after = {e["id"] for e in outbox[::7]}
-    dispatcher = outbox_dispatcher(env.onceflow, f"outbox-{job}", group=f"dispatch-{job}", live=False,
-                                   sink=WebhookSink(retry_backoff=(0.01, 0.1)))
+    dispatcher = outbox_dispatcher(
+        env.onceflow, f"outbox-{job}", group=f"dispatch-{job}", live=False, sink=WebhookSink(retry_backoff=(0.01, 0.1))
+    )
     with dispatcher:
         dispatcher.run()
     assert [f"{b['id']}:{b['v']}" for b in receiver.applied] == expected()
@@ -354,8 +382,9 @@ def test_redis_atomic_commit_without_an_answer_after_its_resends_raises_and_a_re
 
 
 @pytest.mark.parametrize("kind", ["pg-transactional", "pg-2pc", "redis-atomic"])
-def test_a_zombie_runner_cannot_commit_over_a_newer_one(kind: str, request: pytest.FixtureRequest, onceflow_url: str,
-                                                       tmp_path: Path, receiver: HookReceiver) -> None:
+def test_a_zombie_runner_cannot_commit_over_a_newer_one(
+    kind: str, request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
     """Runner A restores, stalls mid-checkpoint; runner B (same job) restores and commits; A's
     commit is refused and writes nothing. (pg-2pc: A's checkpoint 1 was prepared; B's restore
     rolled it back, and A learns so at its commit.)"""
@@ -466,8 +495,9 @@ def test_a_two_phase_restore_waits_for_a_checkpoint_holding_the_job_then_gives_u
     sink.close()
 
 
-def test_outbox_zombie_is_fenced_by_the_restarted_writer(request: pytest.FixtureRequest, onceflow_url: str,
-                                                          tmp_path: Path, receiver: HookReceiver) -> None:
+def test_outbox_zombie_is_fenced_by_the_restarted_writer(
+    request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
     kind = "outbox"
     env = make_env(kind, request, onceflow_url, tmp_path, receiver)
     job = new_job(kind, "zombie")
@@ -486,8 +516,9 @@ def test_outbox_zombie_is_fenced_by_the_restarted_writer(request: pytest.Fixture
     check_exact(kind, env, job, tail, receiver)
 
 
-def test_checkpoint_store_records_each_commit(request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path,
-                                              receiver: HookReceiver) -> None:
+def test_checkpoint_store_records_each_commit(
+    request: pytest.FixtureRequest, onceflow_url: str, tmp_path: Path, receiver: HookReceiver
+) -> None:
     """The 2PC checkpoint carries the transaction handle, and ends marked sink_committed."""
     kind = "pg-2pc"
     env = make_env(kind, request, onceflow_url, tmp_path, receiver)
@@ -497,16 +528,21 @@ def test_checkpoint_store_records_each_commit(request: pytest.FixtureRequest, on
     stats = run_to_end(kind, env, job)
     cp = FileCheckpointStore(Path(env.work) / f"{job}.checkpoints.json").load(job)
     assert cp is not None and stats.checkpoints == 6
-    assert (cp.id, cp.sink_committed, cp.offsets, cp.handle) == (6, True, {input_stream(job): tail},
-                                                                  {"gid": f"onceflow:{job}:6", "checkpoint": 6})
+    assert (cp.id, cp.sink_committed, cp.offsets, cp.handle) == (
+        6,
+        True,
+        {input_stream(job): tail},
+        {"gid": f"onceflow:{job}:6", "checkpoint": 6},
+    )
     second = run_to_end(kind, env, job)
     assert (second.restored, second.checkpoints, second.messages) == (6, 0, 0)
     check_exact(kind, env, job, tail, receiver)
 
 
 def test_webhook_effects_require_webhook_objects(onceflow_url: str) -> None:
-    sink = OutboxSink(onceflow_url, "outbox-misuse", group="g", transactional_id="t",
-                      effects=lambda m: [{"url": "http://x"}])  # type: ignore[list-item]
+    sink = OutboxSink(
+        onceflow_url, "outbox-misuse", group="g", transactional_id="t", effects=lambda m: [{"url": "http://x"}]
+    )  # type: ignore[list-item]
     from onceflow.client import Message
     from onceflow.sinks import SinkError
 

@@ -119,7 +119,9 @@ def rows(*ids: int, stream: str = "out") -> list[dict[str, list[bytes]]]:
     return [{stream: [f'{{"id": {i}}}'.encode() for i in ids]}]
 
 
-async def batch(c: InProcess, st: WriterSettings, query: str | None, n: int | None, parts: list[list[int]], run: str = "r1") -> str:
+async def batch(
+    c: InProcess, st: WriterSettings, query: str | None, n: int | None, parts: list[list[int]], run: str = "r1"
+) -> str:
     """One whole batch: a task per list of ids, then the driver's commit. Returns its status."""
     results = [
         await run_task(c.client, st, TaskSpec(n, query, p, task_name(run, 0, 100 * (n or 0) + p)), rows(*ids))
@@ -142,8 +144,10 @@ async def test_the_protocol_module_imports_neither_pyspark_nor_pyarrow() -> None
     import subprocess
     import sys
 
-    code = ("import sys, onceflow.spark.protocol; "
-            "bad = [m for m in ('pyspark', 'pyarrow') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys, onceflow.spark.protocol; "
+        "bad = [m for m in ('pyspark', 'pyarrow') if m in sys.modules]; assert not bad, bad"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
 
@@ -187,7 +191,13 @@ async def test_a_new_checkpoint_under_a_used_sink_id_is_refused_loudly(onceflow:
         await batch(onceflow, st, "Q2", 0, [[10, 11]], run="r2")
     message = str(refused.value)
     assert refused.value.status == 409
-    for needle in ("sink 'orders'", "belongs to query Q1", "last committed batch: 1", "query Q2", "/v1/sinks/orders/reset"):
+    for needle in (
+        "sink 'orders'",
+        "belongs to query Q1",
+        "last committed batch: 1",
+        "query Q2",
+        "/v1/sinks/orders/reset",
+    ):
         assert needle in message
     assert await ids(onceflow) == [0, 1, 2, 3]
     assert await settled(onceflow)
@@ -237,8 +247,11 @@ async def test_tasks_commits_and_aborts_of_one_sink_at_once_all_finish(onceflow:
         with contextlib.suppress(OnceflowError):  # fenced or told the batch is done: both fine
             await run_task(onceflow.client, st, TaskSpec(0, "Q", p, task_name("r", 1, 100 + p)), rows(50 + p))
 
-    work = [commit_batch(onceflow.client, st, 0, first[:2]), abort_batch(onceflow.client, st, 0, first[2:]),
-            *(late(p) for p in range(4))]
+    work = [
+        commit_batch(onceflow.client, st, 0, first[:2]),
+        abort_batch(onceflow.client, st, 0, first[2:]),
+        *(late(p) for p in range(4)),
+    ]
     outcomes = await asyncio.wait_for(asyncio.gather(*work, return_exceptions=True), timeout=30)
     assert not [o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, OnceflowError)]
     got = await ids(onceflow)
@@ -275,7 +288,9 @@ async def test_a_reset_is_explicit_and_names_the_owner_it_resets(onceflow: InPro
     r = await onceflow.client.post("/v1/sinks/orders/reset", json={"owner": "Q1"})
     assert r.status_code == 200, r.text
     assert (await onceflow.client.get("/v1/sinks/orders")).json() == {"sink": "orders", "batch": None, "owner": None}
-    assert (await onceflow.client.post("/v1/sinks/orders/reset", json={"owner": "Q1"})).status_code == 200  # a retry: no-op
+    assert (
+        await onceflow.client.post("/v1/sinks/orders/reset", json={"owner": "Q1"})
+    ).status_code == 200  # a retry: no-op
     assert await batch(onceflow, st, "Q2", 0, [[10]], run="r2") == "committed"
     assert await ids(onceflow) == [0, 10]
     # the old query, still running by mistake, is now the one refused

@@ -62,15 +62,21 @@ def make_target(kind: str, pg_info: str | None, redis: str | None, name: str) ->
 
 def run_query(spark: Any, source: Path, checkpoint: Path, sink: Any) -> None:
     df = spark.readStream.schema("id INT, v STRING").option("maxFilesPerTrigger", 1).json(str(source))
-    query = df.writeStream.foreachBatch(sink).option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start()
+    query = (
+        df.writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
     query.awaitTermination(120)
     assert query.exception() is None
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["postgres", "redis"])
-def test_a_batch_replayed_after_the_sink_committed_adds_nothing(kind: str, spark: Any, tmp_path: Path,
-                                                                request: pytest.FixtureRequest) -> None:
+def test_a_batch_replayed_after_the_sink_committed_adds_nothing(
+    kind: str, spark: Any, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     pg_info = request.getfixturevalue("pg") if kind == "postgres" else None
     redis_u = request.getfixturevalue("redis_url") if kind == "redis" else None
     name = f"spark-{kind}-{uuid.uuid4().hex[:6]}"

@@ -80,8 +80,13 @@ def test_byte_streams_read_as_binary_one_row_per_append(registered: Any, srv: Se
 
 def test_a_long_range_is_split_into_partitions_that_read_every_row_once(registered: Any, srv: ServerProcess) -> None:
     seed(srv.url, "read/split", 500, per_append=10)
-    df = (registered.read.format("onceflow").option("url", srv.url).option("streams", "read/split")
-          .option("maxRecordsPerPartition", "120").load())
+    df = (
+        registered.read.format("onceflow")
+        .option("url", srv.url)
+        .option("streams", "read/split")
+        .option("maxRecordsPerPartition", "120")
+        .load()
+    )
     assert df.rdd.getNumPartitions() >= 4
     offsets = sorted(r.offset for r in df.select("offset").collect())
     assert offsets == list(range(500))
@@ -95,15 +100,28 @@ def test_pattern_reads_every_stream_under_a_prefix(registered: Any, srv: ServerP
     assert counts == {"pat/0": 10, "pat/1": 10, "pat/2": 10}
 
 
-def test_stream_to_stream_is_exactly_once_even_when_spark_replays_a_batch(registered: Any, srv: ServerProcess, tmp_path: Path) -> None:
+def test_stream_to_stream_is_exactly_once_even_when_spark_replays_a_batch(
+    registered: Any, srv: ServerProcess, tmp_path: Path
+) -> None:
     rows = seed(srv.url, "eo/in", 300, per_append=20)
     ckpt = tmp_path / "ckpt"
 
     def run(limit: int = 100) -> Any:
-        q = (registered.readStream.format("onceflow").option("url", srv.url).option("streams", "eo/in")
-             .option("maxRecordsPerTrigger", str(limit)).load().selectExpr("value")
-             .writeStream.format("onceflow").option("url", srv.url).option("stream", "eo/out").option("sinkId", "eo")
-             .option("checkpointLocation", str(ckpt)).trigger(availableNow=True).start())
+        q = (
+            registered.readStream.format("onceflow")
+            .option("url", srv.url)
+            .option("streams", "eo/in")
+            .option("maxRecordsPerTrigger", str(limit))
+            .load()
+            .selectExpr("value")
+            .writeStream.format("onceflow")
+            .option("url", srv.url)
+            .option("stream", "eo/out")
+            .option("sinkId", "eo")
+            .option("checkpointLocation", str(ckpt))
+            .trigger(availableNow=True)
+            .start()
+        )
         q.awaitTermination()
         return q
 
@@ -141,15 +159,22 @@ def test_source_reads_committed_data_only(registered: Any, srv: ServerProcess, t
         post(srv.url, "rc/in", [{"n": 2}])
         df = registered.read.format("onceflow").option("url", srv.url).option("streams", "rc/in").load()
         assert [json.loads(r.value) for r in df.orderBy("offset").collect()] == [{"n": 1}]
-        unc = (registered.read.format("onceflow").option("url", srv.url).option("streams", "rc/in")
-               .option("isolation", "read_uncommitted").load())
+        unc = (
+            registered.read.format("onceflow")
+            .option("url", srv.url)
+            .option("streams", "rc/in")
+            .option("isolation", "read_uncommitted")
+            .load()
+        )
         assert [json.loads(r.value)["n"] for r in unc.orderBy("offset").collect()] == [1, "aborted", "open", 2]
         p.commit()
     df = registered.read.format("onceflow").option("url", srv.url).option("streams", "rc/in").load()
     assert [json.loads(r.value)["n"] for r in df.orderBy("offset").collect()] == [1, "open", 2]
 
 
-def test_a_failed_task_leaves_nothing_visible_and_nothing_open(registered: Any, srv: ServerProcess, tmp_path: Path) -> None:
+def test_a_failed_task_leaves_nothing_visible_and_nothing_open(
+    registered: Any, srv: ServerProcess, tmp_path: Path
+) -> None:
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType
 
@@ -163,11 +188,23 @@ def test_a_failed_task_leaves_nothing_visible_and_nothing_open(registered: Any, 
 
     explode_on_last = F.udf(fail_on_last, StringType(), useArrow=False)
 
-    df = (registered.readStream.format("onceflow").option("url", srv.url).option("streams", "fail/in")
-          .option("maxRecordsPerPartition", "100").load()
-          .select(explode_on_last("value").alias("value")))
-    q = (df.writeStream.format("onceflow").option("url", srv.url).option("stream", "fail/out").option("sinkId", "fail")
-         .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True).start())
+    df = (
+        registered.readStream.format("onceflow")
+        .option("url", srv.url)
+        .option("streams", "fail/in")
+        .option("maxRecordsPerPartition", "100")
+        .load()
+        .select(explode_on_last("value").alias("value"))
+    )
+    q = (
+        df.writeStream.format("onceflow")
+        .option("url", srv.url)
+        .option("stream", "fail/out")
+        .option("sinkId", "fail")
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
     with pytest.raises(Exception, match="injected task failure"):
         q.awaitTermination()
     assert read_all(srv.url, "fail/out") == []
@@ -177,12 +214,23 @@ def test_a_failed_task_leaves_nothing_visible_and_nothing_open(registered: Any, 
     assert h.headers["stream-last-stable-offset"] == h.headers["stream-next-offset"]
 
 
-def test_a_stream_column_routes_rows_and_all_streams_commit_together(registered: Any, srv: ServerProcess, tmp_path: Path) -> None:
+def test_a_stream_column_routes_rows_and_all_streams_commit_together(
+    registered: Any, srv: ServerProcess, tmp_path: Path
+) -> None:
     seed(srv.url, "route/in", 90, per_append=30)
-    q = (registered.readStream.format("onceflow").option("url", srv.url).option("streams", "route/in").load()
-         .selectExpr("concat('route/out-', CAST(get_json_object(value, '$.key') % 3 AS STRING)) AS stream", "value")
-         .writeStream.format("onceflow").option("url", srv.url).option("sinkId", "route")
-         .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True).start())
+    q = (
+        registered.readStream.format("onceflow")
+        .option("url", srv.url)
+        .option("streams", "route/in")
+        .load()
+        .selectExpr("concat('route/out-', CAST(get_json_object(value, '$.key') % 3 AS STRING)) AS stream", "value")
+        .writeStream.format("onceflow")
+        .option("url", srv.url)
+        .option("sinkId", "route")
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
     q.awaitTermination()
     total = []
     for k in range(3):
@@ -198,7 +246,9 @@ def test_batch_write_is_all_or_nothing(registered: Any, srv: ServerProcess) -> N
     assert sorted(r["n"] for r in read_all(srv.url, "bw/out")) == list(range(50))
 
 
-def test_misconfiguration_gets_a_message_that_says_what_to_do(registered: Any, srv: ServerProcess, tmp_path: Path) -> None:
+def test_misconfiguration_gets_a_message_that_says_what_to_do(
+    registered: Any, srv: ServerProcess, tmp_path: Path
+) -> None:
     seed(srv.url, "cfg/in", 5)
     with pytest.raises(Exception, match="exactly one of"):
         registered.read.format("onceflow").option("url", srv.url).load().collect()
@@ -206,11 +256,26 @@ def test_misconfiguration_gets_a_message_that_says_what_to_do(registered: Any, s
         registered.read.format("onceflow").option("url", srv.url).option("streams", "cfg/missing").load().collect()
     src = registered.readStream.format("onceflow").option("url", srv.url).option("streams", "cfg/in").load()
     with pytest.raises(Exception, match="sinkId"):
-        (src.selectExpr("value").writeStream.format("onceflow").option("url", srv.url).option("stream", "cfg/out")
-         .option("checkpointLocation", str(tmp_path / "c1")).start().awaitTermination(30))
+        (
+            src.selectExpr("value")
+            .writeStream.format("onceflow")
+            .option("url", srv.url)
+            .option("stream", "cfg/out")
+            .option("checkpointLocation", str(tmp_path / "c1"))
+            .start()
+            .awaitTermination(30)
+        )
     with pytest.raises(Exception, match="column 'value'"):
-        (src.selectExpr("offset").writeStream.format("onceflow").option("url", srv.url).option("stream", "cfg/out")
-         .option("sinkId", "cfg").option("checkpointLocation", str(tmp_path / "c2")).start().awaitTermination(30))
+        (
+            src.selectExpr("offset")
+            .writeStream.format("onceflow")
+            .option("url", srv.url)
+            .option("stream", "cfg/out")
+            .option("sinkId", "cfg")
+            .option("checkpointLocation", str(tmp_path / "c2"))
+            .start()
+            .awaitTermination(30)
+        )
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
@@ -224,30 +289,57 @@ def test_the_token_option_reads_and_writes_a_guarded_server(registered: Any, tmp
     try:
         auth = {**JSON, "authorization": "Bearer etl"}
         assert httpx.put(f"{guarded.url}/v1/stream/sec/in", headers=auth).status_code == 201
-        assert httpx.post(f"{guarded.url}/v1/stream/sec/in", content=json.dumps([{"n": i} for i in range(20)]), headers=auth).status_code == 204
+        assert (
+            httpx.post(
+                f"{guarded.url}/v1/stream/sec/in", content=json.dumps([{"n": i} for i in range(20)]), headers=auth
+            ).status_code
+            == 204
+        )
         reader = registered.read.format("onceflow").option("url", guarded.url).option("streams", "sec/in")
         with pytest.raises(Exception, match="401"):
             reader.load().collect()
         df = reader.option("token", "etl").load()
         assert df.count() == 20
-        (df.select("value").write.format("onceflow").option("url", guarded.url).option("token", "etl")
-           .option("stream", "sec/out").option("sinkId", "sec-out").option("batchId", 0).mode("append").save())
+        (
+            df.select("value")
+            .write.format("onceflow")
+            .option("url", guarded.url)
+            .option("token", "etl")
+            .option("stream", "sec/out")
+            .option("sinkId", "sec-out")
+            .option("batchId", 0)
+            .mode("append")
+            .save()
+        )
         r = httpx.get(f"{guarded.url}/v1/stream/sec/out", params={"offset": "-1"}, headers=auth)
         assert sorted(m["n"] for m in r.json()) == list(range(20))
     finally:
         guarded.kill()
 
 
-def test_a_reused_sink_id_under_a_new_checkpoint_is_refused_loudly(registered: Any, srv: ServerProcess, tmp_path: Path) -> None:
+def test_a_reused_sink_id_under_a_new_checkpoint_is_refused_loudly(
+    registered: Any, srv: ServerProcess, tmp_path: Path
+) -> None:
     """A new checkpoint location (batch ids start at 0 again) under a sinkId another query owns
     must fail with a message naming the sink, its last batch and its query, never skip rows."""
     seed(srv.url, "reuse/in", 60, per_append=20)
 
     def start(ckpt: Path) -> Any:
-        return (registered.readStream.format("onceflow").option("url", srv.url).option("streams", "reuse/in")
-                .option("maxRecordsPerTrigger", "20").load().selectExpr("value")
-                .writeStream.format("onceflow").option("url", srv.url).option("stream", "reuse/out").option("sinkId", "reuse")
-                .option("checkpointLocation", str(ckpt)).trigger(availableNow=True).start())
+        return (
+            registered.readStream.format("onceflow")
+            .option("url", srv.url)
+            .option("streams", "reuse/in")
+            .option("maxRecordsPerTrigger", "20")
+            .load()
+            .selectExpr("value")
+            .writeStream.format("onceflow")
+            .option("url", srv.url)
+            .option("stream", "reuse/out")
+            .option("sinkId", "reuse")
+            .option("checkpointLocation", str(ckpt))
+            .trigger(availableNow=True)
+            .start()
+        )
 
     first = start(tmp_path / "ckpt-1")
     first.awaitTermination()

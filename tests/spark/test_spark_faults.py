@@ -30,9 +30,28 @@ def test_driver_kill9_after_commit_inside_write_and_at_random_is_exactly_once(tm
     work = tmp_path / "demo"
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
     run = subprocess.run(
-        [sys.executable, "-m", "onceflow.cli", "demo", "--events", "3000", "--crashes", "5", "--drop-acks", "0.3",
-         "--max-records-per-trigger", "400", "--seed", "5", "--keep", str(work)],
-        capture_output=True, text=True, env=env, timeout=880,
+        [
+            sys.executable,
+            "-m",
+            "onceflow.cli",
+            "demo",
+            "--events",
+            "3000",
+            "--crashes",
+            "5",
+            "--drop-acks",
+            "0.3",
+            "--max-records-per-trigger",
+            "400",
+            "--seed",
+            "5",
+            "--keep",
+            str(work),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=880,
     )
     report = run.stdout + run.stderr
     assert run.returncode == 0, report[-4000:]

@@ -50,8 +50,14 @@ def workload(n: int, *, size: int = 50) -> list[Spec]:
             epochs[pid], seqs[pid] = epochs[pid] + 1, 0
         n_rec = 1 + i % 3
         specs.append(
-            Spec(payload=payload, count=n_rec, producer_id=pid, epoch=epochs[pid], first_seq=seqs[pid],
-                 last_seq=seqs[pid] + n_rec - 1)
+            Spec(
+                payload=payload,
+                count=n_rec,
+                producer_id=pid,
+                epoch=epochs[pid],
+                first_seq=seqs[pid],
+                last_seq=seqs[pid] + n_rec - 1,
+            )
         )
         seqs[pid] += n_rec
     return specs
@@ -229,14 +235,23 @@ def _garbage_cases(written: list[Written]) -> dict[str, bytes]:
     end = written[-1].end
     alpha = written[-1].producers_after["alpha"]
     nxt = encode_batch(
-        base_offset=end.offset, count=1, payload=b"never acknowledged", producer_id="alpha", epoch=alpha.epoch,
-        first_seq=alpha.last_seq + 1, last_seq=alpha.last_seq + 1,
+        base_offset=end.offset,
+        count=1,
+        payload=b"never acknowledged",
+        producer_id="alpha",
+        epoch=alpha.epoch,
+        first_seq=alpha.last_seq + 1,
+        last_seq=alpha.last_seq + 1,
     )
     wrong_crc = bytes([nxt[0] ^ 0xFF]) + nxt[1:]
     last_batch = encode_batch(
-        base_offset=written[-1].start.offset, count=written[-1].spec.count, payload=written[-1].spec.payload,
-        producer_id=written[-1].spec.producer_id, epoch=written[-1].spec.epoch,
-        first_seq=written[-1].spec.first_seq, last_seq=written[-1].spec.last_seq,
+        base_offset=written[-1].start.offset,
+        count=written[-1].spec.count,
+        payload=written[-1].spec.payload,
+        producer_id=written[-1].spec.producer_id,
+        epoch=written[-1].spec.epoch,
+        first_seq=written[-1].spec.first_seq,
+        last_seq=written[-1].spec.last_seq,
     )
     return {
         "random-1": bytes([rng.randrange(256)]),
@@ -365,9 +380,7 @@ def test_stale_snapshot_is_not_trusted_after_the_log_grows_past_it(tmp_path: Pat
     finally:
         log.close_files()
     # new acknowledged appends grow the log past the snapshot's tail, then the process crashes
-    more = [
-        Spec(payload=b"n" * 120, producer_id="delta", epoch=0, first_seq=i, last_seq=i) for i in range(8)
-    ]
+    more = [Spec(payload=b"n" * 120, producer_id="delta", epoch=0, first_seq=i, last_seq=i) for i in range(8)]
     acked = append_more(tmp_path, more, segment_bytes=segment_bytes)
     assert acked[-1].end.pos > written[-1].end.pos
     log = StreamLog.open(tmp_path, ZERO, segment_bytes=segment_bytes)
@@ -409,7 +422,9 @@ def test_repeated_recovery_is_stable(tmp_path: Path, damage, use_snapshot: bool,
     async def close(log: StreamLog) -> None:
         await log.close()
 
-    seen: list[tuple[TailState, dict[str, ProducerState], dict[str, bytes], list[tuple[Position, Position, bytes]]]] = []
+    seen: list[
+        tuple[TailState, dict[str, ProducerState], dict[str, bytes], list[tuple[Position, Position, bytes]]]
+    ] = []
     for _ in range(3):
         log = StreamLog.open(tmp_path, ZERO, segment_bytes=segment_bytes, use_snapshot=use_snapshot)
         try:
@@ -449,8 +464,20 @@ class KillableServer:
     def start(self) -> str:
         assert self.proc is None
         for port in dict.fromkeys([self.port, 0]):  # the previous port first, any free one otherwise
-            cmd = [sys.executable, "-m", "onceflow.cli", "serve", "--data", str(self.data), "--host", "127.0.0.1",
-                   "--port", str(port), "--long-poll-timeout", "0.5"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "onceflow.cli",
+                "serve",
+                "--data",
+                str(self.data),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--long-poll-timeout",
+                "0.5",
+            ]
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr, stdin=subprocess.DEVNULL)
             line = self._ready_line(timeout=30.0)
             if line is not None:
@@ -526,7 +553,12 @@ def read_stream(client: httpx.Client, url: str) -> list[dict[str, int]]:
 
 
 def producer_headers(pid: str, epoch: int, seq: int) -> dict[str, str]:
-    return {"Content-Type": "application/json", "Producer-Id": pid, "Producer-Epoch": str(epoch), "Producer-Seq": str(seq)}
+    return {
+        "Content-Type": "application/json",
+        "Producer-Id": pid,
+        "Producer-Epoch": str(epoch),
+        "Producer-Seq": str(seq),
+    }
 
 
 @dataclass
@@ -578,7 +610,10 @@ def test_kill9_during_idempotent_appends_then_retry(crash_server: KillableServer
                             time.sleep(0.02)
                             continue
                         if resp.status_code in (200, 204):
-                            if resp.headers.get("producer-seq") != str(seq) or parse_token(resp.headers.get("stream-next-offset", "")) is None:
+                            if (
+                                resp.headers.get("producer-seq") != str(seq)
+                                or parse_token(resp.headers.get("stream-next-offset", "")) is None
+                            ):
                                 errors.append(f"{pid} seq {seq}: bad headers {dict(resp.headers)}")
                             plog.acked[seq] = resp.status_code
                             plog.attempts[seq] = attempt

@@ -129,7 +129,9 @@ def test_parse_rejects_bad_magic_even_without_verify() -> None:
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_parse_rejects_every_short_buffer(verify: bool) -> None:
-    data = encode_batch(base_offset=7, count=1, payload=b"payload-bytes" * 3, producer_id="abc", epoch=0, first_seq=0, last_seq=0)
+    data = encode_batch(
+        base_offset=7, count=1, payload=b"payload-bytes" * 3, producer_id="abc", epoch=0, first_seq=0, last_seq=0
+    )
     for n in range(len(data)):
         with pytest.raises(CorruptBatch, match="truncated"):
             parse_header(data[:n], 0, verify=verify)
@@ -141,7 +143,13 @@ def test_parse_rejects_every_short_buffer(verify: bool) -> None:
 
 def test_parse_rejects_checksum_mismatch_for_every_flipped_byte() -> None:
     data = encode_batch(
-        base_offset=99, count=2, payload=b"0123456789abcdef", producer_id="pp", epoch=1, first_seq=4, last_seq=5,
+        base_offset=99,
+        count=2,
+        payload=b"0123456789abcdef",
+        producer_id="pp",
+        epoch=1,
+        first_seq=4,
+        last_seq=5,
         stream_seq=b"s1",
     )
     for i in range(len(data)):
@@ -164,7 +172,21 @@ def test_parse_rejects_checksum_mismatch_for_every_flipped_byte() -> None:
 
 def _resealed(data: bytes, **fields: int) -> bytes:
     """``data`` with header fields overwritten and a valid checksum again."""
-    names = ["crc", "length", "magic", "flags", "res", "base", "count", "ts", "epoch", "fseq", "lseq", "pid_len", "sseq_len"]
+    names = [
+        "crc",
+        "length",
+        "magic",
+        "flags",
+        "res",
+        "base",
+        "count",
+        "ts",
+        "epoch",
+        "fseq",
+        "lseq",
+        "pid_len",
+        "sseq_len",
+    ]
     values = dict(zip(names, HEADER.unpack_from(data, 0), strict=True))
     values.update(fields)
     head = HEADER.pack(*(values[n] for n in names))
@@ -220,8 +242,15 @@ def _mixed_specs() -> list[Spec]:
             pid = "a" if i % 3 == 1 else "b"
             n = 1 + i % 2
             specs.append(
-                Spec(payload=payload, count=n, producer_id=pid, epoch=0, first_seq=seqs[pid], last_seq=seqs[pid] + n - 1,
-                     stream_seq=f"{i:04d}".encode())
+                Spec(
+                    payload=payload,
+                    count=n,
+                    producer_id=pid,
+                    epoch=0,
+                    first_seq=seqs[pid],
+                    last_seq=seqs[pid] + n - 1,
+                    stream_seq=f"{i:04d}".encode(),
+                )
             )
             seqs[pid] += n
     return specs
@@ -335,7 +364,11 @@ def test_check_position_accepts_boundaries_only(tmp_path: Path) -> None:
                 with pytest.raises(InvalidPosition):
                     log.check_position(at)
         # past the end
-        for at in (Position(end.offset, end.pos + 1), Position(end.offset + 1, end.pos), Position(end.offset + 5, end.pos + 500)):
+        for at in (
+            Position(end.offset, end.pos + 1),
+            Position(end.offset + 1, end.pos),
+            Position(end.offset + 5, end.pos + 500),
+        ):
             with pytest.raises(InvalidPosition):
                 log.check_position(at)
     finally:
@@ -431,8 +464,15 @@ def _specs_from_ops(ops: list[tuple[str | None, bool, int, bytes, bytes | None]]
         first = next_seq[pid]
         next_seq[pid] = first + n
         specs.append(
-            Spec(payload=payload, count=n, producer_id=pid, epoch=epochs[pid], first_seq=first, last_seq=first + n - 1,
-                 stream_seq=sseq)
+            Spec(
+                payload=payload,
+                count=n,
+                producer_id=pid,
+                epoch=epochs[pid],
+                first_seq=first,
+                last_seq=first + n - 1,
+                stream_seq=sseq,
+            )
         )
     return specs
 
@@ -445,7 +485,10 @@ def _specs_from_ops(ops: list[tuple[str | None, bool, int, bytes, bytes | None]]
     use_snapshot=st.booleans(),
 )
 def test_reopen_reproduces_tail_producers_and_bytes(
-    ops: list[tuple[str | None, bool, int, bytes, bytes | None]], segment_bytes: int, clean_close: bool, use_snapshot: bool
+    ops: list[tuple[str | None, bool, int, bytes, bytes | None]],
+    segment_bytes: int,
+    clean_close: bool,
+    use_snapshot: bool,
 ) -> None:
     specs = _specs_from_ops(ops)
     with tempfile.TemporaryDirectory() as tmp:

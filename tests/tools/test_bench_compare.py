@@ -22,8 +22,24 @@ pytest.importorskip("matplotlib", reason="matplotlib is in the bench extra: pip 
 
 def _compare(tmp_path: Path, systems: str, only: str) -> dict[str, Any]:
     out = tmp_path / "compare.json"
-    argv = [sys.executable, "-m", "onceflow.cli", "bench", "compare", "--quick", "--seconds", "1", "--systems", systems,
-            "--only", only, "--out-dir", str(tmp_path / "img"), "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "onceflow.cli",
+        "bench",
+        "compare",
+        "--quick",
+        "--seconds",
+        "1",
+        "--systems",
+        systems,
+        "--only",
+        only,
+        "--out-dir",
+        str(tmp_path / "img"),
+        "--out",
+        str(out),
+    ]
     if shutil.which("wrk"):
         argv += ["--generator", "wrk"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=110, check=False)
@@ -47,8 +63,10 @@ def _compare(tmp_path: Path, systems: str, only: str) -> dict[str, Any]:
     return doc
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("redis-benchmark") is None,
-                    reason="redis-server / redis-benchmark not installed (Debian's redis-server package)")
+@pytest.mark.skipif(
+    shutil.which("redis-server") is None or shutil.which("redis-benchmark") is None,
+    reason="redis-server / redis-benchmark not installed (Debian's redis-server package)",
+)
 def test_compare_quick_onceflow_and_redis(tmp_path: Path) -> None:
     # single-message appends need wrk for the HTTP side; without it (no apt-get in a test) they are left out
     only = "produce,append,latency" if shutil.which("wrk") else "produce,latency"
@@ -62,7 +80,9 @@ def test_compare_quick_onceflow_and_redis(tmp_path: Path) -> None:
     assert {lat["system"] for lat in doc["latencies"]} == {"onceflow", "Redis (fsync always)"}
 
 
-@pytest.mark.skipif(shutil.which("nats-server") is None, reason="nats-server not installed (Debian's nats-server package)")
+@pytest.mark.skipif(
+    shutil.which("nats-server") is None, reason="nats-server not installed (Debian's nats-server package)"
+)
 def test_compare_quick_jetstream(tmp_path: Path) -> None:
     pytest.importorskip("nats", reason="nats-py is in the bench extra: pip install -e '.[bench]'")
     doc = _compare(tmp_path, "nats", "produce")

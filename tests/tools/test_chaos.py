@@ -22,7 +22,9 @@ def test_chaos_run_is_clean_and_injects_every_fault(tmp_path: Path) -> None:
     out = tmp_path / "chaos"
     proc = subprocess.run(
         [sys.executable, "-m", "onceflow.cli", "chaos", "--duration", "45", "--seed", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=580,
+        capture_output=True,
+        text=True,
+        timeout=580,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "history check: OK" in proc.stdout
@@ -65,9 +67,25 @@ def test_chaos_run_is_clean_and_injects_every_fault(tmp_path: Path) -> None:
 def test_a_broken_experiment_is_caught(tmp_path: Path) -> None:
     """Cutting acknowledged bytes off the log must fail the run: the check is not vacuous."""
     proc = subprocess.run(
-        [sys.executable, "-m", "onceflow.cli", "chaos", "--duration", "15", "--seed", "1", "--sabotage", "truncate-acked",
-         "--no-spark", "--no-sink", "--out", str(tmp_path / "chaos")],
-        capture_output=True, text=True, timeout=190,
+        [
+            sys.executable,
+            "-m",
+            "onceflow.cli",
+            "chaos",
+            "--duration",
+            "15",
+            "--seed",
+            "1",
+            "--sabotage",
+            "truncate-acked",
+            "--no-spark",
+            "--no-sink",
+            "--out",
+            str(tmp_path / "chaos"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=190,
     )
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((tmp_path / "chaos" / "summary.json").read_text())
@@ -76,10 +94,16 @@ def test_a_broken_experiment_is_caught(tmp_path: Path) -> None:
 
 
 def test_chaos_help_and_bad_arguments(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "onceflow.cli", "chaos", "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", "chaos", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and "--duration" in r.stdout and "--seed" in r.stdout and "--out" in r.stdout
     assert "--no-spark" in r.stdout and "--no-sink" in r.stdout
     (tmp_path / "x").write_text("occupied")
-    r = subprocess.run([sys.executable, "-m", "onceflow.cli", "chaos", "--out", str(tmp_path)], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", "chaos", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "not empty" in r.stderr

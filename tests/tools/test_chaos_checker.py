@@ -27,24 +27,53 @@ class H:
         self.t += 1.0
         self.ops.append({"client": client, "op": op, "t": self.t, **fields})
 
-    def append(self, client: str, op_id: int, stream: str, values: list[Any], *, offset: int | None = None,
-               txn: str | None = None, ack: str | None = "ok") -> None:
+    def append(
+        self,
+        client: str,
+        op_id: int,
+        stream: str,
+        values: list[Any],
+        *,
+        offset: int | None = None,
+        txn: str | None = None,
+        ack: str | None = "ok",
+    ) -> None:
         self.op(client, "append", id=op_id, stream=stream, values=values, **({"txn": txn} if txn else {}))
         if ack is not None:
             self.op(client, "ack", id=op_id, outcome=ack, **({"offset": offset} if offset is not None else {}))
 
-    def read(self, client: str, stream: str, records: list[tuple[int, Any]], *, start: int = 0, final: bool = False,
-             isolation: str = "read_committed") -> None:
+    def read(
+        self,
+        client: str,
+        stream: str,
+        records: list[tuple[int, Any]],
+        *,
+        start: int = 0,
+        final: bool = False,
+        isolation: str = "read_committed",
+    ) -> None:
         nxt = (max(o for o, _ in records) + 1) if records else start
-        self.op(client, "read", stream=stream, isolation=isolation, start=tok(start), next=tok(nxt),
-                records=[[o, v] for o, v in records], **({"final": True} if final else {}))
+        self.op(
+            client,
+            "read",
+            stream=stream,
+            isolation=isolation,
+            start=tok(start),
+            next=tok(nxt),
+            records=[[o, v] for o, v in records],
+            **({"final": True} if final else {}),
+        )
 
 
 def v(client: str, n: int) -> dict[str, Any]:
     return {"c": client, "n": n}
 
 
-EVENTS = [{"id": 1, "user": "u1", "amount": 10.0}, {"id": 2, "user": "u2", "amount": 5.0}, {"id": 3, "user": "u1", "amount": 1.5}]
+EVENTS = [
+    {"id": 1, "user": "u1", "amount": 10.0},
+    {"id": 2, "user": "u2", "amount": 5.0},
+    {"id": 3, "user": "u1", "amount": 1.5},
+]
 
 
 def enriched(e: dict[str, Any], offset: int) -> dict[str, Any]:
@@ -83,8 +112,16 @@ def clean() -> H:
     h.op("run", "pipeline", events="e", enriched="en", counts="cn")
     h.read("final", "e", list(enumerate(EVENTS)), final=True)
     h.read("final", "en", [(i, enriched(e, i)) for i, e in enumerate(EVENTS)], final=True)
-    h.read("final", "cn", [(0, {"user": "u1", "events": 1, "amount": 10.0}), (1, {"user": "u2", "events": 1, "amount": 5.0}),
-                           (2, {"user": "u1", "events": 2, "amount": 11.5})], final=True)
+    h.read(
+        "final",
+        "cn",
+        [
+            (0, {"user": "u1", "events": 1, "amount": 10.0}),
+            (1, {"user": "u2", "events": 1, "amount": 5.0}),
+            (2, {"user": "u1", "events": 2, "amount": 11.5}),
+        ],
+        final=True,
+    )
     return h
 
 
@@ -134,7 +171,9 @@ def test_lost_committed_transaction() -> None:
 def test_duplicate_in_a_stream() -> None:
     h = clean()
     h.ops = [o for o in h.ops if not (o["op"] == "read" and o.get("final") and o["stream"] == "a")]
-    h.read("final", "a", [(0, v("p1", 0)), (1, v("p1", 1)), (2, v("p2", 0)), (3, v("p2", 1)), (4, v("p2", 1))], final=True)
+    h.read(
+        "final", "a", [(0, v("p1", 0)), (1, v("p1", 1)), (2, v("p2", 0)), (3, v("p2", 1)), (4, v("p2", 1))], final=True
+    )
     assert kinds(h) == {"duplicate"}
 
 
@@ -155,7 +194,9 @@ def test_a_value_twice_in_a_sink_target_is_a_duplicate() -> None:
 
 
 def test_a_sink_target_holding_aborted_data_is_an_aborted_read() -> None:
-    h = replace_target(clean(), [v("p1", 0), v("t", 2), v("p2", 0), v("p1", 1), v("p2", 1)])  # t:2 (aborted) is in no input
+    h = replace_target(
+        clean(), [v("p1", 0), v("t", 2), v("p2", 0), v("p1", 1), v("p2", 1)]
+    )  # t:2 (aborted) is in no input
     assert kinds(h) == {"aborted-read"}
 
 
@@ -167,8 +208,16 @@ def test_a_sink_whose_target_was_not_read_back_is_skipped_with_a_note() -> None:
 
 
 def test_an_event_enriched_twice_is_a_duplicate() -> None:
-    h = replace_final(clean(), "en", [(0, enriched(EVENTS[0], 0)), (1, enriched(EVENTS[1], 1)), (2, enriched(EVENTS[2], 2)),
-                                      (3, enriched(EVENTS[1], 1))])  # a batch written again
+    h = replace_final(
+        clean(),
+        "en",
+        [
+            (0, enriched(EVENTS[0], 0)),
+            (1, enriched(EVENTS[1], 1)),
+            (2, enriched(EVENTS[2], 2)),
+            (3, enriched(EVENTS[1], 1)),
+        ],
+    )  # a batch written again
     result = check(h.ops)
     assert {a.kind for a in result.anomalies} == {"duplicate"}
     assert any("event 2 was enriched 2 times" in a.detail for a in result.anomalies)
@@ -180,14 +229,27 @@ def test_an_event_never_enriched_is_a_loss() -> None:
 
 
 def test_an_enriched_event_not_in_the_input_is_an_aborted_read() -> None:
-    h = replace_final(clean(), "en", [*((i, enriched(e, i)) for i, e in enumerate(EVENTS)),
-                                      (3, enriched({"id": 9, "user": "u2", "amount": 1.0}, 9))])
+    h = replace_final(
+        clean(),
+        "en",
+        [
+            *((i, enriched(e, i)) for i, e in enumerate(EVENTS)),
+            (3, enriched({"id": 9, "user": "u2", "amount": 1.0}, 9)),
+        ],
+    )
     assert kinds(h) == {"aborted-read"}
 
 
 def test_a_wrong_running_count_is_a_wrong_aggregate() -> None:
-    h = replace_final(clean(), "cn", [(0, {"user": "u1", "events": 1, "amount": 10.0}), (1, {"user": "u2", "events": 1, "amount": 5.0}),
-                                      (2, {"user": "u1", "events": 3, "amount": 11.5})])  # an event counted twice
+    h = replace_final(
+        clean(),
+        "cn",
+        [
+            (0, {"user": "u1", "events": 1, "amount": 10.0}),
+            (1, {"user": "u2", "events": 1, "amount": 5.0}),
+            (2, {"user": "u1", "events": 3, "amount": 11.5}),
+        ],
+    )  # an event counted twice
     assert kinds(h) == {"wrong-aggregate"}
 
 
@@ -232,8 +294,15 @@ def test_partial_transaction() -> None:
 
 def test_non_monotonic_offsets_within_a_read() -> None:
     h = clean()
-    h.op("r", "read", stream="a", isolation="read_committed", start=tok(0), next=tok(2),
-         records=[[1, v("p1", 1)], [0, v("p1", 0)]])
+    h.op(
+        "r",
+        "read",
+        stream="a",
+        isolation="read_committed",
+        start=tok(0),
+        next=tok(2),
+        records=[[1, v("p1", 1)], [0, v("p1", 0)]],
+    )
     assert kinds(h) == {"non-monotonic-read"}
 
 
@@ -299,7 +368,9 @@ def test_writer_files_round_trip_and_a_torn_last_line_is_skipped(tmp_path: Path)
 
 
 def test_a_malformed_line_in_the_middle_is_an_error(tmp_path: Path) -> None:
-    (tmp_path / "x.jsonl").write_text('{"client":"a","op":"ack","id":1,"t":1}\nnot json\n{"client":"a","op":"ack","id":2,"t":2}\n')
+    (tmp_path / "x.jsonl").write_text(
+        '{"client":"a","op":"ack","id":1,"t":1}\nnot json\n{"client":"a","op":"ack","id":2,"t":2}\n'
+    )
     with pytest.raises(ValueError, match="not a JSON object"):
         load_history([tmp_path / "x.jsonl"])
 

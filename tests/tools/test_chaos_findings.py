@@ -33,13 +33,22 @@ async def test_a_commit_whose_decision_was_not_logged_is_not_carried_out(tmp_pat
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         for s in ("in", "out"):
             assert (await c.put(S + s, headers={"content-type": "application/json"})).status_code == 201
-        end_of_input = (await c.post(S + "in", content=b'{"n":1}', headers={"content-type": "application/json"})).headers["stream-next-offset"]
+        end_of_input = (
+            await c.post(S + "in", content=b'{"n":1}', headers={"content-type": "application/json"})
+        ).headers["stream-next-offset"]
         epoch = (await c.post("/v1/txn/copier/init", json={})).json()["epoch"]
-        h = {"content-type": "application/json", "producer-id": "txn:copier", "producer-epoch": str(epoch),
-             "producer-seq": "0", "transaction-id": "copier"}
+        h = {
+            "content-type": "application/json",
+            "producer-id": "txn:copier",
+            "producer-epoch": str(epoch),
+            "producer-seq": "0",
+            "transaction-id": "copier",
+        }
         r = await c.post(S + "out", content=b'{"n":1}', headers=h)
         txn = int(r.headers["transaction-number"])
-        assert (await c.post("/v1/txn/copier/offsets", json={"epoch": epoch, "group": "g", "offsets": {"in": end_of_input}})).status_code == 200
+        assert (
+            await c.post("/v1/txn/copier/offsets", json={"epoch": epoch, "group": "g", "offsets": {"in": end_of_input}})
+        ).status_code == 200
 
         coord: Any = broker.coordinator
         real_write = coord._write
@@ -80,8 +89,13 @@ async def test_a_transaction_over_two_streams_is_never_half_committed(tmp_path: 
         for s in ("a", "b"):
             assert (await c.put(S + s, headers={"content-type": "application/json"})).status_code == 201
         epoch = (await c.post("/v1/txn/t/init", json={})).json()["epoch"]
-        h = {"content-type": "application/json", "producer-id": "txn:t", "producer-epoch": str(epoch),
-             "producer-seq": "0", "transaction-id": "t"}
+        h = {
+            "content-type": "application/json",
+            "producer-id": "txn:t",
+            "producer-epoch": str(epoch),
+            "producer-seq": "0",
+            "transaction-id": "t",
+        }
         txn = int((await c.post(S + "a", content=b'{"s":"a"}', headers=h)).headers["transaction-number"])
         assert (await c.post(S + "b", content=b'{"s":"b"}', headers=h)).status_code == 200
 

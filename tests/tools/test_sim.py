@@ -45,8 +45,14 @@ def _run_seeds(seeds: list[int]) -> list[dict[str, object]]:
         "                'trace': r.trace[-30:]})\n"
         "print(json.dumps(out))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(seeds)], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONHASHSEED": "0"}, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(seeds)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        check=True,
+    )
     result: list[dict[str, object]] = json.loads(done.stdout)
     return result
 
@@ -62,7 +68,9 @@ def test_every_regression_seed_runs_clean() -> None:
     results = _run_seeds(list(REGRESSION_SEEDS.values()))
     bad = [r for r in results if not r["ok"]]
     holes = {seed: hole for hole, seed in REGRESSION_SEEDS.items()}
-    assert not bad, "\n\n".join(f"seed {r['seed']} (hole {holes[int(str(r['seed']))]}):\n" + "\n".join(map(str, r["anomalies"])) for r in bad)
+    assert not bad, "\n\n".join(
+        f"seed {r['seed']} (hole {holes[int(str(r['seed']))]}):\n" + "\n".join(map(str, r["anomalies"])) for r in bad
+    )
 
 
 @pytest.mark.slow
@@ -71,17 +79,27 @@ def test_a_bounded_batch_of_seeds_finds_nothing_and_replays() -> None:
     ``onceflow sim --seeds 100000 --start K --jobs 2``."""
     out = subprocess.run(
         [sys.executable, "-m", "onceflow.cli", "sim", "--seeds", str(CI_SEEDS), "--jobs", "2", "--json"],
-        capture_output=True, text=True, timeout=1200, check=False,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
     )
     summary = json.loads(out.stdout)
-    print(f"onceflow sim: {summary['seeds']} seeds at {summary['seeds_per_second']} seeds/s, "
-          f"{summary['requests']} requests in {summary['simulated_seconds']} simulated seconds")
-    assert summary["failed"] == 0, f"failing seeds {summary['failing_seeds']} ({summary['anomalies_by_kind']}); replay one with onceflow sim --seed S"
+    print(
+        f"onceflow sim: {summary['seeds']} seeds at {summary['seeds_per_second']} seeds/s, "
+        f"{summary['requests']} requests in {summary['simulated_seconds']} simulated seconds"
+    )
+    assert summary["failed"] == 0, (
+        f"failing seeds {summary['failing_seeds']} ({summary['anomalies_by_kind']}); replay one with onceflow sim --seed S"
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     # and every seed of another range runs the same twice, in one process
     again = subprocess.run(
         [sys.executable, "-m", "onceflow.cli", "sim", "--seeds", "20", "--start", "900000", "--check-replay", "--json"],
-        capture_output=True, text=True, timeout=600, check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     replay = json.loads(again.stdout)
     assert replay["not_replayed"] == [] and replay["failed"] == 0, replay

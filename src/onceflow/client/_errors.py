@@ -53,7 +53,15 @@ class ContentTypeMismatchError(ConflictError):
 class StreamClosedError(ConflictError):
     """409 with Stream-Closed: the stream is closed; ``next_offset`` is its final offset."""
 
-    def __init__(self, message: str, *, next_offset: str | None = None, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        next_offset: str | None = None,
+        status: int | None = None,
+        code: str = "",
+        retriable: bool | None = None,
+    ) -> None:
         super().__init__(message, status=status, code=code, retriable=retriable)
         self.next_offset = next_offset
 
@@ -61,7 +69,16 @@ class StreamClosedError(ConflictError):
 class SequenceGapError(ConflictError):
     """409 with Producer-Expected-Seq: a producer's batch arrived before an earlier one."""
 
-    def __init__(self, message: str, *, expected_seq: int, received_seq: int, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        expected_seq: int,
+        received_seq: int,
+        status: int | None = None,
+        code: str = "",
+        retriable: bool | None = None,
+    ) -> None:
         super().__init__(message, status=status, code=code, retriable=retriable)
         self.expected_seq = expected_seq
         self.received_seq = received_seq
@@ -70,7 +87,15 @@ class SequenceGapError(ConflictError):
 class ProducerFencedError(OnceflowError):
     """403: a newer epoch of this producer id exists (this producer is a zombie)."""
 
-    def __init__(self, message: str, *, current_epoch: int | None = None, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        current_epoch: int | None = None,
+        status: int | None = None,
+        code: str = "",
+        retriable: bool | None = None,
+    ) -> None:
         super().__init__(message, status=status, code=code, retriable=retriable)
         self.current_epoch = current_epoch
 
@@ -78,7 +103,15 @@ class ProducerFencedError(OnceflowError):
 class PreconditionFailedError(OnceflowError):
     """412: If-Match named a tail that is no longer the stream's tail (``next_offset`` is)."""
 
-    def __init__(self, message: str, *, next_offset: str | None = None, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        next_offset: str | None = None,
+        status: int | None = None,
+        code: str = "",
+        retriable: bool | None = None,
+    ) -> None:
         super().__init__(message, status=status, code=code, retriable=retriable)
         self.next_offset = next_offset
 
@@ -117,7 +150,9 @@ class CommitOutcomeUnknownError(OutcomeUnknownError):
     its number. Call ``commit()`` again: it resends the same request, which the server answers as
     committed if it was, and commits now if it was not; ``abort()`` is refused until then."""
 
-    def __init__(self, message: str, *, txn: int, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+    def __init__(
+        self, message: str, *, txn: int, status: int | None = None, code: str = "", retriable: bool | None = None
+    ) -> None:
         super().__init__(message, status=status, code=code, retriable=retriable)
         self.txn = txn
 
@@ -126,7 +161,15 @@ class AbortRequiredError(OnceflowError):
     """The open transaction cannot commit: one of its writes failed or its outcome is unknown
     (``cause``). ``abort()`` it (``transaction()`` does when its block raises) and begin again."""
 
-    def __init__(self, message: str, *, cause: BaseException, status: int | None = None, code: str = "", retriable: bool | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        cause: BaseException,
+        status: int | None = None,
+        code: str = "",
+        retriable: bool | None = None,
+    ) -> None:
         super().__init__(message, status=status, code=code, retriable=retriable)
         self.cause = cause
 
@@ -153,22 +196,33 @@ def error_from_response(resp: httpx.Response, what: str = "") -> OnceflowError:
         return OnceflowError(f"{msg} (401: {hint})", status=status, code=code or "unauthorized")
     if status == 403:
         epoch = h.get("producer-epoch")
-        return ProducerFencedError(msg, status=status, code=code or "stale_epoch", current_epoch=int(epoch) if epoch and epoch.isdigit() else None)
+        return ProducerFencedError(
+            msg,
+            status=status,
+            code=code or "stale_epoch",
+            current_epoch=int(epoch) if epoch and epoch.isdigit() else None,
+        )
     if status == 404:
         return StreamNotFoundError(msg, status=status, code=code or "not_found")
     if status == 409:
         if h.get("stream-closed", "").lower() == "true":
-            return StreamClosedError(msg, status=status, code=code or "stream_closed", next_offset=h.get("stream-next-offset"))
+            return StreamClosedError(
+                msg, status=status, code=code or "stream_closed", next_offset=h.get("stream-next-offset")
+            )
         exp, rec = h.get("producer-expected-seq"), h.get("producer-received-seq")
         if exp is not None and rec is not None and exp.isdigit() and rec.isdigit():
-            return SequenceGapError(msg, status=status, code=code or "sequence_gap", expected_seq=int(exp), received_seq=int(rec))
+            return SequenceGapError(
+                msg, status=status, code=code or "sequence_gap", expected_seq=int(exp), received_seq=int(rec)
+            )
         if code == "content_type_mismatch":
             return ContentTypeMismatchError(msg, status=status, code=code)
         return ConflictError(msg, status=status, code=code)
     if status == 410:
         return StreamGoneError(msg, status=status, code=code or "gone")
     if status == 412:
-        return PreconditionFailedError(msg, status=status, code=code or "tail_mismatch", next_offset=h.get("stream-next-offset"))
+        return PreconditionFailedError(
+            msg, status=status, code=code or "tail_mismatch", next_offset=h.get("stream-next-offset")
+        )
     if status == 413:
         return PayloadTooLargeError(msg, status=status, code=code or "payload_too_large")
     if status == 429 or status >= 500:

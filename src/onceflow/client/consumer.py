@@ -155,7 +155,9 @@ class AsyncConsumer:
         self.discover_interval = discover_interval
         self.max_read_bytes = max_read_bytes  # onceflow only: bound each read (and so each poll)
         self._own_client = client is None
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=90.0), verify=tls_verify(base_url), headers=auth_headers())
+        self._client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(30.0, read=90.0), verify=tls_verify(base_url), headers=auth_headers()
+        )
         self._queue: asyncio.Queue[Chunk | OnceflowError] = asyncio.Queue(maxsize=buffer)
         self._readers: dict[str, asyncio.Task[None]] = {}
         self._uncommitted: dict[str, str] = {}
@@ -267,7 +269,11 @@ class AsyncConsumer:
                 return []
             remaining = None if deadline is None else max(0.0, deadline - loop.time())
             try:
-                item = await asyncio.wait_for(self._queue.get(), remaining) if remaining is not None else await self._get_or_finish()
+                item = (
+                    await asyncio.wait_for(self._queue.get(), remaining)
+                    if remaining is not None
+                    else await self._get_or_finish()
+                )
             except TimeoutError:
                 return []
             if item is None:
@@ -307,8 +313,10 @@ class AsyncConsumer:
     async def commit(self) -> None:
         """Commit the end offsets of everything ``poll()`` returned so far."""
         if self.delivery == "exactly-once":
-            raise OnceflowError("an exactly-once consumer's offsets are committed by the transactional producer "
-                                "(send_offsets_to_transaction(group, consumer.positions()))")
+            raise OnceflowError(
+                "an exactly-once consumer's offsets are committed by the transactional producer "
+                "(send_offsets_to_transaction(group, consumer.positions()))"
+            )
         if self._uncommitted:
             pending, self._uncommitted = self._uncommitted, {}
             self.store.commit(self.group, pending)
@@ -377,8 +385,17 @@ class Consumer:
     ) -> None:
         def make() -> AsyncConsumer:  # on the background loop: the consumer's queue belongs to it
             return AsyncConsumer(
-                base_url, group=group, streams=streams, prefix=prefix, store=store, delivery=delivery, start=start,
-                live=live, discover_interval=discover_interval, client=client, buffer=buffer,
+                base_url,
+                group=group,
+                streams=streams,
+                prefix=prefix,
+                store=store,
+                delivery=delivery,
+                start=start,
+                live=live,
+                discover_interval=discover_interval,
+                client=client,
+                buffer=buffer,
                 max_read_bytes=max_read_bytes,
             )
 

@@ -79,9 +79,7 @@ def encode_json_messages(values: Iterable[Any]) -> bytes:
     return ("[" + ",".join(json.dumps(v, separators=(",", ":"), ensure_ascii=False) for v in values) + "]").encode()
 
 
-def create_headers(
-    content_type: str, *, ttl: int | None, expires_at: str | None, closed: bool
-) -> dict[str, str]:
+def create_headers(content_type: str, *, ttl: int | None, expires_at: str | None, closed: bool) -> dict[str, str]:
     h = {"content-type": content_type}
     if ttl is not None:
         h["stream-ttl"] = str(ttl)

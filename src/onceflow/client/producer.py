@@ -227,7 +227,9 @@ class AsyncIdempotentProducer:
                 await self.flush()
         finally:
             if self._loop is not None:
-                self._fail(OnceflowError("the producer was closed before this was acknowledged", code="producer_closed"))
+                self._fail(
+                    OnceflowError("the producer was closed before this was acknowledged", code="producer_closed")
+                )
             if self._sender is not None:
                 self._sender.cancel()
             for t in list(self._in_flight):
@@ -464,7 +466,10 @@ class AsyncIdempotentProducer:
                 if isinstance(err, ProducerFencedError) and self.auto_claim and self._maybe_stored_in_epoch:
                     err = ProducerFencedError(
                         f"{err.message} (not claimed: a request of epoch {epoch} may have been stored unanswered, "
-                        "and claiming would send it again)", status=err.status, code=err.code, current_epoch=err.current_epoch,
+                        "and claiming would send it again)",
+                        status=err.status,
+                        code=err.code,
+                        current_epoch=err.current_epoch,
                     )
                 if not err.retriable:
                     self._fail(err)
@@ -477,7 +482,9 @@ class AsyncIdempotentProducer:
                 if reached:
                     err = OutcomeUnknownError(
                         f"gave up after {self.delivery_timeout:g} s without a definite answer ({err.message}): the batch "
-                        "may or may not have been stored", status=err.status, code="outcome_unknown",
+                        "may or may not have been stored",
+                        status=err.status,
+                        code="outcome_unknown",
                     )
                 else:
                     err = TransportError(f"gave up after {self.delivery_timeout:g} s: {err.message}", status=err.status)
@@ -570,10 +577,22 @@ class IdempotentProducer:
     ) -> None:
         background_loop()
         self._core = AsyncIdempotentProducer(
-            url, stream, producer_id=producer_id, epoch=epoch, epoch_file=epoch_file, auto_claim=auto_claim,
-            idempotent=idempotent, content_type=content_type, max_batch_bytes=max_batch_bytes, linger_ms=linger_ms,
-            max_in_flight=max_in_flight, retry_backoff=retry_backoff, delivery_timeout=delivery_timeout,
-            request_timeout=request_timeout, on_error=on_error, client=client,
+            url,
+            stream,
+            producer_id=producer_id,
+            epoch=epoch,
+            epoch_file=epoch_file,
+            auto_claim=auto_claim,
+            idempotent=idempotent,
+            content_type=content_type,
+            max_batch_bytes=max_batch_bytes,
+            linger_ms=linger_ms,
+            max_in_flight=max_in_flight,
+            retry_backoff=retry_backoff,
+            delivery_timeout=delivery_timeout,
+            request_timeout=request_timeout,
+            on_error=on_error,
+            client=client,
         )
         run_sync(self._core.start())
 

@@ -84,7 +84,9 @@ class Stream(_Base):
         self._client = client or httpx.Client(timeout=DEFAULT_TIMEOUT, verify=tls_verify(url), headers=auth_headers())
 
     @classmethod
-    def connect(cls, base_url: str, name: str, *, client: httpx.Client | None = None, content_type: str | None = None) -> Stream:
+    def connect(
+        cls, base_url: str, name: str, *, client: httpx.Client | None = None, content_type: str | None = None
+    ) -> Stream:
         return cls(stream_url(base_url, name), client=client, content_type=content_type)
 
     def __enter__(self) -> Stream:
@@ -116,7 +118,12 @@ class Stream(_Base):
         data: bytes | None = None,
     ) -> StreamInfo:
         """Create the stream, or confirm an identical one exists (idempotent)."""
-        resp = self._request("PUT", "create", headers=create_headers(content_type, ttl=ttl, expires_at=expires_at, closed=closed), content=data or b"")
+        resp = self._request(
+            "PUT",
+            "create",
+            headers=create_headers(content_type, ttl=ttl, expires_at=expires_at, closed=closed),
+            content=data or b"",
+        )
         info = parse_info(resp, f"create {self.name}")
         self._content_type = info.content_type
         return info
@@ -145,7 +152,9 @@ class Stream(_Base):
 
     def close_stream(self) -> AppendResult:
         """Close the stream: readers see EOF after the current tail; appends are refused."""
-        return parse_append(self._request("POST", "close", headers=append_headers(None, close=True)), f"close {self.name}")
+        return parse_append(
+            self._request("POST", "close", headers=append_headers(None, close=True)), f"close {self.name}"
+        )
 
     # -- writes
 
@@ -188,7 +197,10 @@ class Stream(_Base):
         if not is_json_type(ct):
             raise TypeError("append_many needs a JSON stream; concatenate bytes for byte streams")
         headers = append_headers(ct, seq=seq, close=close, if_match=if_match, producer=producer)
-        return parse_append(self._request("POST", "append", headers=headers, content=encode_json_messages(values)), f"append to {self.name}")
+        return parse_append(
+            self._request("POST", "append", headers=headers, content=encode_json_messages(values)),
+            f"append to {self.name}",
+        )
 
     # -- reads
 
@@ -222,7 +234,9 @@ class Stream(_Base):
         ct = self._ensure_type()
         while True:
             try:
-                with self._client.stream("GET", self.url, params=read_params(offset, "sse", None), timeout=httpx.Timeout(30.0, read=None)) as resp:
+                with self._client.stream(
+                    "GET", self.url, params=read_params(offset, "sse", None), timeout=httpx.Timeout(30.0, read=None)
+                ) as resp:
                     if resp.status_code != 200:
                         resp.read()
                         raise error_from_response(resp, f"read {self.name}")
@@ -245,10 +259,14 @@ class AsyncStream(_Base):
     def __init__(self, url: str, *, client: httpx.AsyncClient | None = None, content_type: str | None = None) -> None:
         super().__init__(url, content_type)
         self._own = client is None
-        self._client = client or httpx.AsyncClient(timeout=DEFAULT_TIMEOUT, verify=tls_verify(url), headers=auth_headers())
+        self._client = client or httpx.AsyncClient(
+            timeout=DEFAULT_TIMEOUT, verify=tls_verify(url), headers=auth_headers()
+        )
 
     @classmethod
-    def connect(cls, base_url: str, name: str, *, client: httpx.AsyncClient | None = None, content_type: str | None = None) -> AsyncStream:
+    def connect(
+        cls, base_url: str, name: str, *, client: httpx.AsyncClient | None = None, content_type: str | None = None
+    ) -> AsyncStream:
         return cls(stream_url(base_url, name), client=client, content_type=content_type)
 
     async def __aenter__(self) -> AsyncStream:
@@ -276,7 +294,12 @@ class AsyncStream(_Base):
         closed: bool = False,
         data: bytes | None = None,
     ) -> StreamInfo:
-        resp = await self._request("PUT", "create", headers=create_headers(content_type, ttl=ttl, expires_at=expires_at, closed=closed), content=data or b"")
+        resp = await self._request(
+            "PUT",
+            "create",
+            headers=create_headers(content_type, ttl=ttl, expires_at=expires_at, closed=closed),
+            content=data or b"",
+        )
         info = parse_info(resp, f"create {self.name}")
         self._content_type = info.content_type
         return info
@@ -304,7 +327,9 @@ class AsyncStream(_Base):
             raise error_from_response(resp, f"delete {self.name}")
 
     async def close_stream(self) -> AppendResult:
-        return parse_append(await self._request("POST", "close", headers=append_headers(None, close=True)), f"close {self.name}")
+        return parse_append(
+            await self._request("POST", "close", headers=append_headers(None, close=True)), f"close {self.name}"
+        )
 
     async def _ensure_type(self) -> str:
         if self._content_type is None:
@@ -324,7 +349,9 @@ class AsyncStream(_Base):
         ct = await self._ensure_type()
         body = _body(data, is_json_type(ct))
         headers = append_headers(ct, seq=seq, close=close, if_match=if_match, producer=producer)
-        return parse_append(await self._request("POST", "append", headers=headers, content=body), f"append to {self.name}")
+        return parse_append(
+            await self._request("POST", "append", headers=headers, content=body), f"append to {self.name}"
+        )
 
     async def append_many(
         self,
@@ -339,7 +366,10 @@ class AsyncStream(_Base):
         if not is_json_type(ct):
             raise TypeError("append_many needs a JSON stream; concatenate bytes for byte streams")
         headers = append_headers(ct, seq=seq, close=close, if_match=if_match, producer=producer)
-        return parse_append(await self._request("POST", "append", headers=headers, content=encode_json_messages(values)), f"append to {self.name}")
+        return parse_append(
+            await self._request("POST", "append", headers=headers, content=encode_json_messages(values)),
+            f"append to {self.name}",
+        )
 
     async def read(self, offset: str = "-1") -> Chunk:
         resp = await self._request("GET", "read", params=read_params(offset, None, None))
@@ -369,7 +399,9 @@ class AsyncStream(_Base):
         ct = await self._ensure_type()
         while True:
             try:
-                async with self._client.stream("GET", self.url, params=read_params(offset, "sse", None), timeout=httpx.Timeout(30.0, read=None)) as resp:
+                async with self._client.stream(
+                    "GET", self.url, params=read_params(offset, "sse", None), timeout=httpx.Timeout(30.0, read=None)
+                ) as resp:
                     if resp.status_code != 200:
                         await resp.aread()
                         raise error_from_response(resp, f"read {self.name}")

@@ -53,11 +53,18 @@ class TopicProducer:
         self.partitions = partitions
         with httpx.Client(timeout=30.0, verify=tls_verify(base_url), headers=auth_headers()) as client:
             for name in partition_names(topic, partitions):
-                resp = client.put(stream_url(base_url, name), headers=create_headers(content_type, ttl=None, expires_at=None, closed=False))
+                resp = client.put(
+                    stream_url(base_url, name),
+                    headers=create_headers(content_type, ttl=None, expires_at=None, closed=False),
+                )
                 try:
                     parse_info(resp, f"create partition {name}")
                 except ConflictError as exc:
-                    raise ConflictError(f"partition {name} exists with another configuration: {exc.message}", status=exc.status, code=exc.code) from None
+                    raise ConflictError(
+                        f"partition {name} exists with another configuration: {exc.message}",
+                        status=exc.status,
+                        code=exc.code,
+                    ) from None
         self._producers = [
             IdempotentProducer(
                 base_url,

@@ -103,7 +103,9 @@ class AsyncTransactionalProducer:
         self.retry_backoff = retry_backoff
         self.delivery_timeout = delivery_timeout
         self._own = client is None
-        self._client = client or httpx.AsyncClient(timeout=30.0, verify=tls_verify(self.base_url), headers=auth_headers(token))
+        self._client = client or httpx.AsyncClient(
+            timeout=30.0, verify=tls_verify(self.base_url), headers=auth_headers(token)
+        )
         self.producer_id = ""
         self.epoch = -1
         self.txn: int | None = None  # the server's number of the open transaction, once known
@@ -151,7 +153,9 @@ class AsyncTransactionalProducer:
                 if write and reached:
                     raise OutcomeUnknownError(
                         f"{what}: no definite answer within {self.delivery_timeout:g} s (last: {err.message}); "
-                        "the server may or may not have stored it", status=err.status, code="outcome_unknown",
+                        "the server may or may not have stored it",
+                        status=err.status,
+                        code="outcome_unknown",
                     )
                 raise err
             attempt += 1
@@ -196,12 +200,16 @@ class AsyncTransactionalProducer:
         if self._commit is not None:
             raise CommitOutcomeUnknownError(
                 f"the outcome of the commit of transaction {self._commit.txn} of {self.transactional_id!r} is unknown: "
-                "call commit() again to learn it", txn=self._commit.txn, code="commit_outcome_unknown",
+                "call commit() again to learn it",
+                txn=self._commit.txn,
+                code="commit_outcome_unknown",
             )
         if self._doomed is not None:
             raise AbortRequiredError(
                 f"the open transaction of {self.transactional_id!r} cannot commit, a write of it failed "
-                f"({self._doomed!r}): abort() it and begin again", cause=self._doomed, code="abort_required",
+                f"({self._doomed!r}): abort() it and begin again",
+                cause=self._doomed,
+                code="abort_required",
             )
 
     def _owes_abort(self) -> bool:
@@ -315,7 +323,9 @@ class AsyncTransactionalProducer:
             return
         assert req.stream is not None
         try:
-            resp = await self._request("POST", req.url, f"append to {stream}", write=True, content=req.body, headers=req.headers)
+            resp = await self._request(
+                "POST", req.url, f"append to {stream}", write=True, content=req.body, headers=req.headers
+            )
         except BaseException as exc:
             self._failed_write(exc)
             raise
@@ -361,8 +371,13 @@ class AsyncTransactionalProducer:
             # the transaction the offsets are for (the open one, or the one they begin): a late
             # copy of this request can then never land in a later transaction
             number = self.txn if self.txn is not None else self._ended + 1
-            resp = await self._request("POST", self._url("offsets"), what, write=True,
-                                       json={"epoch": self.epoch, "txn": number, "group": group, "offsets": dict(offsets)})
+            resp = await self._request(
+                "POST",
+                self._url("offsets"),
+                what,
+                write=True,
+                json={"epoch": self.epoch, "txn": number, "group": group, "offsets": dict(offsets)},
+            )
         except BaseException as exc:
             self._failed_write(exc)
             raise
@@ -421,7 +436,10 @@ class AsyncTransactionalProducer:
                 self._commit = req
                 raise CommitOutcomeUnknownError(
                     f"{what}: no definite answer, it may or may not have committed; call commit() again to learn "
-                    f"({exc.message})", txn=req.txn, status=exc.status, code="commit_outcome_unknown",
+                    f"({exc.message})",
+                    txn=req.txn,
+                    status=exc.status,
+                    code="commit_outcome_unknown",
                 ) from exc
             self._failed_write(exc)  # no attempt reached the server: not committed
             raise
@@ -434,8 +452,12 @@ class AsyncTransactionalProducer:
             err = error_from_response(resp, what)
             if resend and isinstance(err, ProducerFencedError):
                 # a newer epoch may have come after the first try committed: still unknown
-                err = ProducerFencedError(f"{err.message}; whether an earlier try committed the transaction is unknown",
-                                          status=err.status, code=err.code, current_epoch=err.current_epoch)
+                err = ProducerFencedError(
+                    f"{err.message}; whether an earlier try committed the transaction is unknown",
+                    status=err.status,
+                    code=err.code,
+                    current_epoch=err.current_epoch,
+                )
             self._failed_write(err)
             raise err
         if req.stream is not None:
@@ -467,7 +489,9 @@ class AsyncTransactionalProducer:
             return
         if self.txn is not None:
             try:
-                await self._post_json(self._url("abort"), {"epoch": self.epoch, "txn": self.txn}, f"abort {self.transactional_id}")
+                await self._post_json(
+                    self._url("abort"), {"epoch": self.epoch, "txn": self.txn}, f"abort {self.transactional_id}"
+                )
             except BaseException as exc:
                 self._doom(exc, unknown=False)  # no new writes may join it before the abort is through
                 raise
@@ -503,7 +527,8 @@ class AsyncTransactionalProducer:
             f"transactional id {self.transactional_id!r} moved on to epoch {current} while epoch {self.epoch} had a write "
             "with no answer: a newer instance took it over, or the server aborted the transaction after its timeout. "
             "Nothing of the open transaction is committed; init() again (or make a new producer)",
-            code="fenced", current_epoch=current,
+            code="fenced",
+            current_epoch=current,
         )
         self._fenced = err
         self.txn = None
@@ -546,8 +571,14 @@ class TransactionalProducer:
     ) -> None:
         background_loop()
         self._core = AsyncTransactionalProducer(
-            base_url, transactional_id, timeout_ms=timeout_ms, max_batch_bytes=max_batch_bytes,
-            retry_backoff=retry_backoff, delivery_timeout=delivery_timeout, client=client, token=token,
+            base_url,
+            transactional_id,
+            timeout_ms=timeout_ms,
+            max_batch_bytes=max_batch_bytes,
+            retry_backoff=retry_backoff,
+            delivery_timeout=delivery_timeout,
+            client=client,
+            token=token,
         )
         try:
             run_sync(self._core.init())

@@ -260,7 +260,12 @@ class StreamState:
             cap = self.log.base if limit is None or limit.pos > self.log.base.pos else limit
             batches = self.parent.read_range(at, max_bytes, cap)
             used = sum(b.end.pos - b.start.pos for b in batches)
-            if batches and batches[-1].end.pos >= self.log.base.pos and used < max_bytes and (limit is None or limit.pos > self.log.base.pos):
+            if (
+                batches
+                and batches[-1].end.pos >= self.log.base.pos
+                and used < max_bytes
+                and (limit is None or limit.pos > self.log.base.pos)
+            ):
                 batches += self.log.read(self.log.base, max_bytes - used, limit)
             return batches
         return self.log.read(at, max_bytes, limit)
@@ -321,7 +326,11 @@ class Broker:
         self.fsync_interval = fsync_interval
         self.reorder_wait = reorder_wait
         self.coordinator = Coordinator(
-            self.data_dir / "coordinator", policy=fsync, default_timeout=txn_timeout, fs=self.fs, clock=clock,
+            self.data_dir / "coordinator",
+            policy=fsync,
+            default_timeout=txn_timeout,
+            fs=self.fs,
+            clock=clock,
         )
         self.coordinator.write_marker = self._write_marker
         self._unfinished: list[TxnMeta] = []
@@ -378,13 +387,20 @@ class Broker:
                 if not pid.startswith(TXN_PRODUCER_PREFIX):
                     continue  # only "txn:<tid>" producers may append transactionally
                 state = s.log.durable_producer(pid)
-                found.append(OpenTxn(s.name, pid[len(TXN_PRODUCER_PREFIX):], state.epoch if state is not None else -1, s.log.txn.ended.get(pid)))
+                found.append(
+                    OpenTxn(
+                        s.name,
+                        pid[len(TXN_PRODUCER_PREFIX) :],
+                        state.epoch if state is not None else -1,
+                        s.log.txn.ended.get(pid),
+                    )
+                )
         return found
 
     def commit_markers(self) -> list[CommitSeen]:
         """The last commit marker of every transactional producer in every stream (durable state)."""
         return [
-            CommitSeen(s.name, pid[len(TXN_PRODUCER_PREFIX):], epoch, txn)
+            CommitSeen(s.name, pid[len(TXN_PRODUCER_PREFIX) :], epoch, txn)
             for s in self.streams.values()
             for pid, (epoch, txn) in s.log.txn.committed.items()
             if pid.startswith(TXN_PRODUCER_PREFIX)
@@ -440,8 +456,13 @@ class Broker:
 
     def _open_log(self, directory: Path, base: Position) -> StreamLog:
         return StreamLog.open(
-            directory, base, policy=self.fsync, segment_bytes=self.segment_bytes, executor=self.executor,
-            fs=self.fs, clock=self.clock.time,
+            directory,
+            base,
+            policy=self.fsync,
+            segment_bytes=self.segment_bytes,
+            executor=self.executor,
+            fs=self.fs,
+            clock=self.clock.time,
         )
 
     def _register(self, s: StreamState) -> None:
@@ -475,7 +496,9 @@ class Broker:
     @staticmethod
     def _stage_marker(s: StreamState, producer_id: str, epoch: int, txn: int, commit: bool) -> Staged:
         flags = FLAG_CONTROL | (FLAG_COMMIT if commit else 0) | (FLAG_JSON if s.is_json else 0)
-        return s.log.stage(count=0, payload=b"", flags=flags, producer_id=producer_id, epoch=epoch, first_seq=txn, last_seq=txn)
+        return s.log.stage(
+            count=0, payload=b"", flags=flags, producer_id=producer_id, epoch=epoch, first_seq=txn, last_seq=txn
+        )
 
     async def _sync_loop(self) -> None:
         while True:
@@ -566,13 +589,17 @@ class Broker:
         ttl_seconds: int | None = None
         if ttl is not None:
             if not _TTL.match(ttl) or int(ttl) > MAX_SAFE_INT:
-                return Outcome(Refusal.BAD_REQUEST, detail=f"Stream-TTL must be a non-negative integer of seconds, got {ttl!r}")
+                return Outcome(
+                    Refusal.BAD_REQUEST, detail=f"Stream-TTL must be a non-negative integer of seconds, got {ttl!r}"
+                )
             ttl_seconds = int(ttl)
         expires_epoch: float | None = None
         if expires_at is not None:
             expires_epoch = _parse_rfc3339(expires_at)
             if expires_epoch is None:
-                return Outcome(Refusal.BAD_REQUEST, detail=f"Stream-Expires-At is not an RFC 3339 timestamp: {expires_at!r}")
+                return Outcome(
+                    Refusal.BAD_REQUEST, detail=f"Stream-Expires-At is not an RFC 3339 timestamp: {expires_at!r}"
+                )
         sub_offset = 0
         if fork_sub_offset is not None:
             if fork_from is None:
@@ -627,7 +654,11 @@ class Broker:
         )
         if same:
             return Outcome("exists", stream=existing, next=existing.tail, closed=existing.closed)
-        return Outcome(Refusal.CONFIG_CONFLICT, stream=existing, detail="a stream with a different configuration exists at this name")
+        return Outcome(
+            Refusal.CONFIG_CONFLICT,
+            stream=existing,
+            detail="a stream with a different configuration exists at this name",
+        )
 
     def _resolve_fork(self, spec: _CreateSpec) -> _Fork | Outcome:
         """Decides whether a new stream may fork where it asks to, and what it takes from its source
@@ -639,7 +670,9 @@ class Broker:
             return Outcome(Refusal.NOT_FOUND, detail=f"the stream to fork, {spec.fork_from!r}, does not exist")
         if parent.meta.soft_deleted:
             return Outcome(Refusal.CONFIG_CONFLICT, detail=f"the stream to fork, {spec.fork_from!r}, was deleted")
-        if spec.content_type is not None and normalize_content_type(spec.content_type) != normalize_content_type(parent.meta.content_type):
+        if spec.content_type is not None and normalize_content_type(spec.content_type) != normalize_content_type(
+            parent.meta.content_type
+        ):
             return Outcome(Refusal.CONFIG_CONFLICT, detail="a fork's content type must match its source's")
         spec.content_type = parent.meta.content_type
         base = spec.fork_pos if spec.fork_pos is not None else parent.tail
@@ -727,7 +760,9 @@ class Broker:
         sub-offset past the data)."""
         batches = parent.read_range(base, 1) if base.pos < parent.tail.pos else []
         if not batches:
-            return Outcome(Refusal.BAD_REQUEST, detail="Stream-Fork-Sub-Offset points past the end of the source stream")
+            return Outcome(
+                Refusal.BAD_REQUEST, detail="Stream-Fork-Sub-Offset points past the end of the source stream"
+            )
         batch = batches[0]
         if parent.is_open_txn(batch):
             return Outcome(
@@ -736,7 +771,10 @@ class Broker:
                 "fork there once it has committed, or fork at Stream-Fork-Offset alone",
             )
         if parent.is_aborted(batch):
-            return Outcome(Refusal.BAD_REQUEST, detail="Stream-Fork-Sub-Offset names data of an aborted transaction, which is no data")
+            return Outcome(
+                Refusal.BAD_REQUEST,
+                detail="Stream-Fork-Sub-Offset names data of an aborted transaction, which is no data",
+            )
         payload = batch.payload
         if parent.is_json:
             if sub > batch.header.count:
@@ -745,7 +783,9 @@ class Broker:
                 return first_messages(payload, sub), sub
             except JsonError as exc:  # only a damaged log; never what an append stored
                 log.error("stream %r: the batch at %s does not split into messages: %s", parent.name, base.token(), exc)
-                return Outcome(Refusal.UNAVAILABLE, detail=f"the source stream's data at Stream-Fork-Offset cannot be split: {exc}")
+                return Outcome(
+                    Refusal.UNAVAILABLE, detail=f"the source stream's data at Stream-Fork-Offset cannot be split: {exc}"
+                )
         if sub > len(payload):
             return Outcome(Refusal.BAD_REQUEST, detail="Stream-Fork-Sub-Offset is past the next data boundary")
         return payload[:sub], 1
@@ -797,10 +837,16 @@ class Broker:
         txn_number: int | None = None
         if transactional_id is not None:
             if producer is None:
-                return Outcome(Refusal.BAD_REQUEST, detail="a transactional append needs Producer-Id, Producer-Epoch and Producer-Seq")
+                return Outcome(
+                    Refusal.BAD_REQUEST,
+                    detail="a transactional append needs Producer-Id, Producer-Epoch and Producer-Seq",
+                )
             expected_pid = TXN_PRODUCER_PREFIX + transactional_id
             if producer.producer_id != expected_pid:
-                return Outcome(Refusal.BAD_REQUEST, detail=f"a transactional append of {transactional_id!r} must use Producer-Id {expected_pid}")
+                return Outcome(
+                    Refusal.BAD_REQUEST,
+                    detail=f"a transactional append of {transactional_id!r} must use Producer-Id {expected_pid}",
+                )
             if close:
                 return Outcome(Refusal.BAD_REQUEST, detail="a stream cannot be closed inside a transaction")
             found = self._live(name)
@@ -811,7 +857,13 @@ class Broker:
             except TxnError as exc:
                 return txn_outcome(exc)
             if found.log.pending.closed:
-                return Outcome(Refusal.STREAM_CLOSED, stream=found, next=found.log.pending.end, closed=True, detail="the stream is closed")
+                return Outcome(
+                    Refusal.STREAM_CLOSED,
+                    stream=found,
+                    next=found.log.pending.end,
+                    closed=True,
+                    detail="the stream is closed",
+                )
             prior = found.log.producer(producer.producer_id)
             if prior is not None and prior.epoch == producer.epoch and producer.seq <= prior.last_seq:
                 answered = await self._transactional_duplicate(found, producer, transactional_id, commit_txn)
@@ -826,32 +878,55 @@ class Broker:
                 return await self._committed_retry(found, producer, transactional_id, commit_txn)
             txn_number = meta.txn
         elif commit_txn is not None:
-            return Outcome(Refusal.BAD_REQUEST, detail="Transaction-Commit needs Transaction-Id (and Producer-Id, Producer-Epoch, Producer-Seq)")
+            return Outcome(
+                Refusal.BAD_REQUEST,
+                detail="Transaction-Commit needs Transaction-Id (and Producer-Id, Producer-Epoch, Producer-Seq)",
+            )
         elif producer is not None and producer.producer_id.startswith(TXN_PRODUCER_PREFIX):
             return Outcome(
-                Refusal.BAD_REQUEST, detail=f"Producer-Id {producer.producer_id!r} is reserved for transactional appends: "
+                Refusal.BAD_REQUEST,
+                detail=f"Producer-Id {producer.producer_id!r} is reserved for transactional appends: "
                 "send Transaction-Id with it, or use another producer id",
             )
         deadline: float | None = None
         loop = asyncio.get_running_loop()
         while True:
             if (
-                deadline is not None and transactional_id is not None and txn_number is not None and producer is not None
+                deadline is not None
+                and transactional_id is not None
+                and txn_number is not None
+                and producer is not None
                 and not self.coordinator.still_open(transactional_id, producer.epoch, txn_number, name)
             ):
                 # it waited for earlier sequence numbers and the transaction ended meanwhile: its
                 # data must not land after the transaction's marker, outside any transaction
-                return Outcome(Refusal.TXN_REFUSED, txn=txn_number, detail=f"transaction {txn_number} of {transactional_id!r} ended while this append waited")
+                return Outcome(
+                    Refusal.TXN_REFUSED,
+                    txn=txn_number,
+                    detail=f"transaction {txn_number} of {transactional_id!r} ended while this append waited",
+                )
             if commit_txn is not None:
                 assert producer is not None and transactional_id is not None
                 outcome = await self._append_and_commit(
-                    name, body, content_type=content_type, producer=producer, stream_seq=stream_seq,
-                    if_match=if_match, tid=transactional_id, txn=commit_txn,
+                    name,
+                    body,
+                    content_type=content_type,
+                    producer=producer,
+                    stream_seq=stream_seq,
+                    if_match=if_match,
+                    tid=transactional_id,
+                    txn=commit_txn,
                 )
             else:
                 outcome = await self._append_once(
-                    name, body, content_type=content_type, close=close, producer=producer, stream_seq=stream_seq,
-                    if_match=if_match, txn=txn_number is not None,
+                    name,
+                    body,
+                    content_type=content_type,
+                    close=close,
+                    producer=producer,
+                    stream_seq=stream_seq,
+                    if_match=if_match,
+                    txn=txn_number is not None,
                 )
             if txn_number is not None and outcome.kind in ("appended", "duplicate"):
                 return replace(outcome, txn=txn_number)
@@ -905,7 +980,9 @@ class Broker:
                     return found
                 return await self._committed_retry(found, producer, tid, txn)  # committed while this waited
             if not coord.still_open(tid, producer.epoch, txn, name):
-                return Outcome(Refusal.TXN_REFUSED, txn=txn, detail=f"transaction {txn} of {tid!r} ended while this append waited")
+                return Outcome(
+                    Refusal.TXN_REFUSED, txn=txn, detail=f"transaction {txn} of {tid!r} ended while this append waited"
+                )
             marker: list[Staged] = []
 
             def commit_too(s: StreamState) -> None:
@@ -913,8 +990,15 @@ class Broker:
                     marker.append(self._stage_marker(s, meta.producer_id, meta.epoch, txn, True))
 
             outcome = await self._append_once(
-                name, body, content_type=content_type, close=False, producer=producer, stream_seq=stream_seq,
-                if_match=if_match, txn=True, after_stage=commit_too,
+                name,
+                body,
+                content_type=content_type,
+                close=False,
+                producer=producer,
+                stream_seq=stream_seq,
+                if_match=if_match,
+                txn=True,
+                after_stage=commit_too,
             )
             if outcome.kind == "appended" and marker:
                 await marker[0].done  # written and synced with the data: already done
@@ -928,7 +1012,11 @@ class Broker:
                 try:
                     await self._stage_marker(outcome.stream, meta.producer_id, meta.epoch, txn, True).done
                 except OSError as exc:
-                    return Outcome(Refusal.UNAVAILABLE, stream=outcome.stream, detail=f"the commit was not stored: {exc.strerror or exc}")
+                    return Outcome(
+                        Refusal.UNAVAILABLE,
+                        stream=outcome.stream,
+                        detail=f"the commit was not stored: {exc.strerror or exc}",
+                    )
                 coord.commit_by_marker(meta)
                 return replace(outcome, committed=True)
         try:
@@ -936,10 +1024,16 @@ class Broker:
         except TxnError as exc:  # also a decision logged whose markers failed: retriable, see Coordinator.end
             return txn_outcome(exc)
         except OSError as exc:
-            return Outcome(Refusal.UNAVAILABLE, stream=outcome.stream, detail=f"the data was stored, the commit was not: {exc.strerror or exc}")
+            return Outcome(
+                Refusal.UNAVAILABLE,
+                stream=outcome.stream,
+                detail=f"the data was stored, the commit was not: {exc.strerror or exc}",
+            )
         return replace(outcome, committed=True)
 
-    async def _transactional_duplicate(self, s: StreamState, producer: ProducerHeaders, tid: str, commit_txn: int | None) -> Outcome | None:
+    async def _transactional_duplicate(
+        self, s: StreamState, producer: ProducerHeaders, tid: str, commit_txn: int | None
+    ) -> Outcome | None:
         """Answer a transactional append that ``s`` already holds (same epoch, a sequence number at
         or below the producer's last there) without beginning or changing any transaction.
 
@@ -964,7 +1058,11 @@ class Broker:
                     except TxnError as exc:
                         return txn_outcome(exc)
                     except OSError as exc:
-                        return Outcome(Refusal.UNAVAILABLE, stream=s, detail=f"the commit could not be finished: {exc.strerror or exc}")
+                        return Outcome(
+                            Refusal.UNAVAILABLE,
+                            stream=s,
+                            detail=f"the commit could not be finished: {exc.strerror or exc}",
+                        )
                     return await self._committed_retry(s, producer, tid, commit_txn)
                 if meta.status is TxnStatus.COMPLETE_COMMIT:
                     return await self._committed_retry(s, producer, tid, commit_txn)
@@ -973,7 +1071,9 @@ class Broker:
             except TxnError as exc:
                 return txn_outcome(exc)
             return Outcome(
-                Refusal.TXN_REFUSED, txn=meta.txn, detail=f"this append was stored before, it cannot commit transaction {commit_txn} "
+                Refusal.TXN_REFUSED,
+                txn=meta.txn,
+                detail=f"this append was stored before, it cannot commit transaction {commit_txn} "
                 f"of {tid!r} (the current one is {meta.txn}, {meta.status.value})",
             )
         outcome = await self._settle_duplicate(s, producer, closed=False)
@@ -985,7 +1085,11 @@ class Broker:
     def _open_transaction_of(s: StreamState, producer: ProducerHeaders, meta: TxnMeta) -> int | None:
         """The number of the transaction a durable duplicate in ``s`` belongs to if that
         transaction is still open there, else None (it ended there, or it is too old to tell)."""
-        if meta.epoch != producer.epoch or meta.status not in (TxnStatus.ONGOING, TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT):
+        if meta.epoch != producer.epoch or meta.status not in (
+            TxnStatus.ONGOING,
+            TxnStatus.PREPARE_COMMIT,
+            TxnStatus.PREPARE_ABORT,
+        ):
             return None
         state = s.log.producer(producer.producer_id)
         entry = state.find(producer.seq) if state is not None else None
@@ -1001,7 +1105,11 @@ class Broker:
         if state is not None and state.epoch == producer.epoch and producer.seq <= state.last_seq:
             outcome = await self._settle_duplicate(s, producer, closed=False)
             return replace(outcome, txn=txn, committed=outcome.kind == "duplicate")
-        return Outcome(Refusal.TXN_REFUSED, txn=txn, detail=f"transaction {txn} of {tid!r} is already committed; this append is not part of it")
+        return Outcome(
+            Refusal.TXN_REFUSED,
+            txn=txn,
+            detail=f"transaction {txn} of {tid!r} is already committed; this append is not part of it",
+        )
 
     async def _append_once(
         self,
@@ -1023,18 +1131,26 @@ class Broker:
         s.touch()
         # The checks and the staging run without yielding to the loop in between (the helpers await
         # only on the paths that answer), so no other append slips between a check and its stage.
-        refused = await self._check_append(s, body, content_type=content_type, close=close, producer=producer, if_match=if_match)
+        refused = await self._check_append(
+            s, body, content_type=content_type, close=close, producer=producer, if_match=if_match
+        )
         if refused is not None:
             return refused
         sseq = stream_seq.encode() if stream_seq is not None else None
         pending = s.log.pending
         # Step 5: Stream-Seq must grow strictly (byte-wise).
         if sseq is not None and pending.stream_seq is not None and sseq <= pending.stream_seq:
-            return Outcome(Refusal.STREAM_SEQ_CONFLICT, stream=s, detail=f"Stream-Seq {stream_seq!r} is not greater than the last one")
+            return Outcome(
+                Refusal.STREAM_SEQ_CONFLICT,
+                stream=s,
+                detail=f"Stream-Seq {stream_seq!r} is not greater than the last one",
+            )
         framed = self._frame_append(s, body, close=close, txn=txn)
         if isinstance(framed, Outcome):
             return framed
-        return await self._stage_append(s, framed, body, close=close, producer=producer, sseq=sseq, after_stage=after_stage)
+        return await self._stage_append(
+            s, framed, body, close=close, producer=producer, sseq=sseq, after_stage=after_stage
+        )
 
     async def _check_append(
         self,
@@ -1055,7 +1171,9 @@ class Broker:
             if close and not body and producer is None:
                 await self._await_end(s, pending.end)
                 return Outcome("already_closed", stream=s, next=pending.client_end, closed=True)
-            return Outcome(Refusal.STREAM_CLOSED, stream=s, next=pending.client_end, closed=True, detail="the stream is closed")
+            return Outcome(
+                Refusal.STREAM_CLOSED, stream=s, next=pending.client_end, closed=True, detail="the stream is closed"
+            )
 
         # Step 2: the content type must match (not checked for close-only requests).
         if body and content_type != s.meta.content_type and normalize_content_type(content_type) != s.media_type:
@@ -1073,7 +1191,12 @@ class Broker:
 
         # Step 4: optimistic concurrency (If-Match names the tail the writer expects).
         if if_match is not None and if_match != pending.end:
-            return Outcome(Refusal.TAIL_MISMATCH, stream=s, next=pending.end, detail="the stream's tail is not the one given in If-Match")
+            return Outcome(
+                Refusal.TAIL_MISMATCH,
+                stream=s,
+                next=pending.end,
+                detail="the stream's tail is not the one given in If-Match",
+            )
         return None
 
     async def _check_producer(self, s: StreamState, producer: ProducerHeaders) -> Outcome | None:
@@ -1082,18 +1205,29 @@ class Broker:
         state = s.log.producer(producer.producer_id)
         if state is not None:
             if producer.epoch < state.epoch:
-                return Outcome(Refusal.STALE_EPOCH, stream=s, epoch=state.epoch, detail="stale producer epoch: a newer epoch has claimed this producer id")
+                return Outcome(
+                    Refusal.STALE_EPOCH,
+                    stream=s,
+                    epoch=state.epoch,
+                    detail="stale producer epoch: a newer epoch has claimed this producer id",
+                )
             if producer.epoch == state.epoch and producer.seq <= state.last_seq:
                 return await self._settle_duplicate(s, producer, closed=False)
             if producer.epoch == state.epoch and producer.seq > state.last_seq + 1:
                 return Outcome(
-                    Refusal.SEQUENCE_GAP, stream=s, expected_seq=state.last_seq + 1, received_seq=producer.seq,
+                    Refusal.SEQUENCE_GAP,
+                    stream=s,
+                    expected_seq=state.last_seq + 1,
+                    received_seq=producer.seq,
                     detail=f"producer sequence gap: expected {state.last_seq + 1}, got {producer.seq}",
                 )
         if (state is None or producer.epoch > state.epoch) and producer.seq != 0:
             if state is None:
                 return Outcome(
-                    Refusal.SEQUENCE_GAP, stream=s, expected_seq=0, received_seq=producer.seq,
+                    Refusal.SEQUENCE_GAP,
+                    stream=s,
+                    expected_seq=0,
+                    received_seq=producer.seq,
                     detail=f"producer sequence gap: a new producer starts at 0, got {producer.seq}",
                 )
             return Outcome(Refusal.INVALID_EPOCH_SEQ, stream=s, detail="a new producer epoch must start at sequence 0")
@@ -1286,8 +1420,14 @@ class Broker:
         return s.stable() if committed else s.tail
 
     def read(
-        self, s: StreamState, at: Position, max_bytes: int | None = None, *, committed: bool = True,
-        until: Position | None = None, max_records: int | None = None,
+        self,
+        s: StreamState,
+        at: Position,
+        max_bytes: int | None = None,
+        *,
+        committed: bool = True,
+        until: Position | None = None,
+        max_records: int | None = None,
     ) -> ReadResult:
         """Durable data from ``at``: at most about ``max_bytes`` (server default otherwise).
 
@@ -1318,7 +1458,13 @@ class Broker:
         return ReadResult(batches, nxt, up_to_date, up_to_date and s.closed and end == s.tail)
 
     def boundaries(
-        self, s: StreamState, at: Position, until: Position | None, *, every: int, max_records: int | None = None,
+        self,
+        s: StreamState,
+        at: Position,
+        until: Position | None,
+        *,
+        every: int,
+        max_records: int | None = None,
         committed: bool = True,
     ) -> tuple[Sequence[Position], Position]:
         """Batch boundaries after ``at``, at least ``every`` records apart, and where a read of at

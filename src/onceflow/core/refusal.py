@@ -66,7 +66,9 @@ class Refusal(enum.StrEnum):
         return self in _RETRIABLE
 
 
-_RETRIABLE = frozenset({Refusal.UNAVAILABLE, Refusal.CONCURRENT_TRANSACTIONS, Refusal.LIMIT, Refusal.SUBSCRIPTION_UNAVAILABLE})
+_RETRIABLE = frozenset(
+    {Refusal.UNAVAILABLE, Refusal.CONCURRENT_TRANSACTIONS, Refusal.LIMIT, Refusal.SUBSCRIPTION_UNAVAILABLE}
+)
 
 
 class Refused(OnceflowError):

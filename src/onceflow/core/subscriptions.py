@@ -226,8 +226,11 @@ _NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215 local-use pre
 _IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # deprecated ::a.b.c.d (:: and ::1 are not IPv4)
 _LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
 _PRIVATE = (
-    ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("172.16.0.0/12"), ipaddress.ip_network("192.168.0.0/16"),
-    ipaddress.ip_network("100.64.0.0/10"), ipaddress.ip_network("fc00::/7"),
+    ipaddress.ip_network("10.0.0.0/8"),
+    ipaddress.ip_network("172.16.0.0/12"),
+    ipaddress.ip_network("192.168.0.0/16"),
+    ipaddress.ip_network("100.64.0.0/10"),
+    ipaddress.ip_network("fc00::/7"),
 )
 _LOOPBACK_NAMES = ("localhost",)
 _LOOPBACK_SUFFIXES = (".localhost",)
@@ -328,8 +331,10 @@ def validate_webhook_url(url: object, *, targets: WebhookTargets = "public") -> 
     if kind == "never":
         raise reject("link-local, unspecified, multicast and reserved addresses are never allowed")
     if _ORDER[kind] > _ORDER[targets]:
-        raise reject(f"it names a {kind} target; this server sends webhooks to {targets} targets only "
-                     "(its operator chooses with --webhook-targets)")
+        raise reject(
+            f"it names a {kind} target; this server sends webhooks to {targets} targets only "
+            "(its operator chooses with --webhook-targets)"
+        )
     if kind == "public" and parts.scheme != "https":
         raise reject("plain http:// is only allowed to loopback and private targets; use https://")
     return url
@@ -414,7 +419,9 @@ def parse_config(body: object, *, webhook_targets: WebhookTargets = "public") ->
         if body.get("webhook") is not None:
             raise _invalid('"webhook" is for webhook subscriptions; a pull-wake subscription has none')
         if wake_stream in streams:
-            raise _invalid(f"the wake stream {wake_stream!r} cannot also be a subscribed stream: every wake would wake it again")
+            raise _invalid(
+                f"the wake stream {wake_stream!r} cannot also be a subscribed stream: every wake would wake it again"
+            )
     ttl = body.get("lease_ttl_ms", DEFAULT_LEASE_TTL_MS)
     if isinstance(ttl, float) and ttl.is_integer():
         ttl = int(ttl)
@@ -453,7 +460,9 @@ def parse_wake_reply(body: object, *, acks_allowed: bool = True) -> WakeReply:
     if raw_acks is not None:
         if not acks_allowed:
             if raw_acks:
-                raise _invalid("release takes no acks: ack (with done) to move cursors, or release to hand the wake back")
+                raise _invalid(
+                    "release takes no acks: ack (with done) to move cursors, or release to hand the wake back"
+                )
         elif not isinstance(raw_acks, list):
             raise _invalid('"acks" must be an array of {"stream": "<path>", "offset": "<offset>"}')
         else:
@@ -464,7 +473,9 @@ def parse_wake_reply(body: object, *, acks_allowed: bool = True) -> WakeReply:
                 offset = ack.get("offset")
                 at = parse_token(offset) if isinstance(offset, str) else None
                 if at is None:
-                    raise _invalid(f"acks[{i}].offset must be an offset this server issued (a tail_offset), got {offset!r}")
+                    raise _invalid(
+                        f"acks[{i}].offset must be an offset this server issued (a tail_offset), got {offset!r}"
+                    )
                 acks.append((stream, at))
     return WakeReply(wake_id, generation, tuple(acks), done)
 
@@ -543,8 +554,13 @@ class Subscription:
             "created_at": self.created_at,
             "base_url": self.base_url,
             "links": [
-                {"path": k.path, "explicit": k.explicit, "glob": k.glob,
-                 "acked": k.acked.token() if k.acked is not None else None, "born": k.born}
+                {
+                    "path": k.path,
+                    "explicit": k.explicit,
+                    "glob": k.glob,
+                    "acked": k.acked.token() if k.acked is not None else None,
+                    "born": k.born,
+                }
                 for k in self.links.values()
             ],
             "generation": self.generation,
@@ -573,8 +589,12 @@ class Subscription:
             return at
 
         sub = Subscription(
-            id=raw["id"], uid=raw["uid"], config=Config.from_json(raw["config"]), config_hash=raw["config_hash"],
-            created_at=raw["created_at"], base_url=raw["base_url"],
+            id=raw["id"],
+            uid=raw["uid"],
+            config=Config.from_json(raw["config"]),
+            config_hash=raw["config_hash"],
+            created_at=raw["created_at"],
+            base_url=raw["base_url"],
         )
         for k in raw["links"]:
             sub.links[k["path"]] = Link(k["path"], bool(k["explicit"]), bool(k["glob"]), pos(k["acked"]), k["born"])
@@ -734,7 +754,14 @@ class Subscriptions:
             x = _b64url(raw)
             # RFC 7638 thumbprint: the required members in lexicographic order, no whitespace
             thumb = hashlib.sha256(json.dumps({"crv": "Ed25519", "kty": "OKP", "x": x}, separators=(",", ":")).encode())
-            self._jwk = {"kty": "OKP", "crv": "Ed25519", "kid": "ds_" + _b64url(thumb.digest()), "use": "sig", "alg": "EdDSA", "x": x}
+            self._jwk = {
+                "kty": "OKP",
+                "crv": "Ed25519",
+                "kid": "ds_" + _b64url(thumb.digest()),
+                "use": "sig",
+                "alg": "EdDSA",
+                "x": x,
+            }
             self._key = key
         return self._key
 
@@ -794,7 +821,9 @@ class Subscriptions:
     def _check_token(self, sub: Subscription, token: str, reply: WakeReply) -> None:
         """401 unless the token is one this server issued for this subscription; 409 FENCED when
         the token, or the request's generation / wake_id, is not the current wake's."""
-        invalid = SubscriptionError(Refusal.TOKEN_INVALID, f"the bearer token was not issued for subscription {sub.id!r}")
+        invalid = SubscriptionError(
+            Refusal.TOKEN_INVALID, f"the bearer token was not issued for subscription {sub.id!r}"
+        )
         fields = self._token_fields(token)
         if fields is None or fields[0] != sub.id:
             raise invalid
@@ -810,7 +839,9 @@ class Subscriptions:
     # ------------------------------------------------------------------ persistence
 
     def _file(self, sid: str) -> Path:
-        return self.directory / "subs" / (hashlib.sha256(sid.encode("utf-8", "surrogatepass")).hexdigest()[:40] + ".json")
+        return (
+            self.directory / "subs" / (hashlib.sha256(sid.encode("utf-8", "surrogatepass")).hexdigest()[:40] + ".json")
+        )
 
     def _changed(self, sub: Subscription | str) -> None:
         """Note that a subscription's state changed and write it in the background."""
@@ -866,7 +897,9 @@ class Subscriptions:
         try:
             await self._persist(sub.id)
         except (OSError, RuntimeError) as exc:
-            raise SubscriptionError(Refusal.SUBSCRIPTION_UNAVAILABLE, f"the subscription state could not be stored: {exc}") from None
+            raise SubscriptionError(
+                Refusal.SUBSCRIPTION_UNAVAILABLE, f"the subscription state could not be stored: {exc}"
+            ) from None
 
     # ------------------------------------------------------------------ streams and links
 
@@ -1091,8 +1124,13 @@ class Subscriptions:
             self._arm(sub)
 
     def _expire_lease(self, sub: Subscription) -> None:
-        log.info("subscription %r: the lease of wake %s (generation %d, holder %s) expired",
-                 sub.id, sub.wake_id, sub.generation, sub.holder or "webhook")
+        log.info(
+            "subscription %r: the lease of wake %s (generation %d, holder %s) expired",
+            sub.id,
+            sub.wake_id,
+            sub.generation,
+            sub.holder or "webhook",
+        )
         self._end_wake(sub)
         self._maybe_wake(sub)
 
@@ -1124,16 +1162,25 @@ class Subscriptions:
         assert name is not None
         ws = self._live(name)
         if ws is None:
-            log.warning("subscription %r: wake stream %r does not exist; the wake is written once it is created", sid, name)
+            log.warning(
+                "subscription %r: wake stream %r does not exist; the wake is written once it is created", sid, name
+            )
             return
-        event = {"type": "wake", "subscription_id": sid, "stream": sub.trigger, "generation": sub.generation,
-                 "ts": int(time.time() * 1000)}
+        event = {
+            "type": "wake",
+            "subscription_id": sid,
+            "stream": sub.trigger,
+            "generation": sub.generation,
+            "ts": int(time.time() * 1000),
+        }
         data = json.dumps(event, separators=(",", ":")).encode()
         if not ws.is_json:
             data += b"\n"
         outcome = await self.broker.append(name, data, content_type=ws.meta.content_type)
         if outcome.kind != "appended":
-            log.warning("subscription %r: could not write a wake event to %r: %s", sid, name, outcome.detail or outcome.kind)
+            log.warning(
+                "subscription %r: could not write a wake event to %r: %s", sid, name, outcome.detail or outcome.kind
+            )
             return
         if self._current(sid, uid, wake_id) is sub and not sub.announced:
             sub.announced = True
@@ -1163,7 +1210,11 @@ class Subscriptions:
             assert url is not None
             timeout = sub.config.lease_ttl_ms / 1000
             await self._persist(sid)  # the generation is on disk before the receiver sees it
-            headers = {"content-type": "application/json", "webhook-signature": self.sign(body), "user-agent": "onceflow"}
+            headers = {
+                "content-type": "application/json",
+                "webhook-signature": self.sign(body),
+                "user-agent": "onceflow",
+            }
             status, answer = await self.poster(url, body, headers, timeout)
             if not 200 <= status < 300:
                 error = f"the webhook answered HTTP {status}"
@@ -1184,7 +1235,9 @@ class Subscriptions:
             delay *= 1 + random.uniform(-RETRY_JITTER, RETRY_JITTER)  # noqa: S311 - jitter, not security
             sub.status = "failed"
             sub.next_attempt_at = time.time() + delay
-            log.warning("subscription %r: webhook delivery %d failed (%s); retrying in %.1fs", sid, sub.attempts, error, delay)
+            log.warning(
+                "subscription %r: webhook delivery %d failed (%s); retrying in %.1fs", sid, sub.attempts, error, delay
+            )
             self._arm(sub)
             self._changed(sub)
             return
@@ -1233,7 +1286,9 @@ class Subscriptions:
             try:
                 self.signing_key()
             except (OSError, ValueError) as exc:
-                raise SubscriptionError(Refusal.SUBSCRIPTION_UNAVAILABLE, f"the webhook signing key is unavailable: {exc}") from None
+                raise SubscriptionError(
+                    Refusal.SUBSCRIPTION_UNAVAILABLE, f"the webhook signing key is unavailable: {exc}"
+                ) from None
         sub = Subscription(sid, secrets.token_hex(8), config, digest, _now_iso(), base_url)
         for path in config.streams:
             self._link(sub, path, explicit=True, at_tail=True)
@@ -1268,7 +1323,9 @@ class Subscriptions:
         try:
             await self._persist(sid)
         except (OSError, RuntimeError) as exc:
-            raise SubscriptionError(Refusal.SUBSCRIPTION_UNAVAILABLE, f"the deletion could not be stored: {exc}") from None
+            raise SubscriptionError(
+                Refusal.SUBSCRIPTION_UNAVAILABLE, f"the deletion could not be stored: {exc}"
+            ) from None
 
     async def add_streams(self, sid: str, body: object) -> None:
         sub = self.get(sid)
@@ -1306,8 +1363,10 @@ class Subscriptions:
         self._require(sub, "pull-wake", "claim")
         if sub.holder is not None:
             raise SubscriptionError(
-                Refusal.ALREADY_CLAIMED, f"worker {sub.holder!r} holds the current wake",
-                current_holder=sub.holder, generation=sub.generation,
+                Refusal.ALREADY_CLAIMED,
+                f"worker {sub.holder!r} holds the current wake",
+                current_holder=sub.holder,
+                generation=sub.generation,
             )
         infos = self.stream_infos(sub)
         pending = [i.path for i in infos if i.pending]
@@ -1350,7 +1409,9 @@ class Subscriptions:
         self._maybe_wake(sub)
         await self._commit(sub)
 
-    async def _answer(self, sid: str, token: str | None, body: object, kind: SubscriptionType, action: str) -> dict[str, object]:
+    async def _answer(
+        self, sid: str, token: str | None, body: object, kind: SubscriptionType, action: str
+    ) -> dict[str, object]:
         sub = self.get(sid)
         if token is None:
             what = "callback token" if kind == "webhook" else "claim token"
@@ -1374,7 +1435,11 @@ class Subscriptions:
     @staticmethod
     def _require(sub: Subscription, kind: SubscriptionType, action: str) -> None:
         if sub.type != kind:
-            hint = "a webhook answers through /callback" if sub.type == "webhook" else "pull-wake workers use /claim, /ack and /release"
+            hint = (
+                "a webhook answers through /callback"
+                if sub.type == "webhook"
+                else "pull-wake workers use /claim, /ack and /release"
+            )
             raise _invalid(f"subscription {sub.id!r} is a {sub.type} subscription: {action} is not for it ({hint})")
 
     def _apply_acks(self, sub: Subscription, acks: Sequence[tuple[str, Position]]) -> None:
@@ -1384,14 +1449,20 @@ class Subscriptions:
             link = sub.links.get(path)
             s = self._refresh(sub, link) if link is not None else None
             if link is None or path not in sub.links:
-                raise SubscriptionError(Refusal.INVALID_OFFSET, f"stream {path!r} is not linked to subscription {sub.id!r}")
+                raise SubscriptionError(
+                    Refusal.INVALID_OFFSET, f"stream {path!r} is not linked to subscription {sub.id!r}"
+                )
             if s is None:
                 raise SubscriptionError(Refusal.INVALID_OFFSET, f"stream {path!r} does not exist (any more)")
             done = link.acked if link.acked is not None else self._start_of(s)
             if at.pos < done.pos:
-                raise SubscriptionError(Refusal.INVALID_OFFSET, f"ack {at.token()} for {path!r} is behind its acked offset {done.token()}")
+                raise SubscriptionError(
+                    Refusal.INVALID_OFFSET, f"ack {at.token()} for {path!r} is behind its acked offset {done.token()}"
+                )
             if at.pos > s.stable().pos:
-                raise SubscriptionError(Refusal.INVALID_OFFSET, f"ack {at.token()} for {path!r} is beyond its tail {s.stable().token()}")
+                raise SubscriptionError(
+                    Refusal.INVALID_OFFSET, f"ack {at.token()} for {path!r} is beyond its tail {s.stable().token()}"
+                )
             try:
                 s.check_position(at)
             except InvalidPosition as exc:
@@ -1405,7 +1476,10 @@ class Subscriptions:
         """The subscription as GET shows it."""
         webhook: dict[str, object] | None = None
         if sub.config.webhook_url is not None:
-            webhook = {"url": sub.config.webhook_url, "signing": {"alg": "ed25519", "kid": self.kid, "jwks_url": jwks_url}}
+            webhook = {
+                "url": sub.config.webhook_url,
+                "signing": {"alg": "ed25519", "kid": self.kid, "jwks_url": jwks_url},
+            }
         return {
             "id": sub.id,
             "subscription_id": sub.id,

@@ -79,7 +79,12 @@ _TRANSITIONS: dict[TxnStatus, set[TxnStatus]] = {
     TxnStatus.EMPTY: {TxnStatus.ONGOING, TxnStatus.EMPTY},
     # ONGOING -> COMPLETE_COMMIT: a one-stream transaction committed by its marker alone
     # (``Transaction-Commit`` on its last append; see Coordinator.commit_by_marker)
-    TxnStatus.ONGOING: {TxnStatus.ONGOING, TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT, TxnStatus.COMPLETE_COMMIT},
+    TxnStatus.ONGOING: {
+        TxnStatus.ONGOING,
+        TxnStatus.PREPARE_COMMIT,
+        TxnStatus.PREPARE_ABORT,
+        TxnStatus.COMPLETE_COMMIT,
+    },
     TxnStatus.PREPARE_COMMIT: {TxnStatus.COMPLETE_COMMIT},
     # PREPARE_ABORT -> EMPTY: an abort that fences its producer ends in the new epoch (TxnMeta.fence)
     TxnStatus.PREPARE_ABORT: {TxnStatus.COMPLETE_ABORT, TxnStatus.EMPTY},
@@ -119,7 +124,9 @@ class TxnMeta:
     def check_move(self, new: TxnStatus) -> None:
         """Refuse (``invalid_state``) a move the transitions table does not allow."""
         if not self.status.can_become(new):
-            raise TxnError(Refusal.INVALID_STATE, f"transaction {self.tid!r} cannot go from {self.status.value} to {new.value}")
+            raise TxnError(
+                Refusal.INVALID_STATE, f"transaction {self.tid!r} cannot go from {self.status.value} to {new.value}"
+            )
 
     def move(self, new: TxnStatus) -> None:
         """The one way ``status`` changes: checked against the transitions table (``_TRANSITIONS``)."""
@@ -197,7 +204,11 @@ class SinkState:
 
     def record(self, sink: str) -> dict[str, Any]:
         return {
-            "kind": "sink", "sink": sink, "batch": self.batch, "owner": self.owner, "fingerprint": self.fingerprint,
+            "kind": "sink",
+            "sink": sink,
+            "batch": self.batch,
+            "owner": self.owner,
+            "fingerprint": self.fingerprint,
             "decision": [list(m) for m in self.decision] if self.decision is not None else None,
         }
 
@@ -221,8 +232,14 @@ class Coordinator:
     """Transactions and group offsets, persisted in one coordinator log."""
 
     def __init__(
-        self, directory: Path, *, policy: FsyncPolicy, default_timeout: float = 60.0, compact_bytes: int = 64 << 20,
-        fs: FileSystem | None = None, clock: Clock = SYSTEM,
+        self,
+        directory: Path,
+        *,
+        policy: FsyncPolicy,
+        default_timeout: float = 60.0,
+        compact_bytes: int = 64 << 20,
+        fs: FileSystem | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.directory = directory
         self.fs: FileSystem = fs or OsFileSystem()
@@ -280,8 +297,15 @@ class Coordinator:
         # after the transactions: a committed transaction's offsets are applied when it replays,
         # and a group's offsets reset below them since must win
         for group in sorted(set(self.groups) | set(self.member_epochs)):
-            recs.append({"kind": "offsets", "group": group, "offsets": self.groups.get(group, {}),
-                         "member_epoch": self.member_epochs.get(group), "reset": True})
+            recs.append(
+                {
+                    "kind": "offsets",
+                    "group": group,
+                    "offsets": self.groups.get(group, {}),
+                    "member_epoch": self.member_epochs.get(group),
+                    "reset": True,
+                }
+            )
         for sink, state in sorted(self.sinks.items()):
             recs.append(state.record(sink))
         return recs
@@ -324,7 +348,9 @@ class Coordinator:
         fs = self.fs
         fs.rmtree(new)
         fresh = self._open_log(new)
-        fresh.write_initial([(json.dumps(r, separators=(",", ":")).encode() + b",", 1, FLAG_JSON) for r in self._state_records()])
+        fresh.write_initial(
+            [(json.dumps(r, separators=(",", ":")).encode() + b",", 1, FLAG_JSON) for r in self._state_records()]
+        )
         after = fresh.durable.end.pos
         fresh.close_files()
         fs.sync_dir(new)
@@ -365,7 +391,11 @@ class Coordinator:
                 fence=rec.get("fence"),
             )
             prev = self.txns.get(meta.tid)
-            if prev is not None and prev.status is TxnStatus.PREPARE_COMMIT and (prev.epoch, prev.txn) != (meta.epoch, meta.txn):
+            if (
+                prev is not None
+                and prev.status is TxnStatus.PREPARE_COMMIT
+                and (prev.epoch, prev.txn) != (meta.epoch, meta.txn)
+            ):
                 # The id moved past a commit decision, so that commit completed: no request of an
                 # id gets through while its decision is unfinished. Its completion record may still
                 # be missing (its write failed and was rolled back while later ones reached the
@@ -385,7 +415,9 @@ class Coordinator:
             else:
                 decision = rec.get("decision")
                 self.sinks[rec["sink"]] = SinkState(
-                    rec.get("batch"), rec.get("owner"), tuple((t, e, n) for t, e, n in decision) if decision is not None else None,
+                    rec.get("batch"),
+                    rec.get("owner"),
+                    tuple((t, e, n) for t, e, n in decision) if decision is not None else None,
                     rec.get("fingerprint"),
                 )
         elif rec["kind"] == "offsets":
@@ -411,7 +443,9 @@ class Coordinator:
 
     def _stage(self, rec: dict[str, Any]) -> asyncio.Future[None]:
         assert self._log is not None
-        return self._log.stage(count=1, payload=json.dumps(rec, separators=(",", ":")).encode() + b",", flags=FLAG_JSON).done
+        return self._log.stage(
+            count=1, payload=json.dumps(rec, separators=(",", ":")).encode() + b",", flags=FLAG_JSON
+        ).done
 
     async def _write(self, rec: dict[str, Any], *, durable: bool = True) -> None:
         """Append a record; wait for its fsync unless ``durable`` is False (then it is only ordered
@@ -484,7 +518,8 @@ class Coordinator:
             raise TxnError(
                 Refusal.CONCURRENT_TRANSACTIONS,
                 f"transaction {meta.txn} of {meta.tid!r} is still being completed (its {outcome} is decided, not all "
-                "of its markers are written yet); retry shortly", txn=meta.txn,
+                "of its markers are written yet); retry shortly",
+                txn=meta.txn,
             )
 
     def _current(self, tid: str, epoch: int) -> TxnMeta:
@@ -492,13 +527,20 @@ class Coordinator:
         if meta is None or meta.epoch < 0:
             raise TxnError(Refusal.UNKNOWN_TRANSACTIONAL_ID, f"transactional id {tid!r} was never initialised")
         if epoch < meta.epoch:
-            raise TxnError(Refusal.FENCED, f"epoch {epoch} of {tid!r} was fenced by epoch {meta.epoch}", epoch=meta.epoch)
+            raise TxnError(
+                Refusal.FENCED, f"epoch {epoch} of {tid!r} was fenced by epoch {meta.epoch}", epoch=meta.epoch
+            )
         if epoch > meta.epoch:
             raise TxnError(Refusal.BAD_EPOCH, f"epoch {epoch} of {tid!r} was never issued (current: {meta.epoch})")
         return meta
 
     async def init(
-        self, tid: str, txn_timeout: float | None = None, *, request_id: str | None = None, expected_epoch: int | None = None,
+        self,
+        tid: str,
+        txn_timeout: float | None = None,
+        *,
+        request_id: str | None = None,
+        expected_epoch: int | None = None,
     ) -> TxnMeta:
         """Register (or re-register) ``tid``: a new epoch fences the old one, whose open
         transaction is aborted first.
@@ -522,8 +564,12 @@ class Coordinator:
                 return meta
             if expected_epoch is not None and (meta.epoch if meta is not None else -1) != expected_epoch:
                 current = meta.epoch if meta is not None else -1
-                raise TxnError(Refusal.FENCED, f"epoch {expected_epoch} of {tid!r} is no longer current ({current}): another "
-                               "holder took the id over, or the server fenced it", epoch=current)
+                raise TxnError(
+                    Refusal.FENCED,
+                    f"epoch {expected_epoch} of {tid!r} is no longer current ({current}): another "
+                    "holder took the id over, or the server fenced it",
+                    epoch=current,
+                )
             known = meta is not None
             if meta is None:
                 meta = TxnMeta(tid)
@@ -532,8 +578,15 @@ class Coordinator:
             elif meta.completing:
                 await self._finish_decided(meta, self._complete(meta))
             await self._store(
-                meta, epoch=meta.epoch + 1, txn=0, timeout=txn_timeout if txn_timeout is not None else self.default_timeout,
-                streams=set(), offsets={}, status=TxnStatus.EMPTY, init_id=request_id, fence=None,
+                meta,
+                epoch=meta.epoch + 1,
+                txn=0,
+                timeout=txn_timeout if txn_timeout is not None else self.default_timeout,
+                streams=set(),
+                offsets={},
+                status=TxnStatus.EMPTY,
+                init_id=request_id,
+                fence=None,
             )
             if not known:
                 self.txns[tid] = meta
@@ -561,8 +614,10 @@ class Coordinator:
                 expected = meta.txn if meta.status is TxnStatus.ONGOING else meta.txn + 1
                 if commit != expected:
                     raise TxnError(
-                        Refusal.STALE_TRANSACTION, f"Transaction-Commit names transaction {commit} of {tid!r}, but this append "
-                        f"would belong to transaction {expected}", txn=meta.txn,
+                        Refusal.STALE_TRANSACTION,
+                        f"Transaction-Commit names transaction {commit} of {tid!r}, but this append "
+                        f"would belong to transaction {expected}",
+                        txn=meta.txn,
                     )
             if meta.status is not TxnStatus.ONGOING:
                 meta.txn += 1
@@ -598,11 +653,16 @@ class Coordinator:
         (an append that waited between :meth:`begin_write` and staging checks this again)."""
         meta = self.txns.get(tid)
         return (
-            meta is not None and meta.epoch == epoch and meta.txn == txn
-            and meta.status is TxnStatus.ONGOING and stream in meta.streams
+            meta is not None
+            and meta.epoch == epoch
+            and meta.txn == txn
+            and meta.status is TxnStatus.ONGOING
+            and stream in meta.streams
         )
 
-    async def add_offsets(self, tid: str, epoch: int, group: str, offsets: dict[str, str], *, txn: int | None = None) -> TxnMeta:
+    async def add_offsets(
+        self, tid: str, epoch: int, group: str, offsets: dict[str, str], *, txn: int | None = None
+    ) -> TxnMeta:
         """Make ``group``'s offsets part of the open transaction (they count only if it commits);
         with none open, they begin the next one. Synced before the answer, and only then part of
         the transaction: offsets whose record failed are in no transaction. Refused as retriable
@@ -619,13 +679,18 @@ class Coordinator:
                 expected = meta.txn if meta.status is TxnStatus.ONGOING else meta.txn + 1
                 if txn != expected:
                     raise TxnError(
-                        Refusal.STALE_TRANSACTION, f"these offsets are for transaction {txn} of {tid!r}, but the one they can "
-                        f"join is {expected}", txn=meta.txn,
+                        Refusal.STALE_TRANSACTION,
+                        f"these offsets are for transaction {txn} of {tid!r}, but the one they can join is {expected}",
+                        txn=meta.txn,
                     )
             if meta.status is not TxnStatus.ONGOING:
                 await self._store(
-                    meta, txn=meta.txn + 1, streams=set(), offsets={group: dict(offsets)},
-                    status=TxnStatus.ONGOING, started=self.clock.monotonic(),
+                    meta,
+                    txn=meta.txn + 1,
+                    streams=set(),
+                    offsets={group: dict(offsets)},
+                    status=TxnStatus.ONGOING,
+                    started=self.clock.monotonic(),
                 )
             else:
                 await self._store(meta, offsets={**meta.offsets, group: {**meta.offsets.get(group, {}), **offsets}})
@@ -650,13 +715,19 @@ class Coordinator:
                 return meta
             done = TxnStatus.COMPLETE_COMMIT if commit else TxnStatus.COMPLETE_ABORT
             if txn != meta.txn:
-                raise TxnError(Refusal.STALE_TRANSACTION, f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
+                raise TxnError(
+                    Refusal.STALE_TRANSACTION,
+                    f"transaction {txn} of {tid!r} is not the current one ({meta.txn})",
+                    txn=meta.txn,
+                )
             if meta.status is done:
                 return meta  # a retry of a request that already completed
             if meta.status is TxnStatus.EMPTY and txn == 0:
                 return meta  # nothing was ever written: committing or aborting it is a no-op
             if meta.status is not TxnStatus.ONGOING:
-                raise TxnError(Refusal.INVALID_STATE, f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
+                raise TxnError(
+                    Refusal.INVALID_STATE, f"transaction {txn} of {tid!r} already ended as {meta.status.value}"
+                )
             await self._finish_decided(meta, self._finish(meta, commit=commit))
             return meta
 
@@ -671,7 +742,8 @@ class Coordinator:
                 raise
             outcome = "commit" if meta.status is TxnStatus.PREPARE_COMMIT else "abort"
             raise TxnError(
-                Refusal.UNAVAILABLE, f"transaction {meta.txn} of {meta.tid!r} is decided ({outcome}) but not all of its markers "
+                Refusal.UNAVAILABLE,
+                f"transaction {meta.txn} of {meta.tid!r} is decided ({outcome}) but not all of its markers "
                 f"could be written ({exc.strerror or exc}); retry: the retry, the server's sweep or its recovery finishes it",
                 txn=meta.txn,
             ) from exc
@@ -691,9 +763,9 @@ class Coordinator:
         # Step 3: a marker in every stream the transaction touched (all at once; each is durable).
         assert self.write_marker is not None
         writer = self.write_marker
-        await asyncio.gather(*(
-            writer(stream, meta.producer_id, meta.epoch, meta.txn, commit) for stream in sorted(meta.streams - done)
-        ))
+        await asyncio.gather(
+            *(writer(stream, meta.producer_id, meta.epoch, meta.txn, commit) for stream in sorted(meta.streams - done))
+        )
         if meta.fence is not None:
             await self._store(meta, **self._fenced(meta, meta.fence))
             return
@@ -729,14 +801,16 @@ class Coordinator:
             f"from {who}. A sink records the batches of one query: give a new checkpoint location or another query "
             f"a sinkId of its own, or reset this sink on purpose (stop its query, then POST /v1/sinks/{sink}/reset "
             f'with {{"owner": "{state.owner}"}}; its batch ids then start afresh)',
-            owner=state.owner, batch=state.batch,
+            owner=state.owner,
+            batch=state.batch,
         )
 
     def _tasks_of(self, sink: str, query: str | None, batch: int | None) -> dict[str, Enlisted]:
         """The task transactions that ``query`` began for ``sink`` in batches up to ``batch``
         (every batch when ``batch`` is None)."""
         return {
-            tid: e for tid, e in self._enlisted.get(sink, {}).items()
+            tid: e
+            for tid, e in self._enlisted.get(sink, {}).items()
             if e.query == query and (batch is None or e.batch is None or e.batch <= batch)
         }
 
@@ -744,7 +818,14 @@ class Coordinator:
         return {tid for tid, e in self._enlisted.get(sink, {}).items() if e.query != query}
 
     async def begin_task(
-        self, sink: str, *, partition: int, task: str, batch: int | None, query: str | None, txn_timeout: float | None,
+        self,
+        sink: str,
+        *,
+        partition: int,
+        task: str,
+        batch: int | None,
+        query: str | None,
+        txn_timeout: float | None,
     ) -> tuple[TxnMeta | None, SinkState | None]:
         """Begin one task's part of batch ``batch`` of ``sink`` (the first request of a task).
 
@@ -793,14 +874,26 @@ class Coordinator:
         now = self.clock.monotonic()
         for tid, e in self._enlisted.get(sink, {}).items():
             meta = self.txns.get(tid)
-            if e.query == query and e.batch == batch and meta is not None and meta.epoch == e.epoch and meta.status is TxnStatus.ONGOING:
+            if (
+                e.query == query
+                and e.batch == batch
+                and meta is not None
+                and meta.epoch == e.epoch
+                and meta.status is TxnStatus.ONGOING
+            ):
                 meta.started = now
                 kept += 1
         return kept
 
     async def commit_members(
-        self, sink: str, batch: int | None, members: list[tuple[str, int, int]], abort_prefix: str | None = None, *,
-        query: str | None = None, fingerprint: str | None = None,
+        self,
+        sink: str,
+        batch: int | None,
+        members: list[tuple[str, int, int]],
+        abort_prefix: str | None = None,
+        *,
+        query: str | None = None,
+        fingerprint: str | None = None,
     ) -> tuple[bool, int | None]:
         """Commit several open transactions ``(tid, epoch, txn)`` as one decision: a single durable
         record is the commit point for all of them, so readers see all of their data or none.
@@ -850,7 +943,12 @@ class Coordinator:
                 if batch is not None and done is not None and batch <= done:
                     assert state is not None
                     await self._abort_tasks(sink, members, mine, sweep)
-                    if batch == done and fingerprint is not None and state.fingerprint is not None and fingerprint != state.fingerprint:
+                    if (
+                        batch == done
+                        and fingerprint is not None
+                        and state.fingerprint is not None
+                        and fingerprint != state.fingerprint
+                    ):
                         raise TxnError(
                             Refusal.REPLAY_MISMATCH,
                             f"batch {batch} of sink {sink!r} was committed with rows {state.fingerprint} (count-checksum), "
@@ -865,11 +963,18 @@ class Coordinator:
                     try:
                         meta = self._current(tid, epoch)
                         if txn != meta.txn:
-                            raise TxnError(Refusal.STALE_TRANSACTION, f"transaction {txn} of {tid!r} is not the current one ({meta.txn})", txn=meta.txn)
+                            raise TxnError(
+                                Refusal.STALE_TRANSACTION,
+                                f"transaction {txn} of {tid!r} is not the current one ({meta.txn})",
+                                txn=meta.txn,
+                            )
                         if meta.status is TxnStatus.EMPTY and txn == 0:
                             continue  # the member wrote nothing
                         if meta.status is not TxnStatus.ONGOING:
-                            raise TxnError(Refusal.INVALID_STATE, f"transaction {txn} of {tid!r} already ended as {meta.status.value}")
+                            raise TxnError(
+                                Refusal.INVALID_STATE,
+                                f"transaction {txn} of {tid!r} already ended as {meta.status.value}",
+                            )
                     except TxnError:
                         await self._abort_tasks(sink, members, mine, sweep)
                         raise
@@ -881,15 +986,22 @@ class Coordinator:
                     for meta in prepared:
                         moves.enter_context(meta.moving(TxnStatus.PREPARE_COMMIT))
                     rec: dict[str, Any] = {
-                        "kind": "members", "sink": sink, "batch": batch, "members": [m.record() for m in prepared],
-                        "query": query, "fingerprint": fingerprint, "decision": [list(m) for m in decision],
+                        "kind": "members",
+                        "sink": sink,
+                        "batch": batch,
+                        "members": [m.record() for m in prepared],
+                        "query": query,
+                        "fingerprint": fingerprint,
+                        "decision": [list(m) for m in decision],
                     }
                     await self._write(rec)
                 self.sinks[sink] = SinkState(
                     batch=batch if batch is not None else done,
                     owner=query if query is not None else (state.owner if state is not None else None),
                     decision=decision,
-                    fingerprint=fingerprint if batch is not None else (state.fingerprint if state is not None else None),
+                    fingerprint=fingerprint
+                    if batch is not None
+                    else (state.fingerprint if state is not None else None),
                 )
                 # Step 4: markers, then the rest of the batch's tasks and the leftovers.
                 await asyncio.gather(*(self._complete(meta) for meta in prepared))
@@ -897,8 +1009,13 @@ class Coordinator:
                 return True, self.sinks[sink].batch
 
     async def abort_members(
-        self, sink: str, members: list[tuple[str, int, int]], abort_prefix: str | None = None, *,
-        query: str | None = None, batch: int | None = None,
+        self,
+        sink: str,
+        members: list[tuple[str, int, int]],
+        abort_prefix: str | None = None,
+        *,
+        query: str | None = None,
+        batch: int | None = None,
     ) -> None:
         """Abort the members that are still open, fence the other tasks ``query`` began for batches
         up to ``batch`` of ``sink``, and abort every open transaction under ``abort_prefix``. A
@@ -926,8 +1043,12 @@ class Coordinator:
         async with self._sink_lock(sink):
             state = self.sinks.get(sink)
             if state is not None and state.owner != owner:
-                raise TxnError(Refusal.SINK_OWNED, f"sink {sink!r} belongs to query {state.owner}, not {owner}: nothing was reset",
-                               owner=state.owner, batch=state.batch)
+                raise TxnError(
+                    Refusal.SINK_OWNED,
+                    f"sink {sink!r} belongs to query {state.owner}, not {owner}: nothing was reset",
+                    owner=state.owner,
+                    batch=state.batch,
+                )
             tasks = dict(self._enlisted.get(sink, {}))
             sweep = self._leftovers(f"spark/{sink}/", set())
             async with self._locked(sorted(set(tasks) | set(sweep))):
@@ -942,10 +1063,19 @@ class Coordinator:
         failed or speculative attempts. Taken as one snapshot before the locks."""
         if not prefix:
             return []
-        return [tid for tid, m in self.txns.items() if tid.startswith(prefix) and m.status is TxnStatus.ONGOING and tid not in others]
+        return [
+            tid
+            for tid, m in self.txns.items()
+            if tid.startswith(prefix) and m.status is TxnStatus.ONGOING and tid not in others
+        ]
 
     async def _abort_tasks(
-        self, sink: str, members: list[tuple[str, int, int]], tasks: dict[str, Enlisted], sweep: list[str], *,
+        self,
+        sink: str,
+        members: list[tuple[str, int, int]],
+        tasks: dict[str, Enlisted],
+        sweep: list[str],
+        *,
         release: Sequence[str] = (),
     ) -> None:
         """Abort the members still open at the named epoch and transaction, fence ``tasks`` (tasks
@@ -971,7 +1101,9 @@ class Coordinator:
         for tid in [*tasks, *release]:
             enlisted.pop(tid, None)
 
-    async def recover(self, pending: list[TxnMeta], found: Sequence[OpenTxn] = (), committed: Sequence[CommitSeen] = ()) -> None:
+    async def recover(
+        self, pending: list[TxnMeta], found: Sequence[OpenTxn] = (), committed: Sequence[CommitSeen] = ()
+    ) -> None:
         """After a restart, before serving: reconcile the transactions the stream logs hold open
         (``found``) with the coordinator log, and finish every decision logged before the crash.
 
@@ -1038,7 +1170,12 @@ class Coordinator:
                 if meta is None:
                     meta = self.txns[tid] = TxnMeta(tid, epoch=top, timeout=self.default_timeout)
                 if top >= meta.epoch:
-                    log.warning("fencing epoch %d of %r: it left undecided data in %s", top, tid, sorted(o.stream for o in opens))
+                    log.warning(
+                        "fencing epoch %d of %r: it left undecided data in %s",
+                        top,
+                        tid,
+                        sorted(o.stream for o in opens),
+                    )
                     await self._fence(meta, top)
         assert self.write_marker is not None
         for tid, opens in sorted(orphans.items()):
@@ -1099,8 +1236,13 @@ class Coordinator:
         """The changes that move ``meta`` past ``epoch``: a new epoch, nothing open. Its init id is
         cleared: this epoch was not asked for, so a late init must begin a new one."""
         return {
-            "epoch": max(meta.epoch, epoch) + 1, "txn": 0, "streams": set(), "offsets": {},
-            "status": TxnStatus.EMPTY, "init_id": None, "fence": None,
+            "epoch": max(meta.epoch, epoch) + 1,
+            "txn": 0,
+            "streams": set(),
+            "offsets": {},
+            "status": TxnStatus.EMPTY,
+            "init_id": None,
+            "fence": None,
         }
 
     async def expire(self) -> list[str]:
@@ -1110,7 +1252,9 @@ class Coordinator:
         for meta in expired:
             async with self._lock(meta.tid):
                 if meta.status is TxnStatus.ONGOING and now - meta.started > meta.timeout:
-                    log.warning("aborting transaction %d of %r: open longer than %.0f s", meta.txn, meta.tid, meta.timeout)
+                    log.warning(
+                        "aborting transaction %d of %r: open longer than %.0f s", meta.txn, meta.tid, meta.timeout
+                    )
                     # Fence the producer too: its next append must not quietly begin a new
                     # transaction that a later commit would publish without the aborted part.
                     try:
@@ -1124,7 +1268,9 @@ class Coordinator:
                 continue  # being completed right now
             async with self._lock(meta.tid):
                 if meta.completing:
-                    log.warning("finishing the logged %s of transaction %d of %r", meta.status.value, meta.txn, meta.tid)
+                    log.warning(
+                        "finishing the logged %s of transaction %d of %r", meta.status.value, meta.txn, meta.tid
+                    )
                     try:
                         await self._complete(meta)
                     except OSError as exc:
@@ -1140,17 +1286,31 @@ class Coordinator:
                 if stream not in g or off > g[stream]:
                     g[stream] = off
 
-    async def commit_offsets(self, group: str, offsets: dict[str, str], *, member_epoch: int | None = None, reset: bool = False) -> None:
+    async def commit_offsets(
+        self, group: str, offsets: dict[str, str], *, member_epoch: int | None = None, reset: bool = False
+    ) -> None:
         """Commit offsets outside a transaction. Monotonic unless ``reset``; a ``member_epoch``
         lower than one already seen for the group is a zombie's and is refused."""
         if member_epoch is not None and member_epoch < self.member_epochs.get(group, -1):
-            raise TxnError(Refusal.FENCED, f"member epoch {member_epoch} of group {group!r} was fenced by {self.member_epochs[group]}", epoch=self.member_epochs[group])
+            raise TxnError(
+                Refusal.FENCED,
+                f"member epoch {member_epoch} of group {group!r} was fenced by {self.member_epochs[group]}",
+                epoch=self.member_epochs[group],
+            )
         current = self.groups.get(group, {})
         if not reset:
             back = [s for s, off in offsets.items() if s in current and off < current[s]]
             if back:
-                raise TxnError(Refusal.OFFSET_REGRESSION, f"offsets of {back} would move backwards; pass reset to rewind")
-        rec: dict[str, Any] = {"kind": "offsets", "group": group, "offsets": offsets, "member_epoch": member_epoch, "reset": reset}
+                raise TxnError(
+                    Refusal.OFFSET_REGRESSION, f"offsets of {back} would move backwards; pass reset to rewind"
+                )
+        rec: dict[str, Any] = {
+            "kind": "offsets",
+            "group": group,
+            "offsets": offsets,
+            "member_epoch": member_epoch,
+            "reset": reset,
+        }
         await self._write(rec)
         if member_epoch is not None:
             self.member_epochs[group] = max(self.member_epochs.get(group, -1), member_epoch)

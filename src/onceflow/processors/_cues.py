@@ -199,7 +199,9 @@ class _Http:
     def __init__(self, base_url: str, client: httpx.AsyncClient | None, retry_timeout: float) -> None:
         self.base_url = base_url.rstrip("/")
         self.own = client is None
-        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=60.0), verify=tls_verify(self.base_url), headers=auth_headers())
+        self.client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(30.0, read=60.0), verify=tls_verify(self.base_url), headers=auth_headers()
+        )
         self.retry_timeout = retry_timeout
         self._handles: dict[str, AsyncStream] = {}
 
@@ -224,6 +226,7 @@ class _Http:
 
     async def ensure_json(self, name: str, what: str) -> str:
         """Create the JSON stream ``name`` if missing; its tail. A non-JSON stream is an error."""
+
         async def op() -> str:
             h = self.stream(name)
             try:
@@ -395,7 +398,11 @@ class _Core:
                     scan.claim_nonce = rec.get("nonce")
                 elif kind == "snapshot":
                     scan.snapshot, scan.attempt = rec, None
-                elif kind in ("attempt", "nil-attempt") and scan.snapshot is not None and rec.get("hash") == scan.snapshot["hash"]:
+                elif (
+                    kind in ("attempt", "nil-attempt")
+                    and scan.snapshot is not None
+                    and rec.get("hash") == scan.snapshot["hash"]
+                ):
                     scan.attempt = rec
             offset = chunk.next_offset
             if chunk.up_to_date or offset == before:
@@ -416,8 +423,9 @@ class _Core:
                 continue  # another writer moved the tail, or the answer was lost: look again
             self.epoch = epoch
             return await self._scan()
-        raise ProcessorFencedError(f"{self.kind} {self.processor_id!r} could not claim its backing stream "
-                                   "(other instances keep writing to it)")
+        raise ProcessorFencedError(
+            f"{self.kind} {self.processor_id!r} could not claim its backing stream (other instances keep writing to it)"
+        )
 
     async def _recover(self, *, claim: bool) -> Recovery:
         """Recovery (see the module docstring), numbered as in seed 000."""
@@ -428,7 +436,9 @@ class _Core:
         if scan.max_epoch > self.epoch:
             raise ProcessorFencedError(
                 f"{self.kind} {self.processor_id!r} epoch {self.epoch} was fenced by epoch {scan.max_epoch}",
-                epoch=self.epoch, current_epoch=scan.max_epoch)
+                epoch=self.epoch,
+                current_epoch=scan.max_epoch,
+            )
         self._backing_tail = scan.tail
         self._pinned = None
         await self._after_scan()
@@ -488,8 +498,10 @@ class _Core:
         while offset != end:
             chunk = await self._http.read(stream, offset, 1)
             if chunk.next_offset == offset or chunk.next_offset > end:
-                raise ProcessorError(f"input {stream!r} no longer holds the recorded range {start}..{end} "
-                                     f"(reached {chunk.next_offset}); was it deleted or recreated?")
+                raise ProcessorError(
+                    f"input {stream!r} no longer holds the recorded range {start}..{end} "
+                    f"(reached {chunk.next_offset}); was it deleted or recreated?"
+                )
             out.extend(_records(chunk, self.unwrap))
             offset = chunk.next_offset
         return out
@@ -497,9 +509,13 @@ class _Core:
     async def _next_batch(self) -> Batch | None:
         if self._pinned is not None:
             snapshot, redelivery = self._pinned
-            parts = await asyncio.gather(*(self._read_range(s, a, b) for s, (a, b) in snapshot.ranges.items() if s in self.inputs))
+            parts = await asyncio.gather(
+                *(self._read_range(s, a, b) for s, (a, b) in snapshot.ranges.items() if s in self.inputs)
+            )
             return Batch(snapshot, tuple(r for part in parts for r in part), redelivery)
-        chunks = await asyncio.gather(*(self._http.read(s, self.positions[s], self.max_read_bytes) for s in self.inputs))
+        chunks = await asyncio.gather(
+            *(self._http.read(s, self.positions[s], self.max_read_bytes) for s in self.inputs)
+        )
         if not any(c.data for c in chunks):
             for c in chunks:  # moved past aborted or closing batches: nothing to process
                 self.positions[c.stream] = c.next_offset
@@ -516,8 +532,12 @@ class _Core:
             return None
         snap = batch.snapshot
         snapshot_at = self._backing_tail
-        record = {"type": "snapshot", "epoch": self.epoch, "hash": snap.hash,
-                  "inputs": {s: [a, b] for s, (a, b) in snap.ranges.items()}}
+        record = {
+            "type": "snapshot",
+            "epoch": self.epoch,
+            "hash": snap.hash,
+            "inputs": {s: [a, b] for s, (a, b) in snap.ranges.items()},
+        }
         # Steps 1-2: the snapshot map to the backing stream
         try:
             self._backing_tail = await self._http.append(self.backing, _encode([record]), self._backing_tail)
@@ -626,8 +646,18 @@ class AsyncStreamProcessor(_Core):
         retry_timeout: float = 60.0,
         poll_interval: float = 1.0,
     ) -> None:
-        super().__init__(base_url, processor_id, inputs=inputs, backing=backing, max_read_bytes=max_read_bytes, client=client,
-                         unwrap=unwrap, hint_every=hint_every, retry_timeout=retry_timeout, poll_interval=poll_interval)
+        super().__init__(
+            base_url,
+            processor_id,
+            inputs=inputs,
+            backing=backing,
+            max_read_bytes=max_read_bytes,
+            client=client,
+            unwrap=unwrap,
+            hint_every=hint_every,
+            retry_timeout=retry_timeout,
+            poll_interval=poll_interval,
+        )
         self.output = _check_name("output", output)
         if output in self.inputs or output == self.backing:
             raise ValueError(f"the output stream {output!r} cannot also be an input or the backing stream")
@@ -654,8 +684,10 @@ class AsyncStreamProcessor(_Core):
         if result is None:
             return None, 0
         if isinstance(result, str | bytes | dict):
-            raise TypeError(f"{self.processor_id}: fn must return an iterable of output values (or None), "
-                            f"not {type(result).__name__}; wrap a single value in a list")
+            raise TypeError(
+                f"{self.processor_id}: fn must return an iterable of output values (or None), "
+                f"not {type(result).__name__}; wrap a single value in a list"
+            )
         meta = {"hash": batch.hash, "processor": self.processor_id}
         values = list(result)
         try:
@@ -707,8 +739,18 @@ class AsyncSinkProcessor(_Core):
         retry_timeout: float = 60.0,
         poll_interval: float = 1.0,
     ) -> None:
-        super().__init__(base_url, processor_id, inputs=inputs, backing=backing, max_read_bytes=max_read_bytes, client=client,
-                         unwrap=unwrap, hint_every=hint_every, retry_timeout=retry_timeout, poll_interval=poll_interval)
+        super().__init__(
+            base_url,
+            processor_id,
+            inputs=inputs,
+            backing=backing,
+            max_read_bytes=max_read_bytes,
+            client=client,
+            unwrap=unwrap,
+            hint_every=hint_every,
+            retry_timeout=retry_timeout,
+            poll_interval=poll_interval,
+        )
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         self.fn = fn
@@ -735,8 +777,16 @@ class AsyncSource:
     t}, "value": v}``.
     """
 
-    def __init__(self, base_url: str, source_id: str, output: str, *, client: httpx.AsyncClient | None = None,
-                 hint_every: int = 100, retry_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        source_id: str,
+        output: str,
+        *,
+        client: httpx.AsyncClient | None = None,
+        hint_every: int = 100,
+        retry_timeout: float = 60.0,
+    ) -> None:
         self.source_id = _check_name("source_id", source_id)
         self.output = _check_name("output", output)
         if hint_every < 1:
@@ -783,7 +833,9 @@ class AsyncSource:
         try:
             body = _encode({"meta": meta, "value": v} for v in values)
         except (TypeError, ValueError) as exc:
-            raise TypeError(f"source {self.source_id}: a value or the position is not JSON-serialisable: {exc}") from exc
+            raise TypeError(
+                f"source {self.source_id}: a value or the position is not JSON-serialisable: {exc}"
+            ) from exc
         if body == b"[]":
             raise ValueError("emit() needs at least one value")
         before = self._tail
@@ -874,8 +926,18 @@ class StreamProcessor(_Blocking):
     ) -> None:
         background_loop()
         self._core = AsyncStreamProcessor(
-            base_url, processor_id, inputs=inputs, output=output, fn=fn, backing=backing, max_read_bytes=max_read_bytes, client=client, unwrap=unwrap,
-            hint_every=hint_every, retry_timeout=retry_timeout, poll_interval=poll_interval,
+            base_url,
+            processor_id,
+            inputs=inputs,
+            output=output,
+            fn=fn,
+            backing=backing,
+            max_read_bytes=max_read_bytes,
+            client=client,
+            unwrap=unwrap,
+            hint_every=hint_every,
+            retry_timeout=retry_timeout,
+            poll_interval=poll_interval,
         )
 
 
@@ -900,18 +962,37 @@ class SinkProcessor(_Blocking):
     ) -> None:
         background_loop()
         self._core = AsyncSinkProcessor(
-            base_url, processor_id, inputs=inputs, fn=fn, backing=backing, max_read_bytes=max_read_bytes, client=client, unwrap=unwrap,
-            hint_every=hint_every, retry_timeout=retry_timeout, poll_interval=poll_interval,
+            base_url,
+            processor_id,
+            inputs=inputs,
+            fn=fn,
+            backing=backing,
+            max_read_bytes=max_read_bytes,
+            client=client,
+            unwrap=unwrap,
+            hint_every=hint_every,
+            retry_timeout=retry_timeout,
+            poll_interval=poll_interval,
         )
 
 
 class Source:
     """The blocking twin of :class:`AsyncSource` (same arguments)."""
 
-    def __init__(self, base_url: str, source_id: str, output: str, *, client: httpx.AsyncClient | None = None,
-                 hint_every: int = 100, retry_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        source_id: str,
+        output: str,
+        *,
+        client: httpx.AsyncClient | None = None,
+        hint_every: int = 100,
+        retry_timeout: float = 60.0,
+    ) -> None:
         background_loop()
-        self._core = AsyncSource(base_url, source_id, output, client=client, hint_every=hint_every, retry_timeout=retry_timeout)
+        self._core = AsyncSource(
+            base_url, source_id, output, client=client, hint_every=hint_every, retry_timeout=retry_timeout
+        )
 
     @property
     def position(self) -> Any:

@@ -185,8 +185,10 @@ class _Worker(_Node):
         if result is None:
             return []
         if isinstance(result, str | bytes | dict) or not isinstance(result, Iterable):
-            raise TypeError(f"step {self.step.name!r} must return an iterable of values (or None), "
-                            f"not {type(result).__name__}; wrap a single value in a list")
+            raise TypeError(
+                f"step {self.step.name!r} must return an iterable of values (or None), "
+                f"not {type(result).__name__}; wrap a single value in a list"
+            )
         return list(result)
 
     async def run(self) -> None:
@@ -288,8 +290,10 @@ class _Sink:
         if isinstance(value, Output):
             return value
         if self.pipeline.output is None:
-            raise ProcessorError("the last step returned a plain value, but the pipeline has no default output; "
-                                 "return Output(stream, value) or pass output=...")
+            raise ProcessorError(
+                "the last step returned a plain value, but the pipeline has no default output; "
+                "return Output(stream, value) or pass output=..."
+            )
         return Output(self.pipeline.output, value)
 
     def put(self, worker: _Worker, outgoing_id: int, origin: tuple[str, int], value: Any) -> None:
@@ -402,7 +406,9 @@ class Pipeline:
         self.txn_timeout_ms = txn_timeout_ms
         self.stats = PipelineStats()
         self._own_client = client is None
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=90.0), verify=tls_verify(self.base_url), headers=auth_headers())
+        self._client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(30.0, read=90.0), verify=tls_verify(self.base_url), headers=auth_headers()
+        )
         self._stop = asyncio.Event()
         self._commit_lock = asyncio.Lock()
         self._ran = False
@@ -518,14 +524,22 @@ class Pipeline:
         producer: AsyncTransactionalProducer | None = None
         if self.delivery == "exactly-once":
             assert self.transactional_id is not None
-            producer = AsyncTransactionalProducer(self.base_url, self.transactional_id, client=self._client,
-                                                  timeout_ms=self.txn_timeout_ms)
+            producer = AsyncTransactionalProducer(
+                self.base_url, self.transactional_id, client=self._client, timeout_ms=self.txn_timeout_ms
+            )
             await producer.init()  # fences an older instance; aborts what it left open
         start = MemoryOffsetStore()
         start.commit(self.group, await self._load_offsets())
-        consumer = AsyncConsumer(self.base_url, group=self.group, streams=self.inputs, store=start, delivery="exactly-once",
-                                 live="long-poll" if self.live else None, client=self._client,
-                                 max_read_bytes=self.max_read_bytes)
+        consumer = AsyncConsumer(
+            self.base_url,
+            group=self.group,
+            streams=self.inputs,
+            store=start,
+            delivery="exactly-once",
+            live="long-poll" if self.live else None,
+            client=self._client,
+            max_read_bytes=self.max_read_bytes,
+        )
         await consumer.start()
         main = asyncio.ensure_future(self._read(consumer))
         helpers = [asyncio.ensure_future(w.run()) for w in self.workers]

@@ -99,8 +99,10 @@ class Watermarker:
         if route is FILTERED:
             raise ValueError("the filtered route belongs to every watermarker and cannot be removed")
         if not state.fully_acked:
-            raise ValueError(f"route {route!r} still has unacknowledged messages "
-                             f"(sent up to {state.highest_sent}, acked up to {state.highest_acked})")
+            raise ValueError(
+                f"route {route!r} still has unacknowledged messages "
+                f"(sent up to {state.highest_sent}, acked up to {state.highest_acked})"
+            )
         del self._routes[route]
 
     def _route(self, route: Hashable) -> _AckedOnRoute:
@@ -111,8 +113,10 @@ class Watermarker:
 
     def _next(self, outgoing_id: int) -> None:
         if not isinstance(outgoing_id, int) or outgoing_id <= self._last_sent:
-            raise ValueError(f"outgoing ids must be integers that increase across all routes: "
-                             f"got {outgoing_id!r} after {self._last_sent}")
+            raise ValueError(
+                f"outgoing ids must be integers that increase across all routes: "
+                f"got {outgoing_id!r} after {self._last_sent}"
+            )
         self._last_sent = outgoing_id
 
     def sent(self, route: Hashable, outgoing_id: int) -> None:
@@ -137,8 +141,9 @@ class Watermarker:
         """
         state = self._route(route)
         if outgoing_id > state.highest_sent:
-            raise ValueError(f"route {route!r} acknowledged {outgoing_id}, but only ids up to "
-                             f"{state.highest_sent} were sent on it")
+            raise ValueError(
+                f"route {route!r} acknowledged {outgoing_id}, but only ids up to {state.highest_sent} were sent on it"
+            )
         if outgoing_id > state.highest_acked:
             state.highest_acked = outgoing_id
 
@@ -251,8 +256,10 @@ class Acker:
         ends, :meth:`acks_to_send` does not acknowledge that message. One message at a time; every
         :meth:`sent` / :meth:`filtered` inside must be for it."""
         if self._emitting is not None:
-            raise ValueError(f"already emitting message {self._emitting[1]} of {self._emitting[0]!r}; "
-                             "emitting() handles one incoming message at a time")
+            raise ValueError(
+                f"already emitting message {self._emitting[1]} of {self._emitting[0]!r}; "
+                "emitting() handles one incoming message at a time"
+            )
         self._check_open(producer, incoming_id)
         self._emitting = (producer, incoming_id)
         try:
@@ -266,10 +273,13 @@ class Acker:
             raise ValueError(
                 f"message {incoming_id} of {producer!r} was already acknowledged upstream (up to {acked}): "
                 "acks_to_send() ran between two of its outputs (send them inside emitting()), "
-                "or the incoming ids of one producer did not increase")
+                "or the incoming ids of one producer did not increase"
+            )
         if self._emitting is not None and self._emitting != (producer, incoming_id):
-            raise ValueError(f"an output of message {incoming_id} of {producer!r} inside emitting() for message "
-                             f"{self._emitting[1]} of {self._emitting[0]!r}")
+            raise ValueError(
+                f"an output of message {incoming_id} of {producer!r} inside emitting() for message "
+                f"{self._emitting[1]} of {self._emitting[0]!r}"
+            )
 
     def sent(self, route: Hashable, outgoing_id: int, producer: Hashable, incoming_id: int) -> None:
         """``outgoing_id`` went out on ``route`` as (one of) the output(s) of ``producer``'s

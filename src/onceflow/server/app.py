@@ -33,7 +33,16 @@ from ..wire import FRAME, MAX_SAFE_INT, RECORDS_MEDIA_TYPE
 from .answers import SUCCESS, answer_for
 from .subscriptions import SubscriptionAPI
 
-__all__ = ["App", "AppConfig", "BadRequest", "fork_source", "list_prefix", "request_headers", "request_path", "sink_action"]
+__all__ = [
+    "App",
+    "AppConfig",
+    "BadRequest",
+    "fork_source",
+    "list_prefix",
+    "request_headers",
+    "request_path",
+    "sink_action",
+]
 
 log = logging.getLogger("onceflow.server")
 
@@ -90,9 +99,17 @@ class BadRequest(OnceflowError):
 # Headers that name resources or carry protocol state: sent twice, a server that reads the first and
 # a proxy or guard that reads the last would act on different requests, so a repeat is a 400.
 _SINGLE_HEADER_PREFIXES = ("stream-", "producer-", "transaction-")
-_SINGLE_HEADERS = frozenset({
-    "if-match", "if-none-match", "content-type", "content-length", "transfer-encoding", "authorization", "host",
-})
+_SINGLE_HEADERS = frozenset(
+    {
+        "if-match",
+        "if-none-match",
+        "content-type",
+        "content-length",
+        "transfer-encoding",
+        "authorization",
+        "host",
+    }
+)
 
 
 def request_headers(scope: Scope) -> dict[str, str]:
@@ -138,7 +155,7 @@ def fork_source(headers: dict[str, str]) -> str | None:
     raw = headers.get("stream-forked-from")
     if raw is None:
         return None
-    return raw[len(PREFIX):] if raw.startswith(PREFIX) else raw.lstrip("/")
+    return raw[len(PREFIX) :] if raw.startswith(PREFIX) else raw.lstrip("/")
 
 
 def list_prefix(scope: Scope) -> str:
@@ -163,7 +180,9 @@ def _h(name: str, value: str | int) -> tuple[bytes, bytes]:
     return (name.encode(), str(value).encode())
 
 
-def _error(status: int, code: str, message: str, extra: list[tuple[bytes, bytes]] | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+def _error(
+    status: int, code: str, message: str, extra: list[tuple[bytes, bytes]] | None = None
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
     headers = [(b"content-type", b"application/json"), *(extra or [])]
     return status, headers, body
@@ -239,28 +258,38 @@ class App:
             await _send(send, status, h, b"" if method == "HEAD" else body)
             return
         if method == "OPTIONS":
-            await _send(send, 204, [
-                (b"access-control-allow-methods", b"GET, POST, PUT, DELETE, HEAD, OPTIONS"),
-                (b"access-control-allow-headers", _ALLOW_HEADERS.encode()),
-                (b"access-control-max-age", b"86400"),
-            ], b"")
+            await _send(
+                send,
+                204,
+                [
+                    (b"access-control-allow-methods", b"GET, POST, PUT, DELETE, HEAD, OPTIONS"),
+                    (b"access-control-allow-headers", _ALLOW_HEADERS.encode()),
+                    (b"access-control-max-age", b"86400"),
+                ],
+                b"",
+            )
             return
         if path.startswith(TXN_PREFIX) or path.startswith(GROUPS_PREFIX) or path.startswith(SINKS_PREFIX):
             try:
                 if path.startswith(TXN_PREFIX):
-                    status, h, body = await self._txn(method, path[len(TXN_PREFIX):], headers, receive)
+                    status, h, body = await self._txn(method, path[len(TXN_PREFIX) :], headers, receive)
                 elif path.startswith(SINKS_PREFIX):
-                    status, h, body = await self._sinks(method, path[len(SINKS_PREFIX):], headers, receive)
+                    status, h, body = await self._sinks(method, path[len(SINKS_PREFIX) :], headers, receive)
                 else:
-                    status, h, body = await self._groups(method, path[len(GROUPS_PREFIX):], headers, receive)
+                    status, h, body = await self._groups(method, path[len(GROUPS_PREFIX) :], headers, receive)
             except BadRequest as exc:
                 status, h, body = _error(exc.status, exc.code, str(exc))
             except TxnError as exc:
                 status, h, body = _outcome_response(txn_outcome(exc))
             except OSError as exc:  # the coordinator log could not be written (disk full, I/O error)
                 log.error("%s %s: %s", method, path, exc)
-                status, h, body = _error(503, "unavailable", f"the transaction log could not be written ({exc.strerror or exc}); "
-                                         "retry: a logged decision is finished on recovery", [(b"retry-after", b"1")])
+                status, h, body = _error(
+                    503,
+                    "unavailable",
+                    f"the transaction log could not be written ({exc.strerror or exc}); "
+                    "retry: a logged decision is finished on recovery",
+                    [(b"retry-after", b"1")],
+                )
             await _send(send, status, h, body)
             return
         if path == LIST_PATH and method in ("GET", "HEAD"):
@@ -271,7 +300,7 @@ class App:
             status, h, body = _error(404, "not_found", f"no such resource: streams live under {PREFIX}<name>")
             await _send(send, status, h, b"" if method == "HEAD" else body)
             return
-        name = path[len(PREFIX):]
+        name = path[len(PREFIX) :]
         try:
             if name == "__ds" or name.startswith("__ds/"):
                 status, h, body = await self.subscriptions.handle(scope, headers, receive)
@@ -310,7 +339,9 @@ class App:
         limit = self.config.max_body_bytes
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise BadRequest(f"request body is larger than the server's limit of {limit} bytes", 413, "payload_too_large")
+            raise BadRequest(
+                f"request body is larger than the server's limit of {limit} bytes", 413, "payload_too_large"
+            )
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -321,7 +352,9 @@ class App:
             if chunk:
                 size += len(chunk)
                 if size > limit:
-                    raise BadRequest(f"request body is larger than the server's limit of {limit} bytes", 413, "payload_too_large")
+                    raise BadRequest(
+                        f"request body is larger than the server's limit of {limit} bytes", 413, "payload_too_large"
+                    )
                 chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
@@ -360,7 +393,9 @@ class App:
                 raise BadRequest(f"offset for {stream!r} is not an offset this server issued: {off!r}")
         return offsets
 
-    async def _txn(self, method: str, rest: str, headers: dict[str, str], receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    async def _txn(
+        self, method: str, rest: str, headers: dict[str, str], receive: Receive
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         tid, _, action = rest.rpartition("/")
         if method == "GET":  # GET /v1/txn/<tid>: the id itself may contain '/'
             tid, action = rest, ""
@@ -377,27 +412,39 @@ class App:
         body = await self._json_body(headers, receive)
         if action == "init":
             timeout_ms = body.get("timeout_ms")
-            if timeout_ms is not None and (not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) or not 1 <= timeout_ms <= 3_600_000):
+            if timeout_ms is not None and (
+                not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) or not 1 <= timeout_ms <= 3_600_000
+            ):
                 raise BadRequest('"timeout_ms" must be an integer from 1 to 3600000')
             request_id = body.get("request_id")
             if request_id is not None and (not isinstance(request_id, str) or not 1 <= len(request_id) <= 200):
-                raise BadRequest('"request_id" must be a string of 1 to 200 characters (the same for every retry of one init)')
+                raise BadRequest(
+                    '"request_id" must be a string of 1 to 200 characters (the same for every retry of one init)'
+                )
             expected = self._int_field(body, "expected_epoch") if body.get("expected_epoch") is not None else None
-            meta = await coord.init(tid, timeout_ms / 1000 if timeout_ms else None, request_id=request_id, expected_epoch=expected)
+            meta = await coord.init(
+                tid, timeout_ms / 1000 if timeout_ms else None, request_id=request_id, expected_epoch=expected
+            )
             return _json_response(200, _txn_json(meta))
         if action in ("commit", "abort"):
-            meta = await coord.end(tid, self._int_field(body, "epoch"), self._int_field(body, "txn"), commit=action == "commit")
+            meta = await coord.end(
+                tid, self._int_field(body, "epoch"), self._int_field(body, "txn"), commit=action == "commit"
+            )
             return _json_response(200, _txn_json(meta))
         if action == "offsets":
             group = body.get("group")
             if not isinstance(group, str) or not group:
                 raise BadRequest('the body needs "group": a non-empty string')
             txn = self._int_field(body, "txn") if body.get("txn") is not None else None
-            meta = await coord.add_offsets(tid, self._int_field(body, "epoch"), group, self._offsets_field(body), txn=txn)
+            meta = await coord.add_offsets(
+                tid, self._int_field(body, "epoch"), group, self._offsets_field(body), txn=txn
+            )
             return _json_response(200, _txn_json(meta))
         raise BadRequest(f"unknown transaction action {action!r}: use init, commit, abort or offsets", 404, "not_found")
 
-    async def _groups(self, method: str, rest: str, headers: dict[str, str], receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    async def _groups(
+        self, method: str, rest: str, headers: dict[str, str], receive: Receive
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         group, _, action = rest.rpartition("/")
         if not group or action != "offsets":
             raise BadRequest("use /v1/groups/<group>/offsets", 404, "not_found")
@@ -410,15 +457,21 @@ class App:
         member_epoch = body.get("member_epoch")
         if member_epoch is not None:
             member_epoch = self._int_field(body, "member_epoch")
-        await coord.commit_offsets(group, self._offsets_field(body), member_epoch=member_epoch, reset=body.get("reset") is True)
+        await coord.commit_offsets(
+            group, self._offsets_field(body), member_epoch=member_epoch, reset=body.get("reset") is True
+        )
         return _json_response(200, {"group": group, "offsets": coord.groups.get(group, {})})
 
-    async def _sinks(self, method: str, rest: str, headers: dict[str, str], receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    async def _sinks(
+        self, method: str, rest: str, headers: dict[str, str], receive: Receive
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """``/v1/sinks/<sink>``: many transactions committed as one (docs/transactions.md). The
         sink id may contain ``/``: a POST's action is the last segment of the path."""
         sink, action = (rest, "") if method == "GET" else sink_action(rest)
         if not sink or validate_name(sink) or action not in SINK_ACTIONS or (method == "POST" and not action):
-            raise BadRequest("use /v1/sinks/<sink id> or /v1/sinks/<sink id>/(begin|alive|commit|abort|reset)", 404, "not_found")
+            raise BadRequest(
+                "use /v1/sinks/<sink id> or /v1/sinks/<sink id>/(begin|alive|commit|abort|reset)", 404, "not_found"
+            )
         coord = self.broker.coordinator
         if action == "":
             if method != "GET":
@@ -429,13 +482,17 @@ class App:
         body = await self._json_body(headers, receive)
         return await self._sink_action(sink, action, body)
 
-    async def _sink_action(self, sink: str, action: str, body: dict[str, Any]) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    async def _sink_action(
+        self, sink: str, action: str, body: dict[str, Any]
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         coord = self.broker.coordinator
         query = self._name_field(body, "query")
         batch = self._int_field(body, "batch") if body.get("batch") is not None else None
         if action == "reset":
             if "owner" not in body:
-                raise BadRequest('a reset needs "owner": the query the sink belongs to now (GET /v1/sinks/<sink> shows it), or null')
+                raise BadRequest(
+                    'a reset needs "owner": the query the sink belongs to now (GET /v1/sinks/<sink> shows it), or null'
+                )
             await coord.reset_sink(sink, self._name_field(body, "owner"))
             return _json_response(200, {"sink": sink, "status": "reset", "batch": None, "owner": None})
         if action == "alive":
@@ -444,12 +501,20 @@ class App:
         if action == "begin":
             task = self._name_field(body, "task")
             if task is None:
-                raise BadRequest('a task needs "task": a name of this task attempt (the same for every retry of one begin)')
+                raise BadRequest(
+                    'a task needs "task": a name of this task attempt (the same for every retry of one begin)'
+                )
             timeout_ms = body.get("timeout_ms")
-            if timeout_ms is not None and (not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) or not 1 <= timeout_ms <= 3_600_000):
+            if timeout_ms is not None and (
+                not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) or not 1 <= timeout_ms <= 3_600_000
+            ):
                 raise BadRequest('"timeout_ms" must be an integer from 1 to 3600000')
             meta, state = await coord.begin_task(
-                sink, partition=self._int_field(body, "partition"), task=task, batch=batch, query=query,
+                sink,
+                partition=self._int_field(body, "partition"),
+                task=task,
+                batch=batch,
+                query=query,
                 txn_timeout=timeout_ms / 1000 if timeout_ms else None,
             )
             out = _sink_json(sink, state)
@@ -458,8 +523,17 @@ class App:
                 # still reports the fingerprint of its rows, so the commit can tell the input is the same
                 check = state is not None and state.batch == batch and state.fingerprint is not None
                 return _json_response(200, {**out, "status": "already_committed", "verify": check})
-            return _json_response(200, {**out, "status": "write", "id": meta.tid, "producer_id": meta.producer_id,
-                                         "epoch": meta.epoch, "txn": meta.txn})
+            return _json_response(
+                200,
+                {
+                    **out,
+                    "status": "write",
+                    "id": meta.tid,
+                    "producer_id": meta.producer_id,
+                    "epoch": meta.epoch,
+                    "txn": meta.txn,
+                },
+            )
         raw_members = body.get("members")
         if not isinstance(raw_members, list):
             raise BadRequest('the body needs "members": a list of {"id": ..., "epoch": ..., "txn": ...}')
@@ -473,15 +547,21 @@ class App:
             raise BadRequest('"abort_prefix" must be a non-empty string')
         if action == "abort":
             await coord.abort_members(sink, members, prefix, query=query, batch=batch)
-            return _json_response(200, {"sink": sink, "status": "aborted", "batch": _sink_json(sink, coord.sinks.get(sink))["batch"]})
+            return _json_response(
+                200, {"sink": sink, "status": "aborted", "batch": _sink_json(sink, coord.sinks.get(sink))["batch"]}
+            )
         fingerprint = self._name_field(body, "fingerprint")
         committed, last = await coord.commit_members(sink, batch, members, prefix, query=query, fingerprint=fingerprint)
-        return _json_response(200, {"sink": sink, "status": "committed" if committed else "already_committed", "batch": last})
+        return _json_response(
+            200, {"sink": sink, "status": "committed" if committed else "already_committed", "batch": last}
+        )
 
     @staticmethod
     def _name_field(body: dict[str, Any], key: str) -> str | None:
         value = body.get(key)
-        if value is not None and (not isinstance(value, str) or not 1 <= len(value) <= 200 or any(ord(c) < 0x20 for c in value)):
+        if value is not None and (
+            not isinstance(value, str) or not 1 <= len(value) <= 200 or any(ord(c) < 0x20 for c in value)
+        ):
             raise BadRequest(f'"{key}" must be a string of 1 to 200 printable characters, or null')
         return value
 
@@ -521,7 +601,9 @@ class App:
 
     # ------------------------------------------------------------------ POST
 
-    async def _post(self, name: str, headers: dict[str, str], receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    async def _post(
+        self, name: str, headers: dict[str, str], receive: Receive
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         close = _is_true(headers.get("stream-closed"))
         producer = _producer_headers(headers)
         if_match: Position | None = None
@@ -635,7 +717,9 @@ class App:
         raw_max = params.get("max_bytes", [None])[0]
         if raw_max is not None:
             if not _DIGITS.match(raw_max) or not 1 <= int(raw_max) <= self.broker.max_read_bytes:
-                raise BadRequest(f"max_bytes must be an integer from 1 to {self.broker.max_read_bytes}, got {raw_max!r}")
+                raise BadRequest(
+                    f"max_bytes must be an integer from 1 to {self.broker.max_read_bytes}, got {raw_max!r}"
+                )
             max_bytes = int(raw_max)
         return _ReadQuery(offset=offset, live=live, cursor=cursor, committed=committed, max_bytes=max_bytes)
 
@@ -653,7 +737,11 @@ class App:
         return 200, h, b"[]" if s.is_json else b""
 
     async def _long_poll_wait(
-        self, name: str, s: StreamState, start: Position, q: _ReadQuery,
+        self,
+        name: str,
+        s: StreamState,
+        start: Position,
+        q: _ReadQuery,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
         """Waits for data past ``start`` and decides whether the long poll ends empty (a 204 to send)
         or goes on to read (None)."""
@@ -682,7 +770,11 @@ class App:
         return None
 
     def _read_answer(
-        self, s: StreamState, start: Position, q: _ReadQuery, headers: dict[str, str],
+        self,
+        s: StreamState,
+        start: Position,
+        q: _ReadQuery,
+        headers: dict[str, str],
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """Reads from ``start`` and decides the answer: 304 for a matching If-None-Match, else 200 with
         the data and the caching headers the read allows."""
@@ -714,7 +806,13 @@ class App:
         return 200, h, _body_of(s, result)
 
     def _framed_read(
-        self, s: StreamState, start: Position, fmt: str, params: dict[str, list[str]], max_bytes: int | None, committed: bool,
+        self,
+        s: StreamState,
+        start: Position,
+        fmt: str,
+        params: dict[str, list[str]],
+        max_bytes: int | None,
+        committed: bool,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """Extension reads for exact-range readers (the Spark source), docs/protocol.md:
 
@@ -736,10 +834,13 @@ class App:
         h = [(b"cache-control", b"no-store")]
         try:
             if fmt == "records":
-                result = self.broker.read(s, start, max_bytes, committed=committed, until=until, max_records=max_records)
+                result = self.broker.read(
+                    s, start, max_bytes, committed=committed, until=until, max_records=max_records
+                )
                 frames = b"".join(
                     FRAME.pack(b.header.base_offset, b.header.count, b.header.timestamp, len(b.payload)) + b.payload
-                    for b in result.batches if b.header.count
+                    for b in result.batches
+                    if b.header.count
                 )
                 h += [
                     (b"content-type", RECORDS_MEDIA_TYPE),
@@ -751,7 +852,9 @@ class App:
                 return 200, h, frames
             if fmt == "boundaries":
                 every = self._positive_param(params, "every") or MAX_SAFE_INT
-                marks, end = self.broker.boundaries(s, start, until, every=every, max_records=max_records, committed=committed)
+                marks, end = self.broker.boundaries(
+                    s, start, until, every=every, max_records=max_records, committed=committed
+                )
                 h.append((b"stream-next-offset", end.token().encode()))
                 status, jh, body = _json_response(200, {"boundaries": [m.token() for m in marks], "end": end.token()})
                 return status, jh + h, body
@@ -768,7 +871,9 @@ class App:
             raise BadRequest(f"{key} must be a positive integer, got {raw!r}")
         return int(raw)
 
-    async def _sse(self, s: StreamState, start: Position, cursor: str | None, receive: Receive, send: Send, committed: bool = True) -> None:
+    async def _sse(
+        self, s: StreamState, start: Position, cursor: str | None, receive: Receive, send: Send, committed: bool = True
+    ) -> None:
         ct = s.meta.content_type.split(";", 1)[0].strip().lower()
         text = ct.startswith("text/") or ct == "application/json"
         h = [
@@ -814,7 +919,9 @@ class App:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                waiter = asyncio.ensure_future(self.broker.wait(s, s.tail, min(self.config.long_poll_timeout, remaining)))
+                waiter = asyncio.ensure_future(
+                    self.broker.wait(s, s.tail, min(self.config.long_poll_timeout, remaining))
+                )
                 done, _ = await asyncio.wait({waiter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
                 if waiter not in done:
                     waiter.cancel()
@@ -823,7 +930,13 @@ class App:
                 if not waiter.result() and self.broker.visible_end(s, committed) == at and not s.closed:
                     # keep-alive: a control event so proxies and clients see the connection live
                     keep = ReadResult([], at, True, False)
-                    await send({"type": "http.response.body", "body": _sse_event("control", _control(keep, cursor)), "more_body": True})
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": _sse_event("control", _control(keep, cursor)),
+                            "more_body": True,
+                        }
+                    )
         finally:
             watcher.cancel()
         if not disconnected.done():
@@ -834,13 +947,19 @@ class App:
 
 
 def _json_response(status: int, value: object) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    return status, [(b"content-type", b"application/json"), (b"cache-control", b"no-store")], json.dumps(value, separators=(",", ":")).encode()
+    return (
+        status,
+        [(b"content-type", b"application/json"), (b"cache-control", b"no-store")],
+        json.dumps(value, separators=(",", ":")).encode(),
+    )
 
 
 def _parse_txn_number(raw: str) -> int:
     text = raw.strip()
     if not (text.isascii() and text.isdigit()) or len(text) > 18:
-        raise BadRequest(f"Transaction-Commit must be the number of the transaction to commit (a non-negative integer), got {raw!r}")
+        raise BadRequest(
+            f"Transaction-Commit must be the number of the transaction to commit (a non-negative integer), got {raw!r}"
+        )
     return int(text)
 
 
@@ -907,7 +1026,9 @@ def _sse_event(kind: str, data: str) -> bytes:
     space gets an extra one; other lines go as ``data:line`` (the form the conformance suite expects)."""
     lines = _LINES.split(data)
     return (
-        f"event: {kind}\n" + "".join(f"data: {line}\n" if line[:1] == " " else f"data:{line}\n" for line in lines) + "\n"
+        f"event: {kind}\n"
+        + "".join(f"data: {line}\n" if line[:1] == " " else f"data:{line}\n" for line in lines)
+        + "\n"
     ).encode()
 
 

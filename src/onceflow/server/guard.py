@@ -76,7 +76,17 @@ from .app import Scope as ASGIScope
 from .subscriptions import MAX_BODY as CONTROL_MAX_BODY
 from .subscriptions import control_segments
 
-__all__ = ["ENDPOINTS", "ENV_VAR", "Endpoint", "Grant", "Guard", "GuardConfig", "GuardConfigError", "Names", "scope_table"]
+__all__ = [
+    "ENDPOINTS",
+    "ENV_VAR",
+    "Endpoint",
+    "Grant",
+    "Guard",
+    "GuardConfig",
+    "GuardConfigError",
+    "Names",
+    "scope_table",
+]
 
 ENV_VAR = "ONCEFLOW_GUARD"
 Scope = Literal["read", "write"]
@@ -128,15 +138,24 @@ class GuardConfig:
                 parsed = []
                 for g in grants:
                     scopes = g.get("scopes") if isinstance(g, dict) else None
-                    if (not isinstance(g, dict) or not isinstance(g.get("prefix"), str) or not isinstance(scopes, list)
-                            or not scopes or not set(scopes) <= {"read", "write"}):
-                        raise GuardConfigError(f'each grant is {{"prefix": "...", "scopes": ["read", "write"]}}; got {g!r}')
+                    if (
+                        not isinstance(g, dict)
+                        or not isinstance(g.get("prefix"), str)
+                        or not isinstance(scopes, list)
+                        or not scopes
+                        or not set(scopes) <= {"read", "write"}
+                    ):
+                        raise GuardConfigError(
+                            f'each grant is {{"prefix": "...", "scopes": ["read", "write"]}}; got {g!r}'
+                        )
                     parsed.append(Grant(g["prefix"], frozenset(scopes)))
                 tokens[token] = tuple(parsed)
         limits = raw.get("limits") or {}
         if not isinstance(limits, dict) or set(limits) - {"streams", "live_reads", "producers_per_stream"}:
             raise GuardConfigError('"limits" may hold "streams", "live_reads" and "producers_per_stream"')
-        return cls(tokens, _limit(limits, "streams"), _limit(limits, "live_reads"), _limit(limits, "producers_per_stream"))
+        return cls(
+            tokens, _limit(limits, "streams"), _limit(limits, "live_reads"), _limit(limits, "producers_per_stream")
+        )
 
     @classmethod
     def from_file(cls, path: str | Path) -> GuardConfig:
@@ -212,6 +231,7 @@ def _body_field(key: str) -> Callable[[Request], Iterator[str]]:
         value = r.body.get(key) if isinstance(r.body, dict) else None
         if isinstance(value, str):
             yield value
+
     return names
 
 
@@ -227,7 +247,7 @@ SINK_TASKS = "spark/"  # transactional ids of sinks' tasks: spark/<sink id>/p<n>
 def as_owned(tid: str) -> str:
     """The name a transactional id is checked as: a sink task's id (``spark/<sink id>/...``, see
     docs/spark.md) belongs to the tenant of its sink id, so it is checked without the ``spark/``."""
-    return tid[len(SINK_TASKS):] if tid.startswith(SINK_TASKS) else tid
+    return tid[len(SINK_TASKS) :] if tid.startswith(SINK_TASKS) else tid
 
 
 def _txn_path(r: Request) -> Iterator[str]:
@@ -263,7 +283,7 @@ def _transactional_producer(r: Request) -> Iterator[str]:
     """``Producer-Id: txn:<id>`` is the producer of transactional id ``<id>``."""
     pid = r.headers.get("producer-id")
     if pid is not None and pid.startswith("txn:"):
-        yield as_owned(pid[len("txn:"):])
+        yield as_owned(pid[len("txn:") :])
 
 
 def _list_prefix(r: Request) -> Iterator[str]:
@@ -312,57 +332,127 @@ SUBSCRIPTION_HELD = (
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("stream.read", "GET /v1/stream/<name> (catch-up, long-poll, SSE, format=)", "token", (PATH_STREAM,)),
     Endpoint("stream.head", "HEAD /v1/stream/<name>", "token", (PATH_STREAM,)),
-    Endpoint("stream.create", "PUT /v1/stream/<name> (create, fork)", "token", (
-        Names("write", "the stream", _path_name),
-        Names("read", "`Stream-Forked-From` (the fork's source)", _fork_source),
-    )),
-    Endpoint("stream.append", "POST /v1/stream/<name> (append, close, transactional append)", "token", (
-        Names("write", "the stream", _path_name),
-        Names("write", "`Transaction-Id`", _transaction_id),
-        Names("write", "`Producer-Id: txn:<id>` (the id)", _transactional_producer),
-    )),
+    Endpoint(
+        "stream.create",
+        "PUT /v1/stream/<name> (create, fork)",
+        "token",
+        (
+            Names("write", "the stream", _path_name),
+            Names("read", "`Stream-Forked-From` (the fork's source)", _fork_source),
+        ),
+    ),
+    Endpoint(
+        "stream.append",
+        "POST /v1/stream/<name> (append, close, transactional append)",
+        "token",
+        (
+            Names("write", "the stream", _path_name),
+            Names("write", "`Transaction-Id`", _transaction_id),
+            Names("write", "`Producer-Id: txn:<id>` (the id)", _transactional_producer),
+        ),
+    ),
     Endpoint("stream.delete", "DELETE /v1/stream/<name>", "token", (Names("write", "the stream", _path_name),)),
-    Endpoint("stream.other", "other methods on /v1/stream/<name> (405)", "token", (Names("write", "the stream", _path_name),)),
-    Endpoint("streams.list", "GET/HEAD /v1/streams?prefix=P", "token", (Names("read", "`P` (a prefix; `\"\"` when absent)", _list_prefix),)),
+    Endpoint(
+        "stream.other", "other methods on /v1/stream/<name> (405)", "token", (Names("write", "the stream", _path_name),)
+    ),
+    Endpoint(
+        "streams.list",
+        "GET/HEAD /v1/streams?prefix=P",
+        "token",
+        (Names("read", '`P` (a prefix; `""` when absent)', _list_prefix),),
+    ),
     Endpoint("txn.read", "GET /v1/txn/<id>", "token", (Names("read", "the transactional id", _txn_path),)),
     Endpoint("txn.init", "POST /v1/txn/<id>/init", "token", (Names("write", "the transactional id", _txn_path),)),
-    Endpoint("txn.end", "POST /v1/txn/<id>/(commit|abort)", "token", (Names("write", "the transactional id", _txn_path),)),
-    Endpoint("txn.offsets", "POST /v1/txn/<id>/offsets", "token", (
-        Names("write", "the transactional id", _txn_path),
-        Names("write", "body `group`", _body_field("group")),
-        Names("read", "the streams of body `offsets`", _offset_streams),
-    ), body="json"),
-    Endpoint("txn.other", "other requests under /v1/txn/ (404, 405)", "token", (Names("write", "the path after /v1/txn/", _path_name),)),
+    Endpoint(
+        "txn.end", "POST /v1/txn/<id>/(commit|abort)", "token", (Names("write", "the transactional id", _txn_path),)
+    ),
+    Endpoint(
+        "txn.offsets",
+        "POST /v1/txn/<id>/offsets",
+        "token",
+        (
+            Names("write", "the transactional id", _txn_path),
+            Names("write", "body `group`", _body_field("group")),
+            Names("read", "the streams of body `offsets`", _offset_streams),
+        ),
+        body="json",
+    ),
+    Endpoint(
+        "txn.other",
+        "other requests under /v1/txn/ (404, 405)",
+        "token",
+        (Names("write", "the path after /v1/txn/", _path_name),),
+    ),
     Endpoint("group.read", "GET /v1/groups/<group>/offsets", "token", (Names("read", "the group", _path_name),)),
-    Endpoint("group.commit", "POST /v1/groups/<group>/offsets", "token", (
-        Names("write", "the group", _path_name),
-        Names("read", "the streams of body `offsets`", _offset_streams),
-    ), body="json"),
-    Endpoint("group.other", "other requests under /v1/groups/ (404, 405)", "token", (Names("write", "the path after /v1/groups/", _path_name),)),
+    Endpoint(
+        "group.commit",
+        "POST /v1/groups/<group>/offsets",
+        "token",
+        (
+            Names("write", "the group", _path_name),
+            Names("read", "the streams of body `offsets`", _offset_streams),
+        ),
+        body="json",
+    ),
+    Endpoint(
+        "group.other",
+        "other requests under /v1/groups/ (404, 405)",
+        "token",
+        (Names("write", "the path after /v1/groups/", _path_name),),
+    ),
     Endpoint("sink.read", "GET /v1/sinks/<sink>", "token", (Names("read", "the sink id", _path_name),)),
-    Endpoint("sink.post", "POST /v1/sinks/<sink>/(begin|alive|commit|abort|reset)", "token", (
-        Names("write", "the sink id", _path_name),
-        Names("write", "body `members[].id` (transactional ids)", _members),
-        Names("write", "body `abort_prefix` (a prefix of transactional ids)", _abort_prefix),
-    ), body="json"),
-    Endpoint("sink.other", "other requests under /v1/sinks/ (404, 405)", "token", (Names("write", "the path after /v1/sinks/", _path_name),)),
+    Endpoint(
+        "sink.post",
+        "POST /v1/sinks/<sink>/(begin|alive|commit|abort|reset)",
+        "token",
+        (
+            Names("write", "the sink id", _path_name),
+            Names("write", "body `members[].id` (transactional ids)", _members),
+            Names("write", "body `abort_prefix` (a prefix of transactional ids)", _abort_prefix),
+        ),
+        body="json",
+    ),
+    Endpoint(
+        "sink.other",
+        "other requests under /v1/sinks/ (404, 405)",
+        "token",
+        (Names("write", "the path after /v1/sinks/", _path_name),),
+    ),
     Endpoint("subs.jwks", "GET /v1/stream/__ds/jwks.json", "anyone"),
-    Endpoint("subs.create", "PUT /v1/stream/__ds/subscriptions/<id>", "token", (
-        Names("read", "body `pattern` (as a prefix)", _body_pattern),
-        Names("read", "body `streams`", _body_streams),
-        Names("write", "body `wake_stream`", _body_wake_stream),
-        *SUBSCRIPTION_HELD,
-    ), body="json"),
+    Endpoint(
+        "subs.create",
+        "PUT /v1/stream/__ds/subscriptions/<id>",
+        "token",
+        (
+            Names("read", "body `pattern` (as a prefix)", _body_pattern),
+            Names("read", "body `streams`", _body_streams),
+            Names("write", "body `wake_stream`", _body_wake_stream),
+            *SUBSCRIPTION_HELD,
+        ),
+        body="json",
+    ),
     Endpoint("subs.read", "GET/HEAD /v1/stream/__ds/subscriptions/<id>", "token", SUBSCRIPTION_HELD, body="read"),
     Endpoint("subs.delete", "DELETE /v1/stream/__ds/subscriptions/<id>", "token", SUBSCRIPTION_HELD, body="read"),
-    Endpoint("subs.add_streams", "POST /v1/stream/__ds/subscriptions/<id>/streams", "token", (
-        Names("read", "body `streams`", _body_streams),
-        *SUBSCRIPTION_HELD,
-    ), body="json"),
-    Endpoint("subs.remove_stream", "DELETE /v1/stream/__ds/subscriptions/<id>/streams/<path>", "token", (
-        Names("read", "`<path>`", _removed_stream),
-        *SUBSCRIPTION_HELD,
-    ), body="read"),
+    Endpoint(
+        "subs.add_streams",
+        "POST /v1/stream/__ds/subscriptions/<id>/streams",
+        "token",
+        (
+            Names("read", "body `streams`", _body_streams),
+            *SUBSCRIPTION_HELD,
+        ),
+        body="json",
+    ),
+    Endpoint(
+        "subs.remove_stream",
+        "DELETE /v1/stream/__ds/subscriptions/<id>/streams/<path>",
+        "token",
+        (
+            Names("read", "`<path>`", _removed_stream),
+            *SUBSCRIPTION_HELD,
+        ),
+        body="read",
+    ),
     Endpoint("subs.claim", "POST /v1/stream/__ds/subscriptions/<id>/claim", "token", SUBSCRIPTION_HELD, body="read"),
     Endpoint("subs.wake", "POST /v1/stream/__ds/subscriptions/<id>/(callback|ack|release)", "wake_token"),
     Endpoint("subs.other", "other requests under /v1/stream/__ds/ (404, 405)", "token", SUBSCRIPTION_HELD, body="read"),
@@ -385,7 +475,7 @@ def scope_table() -> str:
 def route(method: str, path: str, scope: ASGIScope) -> tuple[Endpoint, str, str]:
     """(endpoint, name in the path, extra path part) of a request, dispatched as the app does."""
     if path.startswith(TXN_PREFIX):
-        rest = path[len(TXN_PREFIX):]
+        rest = path[len(TXN_PREFIX) :]
         tid, _, action = rest.rpartition("/")
         if method == "GET":
             return _BY_KEY["txn.read"], rest, ""
@@ -397,7 +487,7 @@ def route(method: str, path: str, scope: ASGIScope) -> tuple[Endpoint, str, str]
             return _BY_KEY["txn.offsets"], tid, ""
         return _BY_KEY["txn.other"], rest, ""
     if path.startswith(SINKS_PREFIX):
-        rest = path[len(SINKS_PREFIX):]
+        rest = path[len(SINKS_PREFIX) :]
         if method == "GET":
             return _BY_KEY["sink.read"], rest, ""
         sink, action = sink_action(rest)
@@ -405,7 +495,7 @@ def route(method: str, path: str, scope: ASGIScope) -> tuple[Endpoint, str, str]
             return _BY_KEY["sink.post"], sink, ""
         return _BY_KEY["sink.other"], rest, ""
     if path.startswith(GROUPS_PREFIX):
-        rest = path[len(GROUPS_PREFIX):]
+        rest = path[len(GROUPS_PREFIX) :]
         group, _, action = rest.rpartition("/")
         if action == "offsets" and method == "GET":
             return _BY_KEY["group.read"], group, ""
@@ -416,11 +506,16 @@ def route(method: str, path: str, scope: ASGIScope) -> tuple[Endpoint, str, str]
         return _BY_KEY["streams.list"], "", ""
     if not path.startswith(PREFIX):
         return _BY_KEY["other"], "", ""
-    name = path[len(PREFIX):]
+    name = path[len(PREFIX) :]
     if name == "__ds" or name.startswith("__ds/"):
         return _control_route(method, control_segments(scope))
-    key = {"GET": "stream.read", "HEAD": "stream.head", "PUT": "stream.create", "POST": "stream.append",
-           "DELETE": "stream.delete"}.get(method, "stream.other")
+    key = {
+        "GET": "stream.read",
+        "HEAD": "stream.head",
+        "PUT": "stream.create",
+        "POST": "stream.append",
+        "DELETE": "stream.delete",
+    }.get(method, "stream.other")
     return _BY_KEY[key], name, ""
 
 
@@ -431,7 +526,9 @@ def _control_route(method: str, seg: list[str]) -> tuple[Endpoint, str, str]:
         return _BY_KEY["subs.other"], "", ""
     sid, rest = seg[1], seg[2:]
     if not rest:
-        key = {"PUT": "subs.create", "GET": "subs.read", "HEAD": "subs.read", "DELETE": "subs.delete"}.get(method, "subs.other")
+        key = {"PUT": "subs.create", "GET": "subs.read", "HEAD": "subs.read", "DELETE": "subs.delete"}.get(
+            method, "subs.other"
+        )
         return _BY_KEY[key], sid, ""
     if rest == ["streams"] and method == "POST":
         return _BY_KEY["subs.add_streams"], sid, ""
@@ -504,8 +601,13 @@ class Guard:
             # the protocol's Authorization: Bearer <claim or callback token>, issued for this subscription
             if token and self.app.subscriptions.manager.token_subscription(token) == name:
                 return None
-            raise _Refused(401, "unauthorized", "callback, ack and release take the wake's own token: "
-                           "Authorization: Bearer <claim or callback token> of this subscription", _INVALID_TOKEN)
+            raise _Refused(
+                401,
+                "unauthorized",
+                "callback, ack and release take the wake's own token: "
+                "Authorization: Bearer <claim or callback token> of this subscription",
+                _INVALID_TOKEN,
+            )
         if not token:
             raise _Refused(401, "unauthorized", "this server needs Authorization: Bearer <token>", _NO_TOKEN)
         grants = self.config.tokens.get(token)
@@ -536,7 +638,12 @@ class Guard:
             s = self.broker.get(name)
             known = s.log.producers if s is not None else {}
             if headers["producer-id"] not in known and len(known) >= c.max_producers_per_stream:
-                raise _Refused(429, "limit_exceeded", f"too many producers on {name!r} (limit {c.max_producers_per_stream})", _RETRY)
+                raise _Refused(
+                    429,
+                    "limit_exceeded",
+                    f"too many producers on {name!r} (limit {c.max_producers_per_stream})",
+                    _RETRY,
+                )
 
 
 class _Refused(Exception):
@@ -614,9 +721,16 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-async def _answer(send: Send, status: int, code: str, message: str, extra: list[tuple[bytes, bytes]], *, head: bool) -> None:
+async def _answer(
+    send: Send, status: int, code: str, message: str, extra: list[tuple[bytes, bytes]], *, head: bool
+) -> None:
     body = b"" if head else json.dumps({"error": {"code": code, "message": message}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"access-control-allow-origin", b"*"), (b"cache-control", b"no-store"), *extra]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"access-control-allow-origin", b"*"),
+        (b"cache-control", b"no-store"),
+        *extra,
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -55,7 +55,9 @@ __all__ = ["HttpLimits", "HttpServerProtocol", "start_server"]
 
 log = logging.getLogger("onceflow.http")
 
-ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+ASGIApp = Callable[
+    [MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]
+]
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _STATUS_LINES: dict[int, bytes] = {}
@@ -123,9 +125,15 @@ def _status_line(status: int) -> bytes:
 
 
 def _error_response(status: int, code: str, message: str) -> bytes:
-    body = b'{"error":{"code":"%s","message":"%s"}}' % (code.encode(), message.replace('"', "'").encode("utf-8", "replace"))
-    return (_status_line(status) + b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-            % len(body) + body)
+    body = b'{"error":{"code":"%s","message":"%s"}}' % (
+        code.encode(),
+        message.replace('"', "'").encode("utf-8", "replace"),
+    )
+    return (
+        _status_line(status)
+        + b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+        + body
+    )
 
 
 class _Refuse(Exception):
@@ -148,9 +156,27 @@ class _Request:
     has seen the end of the message. The clock fields are maintained by the sweep, not per byte.
     """
 
-    __slots__ = ("body", "complete", "continued", "ended", "expect_continue", "headers", "headers_done",
-                 "keep_alive", "mark_at", "mark_bytes", "method", "path", "progress_at", "progress_bytes",
-                 "query", "raw_path", "received", "started", "waiter")
+    __slots__ = (
+        "body",
+        "complete",
+        "continued",
+        "ended",
+        "expect_continue",
+        "headers",
+        "headers_done",
+        "keep_alive",
+        "mark_at",
+        "mark_bytes",
+        "method",
+        "path",
+        "progress_at",
+        "progress_bytes",
+        "query",
+        "raw_path",
+        "received",
+        "started",
+        "waiter",
+    )
 
     method: bytes  # these five are set when the headers are complete
     path: str
@@ -480,9 +506,13 @@ class HttpServerProtocol(asyncio.Protocol):
                 cur.progress_at = now
             elapsed = now - cur.mark_at
             if now - cur.progress_at > limits.body_timeout or (
-                    elapsed > limits.body_timeout and cur.received - cur.mark_bytes < limits.min_body_rate * elapsed):
-                self._refuse(408, "request_timeout",
-                             f"request body too slow: it must keep coming at {limits.min_body_rate:g} bytes/s or more")
+                elapsed > limits.body_timeout and cur.received - cur.mark_bytes < limits.min_body_rate * elapsed
+            ):
+                self._refuse(
+                    408,
+                    "request_timeout",
+                    f"request body too slow: it must keep coming at {limits.min_body_rate:g} bytes/s or more",
+                )
             return
         if cur is None and not self.busy:
             wait = limits.header_timeout if self.fresh else limits.idle_timeout
@@ -618,7 +648,10 @@ class HttpServerProtocol(asyncio.Protocol):
 
 
 async def start_server(
-    app: ASGIApp, host: str, port: int, limits: HttpLimits | None = None,
+    app: ASGIApp,
+    host: str,
+    port: int,
+    limits: HttpLimits | None = None,
     connections: set[HttpServerProtocol] | None = None,
 ) -> asyncio.Server:
     """Listen on ``host:port``; ``connections``, if given, is kept as the set of open connections.

@@ -54,10 +54,14 @@ async def serve(
     if max_open_files is None:
         max_open_files = max(64, min(4096, soft // 4)) if soft > 0 else 1024
     limits = fit_fd_limit(limits or HttpLimits(), soft, max_open_files)
-    broker = Broker(data, fsync=fsync, txn_timeout=txn_timeout, max_streams=max_streams, fs=OsFileSystem(max_open_files))
+    broker = Broker(
+        data, fsync=fsync, txn_timeout=txn_timeout, max_streams=max_streams, fs=OsFileSystem(max_open_files)
+    )
     broker.open()
-    app = App(broker, AppConfig(long_poll_timeout=long_poll_timeout, max_body_bytes=max_body_bytes,
-                                webhook_targets=webhook_targets))
+    app = App(
+        broker,
+        AppConfig(long_poll_timeout=long_poll_timeout, max_body_bytes=max_body_bytes, webhook_targets=webhook_targets),
+    )
     handler: App | Guard = app if guard is None else Guard(app, broker, guard)  # tokens and limits (server/guard.py)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -101,13 +105,20 @@ def fit_fd_limit(limits: HttpLimits, soft: int, files: int) -> HttpLimits:
     if room >= limits.max_connections:
         return limits
     cap = max(1, room)
-    log.warning("open-files limit %d fits %d connections beside %d log files, not --max-connections %d: using %d",
-                soft, cap, files, limits.max_connections, cap)
+    log.warning(
+        "open-files limit %d fits %d connections beside %d log files, not --max-connections %d: using %d",
+        soft,
+        cap,
+        files,
+        limits.max_connections,
+        cap,
+    )
     return dataclasses.replace(limits, max_connections=cap)
 
 
-async def _serve_uvicorn(app: App | Guard, host: str, port: int, log_level: str, stop: asyncio.Event,
-                         limits: HttpLimits) -> None:
+async def _serve_uvicorn(
+    app: App | Guard, host: str, port: int, log_level: str, stop: asyncio.Event, limits: HttpLimits
+) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -117,9 +128,19 @@ async def _serve_uvicorn(app: App | Guard, host: str, port: int, log_level: str,
             yield
 
     config = uvicorn.Config(
-        app, host=host, port=port, loop="none", http="httptools", lifespan="on", log_level=log_level,
-        access_log=False, proxy_headers=False, server_header=False, date_header=False,
-        timeout_graceful_shutdown=2, timeout_keep_alive=max(1, round(limits.idle_timeout)),
+        app,
+        host=host,
+        port=port,
+        loop="none",
+        http="httptools",
+        lifespan="on",
+        log_level=log_level,
+        access_log=False,
+        proxy_headers=False,
+        server_header=False,
+        date_header=False,
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=max(1, round(limits.idle_timeout)),
         limit_concurrency=limits.max_connections,
     )
     server = Server(config)

@@ -120,7 +120,9 @@ class SubscriptionAPI:
         except _BodyError as exc:
             return _json(exc.status, {"error": {"code": exc.code, "message": str(exc)}})
 
-    async def _route(self, method: str, seg: list[str], scope: Scope, headers: dict[str, str], receive: Receive) -> Response:
+    async def _route(
+        self, method: str, seg: list[str], scope: Scope, headers: dict[str, str], receive: Receive
+    ) -> Response:
         m = self.manager
         if seg == ["jwks.json"]:
             if method not in ("GET", "HEAD"):
@@ -128,11 +130,17 @@ class SubscriptionAPI:
             try:
                 jwks = m.jwks()
             except (OSError, ValueError) as exc:
-                raise SubscriptionError(Refusal.SUBSCRIPTION_UNAVAILABLE, f"the webhook signing key is unavailable: {exc}") from None
-            return 200, [
-                (b"content-type", b"application/jwk-set+json"),
-                (b"cache-control", b"public, max-age=300"),
-            ], json.dumps(jwks, separators=(",", ":")).encode()
+                raise SubscriptionError(
+                    Refusal.SUBSCRIPTION_UNAVAILABLE, f"the webhook signing key is unavailable: {exc}"
+                ) from None
+            return (
+                200,
+                [
+                    (b"content-type", b"application/jwk-set+json"),
+                    (b"cache-control", b"public, max-age=300"),
+                ],
+                json.dumps(jwks, separators=(",", ":")).encode(),
+            )
         if len(seg) < 2 or seg[0] != "subscriptions" or not seg[1]:
             raise SubscriptionError(
                 Refusal.NO_CONTROL_API,
@@ -194,8 +202,9 @@ class SubscriptionAPI:
         """
         target = httpx.URL(url)
         host = target.raw_host.decode("ascii")  # IDNA-encoded; an IPv6 literal without brackets
-        pinned = await _pinned_address(host, target.port or (443 if target.scheme == "https" else 80),
-                                       targets=self.webhook_targets)
+        pinned = await _pinned_address(
+            host, target.port or (443 if target.scheme == "https" else 80), targets=self.webhook_targets
+        )
         extensions: dict[str, Any] = {}
         if pinned != host:
             headers = {**headers, "host": target.netloc.decode("ascii")}
@@ -205,11 +214,16 @@ class SubscriptionAPI:
         if self._client is None:
             if self._ssl is None:
                 self._ssl = ssl.create_default_context()
-            self._client = httpx.AsyncClient(follow_redirects=False, trust_env=False, verify=self._ssl,
-                                             limits=httpx.Limits(max_keepalive_connections=0))
+            self._client = httpx.AsyncClient(
+                follow_redirects=False,
+                trust_env=False,
+                verify=self._ssl,
+                limits=httpx.Limits(max_keepalive_connections=0),
+            )
         try:
-            async with self._client.stream("POST", target, content=body, headers=headers, timeout=seconds,
-                                           extensions=extensions) as resp:
+            async with self._client.stream(
+                "POST", target, content=body, headers=headers, timeout=seconds, extensions=extensions
+            ) as resp:
                 chunks: list[bytes] = []
                 size = 0
                 async for chunk in resp.aiter_bytes():
@@ -241,8 +255,9 @@ async def _pinned_address(host: str, port: int, *, targets: WebhookTargets) -> s
         raise DeliveryError(f"{host} resolves to no address")
     for ip in addresses:
         if not allowed_target(ip, targets):
-            raise DeliveryError(f"{host} resolves to {ip}, which is not a {_TARGETS[targets]} address "
-                                f"(--webhook-targets {targets})")
+            raise DeliveryError(
+                f"{host} resolves to {ip}, which is not a {_TARGETS[targets]} address (--webhook-targets {targets})"
+            )
     return str(addresses[0])
 
 
@@ -262,7 +277,7 @@ def control_segments(scope: Scope) -> list[str]:
         path = scope["path"]  # already decoded by the server
         if not path.startswith(prefix):
             return []
-    segments = path[len(prefix):].split("/")
+    segments = path[len(prefix) :].split("/")
     if not encoded:
         return segments
     try:

@@ -95,13 +95,23 @@ class Checkpoint:
         return replace(self, sink_committed=True)
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "offsets": self.offsets, "start_offsets": self.start_offsets,
-                "handle": self.handle, "sink_committed": self.sink_committed}
+        return {
+            "id": self.id,
+            "offsets": self.offsets,
+            "start_offsets": self.start_offsets,
+            "handle": self.handle,
+            "sink_committed": self.sink_committed,
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Checkpoint:
-        return cls(int(data["id"]), dict(data["offsets"]), dict(data.get("start_offsets") or {}),
-                   data.get("handle"), bool(data.get("sink_committed", False)))
+        return cls(
+            int(data["id"]),
+            dict(data["offsets"]),
+            dict(data.get("start_offsets") or {}),
+            data.get("handle"),
+            bool(data.get("sink_committed", False)),
+        )
 
 
 class CheckpointStore(Protocol):
@@ -172,8 +182,10 @@ def key_function(key: str | KeyFunction) -> KeyFunction:
     def field_key(msg: Message) -> str:
         value = msg.value
         if not isinstance(value, dict) or name not in value:
-            raise SinkError(f"message at {msg.stream}@{msg.offset}#{msg.index} has no field {name!r} for the "
-                            f"idempotency key; pass key=<function of the message>")
+            raise SinkError(
+                f"message at {msg.stream}@{msg.offset}#{msg.index} has no field {name!r} for the "
+                f"idempotency key; pass key=<function of the message>"
+            )
         return str(value[name])
 
     return field_key

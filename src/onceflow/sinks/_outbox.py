@@ -59,8 +59,16 @@ class OutboxSink(CheckpointAwareSink):
 
     atomic = True
 
-    def __init__(self, base_url: str, outbox: str, *, group: str, transactional_id: str,
-                 effects: Callable[[Message], Iterable[Webhook]], txn_timeout_ms: int = 60_000) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        outbox: str,
+        *,
+        group: str,
+        transactional_id: str,
+        effects: Callable[[Message], Iterable[Webhook]],
+        txn_timeout_ms: int = 60_000,
+    ) -> None:
         if not transactional_id:
             raise ValueError("transactional_id must name this writer of the outbox (it fences older instances)")
         self.base_url = base_url.rstrip("/")
@@ -76,11 +84,17 @@ class OutboxSink(CheckpointAwareSink):
         for n, hook in enumerate(self.effects(msg)):
             if not isinstance(hook, Webhook):
                 raise SinkError(f"effects() must yield Webhook objects, not {type(hook).__name__}")
-            out.append({
-                "id": f"{self.transactional_id}/{msg.stream}/{msg.offset}/{msg.index}/{n}",
-                "kind": "webhook", "url": hook.url, "method": hook.method, "headers": dict(hook.headers),
-                "body": hook.body, "source": {"stream": msg.stream, "offset": msg.offset, "index": msg.index},
-            })
+            out.append(
+                {
+                    "id": f"{self.transactional_id}/{msg.stream}/{msg.offset}/{msg.index}/{n}",
+                    "kind": "webhook",
+                    "url": hook.url,
+                    "method": hook.method,
+                    "headers": dict(hook.headers),
+                    "body": hook.body,
+                    "source": {"stream": msg.stream, "offset": msg.offset, "index": msg.index},
+                }
+            )
         return out
 
     def load_checkpoint(self) -> Checkpoint | None:
@@ -151,8 +165,14 @@ class WebhookSink(IdempotentSink):
     at a time, in outbox order, at *prepare*: before the dispatcher acknowledges them.
     """
 
-    def __init__(self, *, client: httpx.Client | None = None, timeout: float = 10.0,
-                 retry_backoff: tuple[float, float] = (0.05, 2.0), delivery_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        client: httpx.Client | None = None,
+        timeout: float = 10.0,
+        retry_backoff: tuple[float, float] = (0.05, 2.0),
+        delivery_timeout: float = 60.0,
+    ) -> None:
         super().__init__(_entry_id)
         self._own = client is None
         self.client = client or httpx.Client(timeout=timeout)
@@ -171,14 +191,22 @@ class WebhookSink(IdempotentSink):
         while True:
             self.attempts += 1
             try:
-                resp = self.client.request(entry.get("method", "POST"), entry["url"], json=entry.get("body"), headers=headers)
+                resp = self.client.request(
+                    entry.get("method", "POST"), entry["url"], json=entry.get("body"), headers=headers
+                )
                 if resp.is_success:
                     return
                 if resp.status_code < 500 and resp.status_code not in _RETRY_STATUS:
-                    raise WebhookRejectedError(f"outbox entry {key}: {entry['url']} answered {resp.status_code}",
-                                               status=resp.status_code, entry_id=key)
-                err: Exception = OnceflowError(f"outbox entry {key}: {entry['url']} answered {resp.status_code}",
-                                               status=resp.status_code, retriable=True)
+                    raise WebhookRejectedError(
+                        f"outbox entry {key}: {entry['url']} answered {resp.status_code}",
+                        status=resp.status_code,
+                        entry_id=key,
+                    )
+                err: Exception = OnceflowError(
+                    f"outbox entry {key}: {entry['url']} answered {resp.status_code}",
+                    status=resp.status_code,
+                    retriable=True,
+                )
             except httpx.TransportError as exc:
                 err = TransportError(f"outbox entry {key}: {exc!r}")
             if time.monotonic() > deadline:
@@ -201,10 +229,26 @@ def _entry_id(msg: Message) -> str:
     return entry_id
 
 
-def outbox_dispatcher(base_url: str, outbox: str, *, group: str, sink: WebhookSink | None = None,
-                      checkpoint_messages: int = 100, checkpoint_interval: float = 0.5, live: bool = True,
-                      **runner: Any) -> SinkRunner:
+def outbox_dispatcher(
+    base_url: str,
+    outbox: str,
+    *,
+    group: str,
+    sink: WebhookSink | None = None,
+    checkpoint_messages: int = 100,
+    checkpoint_interval: float = 0.5,
+    live: bool = True,
+    **runner: Any,
+) -> SinkRunner:
     """The dispatcher for ``outbox``: a :class:`SinkRunner` over a :class:`WebhookSink` that
     acknowledges consumer group ``group`` after each delivered checkpoint."""
-    return SinkRunner(base_url, sink or WebhookSink(), job=group, streams=[outbox], checkpoint_messages=checkpoint_messages,
-                      checkpoint_interval=checkpoint_interval, live=live, **runner)
+    return SinkRunner(
+        base_url,
+        sink or WebhookSink(),
+        job=group,
+        streams=[outbox],
+        checkpoint_messages=checkpoint_messages,
+        checkpoint_interval=checkpoint_interval,
+        live=live,
+        **runner,
+    )

@@ -104,8 +104,10 @@ class SinkRunner:
         if sink.atomic and checkpoints is not None:
             raise ValueError(f"{type(sink).__name__} stores its checkpoints with its output; do not give checkpoints=")
         if isinstance(sink, TwoPhaseCommitSink) and not sink.atomic and checkpoints is None:
-            raise ValueError(f"{type(sink).__name__} is a two-phase commit sink: give checkpoints=<a CheckpointStore> "
-                             "to keep its transaction handles")
+            raise ValueError(
+                f"{type(sink).__name__} is a two-phase commit sink: give checkpoints=<a CheckpointStore> "
+                "to keep its transaction handles"
+            )
         self.base_url = base_url.rstrip("/")
         self.sink = sink
         self.job = job
@@ -138,8 +140,10 @@ class SinkRunner:
         try:
             self.ack.commit(self.group, offsets)
         except ConflictError as exc:  # 409: the group's offsets would move backwards
-            raise SinkError(f"group {self.group!r} was acknowledged beyond job {self.job!r}'s checkpoint; the group "
-                            f"must belong to this job alone ({exc.message})") from exc
+            raise SinkError(
+                f"group {self.group!r} was acknowledged beyond job {self.job!r}'s checkpoint; the group "
+                f"must belong to this job alone ({exc.message})"
+            ) from exc
 
     def _abort(self, checkpoint_id: int, error: BaseException) -> None:
         """Step 3a: undo an unsaved checkpoint; a failure here is noted on ``error``, not raised."""
@@ -154,8 +158,11 @@ class SinkRunner:
     def _restore(self) -> tuple[Checkpoint | None, bool, dict[str, str]]:
         """Step 0: the latest checkpoint, finished or replayed. Returns it, whether its input is
         replayed, and the offsets to resume from."""
-        cp = self.sink.load_checkpoint() if self.sink.atomic else (
-            self.checkpoints.load(self.job) if self.checkpoints is not None else None)
+        cp = (
+            self.sink.load_checkpoint()
+            if self.sink.atomic
+            else (self.checkpoints.load(self.job) if self.checkpoints is not None else None)
+        )
         done = self.sink.on_checkpoint_restore(cp)
         if cp is None:
             self._step("restored", 0)
@@ -228,9 +235,15 @@ class SinkRunner:
         restored, replayed, offsets = self._restore()
         next_id = 1 if restored is None else restored.id + 1
         consumer = Consumer(
-            self.base_url, group=self.group, streams=self.streams, prefix=self.prefix,
-            store=_StartOffsets(offsets, self.ack if self._offsets_in_ack else None), delivery="exactly-once", start=self.start,
-            live="long-poll" if self.live else None, max_read_bytes=self.max_read_bytes,
+            self.base_url,
+            group=self.group,
+            streams=self.streams,
+            prefix=self.prefix,
+            store=_StartOffsets(offsets, self.ack if self._offsets_in_ack else None),
+            delivery="exactly-once",
+            start=self.start,
+            live="long-poll" if self.live else None,
+            max_read_bytes=self.max_read_bytes,
         )
         done = messages = 0
         try:
@@ -246,7 +259,9 @@ class SinkRunner:
             consumer.close()
         return RunStats(0 if restored is None else restored.id, replayed, done, messages)
 
-    def _one_checkpoint(self, consumer: Consumer, checkpoint_id: int, start: dict[str, str]) -> tuple[int, dict[str, str]]:
+    def _one_checkpoint(
+        self, consumer: Consumer, checkpoint_id: int, start: dict[str, str]
+    ) -> tuple[int, dict[str, str]]:
         """Reads and writes one checkpoint; (0, start) when no input came (caught up, or idle)."""
         count = 0
         opened = 0.0
@@ -272,8 +287,9 @@ class SinkRunner:
                     self._abort(checkpoint_id, exc)
                     raise
                 count += len(batch)
-            if count and (not batch or count >= self.checkpoint_messages
-                          or time.monotonic() - opened >= self.checkpoint_interval):
+            if count and (
+                not batch or count >= self.checkpoint_messages or time.monotonic() - opened >= self.checkpoint_interval
+            ):
                 return count, self._checkpoint(checkpoint_id, start, consumer.positions())
             if not batch and not count:
                 return 0, start

@@ -63,12 +63,16 @@ def field_row(columns: Sequence[str]) -> RowFunction:
     def row(msg: Message) -> tuple[Any, ...]:
         value = msg.value
         if not isinstance(value, dict):
-            raise SinkError(f"message at {msg.stream}@{msg.offset}#{msg.index} is not a JSON object; "
-                            "pass row=<function of the message> to map it to the columns")
+            raise SinkError(
+                f"message at {msg.stream}@{msg.offset}#{msg.index} is not a JSON object; "
+                "pass row=<function of the message> to map it to the columns"
+            )
         missing = [c for c in cols if c not in value]
         if missing:
-            raise SinkError(f"message at {msg.stream}@{msg.offset}#{msg.index} has no field(s) {missing} for "
-                            "the columns; pass row=<function of the message>")
+            raise SinkError(
+                f"message at {msg.stream}@{msg.offset}#{msg.index} has no field(s) {missing} for "
+                "the columns; pass row=<function of the message>"
+            )
         return tuple(adapt(value[c]) for c in cols)
 
     return row
@@ -76,7 +80,9 @@ def field_row(columns: Sequence[str]) -> RowFunction:
 
 def copy_rows(conn: psycopg.Connection[Any], table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> int:
     """``COPY table (columns) FROM STDIN`` inside the connection's current transaction."""
-    stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(table_identifier(table), sql.SQL(", ").join(map(sql.Identifier, columns)))
+    stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(
+        table_identifier(table), sql.SQL(", ").join(map(sql.Identifier, columns))
+    )
     n = 0
     with conn.cursor() as cur, cur.copy(stmt) as copy:
         for r in rows:
@@ -124,7 +130,9 @@ class _Connection:
 class _PostgresSink:
     """What every PostgreSQL sink shares: the target, the row function, the connection."""
 
-    def __init__(self, conninfo: str, table: str, columns: Sequence[str], row: RowFunction | None, *, autocommit: bool = False) -> None:
+    def __init__(
+        self, conninfo: str, table: str, columns: Sequence[str], row: RowFunction | None, *, autocommit: bool = False
+    ) -> None:
         if not columns:
             raise ValueError("columns must name at least one column of the table")
         table_identifier(table)  # validates
@@ -174,12 +182,22 @@ class PostgresUpsertSink(_PostgresSink, IdempotentSink):
     (``on_conflict="update"``) or the first (``"nothing"``), as it would row by row.
     """
 
-    def __init__(self, conninfo: str, table: str, columns: Sequence[str], *, key_columns: Sequence[str],
-                 row: RowFunction | None = None, on_conflict: Literal["update", "nothing"] = "update") -> None:
+    def __init__(
+        self,
+        conninfo: str,
+        table: str,
+        columns: Sequence[str],
+        *,
+        key_columns: Sequence[str],
+        row: RowFunction | None = None,
+        on_conflict: Literal["update", "nothing"] = "update",
+    ) -> None:
         _PostgresSink.__init__(self, conninfo, table, columns, row)
         missing = [c for c in key_columns if c not in self.columns]
         if not key_columns or missing:
-            raise ValueError(f"key_columns must be some of the columns {list(self.columns)}; not found: {missing or key_columns}")
+            raise ValueError(
+                f"key_columns must be some of the columns {list(self.columns)}; not found: {missing or key_columns}"
+            )
         if on_conflict not in ("update", "nothing"):
             raise ValueError(f"on_conflict must be 'update' or 'nothing', not {on_conflict!r}")
         self.key_columns = tuple(key_columns)
@@ -235,9 +253,14 @@ class PostgresUpsertSink(_PostgresSink, IdempotentSink):
             action = sql.SQL("DO NOTHING")
         else:
             action = sql.SQL("DO UPDATE SET ") + sql.SQL(", ").join(
-                sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c)) for c in others)
-        return sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} ON CONFLICT ({}) ").format(
-            table_identifier(self.table), cols, cols, sql.Identifier(self._stage), keys) + action
+                sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c)) for c in others
+            )
+        return (
+            sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} ON CONFLICT ({}) ").format(
+                table_identifier(self.table), cols, cols, sql.Identifier(self._stage), keys
+            )
+            + action
+        )
 
     def write_idempotent(self, records: Sequence[tuple[str, Message]]) -> None:
         chosen: dict[str, Message] = {}
@@ -251,9 +274,12 @@ class PostgresUpsertSink(_PostgresSink, IdempotentSink):
         conn = self._db.get()
         if self._staged_on is not conn:
             cols = sql.SQL(", ").join(map(sql.Identifier, self.columns))
-            create_if_missing(conn, sql.SQL(
-                "CREATE TEMP TABLE IF NOT EXISTS {} ON COMMIT DELETE ROWS AS SELECT {} FROM {} WITH NO DATA"
-            ).format(sql.Identifier(self._stage), cols, table_identifier(self.table)))
+            create_if_missing(
+                conn,
+                sql.SQL(
+                    "CREATE TEMP TABLE IF NOT EXISTS {} ON COMMIT DELETE ROWS AS SELECT {} FROM {} WITH NO DATA"
+                ).format(sql.Identifier(self._stage), cols, table_identifier(self.table)),
+            )
             self._staged_on = conn
         with conn.transaction():
             copy_rows(conn, self._stage, self.columns, rows)
@@ -277,7 +303,9 @@ class PostgresTransactionalSink(_PostgresSink, CheckpointAwareSink):
 
     atomic = True
 
-    def __init__(self, conninfo: str, table: str, columns: Sequence[str], *, job: str, row: RowFunction | None = None) -> None:
+    def __init__(
+        self, conninfo: str, table: str, columns: Sequence[str], *, job: str, row: RowFunction | None = None
+    ) -> None:
         super().__init__(conninfo, table, columns, row)
         if not job:
             raise ValueError("job must name the pipeline (it keys the stored offsets)")
@@ -286,20 +314,33 @@ class PostgresTransactionalSink(_PostgresSink, CheckpointAwareSink):
 
     def _ensure(self) -> psycopg.Connection[Any]:
         conn = self._db.get()
-        create_if_missing(conn, sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {} (job text PRIMARY KEY, checkpoint bigint NOT NULL, offsets jsonb NOT NULL, "
-            "start_offsets jsonb NOT NULL, committed_at timestamptz NOT NULL DEFAULT now())").format(sql.Identifier(CHECKPOINTS_TABLE)))
+        create_if_missing(
+            conn,
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (job text PRIMARY KEY, checkpoint bigint NOT NULL, offsets jsonb NOT NULL, "
+                "start_offsets jsonb NOT NULL, committed_at timestamptz NOT NULL DEFAULT now())"
+            ).format(sql.Identifier(CHECKPOINTS_TABLE)),
+        )
         with conn.transaction():
-            conn.execute(sql.SQL("INSERT INTO {} (job, checkpoint, offsets, start_offsets) VALUES (%s, 0, '{{}}', '{{}}') "
-                                 "ON CONFLICT (job) DO NOTHING").format(sql.Identifier(CHECKPOINTS_TABLE)), (self.job,))
+            conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (job, checkpoint, offsets, start_offsets) VALUES (%s, 0, '{{}}', '{{}}') "
+                    "ON CONFLICT (job) DO NOTHING"
+                ).format(sql.Identifier(CHECKPOINTS_TABLE)),
+                (self.job,),
+            )
         return conn
 
     def load_checkpoint(self) -> Checkpoint | None:
         self._db.reset()
         conn = self._ensure()
         with conn.transaction():
-            found = conn.execute(sql.SQL("SELECT checkpoint, offsets, start_offsets FROM {} WHERE job = %s").format(
-                sql.Identifier(CHECKPOINTS_TABLE)), (self.job,)).fetchone()
+            found = conn.execute(
+                sql.SQL("SELECT checkpoint, offsets, start_offsets FROM {} WHERE job = %s").format(
+                    sql.Identifier(CHECKPOINTS_TABLE)
+                ),
+                (self.job,),
+            ).fetchone()
         if found is None or found[0] == 0:
             return None
         return Checkpoint(int(found[0]), dict(found[1]), dict(found[2]), None, True)
@@ -313,14 +354,19 @@ class PostgresTransactionalSink(_PostgresSink, CheckpointAwareSink):
 
     def on_checkpoint_complete(self, checkpoint: Checkpoint) -> None:
         conn = self._db.get()
-        cur = conn.execute(sql.SQL(
-            "UPDATE {} SET checkpoint = %s, offsets = %s, start_offsets = %s, committed_at = now() "
-            "WHERE job = %s AND checkpoint = %s").format(sql.Identifier(CHECKPOINTS_TABLE)),
-            (checkpoint.id, Jsonb(checkpoint.offsets), Jsonb(checkpoint.start_offsets), self.job, self._last))
+        cur = conn.execute(
+            sql.SQL(
+                "UPDATE {} SET checkpoint = %s, offsets = %s, start_offsets = %s, committed_at = now() "
+                "WHERE job = %s AND checkpoint = %s"
+            ).format(sql.Identifier(CHECKPOINTS_TABLE)),
+            (checkpoint.id, Jsonb(checkpoint.offsets), Jsonb(checkpoint.start_offsets), self.job, self._last),
+        )
         if cur.rowcount != 1:
             conn.rollback()
-            raise SinkFencedError(f"job {self.job!r}: another runner committed after checkpoint {self._last}; "
-                                  f"checkpoint {checkpoint.id} of this runner was rolled back")
+            raise SinkFencedError(
+                f"job {self.job!r}: another runner committed after checkpoint {self._last}; "
+                f"checkpoint {checkpoint.id} of this runner was rolled back"
+            )
         conn.commit()
         self._last = checkpoint.id
 
@@ -368,8 +414,16 @@ class PostgresTwoPhaseSink(_PostgresSink, TwoPhaseCommitSink[PostgresTxn]):
        :class:`SinkFencedError` raised: a fenced runner commits nothing.
     """
 
-    def __init__(self, conninfo: str, table: str, columns: Sequence[str], *, job: str, row: RowFunction | None = None,
-                 lock_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        conninfo: str,
+        table: str,
+        columns: Sequence[str],
+        *,
+        job: str,
+        row: RowFunction | None = None,
+        lock_timeout: float = 30.0,
+    ) -> None:
         _PostgresSink.__init__(self, conninfo, table, columns, row, autocommit=True)
         TwoPhaseCommitSink.__init__(self)
         if not job:
@@ -391,35 +445,58 @@ class PostgresTwoPhaseSink(_PostgresSink, TwoPhaseCommitSink[PostgresTxn]):
         conn = self._db.get()
         row = conn.execute("SHOW max_prepared_transactions").fetchone()
         if row is None or int(row[0]) < 1:
-            raise SinkError("PostgresTwoPhaseSink needs prepared transactions: set max_prepared_transactions > 0 "
-                            "in postgresql.conf (and restart the server)")
-        create_if_missing(conn, sql.SQL("CREATE TABLE IF NOT EXISTS {} (job text NOT NULL, checkpoint bigint NOT NULL, "
-                                        "PRIMARY KEY (job, checkpoint))").format(sql.Identifier(TRANSACTIONS_TABLE)))
-        create_if_missing(conn, sql.SQL("CREATE TABLE IF NOT EXISTS {} (job text PRIMARY KEY, epoch bigint NOT NULL)").format(
-            sql.Identifier(EPOCHS_TABLE)))
+            raise SinkError(
+                "PostgresTwoPhaseSink needs prepared transactions: set max_prepared_transactions > 0 "
+                "in postgresql.conf (and restart the server)"
+            )
+        create_if_missing(
+            conn,
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (job text NOT NULL, checkpoint bigint NOT NULL, "
+                "PRIMARY KEY (job, checkpoint))"
+            ).format(sql.Identifier(TRANSACTIONS_TABLE)),
+        )
+        create_if_missing(
+            conn,
+            sql.SQL("CREATE TABLE IF NOT EXISTS {} (job text PRIMARY KEY, epoch bigint NOT NULL)").format(
+                sql.Identifier(EPOCHS_TABLE)
+            ),
+        )
         self.epoch = 0
         done = TwoPhaseCommitSink.on_checkpoint_restore(self, checkpoint)
         # Step 1: claim the job
         try:
             with conn.transaction():
-                conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{int(self.lock_timeout * 1000)}ms")))
-                row = conn.execute(sql.SQL(
-                    "INSERT INTO {t} (job, epoch) VALUES (%s, 1) ON CONFLICT (job) DO UPDATE SET epoch = {t}.epoch + 1 "
-                    "RETURNING epoch").format(t=sql.Identifier(EPOCHS_TABLE)), (self.job,)).fetchone()
+                conn.execute(
+                    sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{int(self.lock_timeout * 1000)}ms"))
+                )
+                row = conn.execute(
+                    sql.SQL(
+                        "INSERT INTO {t} (job, epoch) VALUES (%s, 1) ON CONFLICT (job) DO UPDATE SET epoch = {t}.epoch + 1 "
+                        "RETURNING epoch"
+                    ).format(t=sql.Identifier(EPOCHS_TABLE)),
+                    (self.job,),
+                ).fetchone()
         except psycopg.errors.LockNotAvailable as exc:
-            raise SinkError(f"job {self.job!r}: a checkpoint transaction of another runner held the job for "
-                            f"{self.lock_timeout:g} s (prepared and not decided?); run again: the restore decides "
-                            "prepared transactions first") from exc
+            raise SinkError(
+                f"job {self.job!r}: a checkpoint transaction of another runner held the job for "
+                f"{self.lock_timeout:g} s (prepared and not decided?); run again: the restore decides "
+                "prepared transactions first"
+            ) from exc
         assert row is not None
         epoch = int(row[0])
         # Step 2: nothing committed after the restored checkpoint
         restored = 0 if checkpoint is None else checkpoint.id
-        latest = conn.execute(sql.SQL("SELECT max(checkpoint) FROM {} WHERE job = %s").format(
-            sql.Identifier(TRANSACTIONS_TABLE)), (self.job,)).fetchone()
+        latest = conn.execute(
+            sql.SQL("SELECT max(checkpoint) FROM {} WHERE job = %s").format(sql.Identifier(TRANSACTIONS_TABLE)),
+            (self.job,),
+        ).fetchone()
         if latest is not None and latest[0] is not None and int(latest[0]) > restored:
-            raise SinkFencedError(f"job {self.job!r}: checkpoint {latest[0]} was committed by another runner after this "
-                                  f"one loaded checkpoint {restored}; replaying from there would write its input twice. "
-                                  "Run again (to load the newest checkpoint), and run one runner per job")
+            raise SinkFencedError(
+                f"job {self.job!r}: checkpoint {latest[0]} was committed by another runner after this "
+                f"one loaded checkpoint {restored}; replaying from there would write its input twice. "
+                "Run again (to load the newest checkpoint), and run one runner per job"
+            )
         self.epoch = epoch
         return done
 
@@ -435,20 +512,29 @@ class PostgresTwoPhaseSink(_PostgresSink, TwoPhaseCommitSink[PostgresTxn]):
         """Step 3 of the fencing (class docstring), then ``PREPARE TRANSACTION``."""
         conn = self._db.get()
         marks = sql.Identifier(TRANSACTIONS_TABLE)
-        row = conn.execute(sql.SQL("SELECT epoch FROM {} WHERE job = %s FOR UPDATE").format(sql.Identifier(EPOCHS_TABLE)),
-                           (self.job,)).fetchone()
+        row = conn.execute(
+            sql.SQL("SELECT epoch FROM {} WHERE job = %s FOR UPDATE").format(sql.Identifier(EPOCHS_TABLE)), (self.job,)
+        ).fetchone()
         if self.epoch == 0 or row is None or int(row[0]) != self.epoch:
             conn.execute("ROLLBACK")
-            raise SinkFencedError(f"job {self.job!r}: another runner restored the job after this one (epoch "
-                                  f"{None if row is None else row[0]}, this runner's {self.epoch}); checkpoint "
-                                  f"{txn.checkpoint_id} of this runner was rolled back")
-        inserted = conn.execute(sql.SQL("INSERT INTO {} (job, checkpoint) VALUES (%s, %s) ON CONFLICT DO NOTHING").format(marks),
-                                (self.job, txn.checkpoint_id)).rowcount
+            raise SinkFencedError(
+                f"job {self.job!r}: another runner restored the job after this one (epoch "
+                f"{None if row is None else row[0]}, this runner's {self.epoch}); checkpoint "
+                f"{txn.checkpoint_id} of this runner was rolled back"
+            )
+        inserted = conn.execute(
+            sql.SQL("INSERT INTO {} (job, checkpoint) VALUES (%s, %s) ON CONFLICT DO NOTHING").format(marks),
+            (self.job, txn.checkpoint_id),
+        ).rowcount
         if inserted != 1:
             conn.execute("ROLLBACK")
-            raise SinkFencedError(f"job {self.job!r}: checkpoint {txn.checkpoint_id} is already committed (by another "
-                                  "runner); this runner's was rolled back")
-        conn.execute(sql.SQL("DELETE FROM {} WHERE job = %s AND checkpoint < %s").format(marks), (self.job, txn.checkpoint_id))
+            raise SinkFencedError(
+                f"job {self.job!r}: checkpoint {txn.checkpoint_id} is already committed (by another "
+                "runner); this runner's was rolled back"
+            )
+        conn.execute(
+            sql.SQL("DELETE FROM {} WHERE job = %s AND checkpoint < %s").format(marks), (self.job, txn.checkpoint_id)
+        )
         conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(txn.gid)))
         txn.prepared = True
 
@@ -457,8 +543,10 @@ class PostgresTwoPhaseSink(_PostgresSink, TwoPhaseCommitSink[PostgresTxn]):
             self._db.get().execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(txn.gid)))
         except psycopg.errors.UndefinedObject as exc:
             # the restore of another runner decided it (rolled it back, as no checkpoint it loaded named it)
-            raise SinkFencedError(f"job {self.job!r}: the prepared transaction of checkpoint {txn.checkpoint_id} is gone, "
-                                  f"decided by another runner's restore; this runner must stop ({exc})") from exc
+            raise SinkFencedError(
+                f"job {self.job!r}: the prepared transaction of checkpoint {txn.checkpoint_id} is gone, "
+                f"decided by another runner's restore; this runner must stop ({exc})"
+            ) from exc
 
     def abort(self, txn: PostgresTxn) -> None:
         if txn.prepared:
@@ -472,12 +560,19 @@ class PostgresTwoPhaseSink(_PostgresSink, TwoPhaseCommitSink[PostgresTxn]):
         return {"gid": txn.gid, "checkpoint": txn.checkpoint_id}
 
     def _is_prepared(self, gid: str) -> bool:
-        row = self._db.get().execute("SELECT 1 FROM pg_prepared_xacts WHERE gid = %s AND database = current_database()",
-                                     (gid,)).fetchone()
+        row = (
+            self._db.get()
+            .execute("SELECT 1 FROM pg_prepared_xacts WHERE gid = %s AND database = current_database()", (gid,))
+            .fetchone()
+        )
         return row is not None
 
     def _handle_fields(self, handle: Any) -> tuple[str, int]:
-        if not isinstance(handle, dict) or not isinstance(handle.get("gid"), str) or not isinstance(handle.get("checkpoint"), int):
+        if (
+            not isinstance(handle, dict)
+            or not isinstance(handle.get("gid"), str)
+            or not isinstance(handle.get("checkpoint"), int)
+        ):
             raise SinkError(f"not a PostgresTwoPhaseSink transaction handle: {handle!r}")
         if not handle["gid"].startswith(self._prefix):
             raise SinkError(f"transaction {handle['gid']!r} belongs to another job than {self.job!r}")
@@ -488,11 +583,21 @@ class PostgresTwoPhaseSink(_PostgresSink, TwoPhaseCommitSink[PostgresTxn]):
         if self._is_prepared(gid):
             self._db.get().execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
             return
-        found = self._db.get().execute(sql.SQL("SELECT 1 FROM {} WHERE job = %s AND checkpoint = %s").format(
-            sql.Identifier(TRANSACTIONS_TABLE)), (self.job, checkpoint_id)).fetchone()
+        found = (
+            self._db.get()
+            .execute(
+                sql.SQL("SELECT 1 FROM {} WHERE job = %s AND checkpoint = %s").format(
+                    sql.Identifier(TRANSACTIONS_TABLE)
+                ),
+                (self.job, checkpoint_id),
+            )
+            .fetchone()
+        )
         if found is None:
-            raise SinkError(f"transaction {gid!r} of the saved checkpoint {checkpoint_id} is neither prepared nor committed: "
-                            "it was rolled back outside onceflow, and that checkpoint's rows are lost")
+            raise SinkError(
+                f"transaction {gid!r} of the saved checkpoint {checkpoint_id} is neither prepared nor committed: "
+                "it was rolled back outside onceflow, and that checkpoint's rows are lost"
+            )
 
     def recover_and_abort(self, handle: Any) -> None:
         gid, _ = self._handle_fields(handle)
@@ -500,12 +605,17 @@ class PostgresTwoPhaseSink(_PostgresSink, TwoPhaseCommitSink[PostgresTxn]):
             self._db.get().execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
 
     def prepared_handles(self) -> list[Any]:
-        rows = self._db.get().execute(
-            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() AND left(gid, %s) = %s ORDER BY gid",
-            (len(self._prefix), self._prefix)).fetchall()
+        rows = (
+            self._db.get()
+            .execute(
+                "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() AND left(gid, %s) = %s ORDER BY gid",
+                (len(self._prefix), self._prefix),
+            )
+            .fetchall()
+        )
         handles: list[Any] = []
         for (gid,) in rows:
-            tail = gid[len(self._prefix):]
+            tail = gid[len(self._prefix) :]
             if tail.isdigit():
                 handles.append({"gid": gid, "checkpoint": int(tail)})
         return handles

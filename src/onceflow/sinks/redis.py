@@ -59,7 +59,10 @@ end
 # json, start offsets json, mode, values... Returns 1 (applied) or 0 (this very commit was applied
 # before: a retry after a lost answer). A checkpoint hash holding another id than the previous one
 # this runner knows means another runner committed: FENCED.
-ATOMIC_LUA = "#!lua\n" + _WRITE_LUA + """
+ATOMIC_LUA = (
+    "#!lua\n"
+    + _WRITE_LUA
+    + """
 local err = check_type(KEYS[1], ARGV[6] == 'hash' and 'hash' or 'list') or check_type(KEYS[2], 'hash')
 if err then return err end
 local cur = tonumber(redis.call('HGET', KEYS[2], 'checkpoint') or '0')
@@ -71,10 +74,14 @@ write_values(ARGV[6], 7)
 redis.call('HSET', KEYS[2], 'checkpoint', ARGV[1], 'token', ARGV[3], 'offsets', ARGV[4], 'start_offsets', ARGV[5])
 return 1
 """
+)
 
 # KEYS: output, frontier hash. ARGV: batch id, query id, mode, values... Returns 1 (applied) or 0
 # (a batch id at or below the frontier: a replay). Used by onceflow.spark.foreach_batch.redis_sink.
-BATCH_LUA = "#!lua\n" + _WRITE_LUA + """
+BATCH_LUA = (
+    "#!lua\n"
+    + _WRITE_LUA
+    + """
 local err = check_type(KEYS[1], ARGV[3] == 'hash' and 'hash' or 'list') or check_type(KEYS[2], 'hash')
 if err then return err end
 local cur = redis.call('HGET', KEYS[2], 'batch_id')
@@ -88,6 +95,7 @@ redis.call('HSET', KEYS[2], 'batch_id', ARGV[1])
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[2], 'query_id', ARGV[2]) end
 return 1
 """
+)
 
 
 # KEYS: the keys; ARGV[1]: ttl seconds or '', ARGV[2..]: the values. SET NX each; returns how many were new.
@@ -125,8 +133,10 @@ def same_slot(*keys: str) -> None:
     """Keys one script touches must live in one Redis Cluster hash slot."""
     slots = {key_slot(k.encode()) for k in keys}
     if len(slots) > 1:
-        raise ValueError(f"the keys {list(keys)} are in different Redis Cluster hash slots; give them one hash tag, "
-                         "e.g. 'out:{job}' and 'checkpoint:{job}'")
+        raise ValueError(
+            f"the keys {list(keys)} are in different Redis Cluster hash slots; give them one hash tag, "
+            "e.g. 'out:{job}' and 'checkpoint:{job}'"
+        )
 
 
 def _values(messages: Sequence[Message], value: ValueFunction, field: KeyFunction | None) -> list[bytes | str]:
@@ -144,8 +154,14 @@ class RedisListSink(CheckpointAwareSink):
     no offsets beside them, so input replayed after a crash is pushed again. The baseline for
     ``onceflow bench sinks``."""
 
-    def __init__(self, client: redis.Redis | str, key: str, *, value: ValueFunction = json_value,
-                 field: str | KeyFunction | None = None) -> None:
+    def __init__(
+        self,
+        client: redis.Redis | str,
+        key: str,
+        *,
+        value: ValueFunction = json_value,
+        field: str | KeyFunction | None = None,
+    ) -> None:
         self.redis = redis_client(client)
         self.key = key
         self.value = value
@@ -165,9 +181,9 @@ class RedisListSink(CheckpointAwareSink):
         pipe = self.redis.pipeline(transaction=False)
         for i in range(0, len(values), step):
             if self.field is None:
-                pipe.rpush(self.key, *values[i:i + step])
+                pipe.rpush(self.key, *values[i : i + step])
             else:
-                part = values[i:i + step]
+                part = values[i : i + step]
                 pipe.hset(self.key, mapping=dict(zip(part[::2], part[1::2], strict=True)))
         pipe.execute()
 
@@ -189,8 +205,15 @@ class RedisIdempotentSink(IdempotentSink):
     Redis Cluster (where ``RedisAtomicSink`` with a hash tag is the way).
     """
 
-    def __init__(self, client: redis.Redis | str, *, prefix: str, key: str | KeyFunction,
-                 value: ValueFunction = json_value, ttl: int | None = None) -> None:
+    def __init__(
+        self,
+        client: redis.Redis | str,
+        *,
+        prefix: str,
+        key: str | KeyFunction,
+        value: ValueFunction = json_value,
+        ttl: int | None = None,
+    ) -> None:
         super().__init__(key)
         if ttl is not None and ttl <= 0:
             raise ValueError("ttl must be a positive number of seconds, or None")
@@ -205,8 +228,10 @@ class RedisIdempotentSink(IdempotentSink):
         ttl = "" if self.ttl is None else str(self.ttl)
         written = 0
         for i in range(0, len(records), _CHUNK):
-            part = records[i:i + _CHUNK]
-            written += int(self._script(keys=[self.prefix + k for k, _ in part], args=[ttl, *(self.value(m) for _, m in part)]))
+            part = records[i : i + _CHUNK]
+            written += int(
+                self._script(keys=[self.prefix + k for k, _ in part], args=[ttl, *(self.value(m) for _, m in part)])
+            )
         self.last_written = written
 
     def close(self) -> None:
@@ -237,8 +262,17 @@ class RedisAtomicSink(CheckpointAwareSink):
 
     atomic = True
 
-    def __init__(self, client: redis.Redis | str, *, job: str, key: str | None = None, checkpoint_key: str | None = None,
-                 value: ValueFunction = json_value, field: str | KeyFunction | None = None, commit_retries: int = 5) -> None:
+    def __init__(
+        self,
+        client: redis.Redis | str,
+        *,
+        job: str,
+        key: str | None = None,
+        checkpoint_key: str | None = None,
+        value: ValueFunction = json_value,
+        field: str | KeyFunction | None = None,
+        commit_retries: int = 5,
+    ) -> None:
         if not job:
             raise ValueError("job must name the pipeline (it keys the checkpoint)")
         if commit_retries < 0:
@@ -260,8 +294,13 @@ class RedisAtomicSink(CheckpointAwareSink):
         data = self.redis.hgetall(self.checkpoint_key)
         if not data or int(data.get(b"checkpoint", b"0")) == 0:
             return None
-        return Checkpoint(int(data[b"checkpoint"]), json.loads(data[b"offsets"]), json.loads(data.get(b"start_offsets", b"{}")),
-                          None, True)
+        return Checkpoint(
+            int(data[b"checkpoint"]),
+            json.loads(data[b"offsets"]),
+            json.loads(data.get(b"start_offsets", b"{}")),
+            None,
+            True,
+        )
 
     def on_checkpoint_restore(self, checkpoint: Checkpoint | None) -> bool:
         self._pending = []
@@ -273,8 +312,15 @@ class RedisAtomicSink(CheckpointAwareSink):
 
     def on_checkpoint_complete(self, checkpoint: Checkpoint) -> None:
         values, self._pending = self._pending, []
-        args: list[Any] = [checkpoint.id, self._last, uuid.uuid4().hex, json.dumps(checkpoint.offsets),
-                           json.dumps(checkpoint.start_offsets), self.mode, *values]
+        args: list[Any] = [
+            checkpoint.id,
+            self._last,
+            uuid.uuid4().hex,
+            json.dumps(checkpoint.offsets),
+            json.dumps(checkpoint.start_offsets),
+            self.mode,
+            *values,
+        ]
         resent = 0
         delay = 0.05
         while True:
@@ -283,18 +329,30 @@ class RedisAtomicSink(CheckpointAwareSink):
                 break
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if resent >= self.commit_retries:
-                    exc.add_note(f"job {self.job!r}: checkpoint {checkpoint.id} sent {resent + 1} times without an answer; "
-                                 "it may or may not be committed (a rerun restores from Redis)")
+                    exc.add_note(
+                        f"job {self.job!r}: checkpoint {checkpoint.id} sent {resent + 1} times without an answer; "
+                        "it may or may not be committed (a rerun restores from Redis)"
+                    )
                     raise
-                log.warning("job %s: the commit of checkpoint %d got no answer (%r); sending it again", self.job, checkpoint.id, exc)
+                log.warning(
+                    "job %s: the commit of checkpoint %d got no answer (%r); sending it again",
+                    self.job,
+                    checkpoint.id,
+                    exc,
+                )
                 resent += 1
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
             except redis.ResponseError as exc:
                 if str(exc).startswith("FENCED"):
-                    what = ("an earlier try of it, whose answer was lost, may have been written and then superseded" if resent
-                            else "it was not written")
-                    raise SinkFencedError(f"job {self.job!r}: {exc}; checkpoint {checkpoint.id} of this runner: {what}") from exc
+                    what = (
+                        "an earlier try of it, whose answer was lost, may have been written and then superseded"
+                        if resent
+                        else "it was not written"
+                    )
+                    raise SinkFencedError(
+                        f"job {self.job!r}: {exc}; checkpoint {checkpoint.id} of this runner: {what}"
+                    ) from exc
                 raise SinkError(f"job {self.job!r}: the commit script failed: {exc}") from exc
         self._last = checkpoint.id
 

@@ -16,7 +16,15 @@ from typing import Any
 from .foreach_batch import PostgresBatchSink, RedisBatchSink, postgres_sink, redis_sink
 from .options import OptionError
 
-__all__ = ["OnceflowDataSource", "OptionError", "PostgresBatchSink", "RedisBatchSink", "postgres_sink", "redis_sink", "register"]
+__all__ = [
+    "OnceflowDataSource",
+    "OptionError",
+    "PostgresBatchSink",
+    "RedisBatchSink",
+    "postgres_sink",
+    "redis_sink",
+    "register",
+]
 
 
 def register(spark: Any) -> None:

@@ -93,7 +93,9 @@ class Conn:
     # ------------------------------------------------------------------ streams
 
     def list_streams(self, prefix: str) -> list[StreamTail]:
-        resp = self.request("GET", f"{self.url}/v1/streams", f"list streams under {prefix!r}", params={"prefix": prefix})
+        resp = self.request(
+            "GET", f"{self.url}/v1/streams", f"list streams under {prefix!r}", params={"prefix": prefix}
+        )
         return [
             StreamTail(s["name"], s["content_type"], s["next_offset"], s.get("stable_offset", s["next_offset"]))
             for s in resp.json()["streams"]
@@ -104,14 +106,18 @@ class Conn:
         if resp.status_code == 404:
             return None
         nxt = resp.headers["stream-next-offset"]
-        return StreamTail(stream, resp.headers.get("content-type", ""), nxt, resp.headers.get("stream-last-stable-offset", nxt))
+        return StreamTail(
+            stream, resp.headers.get("content-type", ""), nxt, resp.headers.get("stream-last-stable-offset", nxt)
+        )
 
     def read_frames(self, stream: str, start: str, until: str, *, isolation: str) -> Iterator[tuple[list[Frame], str]]:
         """The batches in ``[start, until)``, one response at a time, with each response's next offset."""
         at = start
         while at != until:
             resp = self.request(
-                "GET", stream_url(self.url, stream), f"read {stream}",
+                "GET",
+                stream_url(self.url, stream),
+                f"read {stream}",
                 params={"offset": at, "until": until, "format": "records", "isolation": isolation},
             )
             frames = [Frame(*f) for f in iter_frames(resp.content)]
@@ -122,7 +128,14 @@ class Conn:
             at = nxt
 
     def boundaries(
-        self, stream: str, start: str, until: str, *, isolation: str, every: int | None = None, max_records: int | None = None,
+        self,
+        stream: str,
+        start: str,
+        until: str,
+        *,
+        isolation: str,
+        every: int | None = None,
+        max_records: int | None = None,
     ) -> tuple[list[str], str]:
         params: dict[str, str | int] = {"offset": start, "until": until, "format": "boundaries", "isolation": isolation}
         if every is not None:

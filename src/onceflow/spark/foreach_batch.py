@@ -86,19 +86,31 @@ class PostgresBatchSink:
         query_id = _query_id(df)
         state = sql.Identifier(BATCHES_TABLE)
         with psycopg.connect(self.conninfo) as conn:
-            create_if_missing(conn, sql.SQL("CREATE TABLE IF NOT EXISTS {} (sink text PRIMARY KEY, batch_id bigint NOT NULL, "
-                                            "query_id text NOT NULL, committed_at timestamptz NOT NULL DEFAULT now())").format(state))
+            create_if_missing(
+                conn,
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (sink text PRIMARY KEY, batch_id bigint NOT NULL, "
+                    "query_id text NOT NULL, committed_at timestamptz NOT NULL DEFAULT now())"
+                ).format(state),
+            )
             with conn.transaction():
                 # Step 1: the sink's frontier row, locked until the commit (a concurrent run waits here)
-                conn.execute(sql.SQL("INSERT INTO {} (sink, batch_id, query_id) VALUES (%s, -1, %s) ON CONFLICT (sink) DO NOTHING")
-                             .format(state), (self.name, query_id))
-                row = conn.execute(sql.SQL("SELECT batch_id, query_id FROM {} WHERE sink = %s FOR UPDATE").format(state),
-                                   (self.name,)).fetchone()
+                conn.execute(
+                    sql.SQL(
+                        "INSERT INTO {} (sink, batch_id, query_id) VALUES (%s, -1, %s) ON CONFLICT (sink) DO NOTHING"
+                    ).format(state),
+                    (self.name, query_id),
+                )
+                row = conn.execute(
+                    sql.SQL("SELECT batch_id, query_id FROM {} WHERE sink = %s FOR UPDATE").format(state), (self.name,)
+                ).fetchone()
                 assert row is not None
                 last, owner = int(row[0]), str(row[1])
                 if owner and query_id and owner != query_id:
-                    raise SinkError(f"sink {self.name!r} belongs to streaming query {owner}, not {query_id}: give this query "
-                                    f"its own name, or delete the sink's row from {BATCHES_TABLE} to start over")
+                    raise SinkError(
+                        f"sink {self.name!r} belongs to streaming query {owner}, not {query_id}: give this query "
+                        f"its own name, or delete the sink's row from {BATCHES_TABLE} to start over"
+                    )
                 if batch_id <= last:
                     # Step 2a: a replay of a committed batch: nothing to write
                     log.info("sink %s: batch %d already committed (last %d); skipped", self.name, batch_id, last)
@@ -107,8 +119,12 @@ class PostgresBatchSink:
                 # Step 2: the rows, then Step 3: the frontier; the transaction's commit makes both visible
                 rows = (tuple(adapt(r[c]) for c in columns) for r in _rows(df.select(*columns)))
                 copy_rows(conn, self.table, columns, rows)
-                conn.execute(sql.SQL("UPDATE {} SET batch_id = %s, query_id = %s, committed_at = now() WHERE sink = %s")
-                             .format(state), (batch_id, query_id or owner, self.name))
+                conn.execute(
+                    sql.SQL("UPDATE {} SET batch_id = %s, query_id = %s, committed_at = now() WHERE sink = %s").format(
+                        state
+                    ),
+                    (batch_id, query_id or owner, self.name),
+                )
         self.written += 1
 
 
@@ -118,8 +134,9 @@ class RedisBatchSink:
     ``written`` and ``skipped`` count the batch ids it committed and the replays it skipped.
     """
 
-    def __init__(self, url: str, *, name: str, key: str | None = None, frontier_key: str | None = None,
-                 field: str | None = None) -> None:
+    def __init__(
+        self, url: str, *, name: str, key: str | None = None, frontier_key: str | None = None, field: str | None = None
+    ) -> None:
         from ..sinks.redis import same_slot
 
         if not name:
@@ -151,8 +168,10 @@ class RedisBatchSink:
         with redis.Redis.from_url(self.url) as client:
             script = client.register_script(BATCH_LUA)
             try:
-                applied = script(keys=[self.key, self.frontier_key],
-                                 args=[batch_id, _query_id(df), "list" if self.field is None else "hash", *values])
+                applied = script(
+                    keys=[self.key, self.frontier_key],
+                    args=[batch_id, _query_id(df), "list" if self.field is None else "hash", *values],
+                )
             except redis.ResponseError as exc:
                 raise SinkError(f"sink {self.name!r}, batch {batch_id}: {exc}") from exc
         if applied:

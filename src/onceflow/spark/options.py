@@ -52,7 +52,9 @@ class Options:
     max_records_per_trigger: int | None
     max_records_per_partition: int
     request_deadline: float
-    token: str | None = field(repr=False)  # bearer token for --guard (else $ONCEFLOW_TOKEN where the code runs); never printed
+    token: str | None = field(
+        repr=False
+    )  # bearer token for --guard (else $ONCEFLOW_TOKEN where the code runs); never printed
     # sink
     stream: str | None
     sink_id: str | None
@@ -71,7 +73,9 @@ class Options:
                 try:
                     parsed = json.loads(streams_raw)
                 except ValueError:
-                    raise OptionError(f"option streams is neither a JSON list nor comma-separated names: {streams_raw!r}") from None
+                    raise OptionError(
+                        f"option streams is neither a JSON list nor comma-separated names: {streams_raw!r}"
+                    ) from None
                 if not isinstance(parsed, list) or not all(isinstance(s, str) and s for s in parsed):
                     raise OptionError("option streams must be a JSON list of stream names")
                 streams = tuple(parsed)
@@ -109,13 +113,19 @@ class Options:
     def writer_settings(self, sink: str) -> WriterSettings:
         """What the sink's tasks and driver need, for sink (or write job) ``sink``."""
         return WriterSettings(
-            url=self.url, sink=sink, content_type=self.content_type, transaction_timeout_ms=self.transaction_timeout_ms,
-            request_deadline=self.request_deadline, verify_replay=self.verify_replay,
+            url=self.url,
+            sink=sink,
+            content_type=self.content_type,
+            transaction_timeout_ms=self.transaction_timeout_ms,
+            request_deadline=self.request_deadline,
+            verify_replay=self.verify_replay,
         )
 
     def check_source(self) -> None:
         if bool(self.streams) == (self.pattern is not None):
-            raise OptionError('give the streams to read with exactly one of .option("streams", "a,b") or .option("pattern", "prefix/")')
+            raise OptionError(
+                'give the streams to read with exactly one of .option("streams", "a,b") or .option("pattern", "prefix/")'
+            )
 
     def _offsets(self, key: str, spec: str, ends: Mapping[str, str], default: str) -> dict[str, str]:
         if spec == "earliest":
@@ -125,7 +135,9 @@ class Options:
         try:
             given = json.loads(spec)
         except ValueError:
-            raise OptionError(f'option {key} must be "earliest", "latest" or a JSON object of stream -> offset, got {spec!r}') from None
+            raise OptionError(
+                f'option {key} must be "earliest", "latest" or a JSON object of stream -> offset, got {spec!r}'
+            ) from None
         if not isinstance(given, dict) or not all(isinstance(v, str) for v in given.values()):
             raise OptionError(f'option {key} must be a JSON object like {{"orders": "-1"}} (offsets are strings)')
         unknown = sorted(set(given) - set(ends))

@@ -65,8 +65,15 @@ class CrashingWriter(OnceflowStreamWriter):
         ctx = TaskContext.get()
         raw = ctx.getLocalProperty("streaming.sql.batchId") if ctx is not None else None
         batch = int(raw) if raw is not None else -1
-        if self.crash_in_write is not None and batch == self.crash_in_write and not result.skipped and result.txn is not None:
-            _crash(f"inside write() of batch {batch}: {result.rows} rows written in transaction {result.transactional_id}, not committed")
+        if (
+            self.crash_in_write is not None
+            and batch == self.crash_in_write
+            and not result.skipped
+            and result.txn is not None
+        ):
+            _crash(
+                f"inside write() of batch {batch}: {result.rows} rows written in transaction {result.transactional_id}, not committed"
+            )
         return result
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
@@ -118,8 +125,11 @@ def start_queries(spark: Any, args: argparse.Namespace) -> list[Any]:
 
     spark.dataSource.register(CrashingDataSource)
     events = (
-        spark.readStream.format("onceflow").option("url", args.url).option("streams", f"{args.prefix}events")
-        .option("maxRecordsPerTrigger", str(args.max_records_per_trigger)).load()
+        spark.readStream.format("onceflow")
+        .option("url", args.url)
+        .option("streams", f"{args.prefix}events")
+        .option("maxRecordsPerTrigger", str(args.max_records_per_trigger))
+        .load()
         .select(F.from_json("value", "id LONG, user STRING, amount DOUBLE").alias("e"), "offset")
         .select("e.*", "offset")
     )
@@ -129,22 +139,48 @@ def start_queries(spark: Any, args: argparse.Namespace) -> list[Any]:
     if args.crash_in_write is not None:
         crash["crashInWrite"] = str(args.crash_in_write)
     enriched = events.select(
-        F.to_json(F.struct("id", "user", "amount", F.when(F.col("amount") >= 50, "big").otherwise("small").alias("tier"),
-                           F.col("offset").alias("source_offset"))).alias("value")
+        F.to_json(
+            F.struct(
+                "id",
+                "user",
+                "amount",
+                F.when(F.col("amount") >= 50, "big").otherwise("small").alias("tier"),
+                F.col("offset").alias("source_offset"),
+            )
+        ).alias("value")
     )
-    q1 = (enriched.writeStream.format("onceflow").option("url", args.url).option("stream", f"{args.prefix}enriched")
-          .option("sinkId", f"{args.sink_prefix}enrich").options(**crash)
-          .option("checkpointLocation", str(Path(args.checkpoint) / "enrich")).queryName("enrich").start())
+    q1 = (
+        enriched.writeStream.format("onceflow")
+        .option("url", args.url)
+        .option("stream", f"{args.prefix}enriched")
+        .option("sinkId", f"{args.sink_prefix}enrich")
+        .options(**crash)
+        .option("checkpointLocation", str(Path(args.checkpoint) / "enrich"))
+        .queryName("enrich")
+        .start()
+    )
     counts = events.groupBy("user").agg(F.count("*").alias("events"), F.sum("amount").alias("amount"))
 
     def write_counts(df: Any, batch_id: int) -> None:
         # update mode is not open to Python sinks; foreachBatch + a batch write keyed by batch id is
-        (df.select(F.to_json(F.struct("user", "events", "amount")).alias("value"))
-         .write.format("onceflow").option("url", args.url).option("stream", f"{args.prefix}counts")
-         .option("sinkId", f"{args.sink_prefix}counts").option("batchId", str(batch_id)).mode("append").save())
+        (
+            df.select(F.to_json(F.struct("user", "events", "amount")).alias("value"))
+            .write.format("onceflow")
+            .option("url", args.url)
+            .option("stream", f"{args.prefix}counts")
+            .option("sinkId", f"{args.sink_prefix}counts")
+            .option("batchId", str(batch_id))
+            .mode("append")
+            .save()
+        )
 
-    q2 = (counts.writeStream.outputMode("update").foreachBatch(write_counts)
-          .option("checkpointLocation", str(Path(args.checkpoint) / "counts")).queryName("counts").start())
+    q2 = (
+        counts.writeStream.outputMode("update")
+        .foreachBatch(write_counts)
+        .option("checkpointLocation", str(Path(args.checkpoint) / "counts"))
+        .queryName("counts")
+        .start()
+    )
     return [q1, q2]
 
 

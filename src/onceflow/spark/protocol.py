@@ -64,7 +64,9 @@ class WriterSettings:
     url: str
     sink: str  # the sink id (``sinkId``), or the id of one batch write job
     content_type: str = "application/json"  # of the streams the sink creates
-    transaction_timeout_ms: int = 300_000  # a task's transaction left open longer, with no task of its batch at work, is aborted
+    transaction_timeout_ms: int = (
+        300_000  # a task's transaction left open longer, with no task of its batch at work, is aborted
+    )
     request_deadline: float = 120.0  # seconds a request is retried (transport errors, 5xx, 429)
     verify_replay: bool = True  # compare a replayed batch's rows with the committed ones (Fingerprint)
     max_batch_bytes: int = 1 << 20
@@ -149,7 +151,9 @@ class BatchOutcome:
     batch: int | None  # the sink's last committed batch after the request
 
 
-async def _request(client: httpx.AsyncClient, settings: WriterSettings, method: str, url: str, what: str, **kw: Any) -> httpx.Response:
+async def _request(
+    client: httpx.AsyncClient, settings: WriterSettings, method: str, url: str, what: str, **kw: Any
+) -> httpx.Response:
     """One request, retried on transport errors, 5xx and 429 until ``request_deadline`` (every
     request here is idempotent); any other status but 200 is raised."""
     loop = asyncio.get_running_loop()
@@ -180,7 +184,9 @@ async def _ensure_stream(client: httpx.AsyncClient, settings: WriterSettings, st
     except OnceflowError as exc:
         if exc.status != 404:
             raise
-        await _request(client, settings, "PUT", url, f"create {stream}", headers={"content-type": settings.content_type})
+        await _request(
+            client, settings, "PUT", url, f"create {stream}", headers={"content-type": settings.content_type}
+        )
 
 
 class SinkTask:
@@ -230,18 +236,35 @@ class SinkTask:
 
         Idempotent: a retry after a lost answer (same ``spec.task``) gets the same id and epoch."""
         task = cls(client, settings, spec)
-        body = {**task._body(), "partition": spec.partition, "task": spec.task, "timeout_ms": settings.transaction_timeout_ms}
-        answer = (await _request(
-            client, settings, "POST", settings.path("begin"), f"begin a task of batch {spec.batch} of sink {settings.sink}", json=body,
-        )).json()
+        body = {
+            **task._body(),
+            "partition": spec.partition,
+            "task": spec.task,
+            "timeout_ms": settings.transaction_timeout_ms,
+        }
+        answer = (
+            await _request(
+                client,
+                settings,
+                "POST",
+                settings.path("begin"),
+                f"begin a task of batch {spec.batch} of sink {settings.sink}",
+                json=body,
+            )
+        ).json()
         if answer["status"] == "already_committed":
             task.skipped = True
             task.verify = bool(answer.get("verify")) and settings.verify_replay
             return task
         task.transactional_id, task.epoch, task._begun_txn = answer["id"], answer["epoch"], answer["txn"]
         producer = AsyncTransactionalProducer(
-            settings.url, task.transactional_id, timeout_ms=settings.transaction_timeout_ms, max_batch_bytes=settings.max_batch_bytes,
-            retry_backoff=settings.retry_backoff, delivery_timeout=settings.request_deadline, client=client,
+            settings.url,
+            task.transactional_id,
+            timeout_ms=settings.transaction_timeout_ms,
+            max_batch_bytes=settings.max_batch_bytes,
+            retry_backoff=settings.retry_backoff,
+            delivery_timeout=settings.request_deadline,
+            client=client,
         )
         producer.resume(answer["producer_id"], answer["epoch"], answer["txn"])
         task._producer = producer
@@ -290,8 +313,18 @@ class SinkTask:
             await self.abandon()
         s = self.spec
         fingerprint = self._fingerprint if not self.skipped or self.verify else None
-        return TaskResult(self.settings.sink, s.batch, s.query, s.partition, self.transactional_id, self.epoch, txn, self.rows,
-                          self.skipped, fingerprint)
+        return TaskResult(
+            self.settings.sink,
+            s.batch,
+            s.query,
+            s.partition,
+            self.transactional_id,
+            self.epoch,
+            txn,
+            self.rows,
+            self.skipped,
+            fingerprint,
+        )
 
     async def abandon(self) -> None:
         """Stop (the task failed, or finished): no more keep-alives. An open transaction is left
@@ -308,7 +341,10 @@ class SinkTask:
 
 
 async def run_task(
-    client: httpx.AsyncClient, settings: WriterSettings, spec: TaskSpec, chunks: Iterable[Mapping[str, Sequence[bytes]]],
+    client: httpx.AsyncClient,
+    settings: WriterSettings,
+    spec: TaskSpec,
+    chunks: Iterable[Mapping[str, Sequence[bytes]]],
 ) -> TaskResult:
     """A whole task: :meth:`SinkTask.begin`, one :meth:`SinkTask.write` per chunk (none when its
     input is not needed), :meth:`SinkTask.finish`; :meth:`SinkTask.abandon` when one raises."""
@@ -331,7 +367,10 @@ def _query(results: Sequence[TaskResult | None]) -> str | None:
 
 
 async def commit_batch(
-    client: httpx.AsyncClient, settings: WriterSettings, batch: int | None, results: Sequence[TaskResult | None],
+    client: httpx.AsyncClient,
+    settings: WriterSettings,
+    batch: int | None,
+    results: Sequence[TaskResult | None],
 ) -> BatchOutcome:
     """Commit the batch: every task's transaction as one decision that records ``batch`` as the
     sink's last (``POST /v1/sinks/<sink>/commit``), once every task finished.
@@ -360,15 +399,23 @@ async def commit_batch(
                 total = total + p
             body["fingerprint"] = total.token()
     resp = await _request(
-        client, settings, "POST", settings.path("commit"), f"commit batch {batch} of sink {settings.sink}",
-        content=json.dumps(body), headers={"content-type": "application/json"},
+        client,
+        settings,
+        "POST",
+        settings.path("commit"),
+        f"commit batch {batch} of sink {settings.sink}",
+        content=json.dumps(body),
+        headers={"content-type": "application/json"},
     )
     answer = resp.json()
     return BatchOutcome(answer["status"], answer.get("batch"))
 
 
 async def abort_batch(
-    client: httpx.AsyncClient, settings: WriterSettings, batch: int | None, results: Sequence[TaskResult | None],
+    client: httpx.AsyncClient,
+    settings: WriterSettings,
+    batch: int | None,
+    results: Sequence[TaskResult | None],
 ) -> None:
     """Abort the batch (``POST /v1/sinks/<sink>/abort``): the results' transactions, every other
     task the query registered for it (fenced), and, when the sink is the query's own, the
@@ -378,8 +425,13 @@ async def abort_batch(
     if batch is not None:
         body["batch"] = batch
     await _request(
-        client, settings, "POST", settings.path("abort"), f"abort batch {batch} of sink {settings.sink}",
-        content=json.dumps(body), headers={"content-type": "application/json"},
+        client,
+        settings,
+        "POST",
+        settings.path("abort"),
+        f"abort batch {batch} of sink {settings.sink}",
+        content=json.dumps(body),
+        headers={"content-type": "application/json"},
     )
 
 

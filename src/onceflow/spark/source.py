@@ -27,13 +27,15 @@ _raw_decode = json.JSONDecoder().raw_decode
 
 
 def source_schema(text_values: bool) -> StructType:
-    return StructType([
-        StructField("stream", StringType(), False),
-        StructField("offset", LongType(), False),
-        StructField("timestamp", TimestampType(), False),
-        StructField("value", StringType() if text_values else BinaryType(), True),
-        StructField("content_type", StringType(), False),
-    ])
+    return StructType(
+        [
+            StructField("stream", StringType(), False),
+            StructField("offset", LongType(), False),
+            StructField("timestamp", TimestampType(), False),
+            StructField("value", StringType() if text_values else BinaryType(), True),
+            StructField("content_type", StringType(), False),
+        ]
+    )
 
 
 def is_text_type(content_type: str) -> bool:
@@ -74,7 +76,9 @@ def frames_to_arrow(stream: str, content_type: str, frames: list[Frame], text_va
         if json_stream:
             texts = split_json(f.payload)
             if len(texts) != f.count:
-                raise ValueError(f"stream {stream}: batch at record {f.base_offset} holds {len(texts)} messages, header says {f.count}")
+                raise ValueError(
+                    f"stream {stream}: batch at record {f.base_offset} holds {len(texts)} messages, header says {f.count}"
+                )
             values.extend(texts if text_values else [t.encode() for t in texts])
         else:
             values.append(f.payload.decode("utf-8", "replace") if text_values else f.payload)
@@ -94,13 +98,15 @@ def frames_to_arrow(stream: str, content_type: str, frames: list[Frame], text_va
 
 
 def _arrow_schema(value: pa.DataType) -> pa.Schema:
-    return pa.schema([
-        pa.field("stream", pa.string(), nullable=False),
-        pa.field("offset", pa.int64(), nullable=False),
-        pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
-        pa.field("value", value),
-        pa.field("content_type", pa.string(), nullable=False),
-    ])
+    return pa.schema(
+        [
+            pa.field("stream", pa.string(), nullable=False),
+            pa.field("offset", pa.int64(), nullable=False),
+            pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
+            pa.field("value", value),
+            pa.field("content_type", pa.string(), nullable=False),
+        ]
+    )
 
 
 _ARROW_TEXT = _arrow_schema(pa.string())
@@ -119,7 +125,9 @@ def read_partition(opts: Options, part: RangePartition, text_values: bool) -> It
                 yield frames_to_arrow(part.stream, part.content_type, frames, text_values)
 
 
-def split_ranges(conn: Conn, opts: Options, stream: str, start: str, end: str, content_type: str) -> list[RangePartition]:
+def split_ranges(
+    conn: Conn, opts: Options, stream: str, start: str, end: str, content_type: str
+) -> list[RangePartition]:
     """One partition per stream range, a long range split every ``maxRecordsPerPartition`` records."""
     if start == end:
         return []

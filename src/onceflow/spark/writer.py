@@ -73,9 +73,13 @@ class TaskCommit(WriterCommitMessage):
 def check_sink_schema(schema: StructType, opts: Options) -> None:
     names = {f.name: f.dataType for f in schema.fields}
     if "value" not in names:
-        raise OptionError(f"the onceflow sink writes the column 'value' (string or binary); the DataFrame has {sorted(names)}")
+        raise OptionError(
+            f"the onceflow sink writes the column 'value' (string or binary); the DataFrame has {sorted(names)}"
+        )
     if not isinstance(names["value"], StringType | BinaryType):
-        raise OptionError(f"column 'value' must be a string or binary, not {names['value'].simpleString()}: use to_json() or cast")
+        raise OptionError(
+            f"column 'value' must be a string or binary, not {names['value'].simpleString()}: use to_json() or cast"
+        )
     if "stream" in names and not isinstance(names["stream"], StringType):
         raise OptionError("column 'stream' must be a string (the name of the stream each row goes to)")
     if "stream" not in names and not opts.stream:
@@ -114,7 +118,9 @@ def _context() -> TaskContext:
     return ctx
 
 
-def _write_task(opts: Options, settings: WriterSettings, spec: TaskSpec, batches: Iterator[pa.RecordBatch]) -> TaskCommit:
+def _write_task(
+    opts: Options, settings: WriterSettings, spec: TaskSpec, batches: Iterator[pa.RecordBatch]
+) -> TaskCommit:
     """Run one task of the sink (``protocol.SinkTask``) over this task's Arrow batches."""
     client = run_sync(_client(opts))
     try:
@@ -136,13 +142,17 @@ def _results(messages: list[WriterCommitMessage | None]) -> list[TaskResult | No
     return [m.result if isinstance(m, TaskCommit) else None for m in messages]
 
 
-async def _commit(opts: Options, settings: WriterSettings, batch: int | None, messages: list[WriterCommitMessage | None]) -> str:
+async def _commit(
+    opts: Options, settings: WriterSettings, batch: int | None, messages: list[WriterCommitMessage | None]
+) -> str:
     async with await _client(opts) as client:
         outcome = await commit_batch(client, settings, batch, _results(messages))
     return outcome.status
 
 
-async def _abort(opts: Options, settings: WriterSettings, batch: int | None, messages: list[WriterCommitMessage | None]) -> None:
+async def _abort(
+    opts: Options, settings: WriterSettings, batch: int | None, messages: list[WriterCommitMessage | None]
+) -> None:
     async with await _client(opts) as client:
         await abort_batch(client, settings, batch, _results(messages))
 
@@ -161,8 +171,12 @@ class OnceflowStreamWriter(DataSourceStreamArrowWriter):
         raw = ctx.getLocalProperty("streaming.sql.batchId")
         if raw is None:
             raise RuntimeError("the onceflow stream writer found no streaming.sql.batchId in its task")
-        spec = TaskSpec(int(raw), ctx.getLocalProperty("sql.streaming.queryId"), ctx.partitionId(),
-                        task_name(self.run, ctx.attemptNumber(), ctx.taskAttemptId()))
+        spec = TaskSpec(
+            int(raw),
+            ctx.getLocalProperty("sql.streaming.queryId"),
+            ctx.partitionId(),
+            task_name(self.run, ctx.attemptNumber(), ctx.taskAttemptId()),
+        )
         return _write_task(self.opts, self.settings, spec, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803 (Spark's name)
@@ -188,7 +202,7 @@ class OnceflowBatchWriter(DataSourceArrowWriter):
         self.run = uuid.uuid4().hex[:12]
         if self.batch is not None:
             if opts.sink_id is None:
-                raise OptionError('option batchId needs option sinkId: the sink whose batches it numbers')
+                raise OptionError("option batchId needs option sinkId: the sink whose batches it numbers")
             self.job = opts.sink_id
         else:
             self.job = f"{opts.sink_id or 'batch'}-{self.run}"  # one write job: no '/' (a sink id)
@@ -198,7 +212,9 @@ class OnceflowBatchWriter(DataSourceArrowWriter):
         ctx = _context()
         # inside foreachBatch the tasks see the streaming query's id: the sink is bound to it
         query = ctx.getLocalProperty("sql.streaming.queryId") if self.batch is not None else None
-        spec = TaskSpec(self.batch, query, ctx.partitionId(), task_name(self.run, ctx.attemptNumber(), ctx.taskAttemptId()))
+        spec = TaskSpec(
+            self.batch, query, ctx.partitionId(), task_name(self.run, ctx.attemptNumber(), ctx.taskAttemptId())
+        )
         return _write_task(self.opts, self.settings, spec, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:

@@ -143,8 +143,8 @@ def parse_header(buf: bytes | memoryview, pos: int, *, verify: bool = True) -> B
     """
     if len(buf) - pos < HEADER_SIZE:
         raise CorruptBatch("truncated header")
-    (crc, length, magic, flags, _res, base, count, ts, epoch, fseq, lseq, pid_len, sseq_len) = (
-        HEADER.unpack_from(buf, pos)
+    (crc, length, magic, flags, _res, base, count, ts, epoch, fseq, lseq, pid_len, sseq_len) = HEADER.unpack_from(
+        buf, pos
     )
     if magic != MAGIC:
         raise CorruptBatch(f"bad magic {magic:#x}")

@@ -64,7 +64,9 @@ class FileSystem(Protocol):
     def rmtree(self, path: Path) -> None: ...  # best effort, errors ignored
     def sync_dir(self, path: Path) -> None: ...
     def read_bytes(self, path: Path) -> bytes: ...  # FileNotFoundError when missing
-    def replace_file(self, path: Path, data: bytes, *, sync: bool = True, sync_dir: bool = True, mode: int = 0o666) -> None: ...
+    def replace_file(
+        self, path: Path, data: bytes, *, sync: bool = True, sync_dir: bool = True, mode: int = 0o666
+    ) -> None: ...
 
 
 class _OsFile:
@@ -213,7 +215,9 @@ class OsFileSystem:
     def read_bytes(self, path: Path) -> bytes:
         return path.read_bytes()
 
-    def replace_file(self, path: Path, data: bytes, *, sync: bool = True, sync_dir: bool = True, mode: int = 0o666) -> None:
+    def replace_file(
+        self, path: Path, data: bytes, *, sync: bool = True, sync_dir: bool = True, mode: int = 0o666
+    ) -> None:
         replace_file(path, data, sync=sync, sync_dir=sync_dir, mode=mode)
 
 

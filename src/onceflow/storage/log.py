@@ -108,7 +108,9 @@ class ProducerState:
         return None
 
 
-def _advance(prev: ProducerState | None, epoch: int, first: int, last: int, start: Position, end: Position) -> ProducerState:
+def _advance(
+    prev: ProducerState | None, epoch: int, first: int, last: int, start: Position, end: Position
+) -> ProducerState:
     base = prev if prev is not None else ProducerState(epoch, -1)
     return base.after(epoch, first, last, start, end)
 
@@ -137,12 +139,28 @@ class TailState:
 
     def after(self, h: BatchHeader, start: Position, end: Position) -> TailState:
         """The state after batch ``h``, which spans ``[start, end)``."""
-        return self.staged(flags=h.flags, count=h.count, producer_id=h.producer_id, epoch=h.epoch,
-                           last_seq=h.last_seq, stream_seq=h.stream_seq, start=start, end=end)
+        return self.staged(
+            flags=h.flags,
+            count=h.count,
+            producer_id=h.producer_id,
+            epoch=h.epoch,
+            last_seq=h.last_seq,
+            stream_seq=h.stream_seq,
+            start=start,
+            end=end,
+        )
 
     def staged(
-        self, *, flags: int, count: int, producer_id: str | None, epoch: int, last_seq: int,
-        stream_seq: bytes | None, start: Position, end: Position,
+        self,
+        *,
+        flags: int,
+        count: int,
+        producer_id: str | None,
+        epoch: int,
+        last_seq: int,
+        stream_seq: bytes | None,
+        start: Position,
+        end: Position,
     ) -> TailState:
         """The state after a batch with these header fields, spanning ``[start, end)``."""
         closes = bool(flags & FLAG_CLOSE)
@@ -335,8 +353,13 @@ class StreamLog:
     ) -> StreamLog:
         """Open (creating if needed) the log in ``directory`` whose first batch starts at ``base``."""
         self = cls(
-            directory, policy=policy, segment_bytes=segment_bytes, executor=executor, snapshot_bytes=snapshot_bytes,
-            fs=fs, clock=clock,
+            directory,
+            policy=policy,
+            segment_bytes=segment_bytes,
+            executor=executor,
+            snapshot_bytes=snapshot_bytes,
+            fs=fs,
+            clock=clock,
         )
         self.base = base
         fs = self.fs
@@ -473,7 +496,9 @@ class StreamLog:
                     if n - p < HEADER_SIZE:
                         bad = "truncated header"
                     else:
-                        crc, length, magic, flags, _r, base, count, _ts, epoch, fseq, lseq, pid_len, sseq_len = unpack(data, p)
+                        crc, length, magic, flags, _r, base, count, _ts, epoch, fseq, lseq, pid_len, sseq_len = unpack(
+                            data, p
+                        )
                         if magic != MAGIC:
                             bad = f"bad magic {magic:#x}"
                         elif length < HEADER_SIZE + pid_len + sseq_len or length > n - p:
@@ -508,11 +533,17 @@ class StreamLog:
                         st[0], st[1] = epoch, lseq
                         st[2].append(entry)
                     if flags & (FLAG_TXN | FLAG_CONTROL):
-                        txn_pid = bytes(view[p + HEADER_SIZE : p + HEADER_SIZE + pid_len]).decode("utf-8", "replace") if pid_len or epoch >= 0 else None
+                        txn_pid = (
+                            bytes(view[p + HEADER_SIZE : p + HEADER_SIZE + pid_len]).decode("utf-8", "replace")
+                            if pid_len or epoch >= 0
+                            else None
+                        )
                         self.txn.apply(flags, txn_pid, Position(offset, base_pos + p), epoch, fseq)
                     if flags & FLAG_CLOSE or sseq_len:
                         h = parse_header(data, p, verify=False)
-                        tail = tail.after(h, Position(offset, base_pos + p), Position(offset + count, base_pos + p + length))
+                        tail = tail.after(
+                            h, Position(offset, base_pos + p), Position(offset + count, base_pos + p + length)
+                        )
                     offset += count
                     p += length
                 tail = replace(tail, end=Position(offset, base_pos + p))
@@ -575,7 +606,9 @@ class StreamLog:
         seg = self._segments[-1]
         for payload, count, flags in batches:
             start = self.durable.end
-            data = encode_batch(base_offset=start.offset, count=count, payload=payload, flags=flags, timestamp=self._now_ms())
+            data = encode_batch(
+                base_offset=start.offset, count=count, payload=payload, flags=flags, timestamp=self._now_ms()
+            )
             seg.file.pwrite(data, start.pos - seg.base.pos)
             seg.size += len(data)
             end = Position(start.offset + count, start.pos + len(data))
@@ -623,8 +656,14 @@ class StreamLog:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         group.waiters.append(fut)
         self.pending = self.pending.staged(
-            flags=flags, count=count, producer_id=producer_id, epoch=epoch, last_seq=last_seq,
-            stream_seq=stream_seq, start=start, end=end,
+            flags=flags,
+            count=count,
+            producer_id=producer_id,
+            epoch=epoch,
+            last_seq=last_seq,
+            stream_seq=stream_seq,
+            start=start,
+            end=end,
         )
         group.tail = self.pending
         if flags & (FLAG_TXN | FLAG_CONTROL):

@@ -32,8 +32,15 @@ def free_port() -> int:
 class ServerProcess:
     """A server child process: started in its own session, its output drained, stopped by pid."""
 
-    def __init__(self, name: str, argv: list[str], ready: re.Pattern[str], *, cwd: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        ready: re.Pattern[str],
+        *,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.ready = ready
@@ -68,7 +75,9 @@ class ServerProcess:
         while not self._ready_event.wait(0.002):
             if self.proc.poll() is not None:
                 self._reader.join(2)
-                raise ServerFailure(f"{self.name} exited with code {self.proc.returncode} before it was ready:\n{self.output_tail()}")
+                raise ServerFailure(
+                    f"{self.name} exited with code {self.proc.returncode} before it was ready:\n{self.output_tail()}"
+                )
             if time.perf_counter() > deadline:
                 raise ServerFailure(f"{self.name} was not ready after {timeout:.0f} s:\n{self.output_tail()}")
         return (self._ready_at or time.perf_counter()) - t0
@@ -123,8 +132,20 @@ class ServerProcess:
 
 
 def onceflow_server(data: Path, fsync: str = "always") -> ServerProcess:
-    argv = [sys.executable, "-m", "onceflow.cli", "serve", "--data", str(data), "--host", "127.0.0.1",
-            "--port", "0", "--fsync", fsync]
+    argv = [
+        sys.executable,
+        "-m",
+        "onceflow.cli",
+        "serve",
+        "--data",
+        str(data),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--fsync",
+        fsync,
+    ]
     return ServerProcess("onceflow serve", argv, re.compile(r"onceflow listening on (http://\S+)"))
 
 
@@ -148,9 +169,23 @@ class OnceflowProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "onceflow.cli", "serve", "--data", str(self.data), "--port", str(self.port),
-             "--long-poll-timeout", "0.5", *self.extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=self._limits,
+            [
+                sys.executable,
+                "-m",
+                "onceflow.cli",
+                "serve",
+                "--data",
+                str(self.data),
+                "--port",
+                str(self.port),
+                "--long-poll-timeout",
+                "0.5",
+                *self.extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=self._limits,
         )
         assert self.proc.stdout is not None
         seen: list[str] = []

@@ -36,14 +36,19 @@ def postgres_bindir() -> Path:
         out = subprocess.run(["pg_config", "--bindir"], capture_output=True, text=True, check=True).stdout.strip()
         if out and (Path(out) / "initdb").exists():
             return Path(out)
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0)
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0,
+    )
     if found:
         return Path(found[-1]).parent
     initdb = shutil.which("initdb")
     if initdb:
         return Path(os.path.realpath(initdb)).parent
-    raise ServiceUnavailable("PostgreSQL's initdb was not found (pg_config --bindir, /usr/lib/postgresql/*/bin, PATH); "
-                             "scripts/setup.sh dev installs Debian's postgresql package")
+    raise ServiceUnavailable(
+        "PostgreSQL's initdb was not found (pg_config --bindir, /usr/lib/postgresql/*/bin, PATH); "
+        "scripts/setup.sh dev installs Debian's postgresql package"
+    )
 
 
 class PostgresServer:
@@ -81,16 +86,44 @@ class PostgresServer:
         if self._user is not None:
             pw = pwd.getpwnam(self._user)
             os.chown(self.root, pw.pw_uid, pw.pw_gid)
-        self._run([str(self.bindir / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8",
-                   "--locale=C", "--no-sync"])
+        self._run(
+            [
+                str(self.bindir / "initdb"),
+                "-D",
+                str(self.data),
+                "-U",
+                "postgres",
+                "-A",
+                "trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+            ]
+        )
         last: Exception | None = None
         for _ in range(3):  # a free port can be taken between the probe and the bind
             self.port = free_port()
-            opts = (f"-p {self.port} -h 127.0.0.1 -k {self.root} -c fsync={'on' if self.fsync else 'off'} "
-                    f"-c max_prepared_transactions={self.max_prepared_transactions} -c max_connections=100")
+            opts = (
+                f"-p {self.port} -h 127.0.0.1 -k {self.root} -c fsync={'on' if self.fsync else 'off'} "
+                f"-c max_prepared_transactions={self.max_prepared_transactions} -c max_connections=100"
+            )
             try:
-                self._run([str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "postgres.log"),
-                           "-w", "-t", "60", "-o", opts, "start"])
+                self._run(
+                    [
+                        str(self.bindir / "pg_ctl"),
+                        "-D",
+                        str(self.data),
+                        "-l",
+                        str(self.root / "postgres.log"),
+                        "-w",
+                        "-t",
+                        "60",
+                        "-o",
+                        opts,
+                        "start",
+                    ]
+                )
                 return
             except RuntimeError as exc:
                 last = exc
@@ -105,7 +138,9 @@ class PostgresServer:
             return
         if (self.data / "postmaster.pid").exists():
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
-                self._run([str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"], timeout=60)
+                self._run(
+                    [str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"], timeout=60
+                )
         shutil.rmtree(self.root, ignore_errors=True)
         self.root = None
 
@@ -123,7 +158,9 @@ class RedisServer:
     def __init__(self, *, appendonly: bool = False, appendfsync: str = "everysec") -> None:
         binary = shutil.which("redis-server")
         if binary is None:
-            raise ServiceUnavailable("redis-server was not found on PATH; scripts/setup.sh dev installs Debian's redis-server package")
+            raise ServiceUnavailable(
+                "redis-server was not found on PATH; scripts/setup.sh dev installs Debian's redis-server package"
+            )
         self.binary = binary
         self.appendonly = appendonly
         self.appendfsync = appendfsync
@@ -141,14 +178,34 @@ class RedisServer:
         last = ""
         for _ in range(3):
             self.port = free_port()
-            argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.root), "--save", "",
-                    "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.appendfsync,
-                    "--daemonize", "no", "--logfile", str(self.root / "redis.log")]
+            argv = [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.root),
+                "--save",
+                "",
+                "--appendonly",
+                "yes" if self.appendonly else "no",
+                "--appendfsync",
+                self.appendfsync,
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(self.root / "redis.log"),
+            ]
             self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             if self._wait_ready():
                 return
             self._kill()
-            last = (self.root / "redis.log").read_text(errors="replace")[-2000:] if (self.root / "redis.log").exists() else ""
+            last = (
+                (self.root / "redis.log").read_text(errors="replace")[-2000:]
+                if (self.root / "redis.log").exists()
+                else ""
+            )
         raise RuntimeError(f"redis-server did not start:\n{last}")
 
     def _wait_ready(self, timeout: float = 20.0) -> bool:

@@ -199,13 +199,21 @@ def ensure_node_reference() -> tuple[Path, str]:
     home.mkdir(parents=True, exist_ok=True)
     pkg_json = home / "package.json"
     if not pkg_json.exists():
-        pkg_json.write_text(json.dumps({"name": "onceflow-bench-node", "private": True, "type": "module"}, indent=2) + "\n")
+        pkg_json.write_text(
+            json.dumps({"name": "onceflow-bench-node", "private": True, "type": "module"}, indent=2) + "\n"
+        )
     installed = home / "node_modules" / "@durable-streams" / "server" / "package.json"
     if not installed.exists():
         _say(f"installing {NODE_PACKAGE} into {home} (npm install)")
         try:
-            proc = subprocess.run([npm, "install", "--no-audit", "--no-fund", NODE_PACKAGE], cwd=home,
-                                  capture_output=True, text=True, timeout=600, check=False)
+            proc = subprocess.run(
+                [npm, "install", "--no-audit", "--no-fund", NODE_PACKAGE],
+                cwd=home,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             raise BenchFailure("npm install did not finish within 10 minutes") from None
         if proc.returncode != 0 or not installed.exists():
@@ -224,8 +232,13 @@ def reference_server(script: Path, data: Path | None) -> ServerProcess:
     env = dict(os.environ, PORT="0", DATA_DIR=str(data) if data is not None else "")
     node = shutil.which("node") or "node"
     mode = "file" if data is not None else "memory"
-    return ServerProcess(f"reference ({mode})", [node, script.name], re.compile(r"reference listening on (http://\S+)"),
-                         cwd=script.parent, env=env)
+    return ServerProcess(
+        f"reference ({mode})",
+        [node, script.name],
+        re.compile(r"reference listening on (http://\S+)"),
+        cwd=script.parent,
+        env=env,
+    )
 
 
 def ensure_wrk() -> str | None:
@@ -289,7 +302,10 @@ def parse_wrk(output: str) -> _Raw:
         raise BenchFailure(f"could not parse wrk output:\n{output}")
     requests = int(m.group(1))
     elapsed = float(m.group(2)) * _UNITS_MS[m.group(3)] / 1e3
-    dist = {int(p): float(v) * _UNITS_MS[u] for p, v, u in re.findall(r"^\s+(\d+)%\s+([\d.]+)(us|ms|s|m|h)\s*$", output, re.M)}
+    dist = {
+        int(p): float(v) * _UNITS_MS[u]
+        for p, v, u in re.findall(r"^\s+(\d+)%\s+([\d.]+)(us|ms|s|m|h)\s*$", output, re.M)
+    }
     non = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", output)
     non_2xx = int(non.group(1)) if non else 0
     sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", output)
@@ -316,12 +332,21 @@ def run_wrk(wrk: str, url: str, body: bytes, concurrency: int, seconds: int, wor
         if "]==]" in text:
             raise ValueError("message body cannot be quoted for Lua")
         script.write_text(
-            'wrk.method = "POST"\n'
-            f"wrk.body = [==[{text}]==]\n"
-            'wrk.headers["Content-Type"] = "application/json"\n'
+            f'wrk.method = "POST"\nwrk.body = [==[{text}]==]\nwrk.headers["Content-Type"] = "application/json"\n'
         )
     threads = max(1, min(2, concurrency))
-    argv = [wrk, f"-t{threads}", f"-c{concurrency}", f"-d{seconds}s", "--timeout", "30s", "--latency", "-s", str(script), url]
+    argv = [
+        wrk,
+        f"-t{threads}",
+        f"-c{concurrency}",
+        f"-d{seconds}s",
+        "--timeout",
+        "30s",
+        "--latency",
+        "-s",
+        str(script),
+        url,
+    ]
     cpu0 = _children_cpu()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120, check=False)
     cpu1 = _children_cpu()
@@ -452,8 +477,9 @@ def stream_tail(base_url: str) -> str:
     return str(r.headers.get("Stream-Next-Offset", ""))
 
 
-def measure_server(server: ServerProcess, system: str, mode: str, gen: LoadGenerator, concurrency: int,
-                   seconds: int) -> LoadResult:
+def measure_server(
+    server: ServerProcess, system: str, mode: str, gen: LoadGenerator, concurrency: int, seconds: int
+) -> LoadResult:
     """Warm up, measure, then read the stream back and check it against the acknowledgements."""
     body = make_message()
     url = server.url + STREAM_PATH
@@ -475,7 +501,9 @@ def measure_server(server: ServerProcess, system: str, mode: str, gen: LoadGener
         msg_per_s=raw.ok / raw.elapsed if raw.elapsed > 0 else 0.0,
         p50_ms=raw.p50_ms,
         p99_ms=raw.p99_ms,
-        server_cpu_pct=100 * (cpu1 - cpu0) / raw.elapsed if cpu0 is not None and cpu1 is not None and raw.elapsed else None,
+        server_cpu_pct=100 * (cpu1 - cpu0) / raw.elapsed
+        if cpu0 is not None and cpu1 is not None and raw.elapsed
+        else None,
         client_cpu_pct=100 * raw.client_cpu / raw.elapsed if raw.client_cpu is not None and raw.elapsed else None,
     )
     for label, r in (("warm-up", warm), ("measurement", raw)):
@@ -491,7 +519,9 @@ def measure_server(server: ServerProcess, system: str, mode: str, gen: LoadGener
     if stored < res.acknowledged:
         res.failures.append(f"LOST ACKNOWLEDGED APPENDS: {res.acknowledged} acknowledged, {stored} in the stream")
     elif stored > res.acknowledged + res.in_flight_bound:
-        res.failures.append(f"stream holds {stored} messages, more than {res.acknowledged} acknowledged + {res.in_flight_bound} in flight")
+        res.failures.append(
+            f"stream holds {stored} messages, more than {res.acknowledged} acknowledged + {res.in_flight_bound} in flight"
+        )
     if wrong:
         res.failures.append(f"{wrong} messages read back differ from what was sent")
     status = "FAILED: " + "; ".join(res.failures) if res.failures else "ok"
@@ -572,8 +602,15 @@ async def _build_log(data_dir: Path, total_bytes: int) -> _BuiltLog:
         in_flight: deque[asyncio.Future[None]] = deque()
         seq = 0
         while slog.pending.end.pos < total_bytes:
-            staged = slog.stage(count=per_batch, payload=payload, flags=FLAG_JSON, producer_id=LOADER_PRODUCER,
-                                epoch=0, first_seq=seq, last_seq=seq)
+            staged = slog.stage(
+                count=per_batch,
+                payload=payload,
+                flags=FLAG_JSON,
+                producer_id=LOADER_PRODUCER,
+                epoch=0,
+                first_seq=seq,
+                last_seq=seq,
+            )
             seq += 1
             in_flight.append(staged.done)
             if len(in_flight) >= 8:
@@ -682,31 +719,54 @@ def measure_recovery(root: Path, gib: float) -> RecoveryResult:
     built = _run_loop(_build_log(data_dir, total))
     build_s = time.perf_counter() - t0
     messages = built.end_offset
-    res = RecoveryResult(log_bytes=built.end_pos, segments=built.segments, batches=built.batches, messages=messages,
-                         build_seconds=build_s)
-    _say(f"  built {built.end_pos / (1 << 30):.2f} GiB, {built.segments} segments, {built.batches:,} batches, "
-         f"{messages:,} messages in {build_s:.1f} s")
+    res = RecoveryResult(
+        log_bytes=built.end_pos,
+        segments=built.segments,
+        batches=built.batches,
+        messages=messages,
+        build_seconds=build_s,
+    )
+    _say(
+        f"  built {built.end_pos / (1 << 30):.2f} GiB, {built.segments} segments, {built.batches:,} batches, "
+        f"{messages:,} messages in {build_s:.1f} s"
+    )
 
     def check(slog: StreamLog) -> None:
         end = slog.durable.end
         if (end.offset, end.pos) != (built.end_offset, built.end_pos):
-            raise BenchFailure(f"recovered tail {end} differs from the written tail ({built.end_offset}, {built.end_pos})")
+            raise BenchFailure(
+                f"recovered tail {end} differs from the written tail ({built.end_offset}, {built.end_pos})"
+            )
         p = slog.producers.get(LOADER_PRODUCER)
         if p is None or p.last_seq != built.last_seq:
             raise BenchFailure(f"recovered producer state {p} differs from last_seq {built.last_seq}")
 
     d = built.stream_dir
-    rolls = ("from the last periodic snapshot (every 8 MiB and at each roll)" if built.roll_snapshot is not None
-             else "before the first snapshot")
+    rolls = (
+        "from the last periodic snapshot (every 8 MiB and at each roll)"
+        if built.roll_snapshot is not None
+        else "before the first snapshot"
+    )
     cases: list[tuple[str, bytes | None, bool, str]] = [
         ("open after clean shutdown (snapshot at the tail)", built.final_snapshot, True, "no scan"),
-        (f"open after crash, {rolls}", built.roll_snapshot, True, "scans + CRC-checks what was written after that snapshot (< 8 MiB)"),
-        ("open after crash, no snapshot (use_snapshot=False)", built.final_snapshot, False,
-         f"scans + CRC-checks all {built.end_pos / (1 << 20):.0f} MiB"),
+        (
+            f"open after crash, {rolls}",
+            built.roll_snapshot,
+            True,
+            "scans + CRC-checks what was written after that snapshot (< 8 MiB)",
+        ),
+        (
+            "open after crash, no snapshot (use_snapshot=False)",
+            built.final_snapshot,
+            False,
+            f"scans + CRC-checks all {built.end_pos / (1 << 20):.0f} MiB",
+        ),
     ]
     for name, snap, use_snapshot, detail in cases:
         with _snapshot_as(d, snap, built.final_snapshot):
-            warm = statistics.median(_time_open(d, use_snapshot=use_snapshot, cold=False, check=check) for _ in range(3))
+            warm = statistics.median(
+                _time_open(d, use_snapshot=use_snapshot, cold=False, check=check) for _ in range(3)
+            )
             cold = _time_open(d, use_snapshot=use_snapshot, cold=True, check=check)
         res.cases.append(RecoveryCase(f"{name}, warm cache", warm, detail + ", median of 3"))
         res.cases.append(RecoveryCase(f"{name}, cold cache", cold, detail + ", page cache dropped (fadvise)"))
@@ -717,7 +777,9 @@ def measure_recovery(root: Path, gib: float) -> RecoveryResult:
     small_dir = root / "small-batches"
     t1 = time.perf_counter()
     n_small = _small_batch_segment(small_dir, small_size)
-    _say(f"  built a {small_size >> 20} MiB segment of {n_small:,} single-message batches in {time.perf_counter() - t1:.1f} s")
+    _say(
+        f"  built a {small_size >> 20} MiB segment of {n_small:,} single-message batches in {time.perf_counter() - t1:.1f} s"
+    )
 
     def check_small(slog: StreamLog) -> None:
         if slog.durable.end.offset != n_small:
@@ -726,7 +788,9 @@ def measure_recovery(root: Path, gib: float) -> RecoveryResult:
     small_warm = _time_open(small_dir, use_snapshot=False, cold=False, check=check_small)
     small_cold = _time_open(small_dir, use_snapshot=False, cold=True, check=check_small)
     label = f"no snapshot at all: scan of one {small_size >> 20} MiB segment of single-message batches (worst case)"
-    res.cases.append(RecoveryCase(f"{label}, warm cache", small_warm, f"{n_small:,} batches of {small_size // n_small} B"))
+    res.cases.append(
+        RecoveryCase(f"{label}, warm cache", small_warm, f"{n_small:,} batches of {small_size // n_small} B")
+    )
     res.cases.append(RecoveryCase(f"{label}, cold cache", small_cold, f"{n_small:,} batches, page cache dropped"))
     _say(f"  {label}: {small_warm * 1e3:,.1f} ms warm, {small_cold * 1e3:,.1f} ms cold")
     shutil.rmtree(small_dir)
@@ -737,7 +801,12 @@ def measure_recovery(root: Path, gib: float) -> RecoveryResult:
     restarts: list[tuple[str, Path, bytes | None, str]] = [
         ("server start, empty data dir (baseline: interpreter + imports)", empty, None, ""),
         ("server restart after clean shutdown", data_dir, built.final_snapshot, "snapshot at the tail"),
-        (f"server restart after crash, {rolls}", data_dir, built.roll_snapshot, "scan since the last periodic snapshot"),
+        (
+            f"server restart after crash, {rolls}",
+            data_dir,
+            built.roll_snapshot,
+            "scan since the last periodic snapshot",
+        ),
         ("server restart after crash, no snapshot", data_dir, None, "full scan"),
     ]
     expected_tail = f"{built.end_offset:016d}_{built.end_pos:016d}"
@@ -767,31 +836,53 @@ def _ratio(a: LoadResult | None, b: LoadResult | None) -> float | None:
     return a.msg_per_s / b.msg_per_s
 
 
-def render(loads: list[LoadResult], fsync: FsyncRate | None, recovery: RecoveryResult | None, generator: str,
-           notes: list[str], concurrency: int) -> tuple[str, dict[str, Any]]:
+def render(
+    loads: list[LoadResult],
+    fsync: FsyncRate | None,
+    recovery: RecoveryResult | None,
+    generator: str,
+    notes: list[str],
+    concurrency: int,
+) -> tuple[str, dict[str, Any]]:
     lines: list[str] = []
     lines.append("")
     lines.append("=" * 100)
-    lines.append(f"onceflow bench append: 1 message of {MESSAGE_BYTES} B JSON per POST, one stream, concurrency {concurrency}")
+    lines.append(
+        f"onceflow bench append: 1 message of {MESSAGE_BYTES} B JSON per POST, one stream, concurrency {concurrency}"
+    )
     lines.append(f"load generator: {generator}")
     for note in notes:
         lines.append(f"note: {note}")
     if fsync is not None:
-        lines.append(f"machine fsync rate: {fsync.per_second:,.0f}/s ({MESSAGE_BYTES} B pwrite + fdatasync, "
-                     f"{fsync.mean_us:,.0f} µs each, in {fsync.directory})")
+        lines.append(
+            f"machine fsync rate: {fsync.per_second:,.0f}/s ({MESSAGE_BYTES} B pwrite + fdatasync, "
+            f"{fsync.mean_us:,.0f} µs each, in {fsync.directory})"
+        )
     lines.append("")
-    lines.append(f"{'system':<10} {'mode':<22} {'msg/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'srv CPU':>8} {'cli CPU':>8}  check")
+    lines.append(
+        f"{'system':<10} {'mode':<22} {'msg/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'srv CPU':>8} {'cli CPU':>8}  check"
+    )
     for r in loads:
-        mode = {"file": "file, fsync always" if r.system == "onceflow" else "file (dataDir)", "memory": "in-memory"}[r.mode]
-        check = "FAILED: " + "; ".join(r.failures) if r.failures else f"ok ({r.stored:,} stored >= {r.acknowledged:,} acked)"
-        lines.append(f"{r.system:<10} {mode:<22} {r.msg_per_s:>10,.0f} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} "
-                     f"{_pct(r.server_cpu_pct):>8} {_pct(r.client_cpu_pct):>8}  {check}")
+        mode = {"file": "file, fsync always" if r.system == "onceflow" else "file (dataDir)", "memory": "in-memory"}[
+            r.mode
+        ]
+        check = (
+            "FAILED: " + "; ".join(r.failures)
+            if r.failures
+            else f"ok ({r.stored:,} stored >= {r.acknowledged:,} acked)"
+        )
+        lines.append(
+            f"{r.system:<10} {mode:<22} {r.msg_per_s:>10,.0f} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} "
+            f"{_pct(r.server_cpu_pct):>8} {_pct(r.client_cpu_pct):>8}  {check}"
+        )
     by = {(r.system, r.mode): r for r in loads}
     once = by.get(("onceflow", "file"))
     ratios: dict[str, Any] = {}
     lines.append("")
-    for key, ref_mode, target in (("onceflow/reference-file", "file", FILE_RATIO_TARGET),
-                                  ("onceflow/reference-memory", "memory", MEMORY_RATIO_TARGET)):
+    for key, ref_mode, target in (
+        ("onceflow/reference-file", "file", FILE_RATIO_TARGET),
+        ("onceflow/reference-memory", "memory", MEMORY_RATIO_TARGET),
+    ):
         ratio = _ratio(once, by.get(("reference", ref_mode)))
         verdict = "n/a" if ratio is None else ("PASS" if ratio >= target else "MISS")
         ratios[key] = {"ratio": ratio, "target": target, "verdict": verdict}
@@ -799,9 +890,11 @@ def render(loads: list[LoadResult], fsync: FsyncRate | None, recovery: RecoveryR
         lines.append(f"ratio {key:<27} {shown:>20}   target >= {target:g}x   {verdict}")
     if recovery is not None:
         lines.append("")
-        lines.append(f"recovery of a {recovery.log_bytes / (1 << 30):.2f} GiB log ({recovery.segments} segments, rolled at 64 MiB, "
-                     f"{recovery.batches:,} batches of ~1 MiB, {recovery.messages:,} messages; built in {recovery.build_seconds:.1f} s), "
-                     f"target <= {RECOVERY_TARGET_S:g} s")
+        lines.append(
+            f"recovery of a {recovery.log_bytes / (1 << 30):.2f} GiB log ({recovery.segments} segments, rolled at 64 MiB, "
+            f"{recovery.batches:,} batches of ~1 MiB, {recovery.messages:,} messages; built in {recovery.build_seconds:.1f} s), "
+            f"target <= {RECOVERY_TARGET_S:g} s"
+        )
         for c in recovery.cases:
             lines.append(f"  {c.name:<96} {c.seconds * 1e3:>9,.1f} ms  {'PASS' if c.passed else 'MISS'}   ({c.detail})")
         for f in recovery.failures:
@@ -817,7 +910,9 @@ def render(loads: list[LoadResult], fsync: FsyncRate | None, recovery: RecoveryR
         "loads": [asdict(r) for r in loads],
         "ratios": ratios,
         "recovery": (
-            None if recovery is None else {
+            None
+            if recovery is None
+            else {
                 **{k: v for k, v in asdict(recovery).items() if k != "cases"},
                 "target_seconds": RECOVERY_TARGET_S,
                 "cases": [{**asdict(c), "verdict": "PASS" if c.passed else "MISS"} for c in recovery.cases],
@@ -867,29 +962,39 @@ def run(args: argparse.Namespace) -> int:
             _say(f"wrk takes whole seconds: measuring {seconds} s")
         _say(f"temp dir {root}; servers bind 127.0.0.1 only")
         fsync = measure_fsync_rate(root)
-        _say(f"machine fsync rate: {fsync.per_second:,.0f}/s ({fsync.mean_us:,.0f} µs per {MESSAGE_BYTES} B write + fdatasync)")
+        _say(
+            f"machine fsync rate: {fsync.per_second:,.0f}/s ({fsync.mean_us:,.0f} µs per {MESSAGE_BYTES} B write + fdatasync)"
+        )
 
         gen = LoadGenerator(getattr(args, "generator", "auto"), root)
         generator = gen.name = gen.name.replace("<concurrency>", str(concurrency))
         _say(f"load generator: {generator}")
         if gen.is_python:
             why = "--generator python" if getattr(args, "generator", "auto") == "python" else "wrk unavailable"
-            notes.append(f"{why}: the Python load generator competes with the servers for the same "
-                         f"{os.cpu_count()} cores, so all figures are lower than a dedicated client would show")
+            notes.append(
+                f"{why}: the Python load generator competes with the servers for the same "
+                f"{os.cpu_count()} cores, so all figures are lower than a dedicated client would show"
+            )
         else:
             notes.append(f"wrk shares the machine's {os.cpu_count()} cores with the servers (loopback)")
-        notes.append("onceflow: every append is fsync'd (fdatasync) before its acknowledgement: --fsync always, "
-                     "group commit (one fdatasync per group of concurrently staged appends)")
-        notes.append(f"each server gets a {WARMUP_SECONDS} s warm-up that is not measured; "
-                     "afterwards the stream is read back and checked against the acknowledged appends")
+        notes.append(
+            "onceflow: every append is fsync'd (fdatasync) before its acknowledgement: --fsync always, "
+            "group commit (one fdatasync per group of concurrently staged appends)"
+        )
+        notes.append(
+            f"each server gets a {WARMUP_SECONDS} s warm-up that is not measured; "
+            "afterwards the stream is read back and checked against the acknowledged appends"
+        )
 
         measure(onceflow_server(root / "onceflow-data"), "onceflow", "file", gen)
 
         found = find_reference(args.skip_reference, notes)
         if found is not None:
             script, version = found
-            notes.append(f"reference: {NODE_PACKAGE} {version} (Node {_node_version()}), DurableStreamTestServer; "
-                         "file mode = dataDir set, memory mode = no dataDir")
+            notes.append(
+                f"reference: {NODE_PACKAGE} {version} (Node {_node_version()}), DurableStreamTestServer; "
+                "file mode = dataDir set, memory mode = no dataDir"
+            )
             ref_data = root / "reference-data"
             ref_data.mkdir()
             measure(reference_server(script, ref_data), "reference", "file", gen)

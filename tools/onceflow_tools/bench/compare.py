@@ -108,7 +108,13 @@ REDIS_ALWAYS = "Redis (fsync always)"
 REDIS_EVERYSEC = "Redis (fsync everysec)"
 JETSTREAM = "JetStream"
 SYSTEM_ORDER = (ONCEFLOW, REFERENCE, REDIS_ALWAYS, REDIS_EVERYSEC, JETSTREAM)
-COLORS = {ONCEFLOW: "tab:blue", REFERENCE: "tab:orange", REDIS_ALWAYS: "tab:red", REDIS_EVERYSEC: "salmon", JETSTREAM: "tab:green"}
+COLORS = {
+    ONCEFLOW: "tab:blue",
+    REFERENCE: "tab:orange",
+    REDIS_ALWAYS: "tab:red",
+    REDIS_EVERYSEC: "salmon",
+    JETSTREAM: "tab:green",
+}
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -213,7 +219,9 @@ def payload(size: int) -> bytes:
 # ---------------------------------------------------------------------------------------------- onceflow (and the reference)
 
 
-async def _onceflow_produce(server: ServerProcess, name: str, size: int, seconds: float) -> tuple[Measurement, Measurement]:
+async def _onceflow_produce(
+    server: ServerProcess, name: str, size: int, seconds: float
+) -> tuple[Measurement, Measurement]:
     """Idempotent producer throughput on a byte stream, then the timed catch-up read of it."""
     from onceflow.client import AsyncIdempotentProducer, AsyncStream, OnceflowError
 
@@ -224,8 +232,16 @@ async def _onceflow_produce(server: ServerProcess, name: str, size: int, seconds
     ct = "application/octet-stream"
     async with AsyncStream.connect(url, name) as stream:
         await stream.create(ct)
-    producer = AsyncIdempotentProducer(url, name, producer_id=f"bench-{name}", epoch=0, content_type=ct,
-                                       max_batch_bytes=BATCH_BYTES, linger_ms=0, max_in_flight=MAX_IN_FLIGHT)
+    producer = AsyncIdempotentProducer(
+        url,
+        name,
+        producer_id=f"bench-{name}",
+        epoch=0,
+        content_type=ct,
+        max_batch_bytes=BATCH_BYTES,
+        linger_ms=0,
+        max_in_flight=MAX_IN_FLIGHT,
+    )
     max_pending = (MAX_IN_FLIGHT + 2) * (BATCH_BYTES // size)
     path = f"AsyncIdempotentProducer, byte stream, 1 MiB batches, {MAX_IN_FLIGHT} in flight"
     res = Measurement(f"produce-{size}", ONCEFLOW, path, 0.0, 0.0, 0)
@@ -270,8 +286,16 @@ async def _onceflow_produce(server: ServerProcess, name: str, size: int, seconds
         read_s = time.perf_counter() - t1
         await stream.delete()
     _check_count(res, count, wrong)
-    catch = Measurement(f"catch-up-{size}", ONCEFLOW, "AsyncStream.chunks from the start (HTTP GETs)",
-                        count / read_s if read_s else 0.0, read_s, count, acknowledged=res.acknowledged, stored=count)
+    catch = Measurement(
+        f"catch-up-{size}",
+        ONCEFLOW,
+        "AsyncStream.chunks from the start (HTTP GETs)",
+        count / read_s if read_s else 0.0,
+        read_s,
+        count,
+        acknowledged=res.acknowledged,
+        stored=count,
+    )
     catch.failures = list(res.failures)
     return res, catch
 
@@ -283,7 +307,9 @@ def _check_count(res: Measurement, stored: int, wrong: int, in_flight: int = 0) 
     if stored < res.acknowledged:
         res.failures.append(f"LOST ACKNOWLEDGED MESSAGES: {res.acknowledged:,} acknowledged, {stored:,} read back")
     elif stored > res.acknowledged + in_flight:
-        res.failures.append(f"{stored:,} read back, more than {res.acknowledged:,} acknowledged + {in_flight} in flight")
+        res.failures.append(
+            f"{stored:,} read back, more than {res.acknowledged:,} acknowledged + {in_flight} in flight"
+        )
 
 
 async def _http_latency(url: str, name: str, system: str, count: int, rate: float) -> Latency:
@@ -307,8 +333,9 @@ async def _http_latency(url: str, name: str, system: str, count: int, rate: floa
 
     res = Latency(system, "AsyncIdempotentProducer (linger 0) -> AsyncStream SSE reader", count, 0)
     task = asyncio.get_running_loop().create_task(reader())
-    producer = AsyncIdempotentProducer(url, name, producer_id=f"bench-{name}", epoch=0, content_type="application/json",
-                                       linger_ms=0)
+    producer = AsyncIdempotentProducer(
+        url, name, producer_id=f"bench-{name}", epoch=0, content_type="application/json", linger_ms=0
+    )
     try:
         await producer.start()
         await asyncio.sleep(0.3)
@@ -373,17 +400,38 @@ def _cpu_pct(cpu0: float | None, cpu1: float | None, elapsed: float) -> float | 
     return None if cpu0 is None or cpu1 is None or elapsed <= 0 else 100 * (cpu1 - cpu0) / elapsed
 
 
-def _redis_benchmark(port: int, key: str, value: bytes, clients: int, pipeline: int, n: int) -> tuple[float, float, float]:
+def _redis_benchmark(
+    port: int, key: str, value: bytes, clients: int, pipeline: int, n: int
+) -> tuple[float, float, float]:
     """``redis-benchmark`` running ``XADD key * m value`` n times: (requests/s, p50 ms, p99 ms)."""
     exe = shutil.which("redis-benchmark")
     if exe is None:
         raise BenchFailure("redis-benchmark is not on PATH (Debian's redis-tools package)")
-    argv = [exe, "-h", "127.0.0.1", "-p", str(port), "-c", str(clients), "-P", str(pipeline), "-n", str(n), "--csv",
-            "XADD", key, "*", "m", value.decode()]
+    argv = [
+        exe,
+        "-h",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "-c",
+        str(clients),
+        "-P",
+        str(pipeline),
+        "-n",
+        str(n),
+        "--csv",
+        "XADD",
+        key,
+        "*",
+        "m",
+        value.decode(),
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     rows = [r for r in csv.reader(io.StringIO(proc.stdout)) if r and r[0] != "test"]
     if proc.returncode != 0 or not rows:
-        raise BenchFailure(f"redis-benchmark failed (exit {proc.returncode}): {proc.stdout[-500:]} {proc.stderr[-500:]}")
+        raise BenchFailure(
+            f"redis-benchmark failed (exit {proc.returncode}): {proc.stdout[-500:]} {proc.stderr[-500:]}"
+        )
     row = rows[-1]
     # "test","rps","avg_latency_ms","min_latency_ms","p50_latency_ms","p95_latency_ms","p99_latency_ms","max_latency_ms"
     return float(row[1]), float(row[4]), float(row[6])
@@ -413,8 +461,9 @@ async def _redis_read_back(url: str, key: str, value: bytes) -> tuple[int, int, 
     return count, wrong, elapsed
 
 
-def redis_load(server: RedisServer, system: str, workload: str, size: int, clients: int, pipeline: int,
-               seconds: float) -> tuple[Measurement, Measurement | None]:
+def redis_load(
+    server: RedisServer, system: str, workload: str, size: int, clients: int, pipeline: int, seconds: float
+) -> tuple[Measurement, Measurement | None]:
     """A redis-benchmark warm-up sized by ``seconds``, the run, and the read-back (catch-up)."""
     value = payload(size)[:-1] + b"r"  # no newline on a command line
     key = f"{workload}-{size}"
@@ -428,14 +477,33 @@ def redis_load(server: RedisServer, system: str, workload: str, size: int, clien
     elapsed = time.perf_counter() - t0
     cpu1 = _pid_cpu(server.proc.pid if server.proc else None)
     path = f"redis-benchmark XADD -c {clients} -P {pipeline}"
-    res = Measurement(workload if workload == "append" else f"produce-{size}", system, path, rps, n / rps if rps else elapsed,
-                      n, p50, p99, acknowledged=warm_n + n, server_cpu_pct=_cpu_pct(cpu0, cpu1, elapsed))
+    res = Measurement(
+        workload if workload == "append" else f"produce-{size}",
+        system,
+        path,
+        rps,
+        n / rps if rps else elapsed,
+        n,
+        p50,
+        p99,
+        acknowledged=warm_n + n,
+        server_cpu_pct=_cpu_pct(cpu0, cpu1, elapsed),
+    )
     count, wrong, read_s = _run_loop(_redis_read_back(server.url, key, value))
     _check_count(res, count, wrong)
     catch = None
     if workload != "append":
-        catch = Measurement(f"catch-up-{size}", system, "XRANGE pages of 10,000 (redis-py asyncio)", count / read_s if read_s else 0.0,
-                            read_s, count, acknowledged=res.acknowledged, stored=count, failures=list(res.failures))
+        catch = Measurement(
+            f"catch-up-{size}",
+            system,
+            "XRANGE pages of 10,000 (redis-py asyncio)",
+            count / read_s if read_s else 0.0,
+            read_s,
+            count,
+            acknowledged=res.acknowledged,
+            stored=count,
+            failures=list(res.failures),
+        )
     return res, catch
 
 
@@ -500,14 +568,18 @@ def nats_server(root: Path, notes: list[str]) -> tuple[ServerProcess, bool]:
     probe = subprocess.run([exe, "-c", str(conf), "-t"], capture_output=True, text=True, check=False)
     if probe.returncode != 0 and "sync_interval" in probe.stdout + probe.stderr:
         conf.write_text(NATS_CONF.format(port=port, store=root / "js", sync=""))
-        notes.append(f"JetStream ({version}): this version does not know `sync_interval`, so it acknowledges a publish "
-                     "once written to the OS, before any fsync (its file store syncs in the background): "
-                     "NOT durable in the sense of the other rows; its figures are an upper bound for a durable JetStream")
+        notes.append(
+            f"JetStream ({version}): this version does not know `sync_interval`, so it acknowledges a publish "
+            "once written to the OS, before any fsync (its file store syncs in the background): "
+            "NOT durable in the sense of the other rows; its figures are an upper bound for a durable JetStream"
+        )
     else:
         notes.append(f"JetStream ({version}): file storage with `sync_interval: always` (fsync before every ack)")
     durable = "sync_interval" in conf.read_text()
-    return (ServerProcess("nats-server", [exe, "-c", str(conf)], re.compile(r"Listening for client connections on (\S+)")),
-            durable)
+    return (
+        ServerProcess("nats-server", [exe, "-c", str(conf)], re.compile(r"Listening for client connections on (\S+)")),
+        durable,
+    )
 
 
 async def _nats_connect(server: ServerProcess) -> Any:
@@ -552,7 +624,9 @@ async def _nats_read_back(nc: Any, js: Any, name: str, value: bytes, expected: i
     return stored, wrong, elapsed
 
 
-async def _nats_produce(server: ServerProcess, size: int, seconds: float, workload: str) -> tuple[Measurement, Measurement | None]:
+async def _nats_produce(
+    server: ServerProcess, size: int, seconds: float, workload: str
+) -> tuple[Measurement, Measurement | None]:
     """Async publish with a window of NATS_WINDOW (produce) or 75 publishers awaiting each ack (append)."""
     value = payload(size)
     nc = await _nats_connect(server)
@@ -623,10 +697,18 @@ async def _nats_produce(server: ServerProcess, size: int, seconds: float, worklo
         elapsed = time.perf_counter() - t0
         client_pct = _cpu_pct(client0, time.process_time(), elapsed)
         latencies.sort()
-        res = Measurement(workload if workload == "append" else f"produce-{size}", JETSTREAM,
-                          f"{path} (client CPU {client_pct or 0:.0f} %)", n / elapsed, elapsed, n,
-                          _pctl(latencies, 50) * 1e3 if latencies else None, _pctl(latencies, 99) * 1e3 if latencies else None,
-                          acknowledged=acked, server_cpu_pct=_cpu_pct(cpu0, server.cpu_seconds(), elapsed))
+        res = Measurement(
+            workload if workload == "append" else f"produce-{size}",
+            JETSTREAM,
+            f"{path} (client CPU {client_pct or 0:.0f} %)",
+            n / elapsed,
+            elapsed,
+            n,
+            _pctl(latencies, 50) * 1e3 if latencies else None,
+            _pctl(latencies, 99) * 1e3 if latencies else None,
+            acknowledged=acked,
+            server_cpu_pct=_cpu_pct(cpu0, server.cpu_seconds(), elapsed),
+        )
         if dups:
             res.failures.append(f"{dups} publishes acknowledged as duplicates")
         stored, wrong, read_s = await _nats_read_back(nc, js, name, value, acked)
@@ -635,9 +717,17 @@ async def _nats_produce(server: ServerProcess, size: int, seconds: float, worklo
         await nc.close()
     catch = None
     if workload != "append":
-        catch = Measurement(f"catch-up-{size}", JETSTREAM, "ordered push consumer (nats-py), from the first message",
-                            stored / read_s if read_s else 0.0, read_s, stored, acknowledged=acked, stored=stored,
-                            failures=list(res.failures))
+        catch = Measurement(
+            f"catch-up-{size}",
+            JETSTREAM,
+            "ordered push consumer (nats-py), from the first message",
+            stored / read_s if read_s else 0.0,
+            read_s,
+            stored,
+            acknowledged=acked,
+            stored=stored,
+            failures=list(res.failures),
+        )
     return res, catch
 
 
@@ -661,8 +751,11 @@ async def _nats_latency(server: ServerProcess, count: int, rate: float) -> Laten
     try:
         sub = await js.subscribe("latency", cb=cb, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
         await asyncio.sleep(0.2)
-        await _paced(count, rate, lambda i: js.publish("latency", b"%d:%d" % (i, time.perf_counter_ns()),
-                                                       headers={"Nats-Msg-Id": f"l-{i}"}))
+        await _paced(
+            count,
+            rate,
+            lambda i: js.publish("latency", b"%d:%d" % (i, time.perf_counter_ns()), headers={"Nats-Msg-Id": f"l-{i}"}),
+        )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), 30)
         await sub.unsubscribe()
@@ -709,9 +802,15 @@ class _FanoutState:
         return len(self.seen[reader]) >= self.count + 1
 
 
-async def _fanout(system: str, path: str, readers: int, count: int, rate: float,
-                  start_reader: Callable[[int, _FanoutState], Coroutine[Any, Any, None]],
-                  send: Callable[[int], Awaitable[object]]) -> Fanout:
+async def _fanout(
+    system: str,
+    path: str,
+    readers: int,
+    count: int,
+    rate: float,
+    start_reader: Callable[[int, _FanoutState], Coroutine[Any, Any, None]],
+    send: Callable[[int], Awaitable[object]],
+) -> Fanout:
     """Start the readers, append message -1 until all have it (connect time), then ``count`` at ``rate``."""
     st = _FanoutState(readers, count)
     res = Fanout(system, path, readers, count)
@@ -723,7 +822,9 @@ async def _fanout(system: str, path: str, readers: int, count: int, rate: float,
         try:
             await asyncio.wait_for(st.first.wait(), 120)
         except TimeoutError:
-            res.failures.append(f"only {sum(1 for s in st.seen if -1 in s)} of {readers} readers were following after 120 s")
+            res.failures.append(
+                f"only {sum(1 for s in st.seen if -1 in s)} of {readers} readers were following after 120 s"
+            )
             return res
         res.connect_s = time.perf_counter() - t0
         await _paced(count, rate, send)
@@ -768,8 +869,9 @@ async def _http_fanout(url: str, system: str, readers: int, count: int, rate: fl
         await admin.create("application/json")
     limits = httpx.Limits(max_connections=readers + 8, max_keepalive_connections=readers + 8)
     client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0))
-    producer = AsyncIdempotentProducer(url, name, producer_id="bench-fanout", epoch=0, content_type="application/json",
-                                       linger_ms=0)
+    producer = AsyncIdempotentProducer(
+        url, name, producer_id="bench-fanout", epoch=0, content_type="application/json", linger_ms=0
+    )
 
     async def reader(k: int, st: _FanoutState) -> None:
         stream = AsyncStream.connect(url, name, client=client, content_type="application/json")
@@ -785,8 +887,15 @@ async def _http_fanout(url: str, system: str, readers: int, count: int, rate: fl
 
     try:
         await producer.start()
-        return await _fanout(system, f"{readers:,} AsyncStream SSE readers (one httpx client, a connection each)", readers,
-                             count, rate, reader, send)
+        return await _fanout(
+            system,
+            f"{readers:,} AsyncStream SSE readers (one httpx client, a connection each)",
+            readers,
+            count,
+            rate,
+            reader,
+            send,
+        )
     finally:
         await producer.close(flush=False)
         await client.aclose()
@@ -814,7 +923,9 @@ async def _redis_fanout(url: str, system: str, readers: int, count: int, rate: f
         await writer.xadd("fanout", {"m": _stamp(i)})
 
     try:
-        return await _fanout(system, f"{readers:,} XREAD BLOCK loops (a connection each)", readers, count, rate, reader, send)
+        return await _fanout(
+            system, f"{readers:,} XREAD BLOCK loops (a connection each)", readers, count, rate, reader, send
+        )
     finally:
         await client.aclose()
         await pool.disconnect()
@@ -842,8 +953,15 @@ async def _nats_fanout(server: ServerProcess, readers: int, count: int, rate: fl
         await js.publish("fanout", _stamp(i), headers={"Nats-Msg-Id": f"f-{i}"})
 
     try:
-        return await _fanout(JETSTREAM, f"{readers:,} ordered push consumers on one connection (nats-py)", readers, count,
-                             rate, reader, send)
+        return await _fanout(
+            JETSTREAM,
+            f"{readers:,} ordered push consumers on one connection (nats-py)",
+            readers,
+            count,
+            rate,
+            reader,
+            send,
+        )
     finally:
         for sub in subs:
             with contextlib.suppress(Exception):
@@ -853,8 +971,10 @@ async def _nats_fanout(server: ServerProcess, readers: int, count: int, rate: fl
 
 def _say_fanout(f: Fanout) -> None:
     status = "FAILED: " + "; ".join(f.failures) if f.failures else "ok"
-    _say(f"  {f.readers:,} readers following after {f.connect_s:.1f} s; {f.deliveries:,} deliveries, p50 {f.p50_ms:.2f} "
-         f"p99 {f.p99_ms:.2f} p99.9 {f.p999_ms:.2f} ms: {status}")
+    _say(
+        f"  {f.readers:,} readers following after {f.connect_s:.1f} s; {f.deliveries:,} deliveries, p50 {f.p50_ms:.2f} "
+        f"p99 {f.p99_ms:.2f} p99.9 {f.p999_ms:.2f} ms: {status}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- profile
@@ -871,9 +991,25 @@ class PySpy:
         if not Path(exe).exists():
             _say("py-spy not found: no profile (pip install py-spy)")
             return
-        self.proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", "200", "--nonblocking", "--threads", "--format", "raw",
-                                      "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [
+                exe,
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                "200",
+                "--nonblocking",
+                "--threads",
+                "--format",
+                "raw",
+                "--output",
+                str(out),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
 
     def stop(self) -> Profile | None:
         proc = self.proc
@@ -945,9 +1081,13 @@ def targets(run: Run) -> list[tuple[str, str, float | None, str, str]]:
     def ratio(workload: str, peer: str, target: float) -> None:
         a, b = run.find(workload, ONCEFLOW), run.find(workload, peer)
         r = a.msg_per_s / b.msg_per_s if a and b and b.msg_per_s else None
-        verdict = "not measured" if r is None else ("met" if r >= target else f"missed by {(1 - r / target) * 100:.0f} %")
+        verdict = (
+            "not measured" if r is None else ("met" if r >= target else f"missed by {(1 - r / target) * 100:.0f} %")
+        )
         if peer == REDIS_EVERYSEC:  # the targets compare durable with durable: this row is for information
-            out.append((WORKLOAD_TITLES[workload], f"onceflow / {peer}", r, "none (not fsync'd before ack)", "information"))
+            out.append(
+                (WORKLOAD_TITLES[workload], f"onceflow / {peer}", r, "none (not fsync'd before ack)", "information")
+            )
             return
         if peer == JETSTREAM and not run.jetstream_durable and r is not None:
             verdict += " (JetStream not fsync'd before ack)"
@@ -964,46 +1104,82 @@ def targets(run: Run) -> list[tuple[str, str, float | None, str, str]]:
         if lat.system == ONCEFLOW:
             ok = not lat.failures and lat.p99_ms <= LATENCY_P99_TARGET_MS
             verdict = "met" if ok else f"missed by {lat.p99_ms - LATENCY_P99_TARGET_MS:.1f} ms"
-            out.append(("append-to-consumer latency", "onceflow p99 (ms)", lat.p99_ms, f"<= {LATENCY_P99_TARGET_MS:g} ms", verdict))
+            out.append(
+                (
+                    "append-to-consumer latency",
+                    "onceflow p99 (ms)",
+                    lat.p99_ms,
+                    f"<= {LATENCY_P99_TARGET_MS:g} ms",
+                    verdict,
+                )
+            )
     return out
 
 
 def render_markdown(run: Run, images: list[str]) -> str:
     lines = [f"`onceflow bench compare` ({'--quick, ' if run.quick else ''}{run.seconds:g} s per measurement)", ""]
     lines += [f"- {n}" for n in run.notes]
-    lines += ["", "| workload | system | client path | msg/s | p50 ms | p99 ms | server CPU | read-back check |",
-              "|---|---|---|---:|---:|---:|---:|---|"]
+    lines += [
+        "",
+        "| workload | system | client path | msg/s | p50 ms | p99 ms | server CPU | read-back check |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
     order = {s: i for i, s in enumerate(SYSTEM_ORDER)}
     wl = list(WORKLOAD_TITLES)
     for m in sorted(run.measurements, key=lambda m: (wl.index(m.workload), order.get(m.system, 99))):
-        lines.append(f"| {WORKLOAD_TITLES[m.workload]} | {m.system} | {m.path} | {m.msg_per_s:,.0f} | {_fmt(m.p50_ms, 2)} | "
-                     f"{_fmt(m.p99_ms, 2)} | {_fmt(m.server_cpu_pct, 0)}{' %' if m.server_cpu_pct is not None else ''} | {m.check} |")
+        lines.append(
+            f"| {WORKLOAD_TITLES[m.workload]} | {m.system} | {m.path} | {m.msg_per_s:,.0f} | {_fmt(m.p50_ms, 2)} | "
+            f"{_fmt(m.p99_ms, 2)} | {_fmt(m.server_cpu_pct, 0)}{' %' if m.server_cpu_pct is not None else ''} | {m.check} |"
+        )
     if run.latencies:
-        lines += ["", f"Append-to-consumer latency ({LATENCY_RATE:g} messages/s, one at a time, producer and consumer in one process):",
-                  "", "| system | path | received | p50 ms | p99 ms | p99.9 ms | max ms | check |", "|---|---|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            "",
+            f"Append-to-consumer latency ({LATENCY_RATE:g} messages/s, one at a time, producer and consumer in one process):",
+            "",
+            "| system | path | received | p50 ms | p99 ms | p99.9 ms | max ms | check |",
+            "|---|---|---:|---:|---:|---:|---:|---|",
+        ]
         for lat in sorted(run.latencies, key=lambda x: order.get(x.system, 99)):
             check = "FAILED: " + "; ".join(lat.failures) if lat.failures else "ok (every message once)"
-            lines.append(f"| {lat.system} | {lat.path} | {lat.received:,}/{lat.sent:,} | {lat.p50_ms:.2f} | {lat.p99_ms:.2f} | "
-                         f"{lat.p999_ms:.2f} | {lat.max_ms:.2f} | {check} |")
+            lines.append(
+                f"| {lat.system} | {lat.path} | {lat.received:,}/{lat.sent:,} | {lat.p50_ms:.2f} | {lat.p99_ms:.2f} | "
+                f"{lat.p999_ms:.2f} | {lat.max_ms:.2f} | {check} |"
+            )
     lines += ["", "| workload | comparison | value | target | verdict |", "|---|---|---:|---|---|"]
     for workload, comp, value, target, verdict in targets(run):
         shown = "n/a" if value is None else (f"{value:.2f}" if "ms" in comp else f"{value:.2f}x")
         lines.append(f"| {workload} | {comp} | {shown} | {target} | {verdict} |")
     for prof in run.profiles:
-        lines += ["", f"py-spy, onceflow server during {prof.label}: {prof.samples:,} samples of the event-loop thread"
-                  + (f" ({prof.note})" if prof.note else ""), "", "| layer (inclusive) | share |", "|---|---:|"]
+        lines += [
+            "",
+            f"py-spy, onceflow server during {prof.label}: {prof.samples:,} samples of the event-loop thread"
+            + (f" ({prof.note})" if prof.note else ""),
+            "",
+            "| layer (inclusive) | share |",
+            "|---|---:|",
+        ]
         lines += [f"| {name} | {n / prof.samples * 100:.1f} % |" for name, n in prof.layers if prof.samples]
-        lines += ["", "| innermost frame (own time; `Runner.run` = the event loop's C code or idle) | share |", "|---|---:|"]
+        lines += [
+            "",
+            "| innermost frame (own time; `Runner.run` = the event loop's C code or idle) | share |",
+            "|---|---:|",
+        ]
         lines += [f"| `{fn}` | {n / prof.samples * 100:.1f} % |" for fn, n in prof.rows if prof.samples]
     if run.fanouts:
-        lines += ["", f"{run.fanouts[0].readers:,} live readers of one stream, one producer at {READER_RATE:g} messages/s "
-                  "(all in this process):", "",
-                  "| system | readers | all following after s | deliveries | p50 ms | p99 ms | p99.9 ms | max ms | check |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            "",
+            f"{run.fanouts[0].readers:,} live readers of one stream, one producer at {READER_RATE:g} messages/s "
+            "(all in this process):",
+            "",
+            "| system | readers | all following after s | deliveries | p50 ms | p99 ms | p99.9 ms | max ms | check |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        ]
         for f in sorted(run.fanouts, key=lambda x: order.get(x.system, 99)):
             check = "FAILED: " + "; ".join(f.failures) if f.failures else "ok (every reader got every message once)"
-            lines.append(f"| {f.system} | {f.path} | {f.connect_s:.1f} | {f.deliveries:,}/{f.readers * f.sent:,} | {f.p50_ms:.2f} | "
-                         f"{f.p99_ms:.2f} | {f.p999_ms:.2f} | {f.max_ms:.2f} | {check} |")
+            lines.append(
+                f"| {f.system} | {f.path} | {f.connect_s:.1f} | {f.deliveries:,}/{f.readers * f.sent:,} | {f.p50_ms:.2f} | "
+                f"{f.p99_ms:.2f} | {f.p999_ms:.2f} | {f.max_ms:.2f} | {check} |"
+            )
     if run.skipped:
         lines += ["", "Not measured:"] + [f"- {s}" for s in run.skipped]
     if images:
@@ -1032,8 +1208,13 @@ def plot(run: Run, out_dir: Path) -> list[str]:
                 xs.append(wi + (si - (len(systems) - 1) / 2) * width)
                 ys.append(m.msg_per_s)
         bars = ax.bar(xs, ys, width, label=system, color=COLORS.get(system))
-        ax.bar_label(bars, labels=[f"{y / 1e3:,.0f}k" if y >= 1e4 else f"{y:,.0f}" for y in ys], fontsize=7, rotation=90,
-                     padding=2)
+        ax.bar_label(
+            bars,
+            labels=[f"{y / 1e3:,.0f}k" if y >= 1e4 else f"{y:,.0f}" for y in ys],
+            fontsize=7,
+            rotation=90,
+            padding=2,
+        )
     ax.set_xticks(range(len(workloads)), [WORKLOAD_TITLES[w].replace(", ", "\n", 1) for w in workloads], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("messages / s (log scale)")
@@ -1049,8 +1230,12 @@ def plot(run: Run, out_dir: Path) -> list[str]:
     for lat in sorted(run.latencies, key=lambda x: SYSTEM_ORDER.index(x.system) if x.system in SYSTEM_ORDER else 99):
         if lat.samples_ms:
             n = len(lat.samples_ms)
-            ax.plot(lat.samples_ms, [(i + 1) / n for i in range(n)], label=f"{lat.system} (p99 {lat.p99_ms:.1f} ms)",
-                    color=COLORS.get(lat.system))
+            ax.plot(
+                lat.samples_ms,
+                [(i + 1) / n for i in range(n)],
+                label=f"{lat.system} (p99 {lat.p99_ms:.1f} ms)",
+                color=COLORS.get(lat.system),
+            )
     ax.axvline(LATENCY_P99_TARGET_MS, color="grey", linestyle=":", label=f"target p99 {LATENCY_P99_TARGET_MS:g} ms")
     ax.set_xscale("log")
     ax.set_xlabel("append-to-consumer latency, ms (log scale)")
@@ -1096,8 +1281,10 @@ def run(args: argparse.Namespace) -> int:
     wsec = max(1, round(seconds))
     lat_count = int(LATENCY_RATE * lat_seconds)
     load = os.getloadavg()
-    res.notes.append(f"machine: {os.cpu_count()} cores shared by every server and client of the run; load average at start "
-                     f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}")
+    res.notes.append(
+        f"machine: {os.cpu_count()} cores shared by every server and client of the run; load average at start "
+        f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}"
+    )
     try:
         fs = measure_fsync_rate(root, 1.0)
         res.notes.append(f"machine fsync rate {fs.per_second:,.0f}/s (100 B write + fdatasync)")
@@ -1115,9 +1302,16 @@ def run(args: argparse.Namespace) -> int:
         if "onceflow" in systems:
             server = onceflow_server(root / "onceflow-data")
             server.start()
-            res.notes.append("onceflow: `onceflow serve --fsync always` (fdatasync before every acknowledgement, group commit)")
+            res.notes.append(
+                "onceflow: `onceflow serve --fsync always` (fdatasync before every acknowledgement, group commit)"
+            )
+
             def spied(label: str, work: Callable[[], None]) -> None:
-                spy = PySpy(server.pid or 0, root / f"onceflow-{len(res.profiles)}.pyspy", label) if args.profile else None
+                spy = (
+                    PySpy(server.pid or 0, root / f"onceflow-{len(res.profiles)}.pyspy", label)
+                    if args.profile
+                    else None
+                )
                 try:
                     work()
                 finally:
@@ -1142,7 +1336,10 @@ def run(args: argparse.Namespace) -> int:
                 if "produce" in only:
                     spied("the producer throughput runs (and their read-back)", produce)
                 if "append" in only:
-                    spied(f"the single-message appends at concurrency {CONCURRENCY} (wrk, with warm-up and read-back)", append)
+                    spied(
+                        f"the single-message appends at concurrency {CONCURRENCY} (wrk, with warm-up and read-back)",
+                        append,
+                    )
                 if "latency" in only:
                     _say(f"onceflow: latency, {lat_count} messages at {LATENCY_RATE:g}/s")
                     lat = _run_loop(_http_latency(server.url, "latency", ONCEFLOW, lat_count, LATENCY_RATE))
@@ -1163,7 +1360,9 @@ def run(args: argparse.Namespace) -> int:
                 res.skipped.append("the Durable Streams reference server (see the notes)")
             else:
                 script, version = found
-                res.notes.append(f"reference: {NODE_PACKAGE} {version} on Node {_node_version()}, file-backed (`dataDir`)")
+                res.notes.append(
+                    f"reference: {NODE_PACKAGE} {version} on Node {_node_version()}, file-backed (`dataDir`)"
+                )
                 data = root / "reference-data"
                 data.mkdir()
                 server = reference_server(script, data)
@@ -1181,8 +1380,10 @@ def run(args: argparse.Namespace) -> int:
 
         # ------------------------------------------------------------------ Redis
         if "redis" in systems:
-            res.notes.append("Redis: `redis-server --appendonly yes --appendfsync always|everysec`, stream entries "
-                             "`XADD key * m <value>` (value 99 / 1,023 B + the field name)")
+            res.notes.append(
+                "Redis: `redis-server --appendonly yes --appendfsync always|everysec`, stream entries "
+                "`XADD key * m <value>` (value 99 / 1,023 B + the field name)"
+            )
             for fsync, system in (("always", REDIS_ALWAYS), ("everysec", REDIS_EVERYSEC)):
                 try:
                     redis = RedisServer(appendonly=True, appendfsync=fsync)
@@ -1194,7 +1395,9 @@ def run(args: argparse.Namespace) -> int:
                     if "produce" in only:
                         for size in SIZES:
                             _say(f"{system}: pipelined XADD, {size} B")
-                            mr, cr = redis_load(redis, system, "produce", size, REDIS_PIPE_CLIENTS, REDIS_PIPELINE, seconds)
+                            mr, cr = redis_load(
+                                redis, system, "produce", size, REDIS_PIPE_CLIENTS, REDIS_PIPELINE, seconds
+                            )
                             res.measurements.append(mr)
                             if cr is not None and size == 100:
                                 res.measurements.append(cr)
@@ -1243,7 +1446,9 @@ def run(args: argparse.Namespace) -> int:
                         res.latencies.append(lat)
                         _say(f"  latency p50 {lat.p50_ms:.2f} p99 {lat.p99_ms:.2f} ms")
                     if "readers" in only:
-                        _say(f"JetStream: {readers:,} ordered push consumers, {fan_count} messages at {READER_RATE:g}/s")
+                        _say(
+                            f"JetStream: {readers:,} ordered push consumers, {fan_count} messages at {READER_RATE:g}/s"
+                        )
                         fo = _run_loop(_nats_fanout(nats, readers, fan_count, READER_RATE))
                         res.fanouts.append(fo)
                         _say_fanout(fo)
@@ -1279,7 +1484,9 @@ def run(args: argparse.Namespace) -> int:
         "benchmark": "compare",
         **{k: v for k, v in asdict(res).items() if k != "latencies"},
         "latencies": [{k: v for k, v in asdict(lat).items() if k != "samples_ms"} for lat in res.latencies],
-        "targets": [dict(zip(("workload", "comparison", "value", "target", "verdict"), t, strict=True)) for t in targets(res)],
+        "targets": [
+            dict(zip(("workload", "comparison", "value", "target", "verdict"), t, strict=True)) for t in targets(res)
+        ],
         "images": images,
     }
     return report(md, doc, failures, args.out)
@@ -1297,9 +1504,21 @@ def _raise_fd_limit(readers: int) -> None:
 
 
 def _from_load(lr: Any, system: str, gen: LoadGenerator) -> Measurement:
-    m = Measurement("append", system, gen.name if not gen.is_python else "Python aiohttp, one POST per message",
-                    lr.msg_per_s, lr.seconds, lr.ok, lr.p50_ms, lr.p99_ms, acknowledged=lr.acknowledged, stored=lr.stored,
-                    exact=gen.is_python, server_cpu_pct=lr.server_cpu_pct, failures=list(lr.failures))
+    m = Measurement(
+        "append",
+        system,
+        gen.name if not gen.is_python else "Python aiohttp, one POST per message",
+        lr.msg_per_s,
+        lr.seconds,
+        lr.ok,
+        lr.p50_ms,
+        lr.p99_ms,
+        acknowledged=lr.acknowledged,
+        stored=lr.stored,
+        exact=gen.is_python,
+        server_cpu_pct=lr.server_cpu_pct,
+        failures=list(lr.failures),
+    )
     return m
 
 
@@ -1308,21 +1527,36 @@ def add_parser(bsub: Any) -> None:
         "compare",
         help="onceflow beside Redis Streams, NATS JetStream and the Durable Streams reference, same run: tables + PNG plots",
         description="Runs the same workloads against onceflow and each peer (each started here on a free loopback port and "
-                    "stopped after): producer throughput on each system's best path (100 B and 1 KiB), single-message "
-                    f"appends at concurrency {CONCURRENCY}, append-to-consumer latency, catch-up reads, {READERS:,} live readers. "
-                    "Every stream is read "
-                    "back and checked against what was acknowledged. Writes compare.md and compare-*.png to --out-dir.",
+        "stopped after): producer throughput on each system's best path (100 B and 1 KiB), single-message "
+        f"appends at concurrency {CONCURRENCY}, append-to-consumer latency, catch-up reads, {READERS:,} live readers. "
+        "Every stream is read "
+        "back and checked against what was acknowledged. Writes compare.md and compare-*.png to --out-dir.",
     )
     c.add_argument("--quick", action="store_true", help="a few seconds per measurement (2 s; latency 400 messages)")
-    c.add_argument("--seconds", type=float, default=None, help="seconds per throughput measurement (default: 10, --quick: 2)")
-    c.add_argument("--systems", default="onceflow,reference,redis,nats",
-                   help="comma-separated subset of onceflow,reference,redis,nats (default: all)")
-    c.add_argument("--only", default=None, help="comma-separated subset of produce,append,latency,readers (default: all)")
-    c.add_argument("--readers", type=int, default=READERS, help=f"live readers in the readers workload (default: {READERS:,})")
+    c.add_argument(
+        "--seconds", type=float, default=None, help="seconds per throughput measurement (default: 10, --quick: 2)"
+    )
+    c.add_argument(
+        "--systems",
+        default="onceflow,reference,redis,nats",
+        help="comma-separated subset of onceflow,reference,redis,nats (default: all)",
+    )
+    c.add_argument(
+        "--only", default=None, help="comma-separated subset of produce,append,latency,readers (default: all)"
+    )
+    c.add_argument(
+        "--readers", type=int, default=READERS, help=f"live readers in the readers workload (default: {READERS:,})"
+    )
     c.add_argument("--out-dir", default="docs/img", help="where compare.md and the PNGs go (default: docs/img)")
-    c.add_argument("--profile", action="store_true", help="record the onceflow server with py-spy during its throughput runs")
-    c.add_argument("--generator", choices=["auto", "wrk", "python"], default="auto",
-                   help="HTTP load generator for single-message appends (default: auto = wrk when it can be had)")
+    c.add_argument(
+        "--profile", action="store_true", help="record the onceflow server with py-spy during its throughput runs"
+    )
+    c.add_argument(
+        "--generator",
+        choices=["auto", "wrk", "python"],
+        default="auto",
+        help="HTTP load generator for single-message appends (default: auto = wrk when it can be had)",
+    )
     c.add_argument("--out", default=None, help="also write the results as JSON to this file")
     c.set_defaults(func=_bench_compare)
 

@@ -42,8 +42,12 @@ __all__ = ["run"]
 
 PAD = "x" * 60  # with the other fields a message is ~100 bytes of JSON
 
-SIDES = ["plain consumer, at-least-once", "Cues stream processor, exactly-once",
-         "parallel consumer, at-least-once", "parallel consumer, exactly-once"]
+SIDES = [
+    "plain consumer, at-least-once",
+    "Cues stream processor, exactly-once",
+    "parallel consumer, at-least-once",
+    "parallel consumer, exactly-once",
+]
 
 
 @dataclass
@@ -78,12 +82,22 @@ class _Side:
         elif self.name.startswith("Cues"):
             await self._cues(live, stop, run_id)
         else:
-            await self._parallel(live, stop, run_id, "exactly-once" if self.name.endswith("exactly-once") else "at-least-once")
+            await self._parallel(
+                live, stop, run_id, "exactly-once" if self.name.endswith("exactly-once") else "at-least-once"
+            )
 
     async def _plain(self, live: bool, stop: asyncio.Event, run_id: int) -> None:
         group = f"plain-{run_id}"
-        consumer = AsyncConsumer(self.url, group=group, streams=[self.input], store=MemoryOffsetStore(), delivery="exactly-once",
-                                 live="long-poll" if live else None, client=self.client, max_read_bytes=64 << 10)
+        consumer = AsyncConsumer(
+            self.url,
+            group=group,
+            streams=[self.input],
+            store=MemoryOffsetStore(),
+            delivery="exactly-once",
+            live="long-poll" if live else None,
+            client=self.client,
+            max_read_bytes=64 << 10,
+        )
         producer = AsyncIdempotentProducer(self.url, self.output, client=self.client, content_type="application/json")
         await producer.start()
         try:
@@ -95,7 +109,9 @@ class _Side:
                     break
                 producer.extend(work(m.value) for m in msgs)
                 await producer.flush()
-                resp = await self.client.post(f"{self.url}/v1/groups/{group}/offsets", json={"offsets": consumer.positions()})
+                resp = await self.client.post(
+                    f"{self.url}/v1/groups/{group}/offsets", json={"offsets": consumer.positions()}
+                )
                 resp.raise_for_status()
         finally:
             await consumer.close()
@@ -105,8 +121,16 @@ class _Side:
         def fn(batch: Batch) -> list[Any]:
             return [work(r.value) for r in batch.records]
 
-        proc = AsyncStreamProcessor(self.url, f"bench-{self.slug}-{run_id}", inputs=[self.input], output=self.output, fn=fn,
-                                    client=self.client, max_read_bytes=64 << 10, poll_interval=1.0)
+        proc = AsyncStreamProcessor(
+            self.url,
+            f"bench-{self.slug}-{run_id}",
+            inputs=[self.input],
+            output=self.output,
+            fn=fn,
+            client=self.client,
+            max_read_bytes=64 << 10,
+            poll_interval=1.0,
+        )
         await proc.start()
         try:
             await proc.run(live=live, stop=stop)
@@ -118,9 +142,20 @@ class _Side:
             return [work(msg.value)]
 
         kw: dict[str, Any] = {"transactional_id": f"bench-{self.slug}-{run_id}"} if delivery == "exactly-once" else {}
-        pc = ParallelConsumer(self.url, group=f"{self.slug}-{run_id}", streams=[self.input], handler=handler,
-                              concurrency=self.concurrency, delivery=delivery, output=self.output,  # type: ignore[arg-type]
-                              client=self.client, live=live, commit_interval=0.02, max_read_bytes=64 << 10, **kw)
+        pc = ParallelConsumer(
+            self.url,
+            group=f"{self.slug}-{run_id}",
+            streams=[self.input],
+            handler=handler,
+            concurrency=self.concurrency,
+            delivery=delivery,  # type: ignore[arg-type]
+            output=self.output,
+            client=self.client,
+            live=live,
+            commit_interval=0.02,
+            max_read_bytes=64 << 10,
+            **kw,
+        )
         watcher = asyncio.ensure_future(_stop_when(stop, pc.stop))
         try:
             await pc.run()
@@ -215,8 +250,16 @@ async def _measure(url: str, args: argparse.Namespace) -> list[SideResult]:
             rate = await _throughput(side, args.messages, run_id)
             _say(f"{name}: latency at {args.rate:.0f} msg/s for {args.seconds:.0f} s")
             lat = sorted(await _latency(side, args.rate, args.seconds, run_id + 1))
-            results.append(SideResult(name, args.messages, rate, len(lat), statistics.median(lat) * 1e3 if lat else 0.0,
-                                      _pct(lat, 99) * 1e3))
+            results.append(
+                SideResult(
+                    name,
+                    args.messages,
+                    rate,
+                    len(lat),
+                    statistics.median(lat) * 1e3 if lat else 0.0,
+                    _pct(lat, 99) * 1e3,
+                )
+            )
     return results
 
 
@@ -231,13 +274,17 @@ def run(args: argparse.Namespace) -> int:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
     plain = results[0].throughput_msg_s
-    lines = [f"\nonceflow bench processors: ~100 B JSON messages, fsync always; backlog {args.messages:,} messages; "
-             f"live {args.rate:.0f} msg/s for {args.seconds:.0f} s; parallel consumer concurrency {args.concurrency}",
-             f"  {'side':<38} {'msg/s':>10} {'vs plain':>9} {'p50 ms':>8} {'p99 ms':>8}"]
+    lines = [
+        f"\nonceflow bench processors: ~100 B JSON messages, fsync always; backlog {args.messages:,} messages; "
+        f"live {args.rate:.0f} msg/s for {args.seconds:.0f} s; parallel consumer concurrency {args.concurrency}",
+        f"  {'side':<38} {'msg/s':>10} {'vs plain':>9} {'p50 ms':>8} {'p99 ms':>8}",
+    ]
     failures = []
     for r in results:
-        lines.append(f"  {r.side:<38} {r.throughput_msg_s:>10,.0f} {r.throughput_msg_s / plain:>8.2f}x "
-                     f"{r.latency_p50_ms:>8.1f} {r.latency_p99_ms:>8.1f}")
+        lines.append(
+            f"  {r.side:<38} {r.throughput_msg_s:>10,.0f} {r.throughput_msg_s / plain:>8.2f}x "
+            f"{r.latency_p50_ms:>8.1f} {r.latency_p99_ms:>8.1f}"
+        )
         if r.latency_messages < int(args.rate * args.seconds):
             failures.append(f"{r.side}: saw {r.latency_messages} of {int(args.rate * args.seconds)} live outputs")
     return report("\n".join(lines), {"results": [asdict(r) for r in results]}, failures, args.out)

@@ -120,7 +120,9 @@ class ThroughputResult:
 
     @property
     def label(self) -> str:
-        return f"{self.content}, {'idempotent' if self.idempotent else 'idempotence off'}, in-flight {self.max_in_flight}"
+        return (
+            f"{self.content}, {'idempotent' if self.idempotent else 'idempotence off'}, in-flight {self.max_in_flight}"
+        )
 
     @property
     def batch_messages(self) -> float:
@@ -228,7 +230,9 @@ async def _drive(producer: AsyncIdempotentProducer, msg: bytes, until: float, ma
         await asyncio.sleep(0)  # let the sender seal and dispatch
 
 
-async def _verify(base_url: str, name: str, content: Content, msg: bytes, acked: int, batches: int) -> tuple[int, int, list[str]]:
+async def _verify(
+    base_url: str, name: str, content: Content, msg: bytes, acked: int, batches: int
+) -> tuple[int, int, list[str]]:
     """(records per HEAD, messages read back, problems) for a stream that should hold ``acked``
     copies of ``msg`` in ``batches`` POSTs."""
     problems: list[str] = []
@@ -265,16 +269,31 @@ async def _verify(base_url: str, name: str, content: Content, msg: bytes, acked:
     return records, count, problems
 
 
-async def _measure_throughput(server: ServerProcess, content: Content, idempotent: bool, max_in_flight: int,
-                              seconds: float, run_id: int, profiler: cProfile.Profile | None = None) -> ThroughputResult:
+async def _measure_throughput(
+    server: ServerProcess,
+    content: Content,
+    idempotent: bool,
+    max_in_flight: int,
+    seconds: float,
+    run_id: int,
+    profiler: cProfile.Profile | None = None,
+) -> ThroughputResult:
     msg = message_for(content)
     ct = CONTENT_TYPES[content]
     name = f"produce-{run_id}-{content}-{'idem' if idempotent else 'plain'}-{max_in_flight}"
     async with AsyncStream.connect(server.url, name) as stream:
         await stream.create(ct)
-    producer = AsyncIdempotentProducer(server.url, name, producer_id=f"bench-{name}", epoch=0, content_type=ct,
-                                       idempotent=idempotent, max_batch_bytes=BATCH_BYTES, linger_ms=0,
-                                       max_in_flight=max_in_flight)
+    producer = AsyncIdempotentProducer(
+        server.url,
+        name,
+        producer_id=f"bench-{name}",
+        epoch=0,
+        content_type=ct,
+        idempotent=idempotent,
+        max_batch_bytes=BATCH_BYTES,
+        linger_ms=0,
+        max_in_flight=max_in_flight,
+    )
     per_batch = BATCH_BYTES // (len(msg) + 1)
     max_pending = (max_in_flight + 2) * per_batch
     res = ThroughputResult(content, idempotent, max_in_flight, 0.0, 0, 0.0, 0.0, 0, 0)
@@ -282,8 +301,14 @@ async def _measure_throughput(server: ServerProcess, content: Content, idempoten
         await producer.start()
         await _drive(producer, msg, time.perf_counter() + WARMUP_SECONDS, max_pending)
         await producer.flush()
-        s0 = (producer.stats.acked, producer.stats.batches_sent, producer.stats.requests, producer.stats.retries,
-              producer.stats.duplicates, producer.stats.gaps)
+        s0 = (
+            producer.stats.acked,
+            producer.stats.batches_sent,
+            producer.stats.requests,
+            producer.stats.retries,
+            producer.stats.duplicates,
+            producer.stats.gaps,
+        )
         srv0, cli0, all0 = server.cpu_seconds(), time.process_time(), machine_busy_seconds()
         t0 = time.perf_counter()
         if profiler is not None:
@@ -313,8 +338,9 @@ async def _measure_throughput(server: ServerProcess, content: Content, idempoten
     srv_cpu = None if srv0 is None or srv1 is None else srv1 - srv0
     res.server_cpu_pct = _cpu_pct(srv_cpu, elapsed)
     res.client_cpu_pct = _cpu_pct(cli1 - cli0, elapsed)
-    res.other_cpu_pct = _other_pct(_cpu_pct(None if all0 is None or all1 is None else all1 - all0, elapsed),
-                                   res.server_cpu_pct, res.client_cpu_pct)
+    res.other_cpu_pct = _other_pct(
+        _cpu_pct(None if all0 is None or all1 is None else all1 - all0, elapsed), res.server_cpu_pct, res.client_cpu_pct
+    )
     if res.messages:
         res.server_us_per_msg = None if srv_cpu is None else srv_cpu / res.messages * 1e6
         res.client_us_per_msg = (cli1 - cli0) / res.messages * 1e6
@@ -327,16 +353,21 @@ async def _measure_throughput(server: ServerProcess, content: Content, idempoten
     return res
 
 
-def measure_throughput(server: ServerProcess, content: Content, idempotent: bool, max_in_flight: int, seconds: float,
-                       run_id: int) -> ThroughputResult:
+def measure_throughput(
+    server: ServerProcess, content: Content, idempotent: bool, max_in_flight: int, seconds: float, run_id: int
+) -> ThroughputResult:
     mode = "idempotent" if idempotent else "idempotence off"
-    _say(f"throughput: {content} stream, {mode}, max_in_flight {max_in_flight}: "
-         f"{WARMUP_SECONDS:g} s warm-up, then {seconds:g} s")
+    _say(
+        f"throughput: {content} stream, {mode}, max_in_flight {max_in_flight}: "
+        f"{WARMUP_SECONDS:g} s warm-up, then {seconds:g} s"
+    )
     res = _run_loop(_measure_throughput(server, content, idempotent, max_in_flight, seconds, run_id))
     status = "FAILED: " + "; ".join(res.failures) if res.failures else "ok"
-    _say(f"  {res.msg_per_s:,.0f} msg/s ({res.mb_per_s:,.1f} MB/s), {res.batches:,} POSTs of {res.batch_messages:,.0f} msgs, "
-         f"server CPU {_pct(res.server_cpu_pct)}, client CPU {_pct(res.client_cpu_pct)}; "
-         f"check: {res.stored_messages or 0:,} read back for {res.acknowledged:,} acknowledged: {status}")
+    _say(
+        f"  {res.msg_per_s:,.0f} msg/s ({res.mb_per_s:,.1f} MB/s), {res.batches:,} POSTs of {res.batch_messages:,.0f} msgs, "
+        f"server CPU {_pct(res.server_cpu_pct)}, client CPU {_pct(res.client_cpu_pct)}; "
+        f"check: {res.stored_messages or 0:,} read back for {res.acknowledged:,} acknowledged: {status}"
+    )
     return res
 
 
@@ -353,12 +384,18 @@ def bottleneck(r: ThroughputResult) -> str:
     if c >= 85 or s >= 85:
         busy = "client" if c >= s else "server"
         side = "the client (this producer process)" if busy == "client" else "the server"
-        return f"{side}: its event loop is busy {max(c, s):.0f}% of one core (client {c:.0f}%, server {s:.0f}%); {costs}"
+        return (
+            f"{side}: its event loop is busy {max(c, s):.0f}% of one core (client {c:.0f}%, server {s:.0f}%); {costs}"
+        )
     if s + c + o >= 85 * cores:
-        return (f"{heavier}, on a CPU-saturated machine: client {c:.0f}% + server {s:.0f}% + other jobs {o:.0f}% of "
-                f"{cores * 100}%, so both processes wait for a core; {costs}")
-    return (f"neither side's CPU (client {c:.0f}%, server {s:.0f}%, other jobs {o:.0f}%): the time goes to waiting "
-            f"(fsync, round trips); {costs}")
+        return (
+            f"{heavier}, on a CPU-saturated machine: client {c:.0f}% + server {s:.0f}% + other jobs {o:.0f}% of "
+            f"{cores * 100}%, so both processes wait for a core; {costs}"
+        )
+    return (
+        f"neither side's CPU (client {c:.0f}%, server {s:.0f}%, other jobs {o:.0f}%): the time goes to waiting "
+        f"(fsync, round trips); {costs}"
+    )
 
 
 def _short(filename: str) -> str:
@@ -382,7 +419,9 @@ def profile_rows(prof: cProfile.Profile, top: int = PROFILE_TOP) -> list[Profile
 def measure_profile(server: ServerProcess, best: ThroughputResult, seconds: float, run_id: int) -> ProfileResult:
     _say(f"profile: {best.label} under cProfile for {seconds:g} s")
     prof = cProfile.Profile()
-    res = _run_loop(_measure_throughput(server, best.content, best.idempotent, best.max_in_flight, seconds, run_id, prof))
+    res = _run_loop(
+        _measure_throughput(server, best.content, best.idempotent, best.max_in_flight, seconds, run_id, prof)
+    )
     if res.failures:
         raise BenchFailure(f"profiled run failed: {'; '.join(res.failures)}")
     return ProfileResult(
@@ -402,8 +441,9 @@ def measure_profile(server: ServerProcess, best: ThroughputResult, seconds: floa
 # ---------------------------------------------------------------------------------------------- latency
 
 
-async def _measure_latency(server: ServerProcess, system: str, mode: str, live: LiveMode, count: int, rate: float,
-                           run_id: int) -> LatencyResult:
+async def _measure_latency(
+    server: ServerProcess, system: str, mode: str, live: LiveMode, count: int, rate: float, run_id: int
+) -> LatencyResult:
     base_url = server.url
     name = f"latency-{run_id}-{live}"
     async with AsyncStream.connect(base_url, name) as admin:
@@ -424,8 +464,9 @@ async def _measure_latency(server: ServerProcess, system: str, mode: str, live: 
     res = LatencyResult(system, mode, live, count, 0, 0, 0.0, 0.0, 0.0, 0.0)
     reader_stream = AsyncStream.connect(base_url, name, content_type="application/json")
     task = asyncio.get_running_loop().create_task(reader(reader_stream))
-    producer = AsyncIdempotentProducer(base_url, name, producer_id=f"bench-{name}", epoch=0,
-                                       content_type="application/json", linger_ms=0)
+    producer = AsyncIdempotentProducer(
+        base_url, name, producer_id=f"bench-{name}", epoch=0, content_type="application/json", linger_ms=0
+    )
     try:
         await producer.start()
         await asyncio.sleep(0.3)  # the reader's first request is parked at the tail
@@ -448,8 +489,11 @@ async def _measure_latency(server: ServerProcess, system: str, mode: str, live: 
         srv1, all1 = server.cpu_seconds(), machine_busy_seconds()
         res.server_cpu_pct = _cpu_pct(None if srv0 is None or srv1 is None else srv1 - srv0, elapsed)
         res.client_cpu_pct = _cpu_pct(time.process_time() - cli0, elapsed)
-        res.other_cpu_pct = _other_pct(_cpu_pct(None if all0 is None or all1 is None else all1 - all0, elapsed),
-                                       res.server_cpu_pct, res.client_cpu_pct)
+        res.other_cpu_pct = _other_pct(
+            _cpu_pct(None if all0 is None or all1 is None else all1 - all0, elapsed),
+            res.server_cpu_pct,
+            res.client_cpu_pct,
+        )
         if task.done() and not task.cancelled() and task.exception() is not None:
             res.failures.append(f"live reader failed: {task.exception()!r}")
     except OnceflowError as exc:
@@ -471,14 +515,17 @@ async def _measure_latency(server: ServerProcess, system: str, mode: str, live: 
     return res
 
 
-def measure_latency(server: ServerProcess, system: str, mode: str, live: LiveMode, count: int, rate: float,
-                    run_id: int) -> LatencyResult:
+def measure_latency(
+    server: ServerProcess, system: str, mode: str, live: LiveMode, count: int, rate: float, run_id: int
+) -> LatencyResult:
     _say(f"latency: {system} ({mode}), live={live}: {count:,} messages at {rate:g}/s")
     res = _run_loop(_measure_latency(server, system, mode, live, count, rate, run_id))
     status = "FAILED: " + "; ".join(res.failures) if res.failures else "ok"
-    _say(f"  p50 {res.p50_ms:.2f} ms, p90 {res.p90_ms:.2f} ms, p99 {res.p99_ms:.2f} ms, max {res.max_ms:.2f} ms "
-         f"({res.received:,} of {res.sent:,} received, {res.posts:,} POSTs), server CPU {_pct(res.server_cpu_pct)}, "
-         f"client CPU {_pct(res.client_cpu_pct)}: {status}")
+    _say(
+        f"  p50 {res.p50_ms:.2f} ms, p90 {res.p90_ms:.2f} ms, p99 {res.p99_ms:.2f} ms, max {res.max_ms:.2f} ms "
+        f"({res.received:,} of {res.sent:,} received, {res.posts:,} POSTs), server CPU {_pct(res.server_cpu_pct)}, "
+        f"client CPU {_pct(res.client_cpu_pct)}: {status}"
+    )
     return res
 
 
@@ -502,24 +549,41 @@ def throughput_targets(loads: list[ThroughputResult]) -> list[dict[str, Any]]:
         for idem in (True, False):
             one, five = _find(loads, content, idem, 1), _find(loads, content, idem, 5)
             pipe = five.msg_per_s / one.msg_per_s if one and five and one.msg_per_s else None
-            out.append({"content": content, "check": f"pipelining: in-flight 5 / 1, {'idempotent' if idem else 'idempotence off'}",
-                        "value": pipe, "shown": "n/a" if pipe is None else f"{pipe:.2f}x",
-                        "target": f"~{PIPELINING_EXPECTED:g}x expected",
-                        "verdict": _verdict(None if pipe is None else pipe >= 0.8 * PIPELINING_EXPECTED)})
+            out.append(
+                {
+                    "content": content,
+                    "check": f"pipelining: in-flight 5 / 1, {'idempotent' if idem else 'idempotence off'}",
+                    "value": pipe,
+                    "shown": "n/a" if pipe is None else f"{pipe:.2f}x",
+                    "target": f"~{PIPELINING_EXPECTED:g}x expected",
+                    "verdict": _verdict(None if pipe is None else pipe >= 0.8 * PIPELINING_EXPECTED),
+                }
+            )
         for inflight in (1, 5):
             on, off = _find(loads, content, True, inflight), _find(loads, content, False, inflight)
             overhead = (off.msg_per_s - on.msg_per_s) / off.msg_per_s * 100 if on and off and off.msg_per_s else None
-            out.append({"content": content, "check": f"idempotence overhead: (off - on) / off, in-flight {inflight}",
-                        "value": overhead, "shown": "n/a" if overhead is None else f"{overhead:+.1f} %",
-                        "target": f"<= {IDEMPOTENCE_OVERHEAD_TARGET_PCT:g} %",
-                        "verdict": _verdict(None if overhead is None else overhead <= IDEMPOTENCE_OVERHEAD_TARGET_PCT)})
+            out.append(
+                {
+                    "content": content,
+                    "check": f"idempotence overhead: (off - on) / off, in-flight {inflight}",
+                    "value": overhead,
+                    "shown": "n/a" if overhead is None else f"{overhead:+.1f} %",
+                    "target": f"<= {IDEMPOTENCE_OVERHEAD_TARGET_PCT:g} %",
+                    "verdict": _verdict(None if overhead is None else overhead <= IDEMPOTENCE_OVERHEAD_TARGET_PCT),
+                }
+            )
         ok = [r for r in loads if r.content == content and r.idempotent and not r.failures]
         best = max(ok, key=lambda r: r.msg_per_s) if ok else None
-        out.append({"content": content, "check": "idempotent producer, best msg/s",
-                    "value": best.msg_per_s if best else None,
-                    "shown": "n/a" if best is None else f"{best.msg_per_s:,.0f}",
-                    "target": f">= {TARGET_MSG_PER_S:,}",
-                    "verdict": _verdict(None if best is None else best.msg_per_s >= TARGET_MSG_PER_S)})
+        out.append(
+            {
+                "content": content,
+                "check": "idempotent producer, best msg/s",
+                "value": best.msg_per_s if best else None,
+                "shown": "n/a" if best is None else f"{best.msg_per_s:,.0f}",
+                "target": f">= {TARGET_MSG_PER_S:,}",
+                "verdict": _verdict(None if best is None else best.msg_per_s >= TARGET_MSG_PER_S),
+            }
+        )
     return out
 
 
@@ -532,11 +596,14 @@ def latency_ratios(lats: list[LatencyResult]) -> list[dict[str, Any]]:
             ref = by.get(("reference", mode, live))
             if once is None or ref is None:
                 continue
-            out.append({
-                "live": live, "reference_mode": mode,
-                "p50_ratio": once.p50_ms / ref.p50_ms if ref.p50_ms else None,
-                "p99_ratio": once.p99_ms / ref.p99_ms if ref.p99_ms else None,
-            })
+            out.append(
+                {
+                    "live": live,
+                    "reference_mode": mode,
+                    "p50_ratio": once.p50_ms / ref.p50_ms if ref.p50_ms else None,
+                    "p99_ratio": once.p99_ms / ref.p99_ms if ref.p99_ms else None,
+                }
+            )
     return out
 
 
@@ -544,64 +611,102 @@ def _ratio_text(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
-def render(loads: list[ThroughputResult], lats: list[LatencyResult], profile: ProfileResult | None, notes: list[str],
-           seconds: float, latency_count: int, latency_rate: float) -> tuple[str, dict[str, Any]]:
+def render(
+    loads: list[ThroughputResult],
+    lats: list[LatencyResult],
+    profile: ProfileResult | None,
+    notes: list[str],
+    seconds: float,
+    latency_count: int,
+    latency_rate: float,
+) -> tuple[str, dict[str, Any]]:
     lines: list[str] = []
     rule = "=" * 118
     lines += ["", rule, "onceflow bench produce: idempotent producer throughput and append-to-live-reader latency"]
     lines += [f"note: {n}" for n in notes]
     lines.append("")
-    lines.append(f"THROUGHPUT: {MESSAGE_BYTES} B messages, onceflow serve --fsync always, one producer, max_batch_bytes "
-                 f"{BATCH_BYTES >> 20} MiB, linger 0 ms; {seconds:g} s each after a {WARMUP_SECONDS:g} s warm-up; "
-                 "acknowledged messages only (clock stops when the final flush returns)")
-    lines.append(f"{'stream':<7} {'producer':<16} {'in-flight':>9} {'msg/s':>11} {'MB/s':>7} {'POSTs':>7} {'msgs/POST':>9} "
-                 f"{'srv CPU':>8} {'cli CPU':>8} {'other':>6} {'srv µs/msg':>10} {'cli µs/msg':>10}  check")
+    lines.append(
+        f"THROUGHPUT: {MESSAGE_BYTES} B messages, onceflow serve --fsync always, one producer, max_batch_bytes "
+        f"{BATCH_BYTES >> 20} MiB, linger 0 ms; {seconds:g} s each after a {WARMUP_SECONDS:g} s warm-up; "
+        "acknowledged messages only (clock stops when the final flush returns)"
+    )
+    lines.append(
+        f"{'stream':<7} {'producer':<16} {'in-flight':>9} {'msg/s':>11} {'MB/s':>7} {'POSTs':>7} {'msgs/POST':>9} "
+        f"{'srv CPU':>8} {'cli CPU':>8} {'other':>6} {'srv µs/msg':>10} {'cli µs/msg':>10}  check"
+    )
     for r in loads:
-        check = ("FAILED: " + "; ".join(r.failures)) if r.failures else (
-            f"ok ({r.stored_messages:,} read back = {r.acknowledged:,} acked"
-            + (f", {r.retries} retries" if r.retries else "") + (f", {r.gaps} gaps" if r.gaps else "") + ")")
+        check = (
+            ("FAILED: " + "; ".join(r.failures))
+            if r.failures
+            else (
+                f"ok ({r.stored_messages:,} read back = {r.acknowledged:,} acked"
+                + (f", {r.retries} retries" if r.retries else "")
+                + (f", {r.gaps} gaps" if r.gaps else "")
+                + ")"
+            )
+        )
         srv_us = "n/a" if r.server_us_per_msg is None else f"{r.server_us_per_msg:.2f}"
         cli_us = "n/a" if r.client_us_per_msg is None else f"{r.client_us_per_msg:.2f}"
-        lines.append(f"{r.content:<7} {'idempotent' if r.idempotent else 'idempotence off':<16} {r.max_in_flight:>9} "
-                     f"{r.msg_per_s:>11,.0f} {r.mb_per_s:>7.1f} {r.batches:>7,} {r.batch_messages:>9,.0f} "
-                     f"{_pct(r.server_cpu_pct):>8} {_pct(r.client_cpu_pct):>8} {_pct(r.other_cpu_pct):>6} "
-                     f"{srv_us:>10} {cli_us:>10}  {check}")
-    lines.append("(CPU: 100% = one core; other = the rest of the machine, i.e. other jobs; µs/msg = CPU time per acknowledged "
-                 "message; gaps = batches the server refused with 409 because they overtook an earlier one, resent)")
+        lines.append(
+            f"{r.content:<7} {'idempotent' if r.idempotent else 'idempotence off':<16} {r.max_in_flight:>9} "
+            f"{r.msg_per_s:>11,.0f} {r.mb_per_s:>7.1f} {r.batches:>7,} {r.batch_messages:>9,.0f} "
+            f"{_pct(r.server_cpu_pct):>8} {_pct(r.client_cpu_pct):>8} {_pct(r.other_cpu_pct):>6} "
+            f"{srv_us:>10} {cli_us:>10}  {check}"
+        )
+    lines.append(
+        "(CPU: 100% = one core; other = the rest of the machine, i.e. other jobs; µs/msg = CPU time per acknowledged "
+        "message; gaps = batches the server refused with 409 because they overtook an earlier one, resent)"
+    )
     targets = throughput_targets(loads)
     lines.append("")
     for t in targets:
         lines.append(f"  {t['content']:<6} {t['check']:<56} {t['shown']:>12}   target {t['target']:<16} {t['verdict']}")
 
     lines.append("")
-    lines.append(f"LATENCY append -> live reader: {latency_count:,} JSON messages of ~60 B, one at a time at {latency_rate:g}/s "
-                 "(AsyncIdempotentProducer, linger 0), read by AsyncStream.chunks(live=...) in the same process; "
-                 f"target p50 <= {LATENCY_P50_TARGET_MS:g} ms, p99 <= {LATENCY_P99_TARGET_MS:g} ms")
-    lines.append(f"{'system':<10} {'mode':<20} {'live':<10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} "
-                 f"{'POSTs':>6} {'srv CPU':>8} {'cli CPU':>8} {'other':>6}  target  check")
+    lines.append(
+        f"LATENCY append -> live reader: {latency_count:,} JSON messages of ~60 B, one at a time at {latency_rate:g}/s "
+        "(AsyncIdempotentProducer, linger 0), read by AsyncStream.chunks(live=...) in the same process; "
+        f"target p50 <= {LATENCY_P50_TARGET_MS:g} ms, p99 <= {LATENCY_P99_TARGET_MS:g} ms"
+    )
+    lines.append(
+        f"{'system':<10} {'mode':<20} {'live':<10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} "
+        f"{'POSTs':>6} {'srv CPU':>8} {'cli CPU':>8} {'other':>6}  target  check"
+    )
     for lr in lats:
-        mode = {"file": "file, fsync always" if lr.system == "onceflow" else "file (dataDir)", "memory": "in-memory"}[lr.mode]
-        check = ("FAILED: " + "; ".join(lr.failures)) if lr.failures else f"ok ({lr.received:,} of {lr.sent:,} received)"
-        lines.append(f"{lr.system:<10} {mode:<20} {lr.live:<10} {lr.p50_ms:>8.2f} {lr.p90_ms:>8.2f} {lr.p99_ms:>8.2f} "
-                     f"{lr.max_ms:>8.2f} {lr.posts:>6,} {_pct(lr.server_cpu_pct):>8} {_pct(lr.client_cpu_pct):>8} "
-                     f"{_pct(lr.other_cpu_pct):>6}  "
-                     f"{'PASS' if lr.passed else 'MISS':<6}  {check}")
+        mode = {"file": "file, fsync always" if lr.system == "onceflow" else "file (dataDir)", "memory": "in-memory"}[
+            lr.mode
+        ]
+        check = (
+            ("FAILED: " + "; ".join(lr.failures)) if lr.failures else f"ok ({lr.received:,} of {lr.sent:,} received)"
+        )
+        lines.append(
+            f"{lr.system:<10} {mode:<20} {lr.live:<10} {lr.p50_ms:>8.2f} {lr.p90_ms:>8.2f} {lr.p99_ms:>8.2f} "
+            f"{lr.max_ms:>8.2f} {lr.posts:>6,} {_pct(lr.server_cpu_pct):>8} {_pct(lr.client_cpu_pct):>8} "
+            f"{_pct(lr.other_cpu_pct):>6}  "
+            f"{'PASS' if lr.passed else 'MISS':<6}  {check}"
+        )
     ratios = latency_ratios(lats)
     if ratios:
         lines.append("ratio onceflow / reference (same client, same run; < 1 means onceflow delivers sooner):")
         for q in ratios:
-            lines.append(f"  {q['live']:<10} vs reference {q['reference_mode']:<7} p50 {_ratio_text(q['p50_ratio']):>7}   "
-                         f"p99 {_ratio_text(q['p99_ratio']):>7}")
+            lines.append(
+                f"  {q['live']:<10} vs reference {q['reference_mode']:<7} p50 {_ratio_text(q['p50_ratio']):>7}   "
+                f"p99 {_ratio_text(q['p99_ratio']):>7}"
+            )
 
     if profile is not None:
         lines.append("")
         lines.append(f"WHERE THE TIME GOES (a target was missed): best idempotent configuration = {profile.config}")
         lines.append(f"  bottleneck (from the unprofiled run's CPU): {profile.bottleneck}")
-        lines.append(f"  {TARGET_MSG_PER_S:,} msg/s needs each side under {1e6 / TARGET_MSG_PER_S:.0f} µs of CPU per "
-                     "message, on a core of its own")
-        lines.append(f"  cProfile of the producer process, {profile.seconds:.1f} s, {profile.msg_per_s:,.0f} msg/s under the "
-                     f"profiler (server CPU {_pct(profile.server_cpu_pct)}, client CPU {_pct(profile.client_cpu_pct)}); "
-                     f"top {len(profile.rows)} by own time:")
+        lines.append(
+            f"  {TARGET_MSG_PER_S:,} msg/s needs each side under {1e6 / TARGET_MSG_PER_S:.0f} µs of CPU per "
+            "message, on a core of its own"
+        )
+        lines.append(
+            f"  cProfile of the producer process, {profile.seconds:.1f} s, {profile.msg_per_s:,.0f} msg/s under the "
+            f"profiler (server CPU {_pct(profile.server_cpu_pct)}, client CPU {_pct(profile.client_cpu_pct)}); "
+            f"top {len(profile.rows)} by own time:"
+        )
         lines.append(f"  {'tottime s':>10} {'cumtime s':>10} {'ncalls':>11}  function")
         for row in profile.rows:
             lines.append(f"  {row.tottime_s:>10.3f} {row.cumtime_s:>10.3f} {row.ncalls:>11,}  {row.function}")
@@ -658,9 +763,11 @@ def run(args: argparse.Namespace) -> int:
         "and compared byte for byte with the acknowledged messages (exactly once: no loss, no duplicates)",
     ]
     if importlib.util.find_spec("sniffio") is None:
-        notes.append("sniffio is not installed (anyio 4.x no longer pulls it in): httpcore's current_async_library() "
-                     "retries `import sniffio` -- a failing sys.path scan -- several times per async request, "
-                     "which adds client CPU to every POST and GET measured here")
+        notes.append(
+            "sniffio is not installed (anyio 4.x no longer pulls it in): httpcore's current_async_library() "
+            "retries `import sniffio` -- a failing sys.path scan -- several times per async request, "
+            "which adds client CPU to every POST and GET measured here"
+        )
     run_ids = itertools.count()
 
     def started(server: ServerProcess) -> ServerProcess:
@@ -681,7 +788,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             latency_pair(server, "onceflow", "file")
             configs: list[tuple[Content, bool, int]] = [
-                (content, idem, inflight) for content in ("json", "bytes") for inflight in (1, 5) for idem in (True, False)
+                (content, idem, inflight)
+                for content in ("json", "bytes")
+                for inflight in (1, 5)
+                for idem in (True, False)
             ]
             for content, idem, inflight in configs:
                 r = measure_throughput(server, content, idem, inflight, seconds, next(run_ids))
@@ -702,8 +812,10 @@ def run(args: argparse.Namespace) -> int:
         found = find_reference(args.skip_reference, notes)
         if found is not None:
             script, version = found
-            notes.append(f"reference: {NODE_PACKAGE} {version} (Node {_node_version()}), DurableStreamTestServer; "
-                         "file mode = dataDir set, memory mode = no dataDir; latency only")
+            notes.append(
+                f"reference: {NODE_PACKAGE} {version} (Node {_node_version()}), DurableStreamTestServer; "
+                "file mode = dataDir set, memory mode = no dataDir; latency only"
+            )
             ref_data = root / "reference-data"
             ref_data.mkdir()
             for data, mode in ((ref_data, "file"), (None, "memory")):
@@ -734,4 +846,3 @@ def _has_uvloop() -> bool:
     except ImportError:
         return False
     return True
-

@@ -112,8 +112,10 @@ def _postgres_cases(pg: PostgresServer) -> list[Case]:
 
     def two_phase(job: str, work: Path) -> tuple[CheckpointAwareSink, dict[str, Any]]:
         create(job, False)
-        return (PostgresTwoPhaseSink(conninfo, table(job), ["id", "v"], job=job),
-                {"checkpoints": FileCheckpointStore(work / f"{job}.json")})
+        return (
+            PostgresTwoPhaseSink(conninfo, table(job), ["id", "v"], job=job),
+            {"checkpoints": FileCheckpointStore(work / f"{job}.json")},
+        )
 
     return [
         Case("PostgreSQL", "PostgresInsertSink", "at-least-once", insert, count, drop),
@@ -145,30 +147,50 @@ def _redis_cases(rs: RedisServer) -> list[Case]:
     def drop_keys(job: str) -> None:
         batch = list(client.scan_iter(match=f"{job}:*", count=10_000))
         for i in range(0, len(batch), 10_000):
-            client.delete(*batch[i:i + 10_000])
+            client.delete(*batch[i : i + 10_000])
 
     return [
-        Case("Redis", "RedisListSink", "at-least-once",
-             lambda job, work: (RedisListSink(rs.url, key(job)), {}), count_list, drop_list),
-        Case("Redis", "RedisAtomicSink", "exactly-once",
-             lambda job, work: (RedisAtomicSink(rs.url, job=job), {}), count_list, drop_list),
-        Case("Redis", "RedisIdempotentSink", "exactly-once (idempotent)",
-             lambda job, work: (RedisIdempotentSink(rs.url, prefix=f"{job}:", key="id"), {}), count_keys, drop_keys),
+        Case(
+            "Redis",
+            "RedisListSink",
+            "at-least-once",
+            lambda job, work: (RedisListSink(rs.url, key(job)), {}),
+            count_list,
+            drop_list,
+        ),
+        Case(
+            "Redis",
+            "RedisAtomicSink",
+            "exactly-once",
+            lambda job, work: (RedisAtomicSink(rs.url, job=job), {}),
+            count_list,
+            drop_list,
+        ),
+        Case(
+            "Redis",
+            "RedisIdempotentSink",
+            "exactly-once (idempotent)",
+            lambda job, work: (RedisIdempotentSink(rs.url, prefix=f"{job}:", key="id"), {}),
+            count_keys,
+            drop_keys,
+        ),
     ]
 
 
 def _measure(url: str, case: Case, job: str, work: Path, rows: int, checkpoint_messages: int) -> float:
     sink, kw = case.make(job, work)
-    runner = SinkRunner(url, sink, job=job, streams=[STREAM], checkpoint_messages=checkpoint_messages,
-                        checkpoint_interval=60.0, **kw)
+    runner = SinkRunner(
+        url, sink, job=job, streams=[STREAM], checkpoint_messages=checkpoint_messages, checkpoint_interval=60.0, **kw
+    )
     t0 = time.perf_counter()
     with runner:
         stats = runner.run()
     seconds = time.perf_counter() - t0
     got = case.count(job)
     if stats.messages != rows or got != rows:
-        raise BenchFailure(f"{case.sink}: read {stats.messages:,} messages and the target holds {got:,} rows; "
-                           f"expected {rows:,}")
+        raise BenchFailure(
+            f"{case.sink}: read {stats.messages:,} messages and the target holds {got:,} rows; expected {rows:,}"
+        )
     case.drop(job)
     return seconds
 
@@ -199,16 +221,28 @@ def run(args: argparse.Namespace) -> int:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
-    results = [SinkResult(c.target, c.sink, c.mode, rows / min(timings[c.sink]), min(timings[c.sink]),
-                          [round(rows / t) for t in timings[c.sink]]) for c in cases]
+    results = [
+        SinkResult(
+            c.target,
+            c.sink,
+            c.mode,
+            rows / min(timings[c.sink]),
+            min(timings[c.sink]),
+            [round(rows / t) for t in timings[c.sink]],
+        )
+        for c in cases
+    ]
     by_sink = {r.sink: r for r in results}
-    print(f"\nonceflow bench sinks: {rows:,} JSON rows (~100 B) read from onceflow, checkpoints of {per_cp:,}, "
-          f"best of {repeat}")
+    print(
+        f"\nonceflow bench sinks: {rows:,} JSON rows (~100 B) read from onceflow, checkpoints of {per_cp:,}, "
+        f"best of {repeat}"
+    )
     print(f"  {'target':<11} {'sink':<26} {'mode':<26} {'rows/s':>10}")
     for r in results:
         print(f"  {r.target:<11} {r.sink:<26} {r.mode:<26} {r.rows_s:>10,.0f}")
     ratios = {
-        "PostgreSQL transactional / insert": by_sink["PostgresTransactionalSink"].rows_s / by_sink["PostgresInsertSink"].rows_s,
+        "PostgreSQL transactional / insert": by_sink["PostgresTransactionalSink"].rows_s
+        / by_sink["PostgresInsertSink"].rows_s,
         "PostgreSQL upsert / insert": by_sink["PostgresUpsertSink"].rows_s / by_sink["PostgresInsertSink"].rows_s,
         "PostgreSQL two-phase / insert": by_sink["PostgresTwoPhaseSink"].rows_s / by_sink["PostgresInsertSink"].rows_s,
         "Redis atomic / list": by_sink["RedisAtomicSink"].rows_s / by_sink["RedisListSink"].rows_s,
@@ -219,6 +253,16 @@ def run(args: argparse.Namespace) -> int:
         verdict = "PASS" if ratio >= RATIO_TARGET else "MISS"
         print(f"  ratio {name:<36} {ratio:>6.2f}x   target >= {RATIO_TARGET:.2f}x   {verdict}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "checkpoint_messages": per_cp, "repeat": repeat,
-                                              "results": [asdict(r) for r in results], "ratios": ratios}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "checkpoint_messages": per_cp,
+                    "repeat": repeat,
+                    "results": [asdict(r) for r in results],
+                    "ratios": ratios,
+                },
+                indent=2,
+            )
+        )
     return 0

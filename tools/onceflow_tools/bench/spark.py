@@ -69,7 +69,9 @@ class MemoryReader(DataSourceStreamReader):
         return {"n": end}
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[InputPartition]:
-        return [_Slice(a, min(a + self.per_partition, end["n"])) for a in range(start["n"], end["n"], self.per_partition)]
+        return [
+            _Slice(a, min(a + self.per_partition, end["n"])) for a in range(start["n"], end["n"], self.per_partition)
+        ]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, _Slice)
@@ -79,13 +81,16 @@ class MemoryReader(DataSourceStreamReader):
         for a in range(partition.start, partition.end, step):
             b = min(a + step, partition.end)
             n = b - a
-            yield pa.RecordBatch.from_arrays([
-                pa.array(["bench/in"] * n, pa.string()),
-                pa.array(range(a, b), pa.int64()),
-                pa.array([1_700_000_000_000_000] * n, pa.timestamp("us", tz="UTC")),
-                pa.array([ROW % (i, i % 40, i % 100) for i in range(a, b)], pa.string()),
-                pa.array(["application/json"] * n, pa.string()),
-            ], schema=arrow_schema(text_values=True))
+            yield pa.RecordBatch.from_arrays(
+                [
+                    pa.array(["bench/in"] * n, pa.string()),
+                    pa.array(range(a, b), pa.int64()),
+                    pa.array([1_700_000_000_000_000] * n, pa.timestamp("us", tz="UTC")),
+                    pa.array([ROW % (i, i % 40, i % 100) for i in range(a, b)], pa.string()),
+                    pa.array(["application/json"] * n, pa.string()),
+                ],
+                schema=arrow_schema(text_values=True),
+            )
 
 
 class NoopWriter(DataSourceStreamArrowWriter):
@@ -144,28 +149,55 @@ def run(args: argparse.Namespace) -> int:
         spark = session(app="onceflow-bench-spark", cores=args.cores)
         register(spark)
         spark.dataSource.register(MemoryDataSource)
-        results: dict[str, Any] = {"rows": args.rows, "cores": args.cores, "max_records_per_trigger": args.max_records_per_trigger}
+        results: dict[str, Any] = {
+            "rows": args.rows,
+            "cores": args.cores,
+            "max_records_per_trigger": args.max_records_per_trigger,
+        }
         best: dict[str, float] = {}
         for attempt in range(args.repeat):
             for side in ("memory", "onceflow"):
                 ckpt = work / f"ckpt-{side}-{attempt}"
                 if side == "onceflow":
-                    src = (spark.readStream.format("onceflow").option("url", server.url).option("streams", "bench/in")
-                           .option("maxRecordsPerTrigger", str(args.max_records_per_trigger))
-                           .option("maxRecordsPerPartition", str(args.per_partition)).load())
-                    q = (src.selectExpr("value").writeStream.format("onceflow").option("url", server.url)
-                         .option("stream", f"bench/out-{attempt}").option("sinkId", f"bench-{attempt}")
-                         .option("checkpointLocation", str(ckpt)).trigger(availableNow=True).start())
+                    src = (
+                        spark.readStream.format("onceflow")
+                        .option("url", server.url)
+                        .option("streams", "bench/in")
+                        .option("maxRecordsPerTrigger", str(args.max_records_per_trigger))
+                        .option("maxRecordsPerPartition", str(args.per_partition))
+                        .load()
+                    )
+                    q = (
+                        src.selectExpr("value")
+                        .writeStream.format("onceflow")
+                        .option("url", server.url)
+                        .option("stream", f"bench/out-{attempt}")
+                        .option("sinkId", f"bench-{attempt}")
+                        .option("checkpointLocation", str(ckpt))
+                        .trigger(availableNow=True)
+                        .start()
+                    )
                 else:
-                    src = (spark.readStream.format("onceflow-bench-memory").option("rows", str(args.rows))
-                           .option("perPartition", str(args.per_partition))
-                           .option("maxRecordsPerTrigger", str(args.max_records_per_trigger)).load())
-                    q = (src.selectExpr("value").writeStream.format("onceflow-bench-memory")
-                         .option("checkpointLocation", str(ckpt)).trigger(availableNow=True).start())
+                    src = (
+                        spark.readStream.format("onceflow-bench-memory")
+                        .option("rows", str(args.rows))
+                        .option("perPartition", str(args.per_partition))
+                        .option("maxRecordsPerTrigger", str(args.max_records_per_trigger))
+                        .load()
+                    )
+                    q = (
+                        src.selectExpr("value")
+                        .writeStream.format("onceflow-bench-memory")
+                        .option("checkpointLocation", str(ckpt))
+                        .trigger(availableNow=True)
+                        .start()
+                    )
                 q.awaitTermination()
                 rows, seconds, _ = _rate(q)
                 rate = rows / seconds if seconds else 0.0
-                _say(f"  run {attempt + 1}: {side:8s} {rows:,} rows in {seconds:.2f} s of micro-batches: {rate:,.0f} rows/s")
+                _say(
+                    f"  run {attempt + 1}: {side:8s} {rows:,} rows in {seconds:.2f} s of micro-batches: {rate:,.0f} rows/s"
+                )
                 if rows != args.rows:
                     _say(f"  warning: {side} saw {rows:,} rows, expected {args.rows:,}")
                 best[side] = max(best.get(side, 0.0), rate)
@@ -174,11 +206,21 @@ def run(args: argparse.Namespace) -> int:
         httpx.put(f"{server.url}/v1/stream/bench/tiny", headers={"content-type": "application/json"}).raise_for_status()
         for i in range(args.tiny_batches):
             httpx.post(f"{server.url}/v1/stream/bench/tiny", json=[{"i": i}]).raise_for_status()
-        q = (spark.readStream.format("onceflow").option("url", server.url).option("streams", "bench/tiny")
-             .option("maxRecordsPerTrigger", "1").load().selectExpr("value")
-             .writeStream.format("onceflow").option("url", server.url).option("stream", "bench/tiny-out")
-             .option("sinkId", "bench-tiny").option("checkpointLocation", str(work / "ckpt-tiny"))
-             .trigger(availableNow=True).start())
+        q = (
+            spark.readStream.format("onceflow")
+            .option("url", server.url)
+            .option("streams", "bench/tiny")
+            .option("maxRecordsPerTrigger", "1")
+            .load()
+            .selectExpr("value")
+            .writeStream.format("onceflow")
+            .option("url", server.url)
+            .option("stream", "bench/tiny-out")
+            .option("sinkId", "bench-tiny")
+            .option("checkpointLocation", str(work / "ckpt-tiny"))
+            .trigger(availableNow=True)
+            .start()
+        )
         q.awaitTermination()
         _, _, tiny_ms = _rate(q)
         spark.stop()
@@ -187,19 +229,28 @@ def run(args: argparse.Namespace) -> int:
 
     ratio = best["onceflow"] / best["memory"] if best.get("memory") else 0.0
     batch_ms = statistics.median(tiny_ms) if tiny_ms else float("nan")
-    results.update({"onceflow_rows_per_s": best["onceflow"], "memory_rows_per_s": best["memory"], "ratio": ratio,
-                    "micro_batch_fixed_ms_p50": batch_ms, "micro_batch_fixed_ms": tiny_ms})
-    text = "\n".join([
-        f"onceflow bench spark: local[{args.cores}], {args.rows:,} rows of ~100 B, maxRecordsPerTrigger {args.max_records_per_trigger:,}, best of {args.repeat}",
-        "",
-        "| pipeline | rows/s |",
-        "|---|---:|",
-        f"| onceflow source → onceflow exactly-once sink | {best['onceflow']:,.0f} |",
-        f"| in-memory Python source → no-op Python sink | {best['memory']:,.0f} |",
-        f"| ratio | {ratio:.2f}x |",
-        "",
-        f"fixed cost of a micro-batch (one row, onceflow → onceflow): p50 {batch_ms:.0f} ms over {len(tiny_ms)} batches",
-    ])
+    results.update(
+        {
+            "onceflow_rows_per_s": best["onceflow"],
+            "memory_rows_per_s": best["memory"],
+            "ratio": ratio,
+            "micro_batch_fixed_ms_p50": batch_ms,
+            "micro_batch_fixed_ms": tiny_ms,
+        }
+    )
+    text = "\n".join(
+        [
+            f"onceflow bench spark: local[{args.cores}], {args.rows:,} rows of ~100 B, maxRecordsPerTrigger {args.max_records_per_trigger:,}, best of {args.repeat}",
+            "",
+            "| pipeline | rows/s |",
+            "|---|---:|",
+            f"| onceflow source → onceflow exactly-once sink | {best['onceflow']:,.0f} |",
+            f"| in-memory Python source → no-op Python sink | {best['memory']:,.0f} |",
+            f"| ratio | {ratio:.2f}x |",
+            "",
+            f"fixed cost of a micro-batch (one row, onceflow → onceflow): p50 {batch_ms:.0f} ms over {len(tiny_ms)} batches",
+        ]
+    )
     failures = []
     if ratio < 0.8:
         failures.append(f"onceflow pipeline is {ratio:.2f}x the in-memory one (target >= 0.8x)")

@@ -56,7 +56,9 @@ async def _measure(url: str, seconds: float, txn_messages: int, streams: int, ro
             async with AsyncStream.connect(url, n) as s:
                 await s.create("application/json")
     chunk = [msg] * txn_messages
-    producers = [AsyncIdempotentProducer(url, n, content_type="application/json", max_in_flight=1) for n in names["idem"]]
+    producers = [
+        AsyncIdempotentProducer(url, n, content_type="application/json", max_in_flight=1) for n in names["idem"]
+    ]
     for p in producers:
         await p.start()
     tp = AsyncTransactionalProducer(url, "bench-txn", max_batch_bytes=1 << 30)
@@ -103,8 +105,18 @@ async def _measure(url: str, seconds: float, txn_messages: int, streams: int, ro
     await tp.close()
     idem_rate = totals["idem"][0] / totals["idem"][1]
     txn_rate = totals["txn"][0] / totals["txn"][1]
-    return TxnBench(streams, txn_messages, idem_rate, txn_rate, txn_rate / idem_rate, statistics.median(ratios), rounds,
-                    statistics.median(commits) * 1e3, _pct(commits, 99) * 1e3, len(commits))
+    return TxnBench(
+        streams,
+        txn_messages,
+        idem_rate,
+        txn_rate,
+        txn_rate / idem_rate,
+        statistics.median(ratios),
+        rounds,
+        statistics.median(commits) * 1e3,
+        _pct(commits, 99) * 1e3,
+        len(commits),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,19 +124,27 @@ def run(args: argparse.Namespace) -> int:
     server = onceflow_server(root / "data")
     try:
         startup = server.start()
-        _say(f"onceflow serve ready at {server.url} in {startup * 1e3:,.0f} ms; {args.seconds:.0f} s per side, "
-             "in alternating 1 s bursts")
+        _say(
+            f"onceflow serve ready at {server.url} in {startup * 1e3:,.0f} ms; {args.seconds:.0f} s per side, "
+            "in alternating 1 s bursts"
+        )
         res = _run_loop(_measure(server.url, args.seconds, args.txn_messages, args.streams))
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
-    print(f"\nonceflow bench txn: 100 B JSON messages, {res.txn_messages:,} per request, {res.streams} stream(s), fsync always")
+    print(
+        f"\nonceflow bench txn: 100 B JSON messages, {res.txn_messages:,} per request, {res.streams} stream(s), fsync always"
+    )
     print(f"  idempotent appends (flush per batch)      {res.idempotent_msg_s:>12,.0f} msg/s")
-    print(f"  transactions of {res.txn_messages:,} x {res.streams} stream(s)    {res.transactional_msg_s:>12,.0f} msg/s"
-          f"   ({res.transactions:,} transactions)")
+    print(
+        f"  transactions of {res.txn_messages:,} x {res.streams} stream(s)    {res.transactional_msg_s:>12,.0f} msg/s"
+        f"   ({res.transactions:,} transactions)"
+    )
     verdict = "PASS" if res.round_ratio_median >= 0.8 else "MISS"
     print(f"  ratio transactional / idempotent, totals  {res.ratio:>12.2f}x")
-    print(f"  ratio, median of {res.rounds} paired rounds       {res.round_ratio_median:>12.2f}x   target >= 0.80x   {verdict}")
+    print(
+        f"  ratio, median of {res.rounds} paired rounds       {res.round_ratio_median:>12.2f}x   target >= 0.80x   {verdict}"
+    )
     print(f"  commit latency (last append + commit)  p50 {res.commit_p50_ms:.2f} ms   p99 {res.commit_p99_ms:.2f} ms")
     if args.out:
         Path(args.out).write_text(json.dumps(asdict(res), indent=2))

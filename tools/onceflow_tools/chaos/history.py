@@ -292,8 +292,12 @@ class _Checker:
             self._observe(stream, off, value_key(v), f"read by {who}")
             if o.get("isolation", "read_committed") == "read_committed" and not o.get("final") and stream in self.final:
                 if off not in self.final[stream]:
-                    self.add("aborted-read", stream, f"read_committed read by {who} returned {value_key(v)} at offset {off}, "
-                                                     "which the committed log does not hold")
+                    self.add(
+                        "aborted-read",
+                        stream,
+                        f"read_committed read by {who} returned {value_key(v)} at offset {off}, "
+                        "which the committed log does not hold",
+                    )
 
     def _observe(self, stream: str, off: int, key: str, who: str) -> None:
         old = self.seen.setdefault((stream, off), (key, who))
@@ -347,11 +351,18 @@ class _Checker:
             end = self.txn_end.get(label)
             aborted = end is not None and end.get("decision") == "abort" and end.get("outcome") == "ok"
             if aborted and present:
-                self.add("aborted-read", present[0][0], f"transaction {label} was aborted, yet {len(present)} of its "
-                                                        f"values are in the committed log, e.g. {present[0][1]}")
+                self.add(
+                    "aborted-read",
+                    present[0][0],
+                    f"transaction {label} was aborted, yet {len(present)} of its "
+                    f"values are in the committed log, e.g. {present[0][1]}",
+                )
             elif present and len(present) != len(checked):
-                self.add("partial-transaction", present[0][0],
-                         f"transaction {label}: {len(present)} of {len(checked)} values are in the committed log")
+                self.add(
+                    "partial-transaction",
+                    present[0][0],
+                    f"transaction {label}: {len(present)} of {len(checked)} values are in the committed log",
+                )
             if aborted or (not present and len(checked) == len(members)):
                 for _, k in members:  # its data must never have been visible to read_committed readers
                     invisible[k] = (label, "aborted" if aborted else "not committed")
@@ -361,8 +372,12 @@ class _Checker:
             for off, v in o["records"]:
                 hit = invisible.get(value_key(v))
                 if hit is not None:
-                    self.add("aborted-read", str(o["stream"]), f"read_committed read by {o['client']} returned "
-                                                               f"{value_key(v)} at offset {off} of {hit[1]} transaction {hit[0]}")
+                    self.add(
+                        "aborted-read",
+                        str(o["stream"]),
+                        f"read_committed read by {o['client']} returned "
+                        f"{value_key(v)} at offset {off} of {hit[1]} transaction {hit[0]}",
+                    )
 
     def _copies(self) -> None:
         for o in self.ops:
@@ -371,7 +386,9 @@ class _Checker:
             inputs, outputs = [str(s) for s in o["inputs"]], [str(s) for s in o["outputs"]]
             contents = {**self.final_counts, **self.targets}
             if not all(s in self.final_counts for s in inputs) or not all(s in contents for s in outputs):
-                self.result.notes.append(f"copy {inputs} -> {outputs}: not every stream or target was read back; skipped")
+                self.result.notes.append(
+                    f"copy {inputs} -> {outputs}: not every stream or target was read back; skipped"
+                )
                 continue
             want = Counter[str]()
             for s in inputs:
@@ -397,7 +414,9 @@ class _Checker:
                 continue
             events, enriched, counts = str(o["events"]), str(o["enriched"]), str(o["counts"])
             if not all(s in self.final_values for s in (events, enriched, counts)):
-                self.result.notes.append(f"pipeline {events} -> {enriched}, {counts}: not every stream was read back; skipped")
+                self.result.notes.append(
+                    f"pipeline {events} -> {enriched}, {counts}: not every stream was read back; skipped"
+                )
                 continue
             r = check_pipeline(self.final_values[events], self.final_values[enriched], self.final_values[counts])
             self.result.values_checked += r.events
@@ -420,7 +439,9 @@ class _Checker:
                 key, off = (str(o["group"]), str(o["stream"])), str(o["offset"])
                 prev = committed.get(key)
                 if prev is not None and off < prev[0]:
-                    self.add("offset-backwards", key[1], f"group {key[0]}: commit of {off} acknowledged after {prev[0]}")
+                    self.add(
+                        "offset-backwards", key[1], f"group {key[0]}: commit of {off} acknowledged after {prev[0]}"
+                    )
                 if prev is None or off > prev[0]:
                     committed[key] = (off, float(o["t"]))
             elif o["op"] == "fetch-offsets":
@@ -428,8 +449,11 @@ class _Checker:
                 for stream, off in dict(o["offsets"]).items():
                     prev = committed.get((str(o["group"]), str(stream)))
                     if prev is not None and prev[1] < sent and str(off) < prev[0]:
-                        self.add("offset-backwards", str(stream), f"group {o['group']}: read {off} after {prev[0]} "
-                                                                  "had been committed")
+                        self.add(
+                            "offset-backwards",
+                            str(stream),
+                            f"group {o['group']}: read {off} after {prev[0]} had been committed",
+                        )
 
 
 def check(ops: Sequence[Mapping[str, Any]]) -> CheckResult:
@@ -441,7 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m onceflow_tools.chaos.history FILE_OR_DIR...``: check recorded histories; 1 on any anomaly."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m onceflow_tools.chaos.history", description="Check recorded chaos histories.")
+    p = argparse.ArgumentParser(
+        prog="python -m onceflow_tools.chaos.history", description="Check recorded chaos histories."
+    )
     p.add_argument("paths", nargs="+", type=Path, help="history files (JSON lines) or directories of *.jsonl")
     args = p.parse_args(argv)
     skipped: list[str] = []

@@ -73,8 +73,15 @@ from .worker import parse_records
 __all__ = ["FAULT_KINDS", "add_chaos_parser", "run_chaos"]
 
 FAULT_KINDS = (
-    "kill-server", "stop-server", "kill-client", "stop-client", "drop-acks", "delay-acks",
-    "garble-tail", "disk-full", "read-only",
+    "kill-server",
+    "stop-server",
+    "kill-client",
+    "stop-client",
+    "drop-acks",
+    "delay-acks",
+    "garble-tail",
+    "disk-full",
+    "read-only",
 )
 INPUTS = ["in/0", "in/1"]
 TXN_STREAMS = ["tx/0", "tx/1"]
@@ -133,8 +140,22 @@ class Server:
             if unprivileged:  # root ignores permissions unless it gives up CAP_DAC_OVERRIDE/_READ_SEARCH
                 _drop_dac_capabilities()
 
-        cmd = [sys.executable, "-m", "onceflow.cli", "serve", "--data", str(self.data), "--port", str(self.port),
-               "--long-poll-timeout", "1", "--txn-timeout", str(self.txn_timeout), "--log-level", "error"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "onceflow.cli",
+            "serve",
+            "--data",
+            str(self.data),
+            "--port",
+            str(self.port),
+            "--long-poll-timeout",
+            "1",
+            "--txn-timeout",
+            str(self.txn_timeout),
+            "--log-level",
+            "error",
+        ]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pre)  # noqa: S603
         deadline = time.monotonic() + 60
@@ -196,8 +217,12 @@ class Client:
     def start(self) -> None:
         with open(self.log, "ab") as log:
             log.write(f"\n=== {self.name} start {self.starts + 1} at {time.strftime('%H:%M:%S')}\n".encode())
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,  # noqa: S603
-                                         start_new_session=self.group)
+            self.proc = subprocess.Popen(  # noqa: S603
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=self.group,
+            )
         self.starts += 1
 
     def alive(self) -> bool:
@@ -278,7 +303,9 @@ def _read_all(c: httpx.Client, url: str, stream: str) -> tuple[list[list[Any]], 
     records: list[list[Any]] = []
     offset = "-1"
     while True:
-        r = c.get(f"{url}/v1/stream/{stream}", params={"offset": offset, "format": "records", "isolation": "read_committed"})
+        r = c.get(
+            f"{url}/v1/stream/{stream}", params={"offset": offset, "format": "records", "isolation": "read_committed"}
+        )
         r.raise_for_status()
         records += parse_records(r.content)
         nxt = r.headers["stream-next-offset"]
@@ -295,7 +322,9 @@ def _sink_batch(url: str, sink: str) -> int:
         return -1
 
 
-def _retry(what: str, fn: Callable[[], httpx.Response], ok: tuple[int, ...] = (200,), deadline: float = 60) -> httpx.Response:
+def _retry(
+    what: str, fn: Callable[[], httpx.Response], ok: tuple[int, ...] = (200,), deadline: float = 60
+) -> httpx.Response:
     give_up = time.monotonic() + deadline
     while True:
         try:
@@ -336,9 +365,23 @@ class Chaos:
     # ------------------------------------------------------------------ set-up
 
     def worker(self, kind: str, name: str, url: str, streams: list[str], *extra: str) -> Client:
-        cmd = [sys.executable, "-m", "onceflow_tools.chaos.worker", kind, "--url", url, "--client", name,
-               "--history", str(self.hist / f"{name}.jsonl"), "--seed", str(self.args.seed),
-               "--txn-timeout", str(self.args.txn_timeout), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "onceflow_tools.chaos.worker",
+            kind,
+            "--url",
+            url,
+            "--client",
+            name,
+            "--history",
+            str(self.hist / f"{name}.jsonl"),
+            "--seed",
+            str(self.args.seed),
+            "--txn-timeout",
+            str(self.args.txn_timeout),
+            *extra,
+        ]
         for s in streams:
             cmd += ["--stream", s]
         return Client(name, cmd, self.logs / f"{name}.log")
@@ -379,8 +422,14 @@ class Chaos:
         self.proxy.start()
         with httpx.Client(timeout=10) as c:
             for s in self.streams:
-                _retry(f"create {s}", lambda s=s: c.put(f"{self.server.url}/v1/stream/{s}",  # type: ignore[misc]
-                                                        headers={"content-type": "application/json"}), (200, 201))
+                _retry(
+                    f"create {s}",
+                    lambda s=s: c.put(
+                        f"{self.server.url}/v1/stream/{s}",  # type: ignore[misc]
+                        headers={"content-type": "application/json"},
+                    ),
+                    (200, 201),
+                )
         self.history.record("copy", inputs=INPUTS, outputs=OUTPUTS)
         url, purl = self.server.url, self.proxy.url
         self.clients = [
@@ -392,9 +441,26 @@ class Chaos:
             self.worker("group", "g0", url, GROUP_STREAMS),
             self.worker("reader", "r0", url, self.streams),
         ]
-        copy = [sys.executable, "-m", "onceflow.cli", "copy", "--url", url, "--transactional-id", "copier-0",
-                "--group", "chaos-copy", "--live", "--quiet", "--txn-size", "200", "--max-read-bytes", "8KiB",
-                "--txn-timeout", str(self.args.txn_timeout)]
+        copy = [
+            sys.executable,
+            "-m",
+            "onceflow.cli",
+            "copy",
+            "--url",
+            url,
+            "--transactional-id",
+            "copier-0",
+            "--group",
+            "chaos-copy",
+            "--live",
+            "--quiet",
+            "--txn-size",
+            "200",
+            "--max-read-bytes",
+            "8KiB",
+            "--txn-timeout",
+            str(self.args.txn_timeout),
+        ]
         for s in INPUTS:
             copy += ["--input", s]
         for s in OUTPUTS:
@@ -402,14 +468,30 @@ class Chaos:
         self.clients.append(Client("copier-0", copy, self.logs / "copier-0.log"))
         if sink:
             self.history.record("copy", inputs=SINK_INPUTS, outputs=[SINK_TARGET])
-            self.clients.append(self.worker("sink", "sink-0", url, SINK_INPUTS, "--redis", self.redis.url, "--job", SINK_JOB))
+            self.clients.append(
+                self.worker("sink", "sink-0", url, SINK_INPUTS, "--redis", self.redis.url, "--job", SINK_JOB)
+            )
             self.must_kill.append("sink-0")
         if spark:
             self.history.record("pipeline", events=SPARK_EVENTS, enriched=SPARK_ENRICHED, counts=SPARK_COUNTS)
             self.clients.append(self.worker("producer", "e0", purl, [SPARK_EVENTS], "--events"))
-            pipeline = [sys.executable, "-m", "onceflow.spark.pipeline", "--url", url, "--checkpoint",
-                        str(self.root / "spark-checkpoint"), "--prefix", SPARK_PREFIX, "--sink-prefix", SPARK_SINK_PREFIX,
-                        "--max-records-per-trigger", "200", "--cores", "1"]
+            pipeline = [
+                sys.executable,
+                "-m",
+                "onceflow.spark.pipeline",
+                "--url",
+                url,
+                "--checkpoint",
+                str(self.root / "spark-checkpoint"),
+                "--prefix",
+                SPARK_PREFIX,
+                "--sink-prefix",
+                SPARK_SINK_PREFIX,
+                "--max-records-per-trigger",
+                "200",
+                "--cores",
+                "1",
+            ]
             self.clients.append(SparkClient("spark-0", pipeline, self.logs / "spark-0.log", self.root / "spark-stop"))
             self.must_kill.append("spark-0")
         for cl in self.clients:
@@ -555,7 +637,9 @@ class Chaos:
         give_up = time.monotonic() + self.args.txn_timeout + 10
         while time.monotonic() < give_up:
             heads = [_retry(f"head {s}", lambda s=s: c.head(f"{self.server.url}/v1/stream/{s}")) for s in SPARK_STREAMS]  # type: ignore[misc]
-            if all(h.headers.get("stream-last-stable-offset") in (None, h.headers["stream-next-offset"]) for h in heads):
+            if all(
+                h.headers.get("stream-last-stable-offset") in (None, h.headers["stream-next-offset"]) for h in heads
+            ):
                 return
             time.sleep(0.5)
 
@@ -569,7 +653,9 @@ class Chaos:
                 if r.status_code >= 400:
                     return 1
                 body = json.dumps({"probe": name, "pad": "x" * size}).encode()
-                r = c.post(f"{self.server.url}/v1/stream/{name}", content=body, headers={"content-type": "application/json"})
+                r = c.post(
+                    f"{self.server.url}/v1/stream/{name}", content=body, headers={"content-type": "application/json"}
+                )
                 return 1 if r.status_code >= 500 else 0
         except httpx.TransportError:
             return 1
@@ -579,9 +665,11 @@ class Chaos:
     def run(self) -> int:
         started = time.monotonic()
         self.set_up()
-        _say(f"server {self.server.url} (data {self.data}), proxy {self.proxy.url if self.proxy else '-'}, "
-             f"{len(self.clients)} clients ({', '.join(c.name for c in self.clients)}), {self.args.duration:.0f} s, "
-             f"seed {self.args.seed}" + "".join(f"; no {k}: {v}" for k, v in self.skipped.items()))
+        _say(
+            f"server {self.server.url} (data {self.data}), proxy {self.proxy.url if self.proxy else '-'}, "
+            f"{len(self.clients)} clients ({', '.join(c.name for c in self.clients)}), {self.args.duration:.0f} s, "
+            f"seed {self.args.seed}" + "".join(f"; no {k}: {v}" for k, v in self.skipped.items())
+        )
         if self.client("spark-0"):
             self._warm_up_spark()
             started = time.monotonic()  # the faults' duration starts now
@@ -617,7 +705,9 @@ class Chaos:
 
     def finish(self) -> int:
         catching_up = [cl for cl in self.clients if cl.name in ("copier-0", "sink-0", "spark-0")]
-        _say(f"stopping the clients, aborting open transactions, letting {', '.join(cl.name for cl in catching_up)} catch up")
+        _say(
+            f"stopping the clients, aborting open transactions, letting {', '.join(cl.name for cl in catching_up)} catch up"
+        )
         for cl in self.clients:
             if cl not in catching_up:
                 cl.terminate()
@@ -653,13 +743,18 @@ class Chaos:
             for s in self.streams:
                 records, nxt = _read_all(c, url, s)
                 final[s] = [v for _, v in records]
-                self.history.record("read", stream=s, isolation="read_committed", start="-1", next=nxt,
-                                    records=records, final=True)
+                self.history.record(
+                    "read", stream=s, isolation="read_committed", start="-1", next=nxt, records=records, final=True
+                )
         target: list[Any] = []
         if self.client("sink-0"):
             target = [json.loads(x) for x in self._redis().lrange(f"onceflow:{{{SINK_JOB}}}:out", 0, -1)]
             self.history.record("target", name=SINK_TARGET, values=target)
-        spark_batches = {q: _sink_batch(url, f"{SPARK_SINK_PREFIX}{q}") for q in ("enrich", "counts")} if self.client("spark-0") else {}
+        spark_batches = (
+            {q: _sink_batch(url, f"{SPARK_SINK_PREFIX}{q}") for q in ("enrich", "counts")}
+            if self.client("spark-0")
+            else {}
+        )
         self.history.close()
         if self.proxy is not None:
             self.proxy.stop()
@@ -692,23 +787,34 @@ class Chaos:
         (self.root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print("faults injected: " + ", ".join(f"{k} {v}" for k, v in summary["faults"].items()))
         print("fault effects: " + ", ".join(f"{k} {v}" for k, v in sorted(self.effects.items())))
-        print("clients: " + ", ".join(f"{c.name}" + (f" x{c.starts}" if c.starts > 1 else "") for c in self.clients)
-              + "".join(f"; not run: {k} ({v})" for k, v in self.skipped.items()))
+        print(
+            "clients: "
+            + ", ".join(f"{c.name}" + (f" x{c.starts}" if c.starts > 1 else "") for c in self.clients)
+            + "".join(f"; not run: {k} ({v})" for k, v in self.skipped.items())
+        )
         for name, ev in extra.items():
             print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in ev.items()))
         verdict = "OK" if result.ok and healthy else "FAILED"
         print(f"chaos: {verdict} (history, logs and summary.json in {self.root})")
         return 0 if verdict == "OK" else 1
 
-    def _evidence(self, ops: list[dict[str, Any]], anomalies: list[Anomaly], final: dict[str, list[Any]],
-                  target: list[Any], spark_batches: dict[str, int]) -> dict[str, dict[str, Any]]:
+    def _evidence(
+        self,
+        ops: list[dict[str, Any]],
+        anomalies: list[Anomaly],
+        final: dict[str, list[Any]],
+        target: list[Any],
+        spark_batches: dict[str, int],
+    ) -> dict[str, dict[str, Any]]:
         """What the sink and the Spark client did and how their checks came out (for the summary)."""
         out: dict[str, dict[str, Any]] = {}
         sink = self.client("sink-0")
         if sink is not None:
             mine = [o for o in ops if str(o["client"]).startswith("sink-0.")]
             out["sink"] = {
-                "starts": sink.starts, "killed": sink.kills, "exited": sink.exits,
+                "starts": sink.starts,
+                "killed": sink.kills,
+                "exited": sink.exits,
                 "runner restarts after errors": sum(o["op"] == "note" for o in mine),
                 "checkpoints committed": sum(o["op"] == "sink-committed" for o in mine),
                 "restores": sum(o["op"] == "sink-restored" for o in mine),
@@ -720,9 +826,14 @@ class Chaos:
         if spark is not None:
             r = check_pipeline(*(final.get(s, []) for s in SPARK_STREAMS))
             out["spark"] = {
-                "starts": spark.starts, "killed": spark.kills, "exited": spark.exits,
-                "last batch enrich": spark_batches.get("enrich", -1), "last batch counts": spark_batches.get("counts", -1),
-                "events": r.events, "enriched": r.enriched, "users": r.users,
+                "starts": spark.starts,
+                "killed": spark.kills,
+                "exited": spark.exits,
+                "last batch enrich": spark_batches.get("enrich", -1),
+                "last batch counts": spark_batches.get("counts", -1),
+                "events": r.events,
+                "enriched": r.enriched,
+                "users": r.users,
                 "anomalies": sum(1 for a in anomalies if a.stream in SPARK_STREAMS),
             }
         return out
@@ -765,26 +876,56 @@ def run_chaos(args: argparse.Namespace) -> int:
 
 def add_chaos_parser(sub: Any) -> None:
     c = sub.add_parser(
-        "chaos", help="run a mixed workload while injecting faults, then check the recorded history",
+        "chaos",
+        help="run a mixed workload while injecting faults, then check the recorded history",
         description="Start a server, idempotent and transactional producers, a transactional copier, a consumer "
-                    "group, a read_committed reader, a Redis sink and a Spark pipeline; kill -9 / SIGSTOP the server and clients, drop and delay "
-                    "answers, garble log tails, fill the disk and make the data directory read-only on a seeded "
-                    "schedule; then read everything back and check the history for lost writes, duplicates, "
-                    "aborted reads, offset anomalies. Exits 1 on any anomaly.")
+        "group, a read_committed reader, a Redis sink and a Spark pipeline; kill -9 / SIGSTOP the server and clients, drop and delay "
+        "answers, garble log tails, fill the disk and make the data directory read-only on a seeded "
+        "schedule; then read everything back and check the history for lost writes, duplicates, "
+        "aborted reads, offset anomalies. Exits 1 on any anomaly.",
+    )
     c.add_argument("--duration", type=float, default=60.0, metavar="S", help="seconds of faults (default: 60)")
-    c.add_argument("--seed", type=int, default=1, metavar="N", help="seed of the fault schedule and of the clients' choices (default: 1); "
-                        "timing still differs from run to run")
-    c.add_argument("--out", type=Path, default=None, metavar="DIR",
-                   help="where to keep data, histories, logs and summary.json (must be empty; default: a new temp dir)")
-    c.add_argument("--txn-timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="transaction timeout of the server and clients (default: 5)")
-    c.add_argument("--sink", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the sink client (a SinkRunner into a RedisAtomicSink on a throwaway redis-server; "
-                        "default: on when redis-server is installed)")
-    c.add_argument("--spark", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the Spark demo pipeline as a client (slow: ~15 s per start; default: on when PySpark "
-                        "and Java are there)")
-    c.add_argument("--sabotage", choices=["truncate-acked"], default=None,
-                   help="break the experiment on purpose to see the checker catch it: truncate-acked cuts 400 "
-                        "acknowledged bytes off every tail segment at each garble-tail fault (the run must fail)")
+    c.add_argument(
+        "--seed",
+        type=int,
+        default=1,
+        metavar="N",
+        help="seed of the fault schedule and of the clients' choices (default: 1); "
+        "timing still differs from run to run",
+    )
+    c.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where to keep data, histories, logs and summary.json (must be empty; default: a new temp dir)",
+    )
+    c.add_argument(
+        "--txn-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="transaction timeout of the server and clients (default: 5)",
+    )
+    c.add_argument(
+        "--sink",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the sink client (a SinkRunner into a RedisAtomicSink on a throwaway redis-server; "
+        "default: on when redis-server is installed)",
+    )
+    c.add_argument(
+        "--spark",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the Spark demo pipeline as a client (slow: ~15 s per start; default: on when PySpark "
+        "and Java are there)",
+    )
+    c.add_argument(
+        "--sabotage",
+        choices=["truncate-acked"],
+        default=None,
+        help="break the experiment on purpose to see the checker catch it: truncate-acked cuts 400 "
+        "acknowledged bytes off every tail segment at each garble-tail fault (the run must fail)",
+    )
     c.set_defaults(func=run_chaos)

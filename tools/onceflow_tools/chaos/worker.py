@@ -85,16 +85,22 @@ def run_producer(args: argparse.Namespace, h: HistoryWriter, rng: random.Random)
             stream = rng.choice(args.stream)
             values: list[dict[str, Any]]
             if args.events:
-                values = [{"id": id_base + n + i, "user": f"user-{rng.randrange(8)}", "amount": round(rng.uniform(1, 100), 2)}
-                          for i in range(rng.randint(1, 4))]
+                values = [
+                    {"id": id_base + n + i, "user": f"user-{rng.randrange(8)}", "amount": round(rng.uniform(1, 100), 2)}
+                    for i in range(rng.randint(1, 4))
+                ]
             else:
                 values = [{"c": pid, "n": n + i} for i in range(rng.randint(1, 4))]
             n += len(values)
             op_id = h.next_id()
             seq = seqs.get(stream, 0)
             h.record("append", id=op_id, stream=stream, values=values, producer=pid, seq=seq)
-            headers = {"content-type": "application/json", "producer-id": pid, "producer-epoch": "0",
-                       "producer-seq": str(seq)}
+            headers = {
+                "content-type": "application/json",
+                "producer-id": pid,
+                "producer-epoch": "0",
+                "producer-seq": str(seq),
+            }
             body = json.dumps(values).encode()
             while _running:  # the same sequence number until answered: retries are deduplicated
                 try:
@@ -103,7 +109,9 @@ def run_producer(args: argparse.Namespace, h: HistoryWriter, rng: random.Random)
                     _nap(rng, 0.05, 0.2)
                     continue
                 if r.status_code == 200:
-                    h.record("ack", id=op_id, outcome="ok", offset=_offset_of(r.headers["stream-next-offset"]) - len(values))
+                    h.record(
+                        "ack", id=op_id, outcome="ok", offset=_offset_of(r.headers["stream-next-offset"]) - len(values)
+                    )
                     seqs[stream] = seq + 1
                     break
                 if r.status_code == 204:  # a duplicate: stored by an earlier attempt
@@ -158,8 +166,13 @@ class _Txn:
         seq = self.seqs.get(stream, 0)
         self.committed = False
         self.h.record("append", id=op_id, stream=stream, values=values, txn=label, epoch=self.epoch, seq=seq)
-        headers = {"content-type": "application/json", "producer-id": f"txn:{self.tid}",
-                   "producer-epoch": str(self.epoch), "producer-seq": str(seq), "transaction-id": self.tid}
+        headers = {
+            "content-type": "application/json",
+            "producer-id": f"txn:{self.tid}",
+            "producer-epoch": str(self.epoch),
+            "producer-seq": str(seq),
+            "transaction-id": self.tid,
+        }
         if commit is not None:
             headers["transaction-commit"] = str(commit)
         body = json.dumps(values).encode()
@@ -212,21 +225,29 @@ class _Txn:
                 else:
                     r = self.post(decision, {"epoch": self.epoch, "txn": numbers[0]})
                     outcome = "ok" if r is not None and r.status_code == 200 else "unknown"
-                    self.h.record("txn", txn=label, decision=decision, outcome=outcome,
-                                  status=None if r is None else r.status_code)
+                    self.h.record(
+                        "txn",
+                        txn=label,
+                        decision=decision,
+                        outcome=outcome,
+                        status=None if r is None else r.status_code,
+                    )
                 if outcome != "ok":
                     break
                 self.ended = numbers[0] or self.ended
                 _nap(self.rng, 0.05, 0.15)
 
 
-def _read_committed(c: httpx.Client, args: argparse.Namespace, rng: random.Random, stream: str, start: str,
-                    max_bytes: int) -> tuple[str, list[list[Any]]] | None:
+def _read_committed(
+    c: httpx.Client, args: argparse.Namespace, rng: random.Random, stream: str, start: str, max_bytes: int
+) -> tuple[str, list[list[Any]]] | None:
     """One read_committed ``format=records`` read of ``stream`` from ``start``: (next offset,
     records), or None when it got no answer (after a short nap) or not a 200."""
     try:
-        r = c.get(_surl(args.url, stream), params={"offset": start, "format": "records",
-                                                   "isolation": "read_committed", "max_bytes": str(max_bytes)})
+        r = c.get(
+            _surl(args.url, stream),
+            params={"offset": start, "format": "records", "isolation": "read_committed", "max_bytes": str(max_bytes)},
+        )
     except httpx.TransportError:
         _nap(rng, 0.1, 0.3)
         return None
@@ -271,7 +292,9 @@ def run_group(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) ->
                     h.record("commit-offset", group=group, stream=stream, offset=nxt, outcome="ok")
                     offsets[stream] = nxt
                 else:
-                    h.record("commit-offset", group=group, stream=stream, offset=nxt, outcome="unknown", status=r.status_code)
+                    h.record(
+                        "commit-offset", group=group, stream=stream, offset=nxt, outcome="unknown", status=r.status_code
+                    )
             t0 = time.time()
             try:
                 r = c.get(f"{args.url}/v1/groups/{group}/offsets")
@@ -292,8 +315,14 @@ def run_reader(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -
                     continue
                 nxt, records = answer
                 if records:
-                    h.record("read", stream=stream, isolation="read_committed", start=offsets[stream], next=nxt,
-                             records=records)
+                    h.record(
+                        "read",
+                        stream=stream,
+                        isolation="read_committed",
+                        start=offsets[stream],
+                        next=nxt,
+                        records=records,
+                    )
                 offsets[stream] = nxt
             _nap(rng, 0.05, 0.15)
 
@@ -308,8 +337,17 @@ def run_sink(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -> 
     while True:  # until SIGTERM or SIGKILL
         try:
             sink = RedisAtomicSink(args.redis, job=args.job)
-            with SinkRunner(args.url, sink, job=args.job, streams=args.stream, live=True, checkpoint_messages=100,
-                            checkpoint_interval=0.5, max_read_bytes=8192, on_step=on_step) as runner:
+            with SinkRunner(
+                args.url,
+                sink,
+                job=args.job,
+                streams=args.stream,
+                live=True,
+                checkpoint_messages=100,
+                checkpoint_interval=0.5,
+                max_read_bytes=8192,
+                on_step=on_step,
+            ) as runner:
                 runner.run()
         except Exception as exc:  # noqa: BLE001 - a server fault: start again from the last checkpoint
             h.record("note", job=args.job, error=repr(exc)[:300])

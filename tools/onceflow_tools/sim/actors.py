@@ -101,8 +101,14 @@ async def idempotent_producer(env: Env, name: str, stream: str) -> None:
     epoch, n = 0, 0
     while not env.stopping():
         producer = AsyncIdempotentProducer(
-            URL, stream, producer_id=name, epoch=epoch, content_type="application/json", client=c,
-            delivery_timeout=env.rng.uniform(2.0, 6.0), max_in_flight=env.rng.randint(1, 3),
+            URL,
+            stream,
+            producer_id=name,
+            epoch=epoch,
+            content_type="application/json",
+            client=c,
+            delivery_timeout=env.rng.uniform(2.0, 6.0),
+            max_in_flight=env.rng.randint(1, 3),
             retry_backoff=(0.02, 0.5),
         )
         await producer.start()
@@ -147,7 +153,11 @@ async def transactional_producer(env: Env, name: str, streams: list[str]) -> Non
     k = 0
     while not env.stopping():
         producer = AsyncTransactionalProducer(
-            URL, name, client=c, timeout_ms=int(env.txn_timeout * 1000), delivery_timeout=env.rng.uniform(1.0, 4.0),
+            URL,
+            name,
+            client=c,
+            timeout_ms=int(env.txn_timeout * 1000),
+            delivery_timeout=env.rng.uniform(1.0, 4.0),
             retry_backoff=(0.02, 0.3),
         )
         try:
@@ -177,10 +187,19 @@ async def transactional_producer(env: Env, name: str, streams: list[str]) -> Non
                                 await producer.flush()
                         except OnceflowError as exc:
                             quick = env_time(env) - sent < env.txn_timeout  # not open long enough to time out
-                            if first and quick and clean == env.crashes() and (exc.status == 403 or exc.code == "transaction_aborted"):
-                                env.anomaly("spurious-fence", stream, f"{name}: fenced on the first append of {label}, "
-                                            f"though its last transaction was confirmed ended and the server did not "
-                                            f"restart since: {exc}")
+                            if (
+                                first
+                                and quick
+                                and clean == env.crashes()
+                                and (exc.status == 403 or exc.code == "transaction_aborted")
+                            ):
+                                env.anomaly(
+                                    "spurious-fence",
+                                    stream,
+                                    f"{name}: fenced on the first append of {label}, "
+                                    f"though its last transaction was confirmed ended and the server did not "
+                                    f"restart since: {exc}",
+                                )
                             raise
                         first = False
                         await nap(env, 0.0, 0.1)
@@ -223,7 +242,11 @@ async def copier(env: Env, name: str, inputs: list[str], outputs: list[str], gro
     caught_up = False
     while not caught_up:  # after the others stop, it goes on until it has copied everything
         producer = AsyncTransactionalProducer(
-            URL, name, client=c, timeout_ms=int(env.txn_timeout * 1000), delivery_timeout=env.rng.uniform(1.0, 4.0),
+            URL,
+            name,
+            client=c,
+            timeout_ms=int(env.txn_timeout * 1000),
+            delivery_timeout=env.rng.uniform(1.0, 4.0),
             retry_backoff=(0.02, 0.3),
         )
         try:
@@ -242,7 +265,15 @@ async def copier(env: Env, name: str, inputs: list[str], outputs: list[str], gro
                     if got is None:
                         raise OnceflowError(f"read of {s} failed")
                     nxt, records = got
-                    env.record(name, "read", stream=s, isolation="read_committed", start=positions[s], next=nxt, records=records)
+                    env.record(
+                        name,
+                        "read",
+                        stream=s,
+                        isolation="read_committed",
+                        start=positions[s],
+                        next=nxt,
+                        records=records,
+                    )
                     for _off, value in records:
                         await producer.append(outputs[hash_pick(value, len(outputs))], value)
                     if nxt != positions[s]:
@@ -343,8 +374,14 @@ async def group_member(env: Env, name: str, streams: list[str], group: str) -> N
             except httpx.TransportError:
                 env.record(name, "commit-offset", group=group, stream=s, offset=nxt, outcome="unknown")
                 break
-            env.record(name, "commit-offset", group=group, stream=s, offset=nxt,
-                       outcome="ok" if cr.status_code == 200 else "unknown" if cr.status_code >= 500 else "fail")
+            env.record(
+                name,
+                "commit-offset",
+                group=group,
+                stream=s,
+                offset=nxt,
+                outcome="ok" if cr.status_code == 200 else "unknown" if cr.status_code >= 500 else "fail",
+            )
             if cr.status_code != 200:
                 break
             await nap(env)
@@ -365,7 +402,9 @@ async def forker(env: Env, name: str, source: str) -> None:
         fork = f"{source}-fork{n}"
         headers = {**JSON, "stream-forked-from": source}
         if env.rng.random() < 0.3:
-            headers["stream-fork-offset"] = head.headers.get("stream-last-stable-offset", head.headers["stream-next-offset"])
+            headers["stream-fork-offset"] = head.headers.get(
+                "stream-last-stable-offset", head.headers["stream-next-offset"]
+            )
             if env.rng.random() < 0.5:
                 headers["stream-fork-sub-offset"] = str(env.rng.randint(1, 2))
         try:
@@ -391,14 +430,28 @@ async def forker(env: Env, name: str, source: str) -> None:
 
 def _sink_settings(env: Env, sink: str) -> WriterSettings:
     return WriterSettings(
-        URL, sink, transaction_timeout_ms=int(env.txn_timeout * 1000), request_deadline=env.rng.uniform(2.0, 6.0),
-        retry_backoff=(0.02, 0.3), rng=random.Random(env.rng.getrandbits(32)),
+        URL,
+        sink,
+        transaction_timeout_ms=int(env.txn_timeout * 1000),
+        request_deadline=env.rng.uniform(2.0, 6.0),
+        retry_backoff=(0.02, 0.3),
+        rng=random.Random(env.rng.getrandbits(32)),
     )
 
 
-async def _run_tasks(env: Env, c: httpx.AsyncClient, settings: WriterSettings, batch: int | None, query: str | None,
-                     run: str, counter: list[int], rows: list[str], stream: str) -> list[TaskResult | None]:
+async def _run_tasks(
+    env: Env,
+    c: httpx.AsyncClient,
+    settings: WriterSettings,
+    batch: int | None,
+    query: str | None,
+    run: str,
+    counter: list[int],
+    rows: list[str],
+    stream: str,
+) -> list[TaskResult | None]:
     """The batch's two tasks, at once, through the sink's real protocol (spark/protocol.py)."""
+
     async def task(p: int) -> TaskResult:
         counter[0] += 1
         spec = TaskSpec(batch, query, p, task_name(run, 0, counter[0]))
@@ -430,7 +483,9 @@ async def spark_stream(env: Env, name: str, sink: str, stream: str) -> None:
         query = f"{name}-{q}-id"
         batch = checkpoints[q]
         label = f"{name}/{q}/b{batch}"
-        rows = planned.setdefault(label, [f"{label}:{i}" for i in range(env.rng.randint(1, 4))])  # a replay: the same rows
+        rows = planned.setdefault(
+            label, [f"{label}:{i}" for i in range(env.rng.randint(1, 4))]
+        )  # a replay: the same rows
         attempt += 1
         run = f"{name}-run{attempt}"
         try:
@@ -440,7 +495,9 @@ async def spark_stream(env: Env, name: str, sink: str, stream: str) -> None:
             if roll < 0.1:
                 env.trace(name, f"driver of {q} killed before commit({batch}): replay")
                 if env.rng.random() < 0.5:  # it was only paused: it wakes up later and aborts
-                    background.add(asyncio.ensure_future(_late(env, functools.partial(abort_batch, c, settings, batch, results))))
+                    background.add(
+                        asyncio.ensure_future(_late(env, functools.partial(abort_batch, c, settings, batch, results)))
+                    )
                 continue
             if roll < 0.2:
                 env.trace(name, f"{q} batch {batch} failed in Spark: abort")
@@ -449,7 +506,9 @@ async def spark_stream(env: Env, name: str, sink: str, stream: str) -> None:
             if env.rng.random() < 0.1:  # a speculative attempt of a task, running late
                 spec = TaskSpec(batch, query, 0, task_name(run, 1, counter[0] + 1000))
                 late = [json.dumps(r).encode() for r in rows[0::2]]  # a copy of partition 0: the same rows
-                background.add(asyncio.ensure_future(_late(env, functools.partial(run_task, c, settings, spec, [{stream: late}]))))
+                background.add(
+                    asyncio.ensure_future(_late(env, functools.partial(run_task, c, settings, spec, [{stream: late}])))
+                )
             outcome = await commit_batch(c, settings, batch, results)
             env.trace(name, f"{q} batch {batch}: {outcome.status}")
             env.record(name, "txn", txn=label, decision="commit", outcome="ok")

@@ -16,18 +16,23 @@ __all__ = ["add_sim_parser"]
 
 def add_sim_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "sim", help="deterministic simulation: the server, its disk, the network and the clients on simulated time",
+        "sim",
+        help="deterministic simulation: the server, its disk, the network and the clients on simulated time",
         description="Run seeds of the deterministic simulation (docs/reliability.md). Each seed draws a workload "
-                    "(idempotent and transactional producers, a transactional copier, readers, forks, the Spark "
-                    "sink's protocol) and faults (kill -9, power loss, failing writes and syncs, lost, duplicated "
-                    "and delayed messages), runs it on simulated time and checks the history. A failing seed "
-                    "replays exactly: `onceflow sim --seed S` prints its trace.",
+        "(idempotent and transactional producers, a transactional copier, readers, forks, the Spark "
+        "sink's protocol) and faults (kill -9, power loss, failing writes and syncs, lost, duplicated "
+        "and delayed messages), runs it on simulated time and checks the history. A failing seed "
+        "replays exactly: `onceflow sim --seed S` prints its trace.",
     )
     p.add_argument("--seeds", type=int, default=200, metavar="N", help="how many seeds to run (default: 200)")
     p.add_argument("--start", type=int, default=0, metavar="K", help="the first seed (default: 0)")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="run only seed S and print its trace and anomalies")
+    p.add_argument(
+        "--seed", type=int, default=None, metavar="S", help="run only seed S and print its trace and anomalies"
+    )
     p.add_argument("--jobs", type=int, default=1, metavar="J", help="worker processes (default: 1)")
-    p.add_argument("--trace-lines", type=int, default=60, metavar="L", help="trace lines printed for a failing seed (default: 60)")
+    p.add_argument(
+        "--trace-lines", type=int, default=60, metavar="L", help="trace lines printed for a failing seed (default: 60)"
+    )
     p.add_argument("--check-replay", action="store_true", help="run every seed twice and fail unless both runs agree")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_sim)
@@ -48,9 +53,14 @@ def _one(seed: int, replay: bool) -> dict[str, Any]:
     wall = time.perf_counter() - t
     again = run_seed(seed).fingerprint if replay else r.fingerprint
     return {
-        "seed": seed, "ok": r.ok and again == r.fingerprint, "replayed": again == r.fingerprint,
-        "anomalies": [[a.kind, a.stream, a.detail] for a in r.check.anomalies], "wall": wall,
-        "sim_seconds": r.sim_seconds, "requests": r.requests, "fingerprint": r.fingerprint,
+        "seed": seed,
+        "ok": r.ok and again == r.fingerprint,
+        "replayed": again == r.fingerprint,
+        "anomalies": [[a.kind, a.stream, a.detail] for a in r.check.anomalies],
+        "wall": wall,
+        "sim_seconds": r.sim_seconds,
+        "requests": r.requests,
+        "fingerprint": r.fingerprint,
         "clients": [a[0] for a in r.workload.actors],
     }
 
@@ -78,19 +88,25 @@ def cmd_sim(args: argparse.Namespace) -> int:
     failed = [r for r in results if not r["ok"]]
     kinds = Counter(a[0] for r in failed for a in r["anomalies"])
     summary = {
-        "seeds": len(results), "failed": len(failed), "failing_seeds": [r["seed"] for r in failed][:200],
-        "anomalies_by_kind": dict(kinds), "not_replayed": [r["seed"] for r in results if not r["replayed"]],
-        "wall_seconds": round(wall, 1), "seeds_per_second": round(len(results) / wall, 2) if wall else None,
+        "seeds": len(results),
+        "failed": len(failed),
+        "failing_seeds": [r["seed"] for r in failed][:200],
+        "anomalies_by_kind": dict(kinds),
+        "not_replayed": [r["seed"] for r in results if not r["replayed"]],
+        "wall_seconds": round(wall, 1),
+        "seeds_per_second": round(len(results) / wall, 2) if wall else None,
         "simulated_seconds": round(sum(r["sim_seconds"] for r in results), 1),
         "requests": sum(r["requests"] for r in results),
     }
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(f"onceflow sim: {summary['seeds']} seeds ({args.start}..{args.start + args.seeds - 1}), "
-              f"{summary['failed']} failed, {summary['wall_seconds']} s ({summary['seeds_per_second']} seeds/s on "
-              f"{args.jobs} process{'es' if args.jobs > 1 else ''}), {summary['requests']} requests in "
-              f"{summary['simulated_seconds']} simulated seconds")
+        print(
+            f"onceflow sim: {summary['seeds']} seeds ({args.start}..{args.start + args.seeds - 1}), "
+            f"{summary['failed']} failed, {summary['wall_seconds']} s ({summary['seeds_per_second']} seeds/s on "
+            f"{args.jobs} process{'es' if args.jobs > 1 else ''}), {summary['requests']} requests in "
+            f"{summary['simulated_seconds']} simulated seconds"
+        )
         for r in failed[:20]:
             first = r["anomalies"][0] if r["anomalies"] else ["not replayed", None, "two runs of the seed differ"]
             print(f"  seed {r['seed']}: {len(r['anomalies'])} anomalies, e.g. {first[0]}: {str(first[2])[:160]}")
@@ -112,10 +128,14 @@ def _replay(seed: int, lines: int) -> int:
 
     r = run_seed(seed)
     w = r.workload
-    print(f"seed {seed}: {w.duration:.1f} simulated s, clients {[a[0] for a in w.actors]}, txn timeout {w.txn_timeout} s, "
-          f"kills {w.kills}/s (power {w.power}), disk faults {w.disk_faults}, net faults {w.net_faults}")
-    print(f"  {r.requests} requests, {r.stats['server_starts']} server starts, {r.stats['crashes']} crashes; "
-          f"disk {r.stats['disk']}; network {r.stats['net']}; fingerprint {r.fingerprint}")
+    print(
+        f"seed {seed}: {w.duration:.1f} simulated s, clients {[a[0] for a in w.actors]}, txn timeout {w.txn_timeout} s, "
+        f"kills {w.kills}/s (power {w.power}), disk faults {w.disk_faults}, net faults {w.net_faults}"
+    )
+    print(
+        f"  {r.requests} requests, {r.stats['server_starts']} server starts, {r.stats['crashes']} crashes; "
+        f"disk {r.stats['disk']}; network {r.stats['net']}; fingerprint {r.fingerprint}"
+    )
     if r.ok:
         print("  OK: no anomaly")
         return 0

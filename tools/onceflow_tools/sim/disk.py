@@ -35,14 +35,18 @@ SECTOR = 512
 class _Inode:
     data: bytearray = field(default_factory=bytearray)  # the page cache: what reads see
     durable: bytearray = field(default_factory=bytearray)  # what a power loss keeps for sure
-    pending: list[tuple[int, bytes] | tuple[int, None]] = field(default_factory=list)  # (at, bytes) or (size, None): truncate
+    pending: list[tuple[int, bytes] | tuple[int, None]] = field(
+        default_factory=list
+    )  # (at, bytes) or (size, None): truncate
 
 
 @dataclass(slots=True, eq=False)
 class _Dir:
     entries: dict[str, _Inode | _Dir] = field(default_factory=dict)
     durable: dict[str, _Inode | _Dir] = field(default_factory=dict)
-    pending: list[tuple[str, _Inode | _Dir | None]] = field(default_factory=list)  # (name, node) or (name, None): removed
+    pending: list[tuple[str, _Inode | _Dir | None]] = field(
+        default_factory=list
+    )  # (name, node) or (name, None): removed
 
     def link(self, name: str, node: _Inode | _Dir | None) -> None:
         if node is None:
@@ -323,7 +327,9 @@ class SimFileSystem:
             raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
         return bytes(node.data)
 
-    def replace_file(self, path: Path, data: bytes, *, sync: bool = True, sync_dir: bool = True, mode: int = 0o666) -> None:
+    def replace_file(
+        self, path: Path, data: bytes, *, sync: bool = True, sync_dir: bool = True, mode: int = 0o666
+    ) -> None:
         tmp = Path(path).with_name(Path(path).name + ".tmp")
         f = self.open_file(tmp, create=True)
         try:

@@ -90,11 +90,14 @@ class SimLoop(asyncio.BaseEventLoop):
     # ------------------------------------------------------------------ tasks and their owners
 
     def create_task(  # type: ignore[override]
-        self, coro: Coroutine[Any, Any, T] | Generator[Any, None, T], *, name: str | None = None,
+        self,
+        coro: Coroutine[Any, Any, T] | Generator[Any, None, T],
+        *,
+        name: str | None = None,
         context: contextvars.Context | None = None,
     ) -> asyncio.Task[T]:
         task = super().create_task(coro, name=name, context=context)
-        who = (context.get(owner) if context is not None else owner.get())
+        who = context.get(owner) if context is not None else owner.get()
         if who is not None:
             self._owners[task] = who
         return task

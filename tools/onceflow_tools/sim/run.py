@@ -156,7 +156,10 @@ class World:
         c = self._clients.get(name)
         if c is None:
             c = self._clients[name] = httpx.AsyncClient(
-                transport=SimTransport(self.net, name), base_url=URL, timeout=httpx.Timeout(2.0), cookies=_NoCookies(),
+                transport=SimTransport(self.net, name),
+                base_url=URL,
+                timeout=httpx.Timeout(2.0),
+                cookies=_NoCookies(),
             )
         return c
 
@@ -206,10 +209,22 @@ class World:
         result.anomalies.extend(self.extra)
         digest = hashlib.sha256("\n".join(self.trace.events).encode())
         digest.update(str(self.trace.count).encode())
-        stats = {"net": dict(self.net.stats), "disk": dict(self.disk.stats), "server_starts": self.node.starts,
-                 "crashes": self.node.crashes}
-        return SeedResult(self.seed, result, list(self.trace.events), digest.hexdigest()[:16], self.loop.time() - 1000.0,
-                          self.net.stats["requests"], stats, self.workload)
+        stats = {
+            "net": dict(self.net.stats),
+            "disk": dict(self.disk.stats),
+            "server_starts": self.node.starts,
+            "crashes": self.node.crashes,
+        }
+        return SeedResult(
+            self.seed,
+            result,
+            list(self.trace.events),
+            digest.hexdigest()[:16],
+            self.loop.time() - 1000.0,
+            self.net.stats["requests"],
+            stats,
+            self.workload,
+        )
 
     def _close_loop(self) -> None:
         loop = self.loop
@@ -235,13 +250,18 @@ class World:
             raise
         except Exception as exc:  # noqa: BLE001 - a client's crash is a finding, not the end of the run
             self.trace(name, f"client crashed: {exc!r}")
-            self.extra.append(Anomaly("client-error", None, f"{name}: {''.join(traceback.format_exception(exc))[-1500:]}"))
+            self.extra.append(
+                Anomaly("client-error", None, f"{name}: {''.join(traceback.format_exception(exc))[-1500:]}")
+            )
 
     async def _main(self) -> None:
         w = self.workload
-        self.trace("sim", f"seed {self.seed}: {w.duration:.1f}s, txn timeout {w.txn_timeout}s, kills {w.kills}/s "
-                          f"(power {w.power}), disk faults {w.disk_faults}, net faults {w.net_faults}, "
-                          f"clients {[a[0] for a in w.actors]}")
+        self.trace(
+            "sim",
+            f"seed {self.seed}: {w.duration:.1f}s, txn timeout {w.txn_timeout}s, kills {w.kills}/s "
+            f"(power {w.power}), disk faults {w.disk_faults}, net faults {w.net_faults}, "
+            f"clients {[a[0] for a in w.actors]}",
+        )
         while not await self.node.start():  # noqa: ASYNC110 - a retry loop on simulated time
             await asyncio.sleep(0.5)
         tasks = {name: self._spawn(name, actors.ACTORS[kind](self, name, *args)) for name, kind, args in w.actors}
@@ -266,8 +286,14 @@ class World:
                 t = tasks[name]
                 if t in running:
                     where = "\n".join(awaiting(x) for x in self.loop.tasks_of(name))
-                    self.extra.append(Anomaly("stuck", None, f"client {name} did not finish within 60 s of being told to stop; "
-                                                             f"its tasks wait in:\n{where}"))
+                    self.extra.append(
+                        Anomaly(
+                            "stuck",
+                            None,
+                            f"client {name} did not finish within 60 s of being told to stop; "
+                            f"its tasks wait in:\n{where}",
+                        )
+                    )
                     t.cancel()
         await self._settle()
         await self._read_back()
@@ -290,12 +316,15 @@ class World:
                 f.write_enospc = rng.choice([0.0, 0.0, 0.2, 1.0])
                 f.sync_eio = rng.choice([0.0, 0.0, 0.2, 1.0])
                 f.meta_enospc = rng.choice([0.0, 0.5])
-                self.trace("sim", f"disk faults: write ENOSPC {f.write_enospc}, sync EIO {f.sync_eio}, meta {f.meta_enospc}")
+                self.trace(
+                    "sim", f"disk faults: write ENOSPC {f.write_enospc}, sync EIO {f.sync_eio}, meta {f.meta_enospc}"
+                )
             elif w.disk_faults:
                 self.disk.faults.write_enospc = self.disk.faults.sync_eio = self.disk.faults.meta_enospc = 0.0
             if w.net_faults and rng.random() < 0.4:
-                self.net.faults = NetFaults(loss=rng.choice([0.0, 0.1, 0.4]), dup=rng.choice([0.0, 0.1, 0.3]),
-                                            slow=rng.choice([0.02, 0.1, 0.3]))
+                self.net.faults = NetFaults(
+                    loss=rng.choice([0.0, 0.1, 0.4]), dup=rng.choice([0.0, 0.1, 0.3]), slow=rng.choice([0.02, 0.1, 0.3])
+                )
                 self.trace("sim", f"network: {self.net.faults}")
             elif w.net_faults:
                 self.net.faults = NetFaults()
@@ -323,22 +352,37 @@ class World:
         for name in names:
             at, records = "-1", []
             while True:
-                r = await c.get(actors.surl(name), params={"offset": at, "format": "records", "isolation": "read_committed"})
+                r = await c.get(
+                    actors.surl(name), params={"offset": at, "format": "records", "isolation": "read_committed"}
+                )
                 if r.status_code != 200:
-                    self.extra.append(Anomaly("stuck", name, f"the final read of {name} at {at} failed: {r.status_code} {r.text[:300]}"))
+                    self.extra.append(
+                        Anomaly(
+                            "stuck", name, f"the final read of {name} at {at} failed: {r.status_code} {r.text[:300]}"
+                        )
+                    )
                     break
                 nxt, recs = r.headers["stream-next-offset"], parse_records(r.content)
                 records += recs
                 if nxt == at:
                     break
                 at = nxt
-            self.record("sim", "read", stream=name, isolation="read_committed", start="-1", next=at, records=records,
-                        final=True)
+            self.record(
+                "sim", "read", stream=name, isolation="read_committed", start="-1", next=at, records=records, final=True
+            )
             head = await c.head(actors.surl(name))
-            if head.status_code == 200 and head.headers.get("stream-last-stable-offset") != head.headers.get("stream-next-offset"):
-                self.extra.append(Anomaly("lso-stuck", name, f"last stable offset {head.headers.get('stream-last-stable-offset')} "
-                                                             f"short of the tail {head.headers.get('stream-next-offset')} "
-                                                             f"{self.txn_timeout * 2 + 2:.0f} s after the last transaction could be open"))
+            if head.status_code == 200 and head.headers.get("stream-last-stable-offset") != head.headers.get(
+                "stream-next-offset"
+            ):
+                self.extra.append(
+                    Anomaly(
+                        "lso-stuck",
+                        name,
+                        f"last stable offset {head.headers.get('stream-last-stable-offset')} "
+                        f"short of the tail {head.headers.get('stream-next-offset')} "
+                        f"{self.txn_timeout * 2 + 2:.0f} s after the last transaction could be open",
+                    )
+                )
         stuck = [(t0, what) for t0, what in self.node.in_flight.values() if self.loop.time() - t0 > 30.0]
         for t0, what in stuck:
             self.extra.append(Anomaly("stuck", None, f"the server has not answered {what} since t={t0 - 1000:.2f}"))
@@ -362,4 +406,3 @@ def awaiting(task: asyncio.Task[Any]) -> str:
 def run_seed(seed: int, workload: Workload | None = None) -> SeedResult:
     """Run one seed (see the module docstring)."""
     return World(seed, workload).run()
-

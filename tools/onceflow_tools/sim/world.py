@@ -83,7 +83,13 @@ class ServerNode:
     """The simulated onceflow server process (see the module docstring)."""
 
     def __init__(
-        self, loop: SimLoop, disk: SimDisk, clock: SimClock, trace: Trace, *, txn_timeout: float,
+        self,
+        loop: SimLoop,
+        disk: SimDisk,
+        clock: SimClock,
+        trace: Trace,
+        *,
+        txn_timeout: float,
         long_poll_timeout: float = 1.0,
     ) -> None:
         self.loop = loop
@@ -126,7 +132,11 @@ class ServerNode:
 
     async def _boot(self, token: object) -> None:
         broker = Broker(
-            DATA, fs=self.disk.mount(), clock=self.clock, txn_timeout=self.txn_timeout, reorder_wait=0.5,
+            DATA,
+            fs=self.disk.mount(),
+            clock=self.clock,
+            txn_timeout=self.txn_timeout,
+            reorder_wait=0.5,
         )
         broker.open()
         app = App(broker, AppConfig(long_poll_timeout=self.long_poll_timeout, max_body_bytes=1 << 20))
@@ -172,9 +182,18 @@ class ServerNode:
         assert app is not None
         path, _, query = req.target.partition("?")
         scope: MutableMapping[str, Any] = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": req.method,
-            "scheme": "http", "path": unquote(path), "raw_path": path.encode(), "query_string": query.encode(),
-            "root_path": "", "headers": req.headers, "client": (req.client, 1), "server": ("sim", 4437),
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": req.method,
+            "scheme": "http",
+            "path": unquote(path),
+            "raw_path": path.encode(),
+            "query_string": query.encode(),
+            "root_path": "",
+            "headers": req.headers,
+            "client": (req.client, 1),
+            "server": ("sim", 4437),
         }
         sent_body = False
 
@@ -222,7 +241,9 @@ class SimNet:
     trace: Trace
     faults: NetFaults = field(default_factory=NetFaults)
     detail: re.Pattern[str] | None = None  # requests whose bodies and answers go into the trace (debugging)
-    stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "lost": 0, "dups": 0, "refused": 0, "timeouts": 0})
+    stats: dict[str, int] = field(
+        default_factory=lambda: {"requests": 0, "lost": 0, "dups": 0, "refused": 0, "timeouts": 0}
+    )
 
     def one_way(self) -> float:
         f = self.faults
@@ -264,6 +285,7 @@ class SimTransport(httpx.AsyncBaseTransport):
                 net.stats["lost"] += 1
                 net.trace(self.client, f"answer lost: {what} -> {resp.status_code}")
                 return
+
             def arrive() -> None:
                 if not answer.done():
                     answer.set_result(resp)
@@ -293,8 +315,11 @@ class SimTransport(httpx.AsyncBaseTransport):
             if not gone.done():
                 gone.set_result(None)
         if net.detail is not None and net.detail.search(target):
-            net.trace(self.client, f"{what} {body[:300]!r} -> {resp.status_code} {resp.content[:300]!r} "
-                                   f"{[(k, v) for k, v in resp.headers.items() if k.startswith(('transaction', 'producer'))]}")
+            net.trace(
+                self.client,
+                f"{what} {body[:300]!r} -> {resp.status_code} {resp.content[:300]!r} "
+                f"{[(k, v) for k, v in resp.headers.items() if k.startswith(('transaction', 'producer'))]}",
+            )
         else:
             net.trace(self.client, f"{what} -> {resp.status_code}")
         resp.request = request
