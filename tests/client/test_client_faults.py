@@ -971,3 +971,26 @@ async def test_linger_batches_many_appends_into_few_requests(onceflow: InProcess
     assert stats.batches_sent < n // 2
     assert stats.acked == n and stats.requests == stats.batches_sent
     assert_exactly_once_in_order(await inproc_read(onceflow, "linger"), n)
+
+
+@pytest.mark.anyio
+async def test_an_exactly_once_async_consumer_reads_its_group_offsets_through_its_own_client(onceflow: InProcess) -> None:
+    """An exactly-once ``AsyncConsumer`` starts where its group's committed offsets say, asking
+    the server through the client it was given (its transport, auth and TLS settings), on its own
+    event loop: not through a blocking client of its own in a thread, which here (an in-process
+    server, no socket) could never connect."""
+    from onceflow.client import AsyncConsumer
+
+    c = onceflow.client
+    assert (await c.put("/v1/stream/eo/in", headers={"content-type": JSON})).status_code == 201
+    offs = []
+    for i in range(4):
+        r = await c.post("/v1/stream/eo/in", json=[{"i": i}], headers={"content-type": JSON})
+        offs.append(r.headers["stream-next-offset"])
+    r = await c.post("/v1/groups/eo-g/offsets", json={"offsets": {"eo/in": offs[1]}})
+    assert r.status_code == 200, r.text
+    consumer = AsyncConsumer("http://testserver", group="eo-g", streams=["eo/in"], delivery="exactly-once",
+                             live=None, client=c)
+    async with consumer:
+        got = await asyncio.wait_for(consumer.poll(10), timeout=10)
+    assert [m.value for m in got] == [{"i": 2}, {"i": 3}]

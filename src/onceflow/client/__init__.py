@@ -23,7 +23,7 @@ from ._errors import (
     TransportError,
 )
 from ._types import AppendResult, Chunk, Delivery, LiveMode, Message, StreamInfo
-from .consumer import AsyncConsumer, Consumer, FileOffsetStore, MemoryOffsetStore, OffsetStore
+from .consumer import AsyncConsumer, AsyncOffsetStore, Consumer, FileOffsetStore, MemoryOffsetStore, OffsetStore
 from .producer import AsyncIdempotentProducer, IdempotentProducer, ProducerStats
 from .stream import AsyncStream, Stream
 from .topic import TopicProducer, partition_for, partition_names
@@ -34,6 +34,7 @@ __all__ = [
     "AppendResult",
     "AsyncConsumer",
     "AsyncIdempotentProducer",
+    "AsyncOffsetStore",
     "AsyncStream",
     "AsyncTransactionalProducer",
     "BadRequestError",

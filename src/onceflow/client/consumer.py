@@ -25,7 +25,7 @@ import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import httpx
 
@@ -35,7 +35,7 @@ from ._loop import run_sync
 from ._types import Chunk, Delivery, Message
 from .lowlevel import auth_headers, parse_chunk, read_params, stream_url, tls_verify
 
-__all__ = ["AsyncConsumer", "Consumer", "FileOffsetStore", "MemoryOffsetStore", "OffsetStore", "list_streams"]
+__all__ = ["AsyncConsumer", "AsyncOffsetStore", "Consumer", "FileOffsetStore", "MemoryOffsetStore", "OffsetStore", "list_streams"]
 
 StartPolicy = Literal["earliest", "latest"]
 
@@ -46,6 +46,17 @@ class OffsetStore(Protocol):
     def load(self, group: str, stream: str) -> str | None: ...
 
     def commit(self, group: str, offsets: Mapping[str, str]) -> None: ...
+
+
+@runtime_checkable
+class AsyncOffsetStore(Protocol):
+    """An :class:`OffsetStore` that also speaks asyncio over the consumer's own client
+    (:class:`~onceflow.client.GroupOffsetStore`): an :class:`AsyncConsumer` then loads and commits
+    through its client, on its event loop, instead of a blocking call in a thread."""
+
+    async def aload(self, group: str, stream: str, client: httpx.AsyncClient) -> str | None: ...
+
+    async def acommit(self, group: str, offsets: Mapping[str, str], client: httpx.AsyncClient) -> None: ...
 
 
 class MemoryOffsetStore:
@@ -214,7 +225,7 @@ class AsyncConsumer:
         backoff = 0.1
         while True:
             try:
-                offset = await asyncio.to_thread(self.store.load, self.group, name)
+                offset = await self._load(name)
                 if offset is not None or self.start_policy == "earliest":
                     return offset or "-1"
                 resp = await self._client.get(url, params={"offset": "now"})
@@ -224,6 +235,17 @@ class AsyncConsumer:
                     raise
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
+
+    async def _load(self, stream: str) -> str | None:
+        if isinstance(self.store, AsyncOffsetStore):
+            return await self.store.aload(self.group, stream, self._client)
+        return await asyncio.to_thread(self.store.load, self.group, stream)  # a store of the user's may block
+
+    async def _commit(self, offsets: Mapping[str, str]) -> None:
+        if isinstance(self.store, AsyncOffsetStore):
+            await self.store.acommit(self.group, offsets, self._client)
+        else:
+            self.store.commit(self.group, offsets)
 
     async def _read_stream(self, name: str) -> None:
         url = stream_url(self.base_url, name)
@@ -285,7 +307,7 @@ class AsyncConsumer:
             messages = self._messages(item)
             self._positions[item.stream] = item.next_offset
             if self.delivery == "at-most-once":
-                self.store.commit(self.group, {item.stream: item.next_offset})
+                await self._commit({item.stream: item.next_offset})
             elif self.delivery == "at-least-once":
                 self._uncommitted[item.stream] = item.next_offset
             return messages
@@ -319,7 +341,7 @@ class AsyncConsumer:
             )
         if self._uncommitted:
             pending, self._uncommitted = self._uncommitted, {}
-            self.store.commit(self.group, pending)
+            await self._commit(pending)
 
     def positions(self) -> dict[str, str]:
         """The next offset this consumer will read, per stream it has reached (real offsets only)."""

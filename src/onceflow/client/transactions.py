@@ -664,25 +664,55 @@ class GroupOffsetStore:
     def _url(self, group: str) -> str:
         return f"{self.base_url}/v1/groups/{group}/offsets"
 
-    def load(self, group: str, stream: str) -> str | None:
-        with httpx.Client(timeout=30.0, verify=tls_verify(self.base_url), headers=auth_headers()) as c:
-            try:
-                resp = c.get(self._url(group))
-            except httpx.TransportError as exc:
-                raise TransportError(f"load offsets of {group}: {exc!r}") from exc
+    def _body(self, offsets: Mapping[str, str]) -> dict[str, Any]:
+        body: dict[str, Any] = {"offsets": dict(offsets)}
+        if self.member_epoch is not None:
+            body["member_epoch"] = self.member_epoch
+        return body
+
+    @staticmethod
+    def _loaded(resp: httpx.Response, group: str, stream: str) -> str | None:
         if resp.status_code != 200:
             raise error_from_response(resp, f"load offsets of {group}")
         offsets: dict[str, str] = resp.json()["offsets"]
         return offsets.get(stream)
 
-    def commit(self, group: str, offsets: Mapping[str, str]) -> None:
-        body: dict[str, Any] = {"offsets": dict(offsets)}
-        if self.member_epoch is not None:
-            body["member_epoch"] = self.member_epoch
-        with httpx.Client(timeout=30.0, verify=tls_verify(self.base_url), headers=auth_headers()) as c:
-            try:
-                resp = c.post(self._url(group), json=body)
-            except httpx.TransportError as exc:
-                raise TransportError(f"commit offsets of {group}: {exc!r}") from exc
+    @staticmethod
+    def _committed(resp: httpx.Response, group: str) -> None:
         if resp.status_code != 200:
             raise error_from_response(resp, f"commit offsets of {group}")
+
+    def _blocking(self) -> httpx.Client:
+        return httpx.Client(timeout=30.0, verify=tls_verify(self.base_url), headers=auth_headers())
+
+    def load(self, group: str, stream: str) -> str | None:
+        with self._blocking() as c:
+            try:
+                resp = c.get(self._url(group))
+            except httpx.TransportError as exc:
+                raise TransportError(f"load offsets of {group}: {exc!r}") from exc
+        return self._loaded(resp, group, stream)
+
+    def commit(self, group: str, offsets: Mapping[str, str]) -> None:
+        with self._blocking() as c:
+            try:
+                resp = c.post(self._url(group), json=self._body(offsets))
+            except httpx.TransportError as exc:
+                raise TransportError(f"commit offsets of {group}: {exc!r}") from exc
+        self._committed(resp, group)
+
+    async def aload(self, group: str, stream: str, client: httpx.AsyncClient) -> str | None:
+        """:meth:`load` through an async client (an :class:`AsyncConsumer`'s own)."""
+        try:
+            resp = await client.get(self._url(group))
+        except httpx.TransportError as exc:
+            raise TransportError(f"load offsets of {group}: {exc!r}") from exc
+        return self._loaded(resp, group, stream)
+
+    async def acommit(self, group: str, offsets: Mapping[str, str], client: httpx.AsyncClient) -> None:
+        """:meth:`commit` through an async client (an :class:`AsyncConsumer`'s own)."""
+        try:
+            resp = await client.post(self._url(group), json=self._body(offsets))
+        except httpx.TransportError as exc:
+            raise TransportError(f"commit offsets of {group}: {exc!r}") from exc
+        self._committed(resp, group)
