@@ -474,18 +474,27 @@ def test_fenced_producer_fails_flush_and_reports_every_lost_message(shared_serve
         with Stream.connect(base, "fence") as s:  # a newer incarnation of the same producer id
             r = s.append({"new": 1}, producer=("zombie", 1, 0))
             assert not r.duplicate and r.producer_epoch == 1
+        # the first fenced answer can come back while these are still being appended (a loaded
+        # machine): from then on append() raises the producer's error, and what it accepted before
+        # is what must be reported lost
+        accepted = 0
         for i in range(10, 40):
-            p.append({"i": i})
+            try:
+                p.append({"i": i})
+            except ProducerFencedError:
+                break
+            accepted += 1
+        assert accepted >= 1
         with pytest.raises(ProducerFencedError) as exc:
             p.flush(timeout=20)
         assert exc.value.status == 403 and exc.value.current_epoch == 1
         wait_until_settled(p)
         assert failures and all(isinstance(e, ProducerFencedError) for e, _ in failures)
-        assert sum(k for _, k in failures) == 30
-        assert p.stats.failed == 30 and p.stats.acked == 10 and p.pending_count == 0
+        assert sum(k for _, k in failures) == accepted
+        assert p.stats.failed == accepted and p.stats.acked == 10 and p.pending_count == 0
         with pytest.raises(ProducerFencedError):
             p.append({"i": 40})
-        assert p.stats.appended == 40
+        assert p.stats.appended == 10 + accepted
     finally:
         p.close()  # a failed producer closes without flushing
     assert read_all(base, "fence") == [{"i": i} for i in range(10)] + [{"new": 1}]
@@ -974,7 +983,9 @@ async def test_linger_batches_many_appends_into_few_requests(onceflow: InProcess
 
 
 @pytest.mark.anyio
-async def test_an_exactly_once_async_consumer_reads_its_group_offsets_through_its_own_client(onceflow: InProcess) -> None:
+async def test_an_exactly_once_async_consumer_reads_its_group_offsets_through_its_own_client(
+    onceflow: InProcess,
+) -> None:
     """An exactly-once ``AsyncConsumer`` starts where its group's committed offsets say, asking
     the server through the client it was given (its transport, auth and TLS settings), on its own
     event loop: not through a blocking client of its own in a thread, which here (an in-process
@@ -989,8 +1000,9 @@ async def test_an_exactly_once_async_consumer_reads_its_group_offsets_through_it
         offs.append(r.headers["stream-next-offset"])
     r = await c.post("/v1/groups/eo-g/offsets", json={"offsets": {"eo/in": offs[1]}})
     assert r.status_code == 200, r.text
-    consumer = AsyncConsumer("http://testserver", group="eo-g", streams=["eo/in"], delivery="exactly-once",
-                             live=None, client=c)
+    consumer = AsyncConsumer(
+        "http://testserver", group="eo-g", streams=["eo/in"], delivery="exactly-once", live=None, client=c
+    )
     async with consumer:
         got = await asyncio.wait_for(consumer.poll(10), timeout=10)
     assert [m.value for m in got] == [{"i": 2}, {"i": 3}]

@@ -50,7 +50,10 @@ METADATA_FORMS = [
         "::ffff:127.0.0.1",
         "::7f00:1",
         "0.0.0.0",  # noqa: S104 - addresses judged, not bound
-        "::",  # noqa: S104 - addresses judged, not bound "100.64.0.1", "fc00::1", "fe80::1",
+        "::",  # noqa: S104 - addresses judged, not bound
+        "100.64.0.1",
+        "fc00::1",
+        "fe80::1",
         "224.0.0.1",
         "ff02::1",
         "192.0.2.1",

@@ -35,7 +35,15 @@ from ._loop import run_sync
 from ._types import Chunk, Delivery, Message
 from .lowlevel import auth_headers, parse_chunk, read_params, stream_url, tls_verify
 
-__all__ = ["AsyncConsumer", "AsyncOffsetStore", "Consumer", "FileOffsetStore", "MemoryOffsetStore", "OffsetStore", "list_streams"]
+__all__ = [
+    "AsyncConsumer",
+    "AsyncOffsetStore",
+    "Consumer",
+    "FileOffsetStore",
+    "MemoryOffsetStore",
+    "OffsetStore",
+    "list_streams",
+]
 
 StartPolicy = Literal["earliest", "latest"]
 

@@ -16,10 +16,12 @@ import time
 from collections import deque
 from pathlib import Path
 
+from ..errors import OnceflowError
+
 __all__ = ["OnceflowProcess", "ServerFailure", "ServerProcess", "free_port", "onceflow_server"]
 
 
-class ServerFailure(Exception):
+class ServerFailure(OnceflowError):
     """A server process did not become ready (it exited, or printed no ready line in time)."""
 
 

@@ -21,12 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..errors import OnceflowError
 from .processes import free_port
 
 __all__ = ["PostgresServer", "RedisServer", "ServiceUnavailable", "postgres_bindir"]
 
 
-class ServiceUnavailable(RuntimeError):
+class ServiceUnavailable(OnceflowError, RuntimeError):
     """The server's binaries are not installed (``scripts/setup.sh dev`` installs them)."""
 
 
