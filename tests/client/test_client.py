@@ -53,6 +53,7 @@ def test_public_surface_is_what_the_docs_promise() -> None:
         "AppendResult",
         "AsyncConsumer",
         "AsyncIdempotentProducer",
+        "AsyncOffsetStore",
         "AsyncStream",
         "AsyncTransactionalProducer",
         "BadRequestError",

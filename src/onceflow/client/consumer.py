@@ -349,7 +349,14 @@ class AsyncConsumer:
             )
         if self._uncommitted:
             pending, self._uncommitted = self._uncommitted, {}
-            await self._commit(pending)
+            try:
+                await self._commit(pending)
+            except BaseException:
+                # not stored (cancelled, timed out, refused): the next commit sends them again,
+                # unless a later poll has moved a stream on already
+                for stream, off in pending.items():
+                    self._uncommitted.setdefault(stream, off)
+                raise
 
     def positions(self) -> dict[str, str]:
         """The next offset this consumer will read, per stream it has reached (real offsets only)."""
