@@ -25,17 +25,26 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from ._progress import Display, Task, progress_display
+
 __all__ = ["PipelineCheck", "add_demo_parser", "check_pipeline", "run_demo", "sink_batch", "spark_missing"]
 
 
-def _say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+def _say(msg: str, display: Display | None = None) -> None:
+    """A timestamped log line: on stdout, or above the progress bars when they are shown."""
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    if display is not None and display.active:
+        display.log(line)
+    else:
+        print(line, flush=True)
 
 
 @dataclass
@@ -108,7 +117,9 @@ def _read_all(url: str, stream: str) -> list[Any]:
         return list(s.messages()) if s.exists() else []
 
 
-def _produce(url: str, n: int, drop: float, seed: int, seconds: float, stats: dict[str, int]) -> None:
+def _produce(
+    url: str, n: int, drop: float, seed: int, seconds: float, stats: dict[str, int], bar: Task | None = None
+) -> None:
     from .client import IdempotentProducer
     from .testing import FaultProxy
 
@@ -127,7 +138,11 @@ def _produce(url: str, n: int, drop: float, seed: int, seconds: float, stats: di
                 if i % 200 == 199:
                     time.sleep(pause)  # a steady stream over `seconds` rather than one burst
                 stats["produced"] = i + 1
+                if bar is not None and i % 100 == 99:
+                    bar.update(i + 1, acked=producer.stats.acked)
             producer.flush()
+            if bar is not None:
+                bar.update(n, acked=producer.stats.acked)
         stats["acks_dropped"] = proxy.responses_dropped
 
 
@@ -147,15 +162,26 @@ def run_demo(args: argparse.Namespace) -> int:
     _say(f"onceflow server on {server.url} (fsync on every append)")
     driver = _Driver(server.url, work / "checkpoint", work / "driver.log", work / "stop", args.max_records_per_trigger)
     stats: dict[str, int] = {"produced": 0, "acks_dropped": 0}
+    bars = ExitStack()
+    # bars on stderr when both stdout and stderr are a terminal; when stdout goes to a log (CI, a pipe)
+    # the timestamped lines stay there as they were
+    display = bars.enter_context(progress_display(enabled=sys.stdout.isatty()))
+    say = partial(_say, display=display)
+    produced = display.task("produced", args.events, unit="events", text="{acked:,} acked", acked=0)
+    pipeline = display.task(
+        "pipeline", args.events, unit="rows", text="{crashes} of {planned} crashes", crashes=0, planned=args.crashes
+    )
     try:
         httpx.put(
             f"{server.url}/v1/stream/demo/events", headers={"content-type": "application/json"}
         ).raise_for_status()
         producer = threading.Thread(
-            target=_produce, args=(server.url, args.events, args.drop_acks, args.seed, 20.0, stats), daemon=True
+            target=_produce,
+            args=(server.url, args.events, args.drop_acks, args.seed, 20.0, stats, produced),
+            daemon=True,
         )
         producer.start()
-        _say(
+        say(
             f"producing {args.events:,} events with the idempotent producer; {args.drop_acks:.0%} of acknowledgements are dropped"
         )
 
@@ -178,7 +204,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 driver.start("--crash-in-write", str(target))
             else:
                 driver.start()
-            _say(
+            say(
                 f"spark driver #{driver.starts} started (resumes after batch {done})"
                 + ("" if kind == "random" else f"; it will be killed {kind.replace('-', ' ')} of batch {target}")
             )
@@ -226,34 +252,37 @@ def run_demo(args: argparse.Namespace) -> int:
                             else "inside write(), rows written but not committed"
                         )
                     )
-            _say(
+            say(
                 f"spark driver #{driver.starts} killed: {driver.kills[-1]} (sink at batch {sink_batch(server.url, 'demo-enrich')})"
             )
+            if display.active:
+                pipeline.update(len(_read_all(server.url, "demo/enriched")), crashes=len(driver.kills))
 
         driver.start()
-        _say(f"spark driver #{driver.starts} started; it runs until every event is processed")
+        say(f"spark driver #{driver.starts} started; it runs until every event is processed")
         producer.join()
-        _say(
-            f"produced {stats['produced']:,} events; {stats['acks_dropped']} acknowledgements were dropped and retried"
-        )
+        say(f"produced {stats['produced']:,} events; {stats['acks_dropped']} acknowledgements were dropped and retried")
         deadline = time.monotonic() + args.timeout
         last_report = 0.0
         while time.monotonic() < deadline:
             n = len(_read_all(server.url, "demo/enriched"))
             counted = sum(c["events"] for c in {c["user"]: c for c in _read_all(server.url, "demo/counts")}.values())
+            pipeline.update(n, crashes=len(driver.kills))
             if n >= args.events and counted >= args.events:
                 break
-            if time.monotonic() - last_report > 5:
-                _say(f"  pipeline progress: {n:,} of {args.events:,} events enriched, {counted:,} counted")
+            if not display.active and time.monotonic() - last_report > 5:  # the bar says it on a terminal
+                say(f"  pipeline progress: {n:,} of {args.events:,} events enriched, {counted:,} counted")
                 last_report = time.monotonic()
             if driver.wait(1.0) is not None:
-                _say(f"the spark driver exited early; see {driver.log}")
+                say(f"the spark driver exited early; see {driver.log}")
                 break
         driver.stop_file.touch()
         if driver.proc is not None and driver.wait(60) is None:
             driver.kill()
+        bars.close()  # the summary goes to stdout below the bars
         return _verify(server.url, args.events, stats, driver)
     finally:
+        bars.close()
         driver.kill()
         server.stop()
         if not args.keep:

@@ -64,6 +64,7 @@ from typing import Any
 
 import httpx
 
+from onceflow._progress import Display, progress_display
 from onceflow.demo import check_pipeline, sink_batch, spark_missing
 from onceflow.testing import FaultProxy, free_port
 
@@ -99,8 +100,12 @@ _PR_CAPBSET_DROP = 24
 _CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 1, 2
 
 
-def _say(msg: str) -> None:
-    print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+def _say(msg: str, display: Display | None = None) -> None:
+    line = f"[chaos {time.strftime('%H:%M:%S')}] {msg}"
+    if display is not None and display.active:
+        display.log(line)  # above the progress bar
+    else:
+        print(line, flush=True)
 
 
 def _drop_dac_capabilities() -> None:
@@ -676,16 +681,23 @@ class Chaos:
         schedule = list(FAULT_KINDS)
         self.rng.shuffle(schedule)
         end = started + self.args.duration
-        while schedule or time.monotonic() < end:  # every kind once, even if that outlasts the duration
-            time.sleep(self.rng.uniform(0.3, 1.2))
-            victim = self._ready_victim()
-            if victim is not None:  # the sink and the Spark driver are killed once while at work
-                kind = "kill-client"
-            else:
-                kind = schedule.pop(0) if schedule else self.rng.choice(FAULT_KINDS)
-            _say(f"fault: {kind}")
-            self.fault(kind, victim)
-            self.supervise()
+        # a bar of the duration on stderr when both stdout and stderr are a terminal (the fault lines go
+        # above it); in logs, only the lines, as before
+        with progress_display(enabled=sys.stdout.isatty()) as display:
+            bar = display.task("chaos", self.args.duration, unit="s", rate=False, text="{faults} faults", faults=0)
+            faults = 0
+            while schedule or time.monotonic() < end:  # every kind once, even if that outlasts the duration
+                time.sleep(self.rng.uniform(0.3, 1.2))
+                victim = self._ready_victim()
+                if victim is not None:  # the sink and the Spark driver are killed once while at work
+                    kind = "kill-client"
+                else:
+                    kind = schedule.pop(0) if schedule else self.rng.choice(FAULT_KINDS)
+                _say(f"fault: {kind}", display)
+                self.fault(kind, victim)
+                self.supervise()
+                faults += 1
+                bar.update(min(self.args.duration, time.monotonic() - started), faults=faults)
         return self.finish()
 
     def _behind(self, c: httpx.Client, name: str) -> bool:

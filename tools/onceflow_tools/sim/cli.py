@@ -8,8 +8,12 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
 from typing import Any
+
+from onceflow._progress import progress_display
 
 __all__ = ["add_sim_parser"]
 
@@ -72,18 +76,19 @@ def cmd_sim(args: argparse.Namespace) -> int:
     seeds = range(args.start, args.start + args.seeds)
     t0 = time.perf_counter()
     results: list[dict[str, Any]] = []
-    tty = sys.stderr.isatty()
-    if args.jobs > 1:
-        with ProcessPoolExecutor(args.jobs) as pool:
-            for res in pool.map(_one, seeds, [args.check_replay] * len(seeds), chunksize=8):
-                results.append(res)
-                _progress(results, len(seeds), t0, tty)
-    else:
-        for s in seeds:
-            results.append(_one(s, args.check_replay))
-            _progress(results, len(seeds), t0, tty)
-    if tty:
-        print(file=sys.stderr)
+    with ExitStack() as stack:
+        display = stack.enter_context(progress_display())  # a bar on stderr when it is a terminal, else nothing
+        bar = display.task("onceflow sim", len(seeds), unit="seeds", text="{failed} failed", failed=0)
+        if args.jobs > 1:
+            pool = stack.enter_context(ProcessPoolExecutor(args.jobs))
+            runs: Iterable[dict[str, Any]] = pool.map(_one, seeds, [args.check_replay] * len(seeds), chunksize=8)
+        else:
+            runs = (_one(s, args.check_replay) for s in seeds)
+        bad = 0
+        for res in runs:
+            results.append(res)
+            bad += not res["ok"]
+            bar.update(len(results), failed=bad)
     wall = time.perf_counter() - t0
     failed = [r for r in results if not r["ok"]]
     kinds = Counter(a[0] for r in failed for a in r["anomalies"])
@@ -113,14 +118,6 @@ def cmd_sim(args: argparse.Namespace) -> int:
         if failed:
             print(f"replay one with: onceflow sim --seed {failed[0]['seed']}")
     return 1 if failed else 0
-
-
-def _progress(results: list[dict[str, Any]], total: int, t0: float, tty: bool) -> None:
-    if not tty:
-        return
-    bad = sum(1 for r in results if not r["ok"])
-    rate = len(results) / max(1e-9, time.perf_counter() - t0)
-    print(f"\r  {len(results)}/{total} seeds, {bad} failed, {rate:.1f} seeds/s", end="", file=sys.stderr, flush=True)
 
 
 def _replay(seed: int, lines: int) -> int:

@@ -1,0 +1,43 @@
+"""onceflow._progress: bars on a terminal, nothing anywhere else."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from onceflow._progress import progress_display
+
+
+def test_not_a_terminal_gives_a_display_that_does_nothing() -> None:
+    out = io.StringIO()
+    with progress_display(console=Console(file=out, force_terminal=False)) as display:
+        assert not display.active
+        bar = display.task("work", 10, unit="items", text="{failed} failed", failed=0)
+        bar.update(3, failed=1)
+        bar.advance()
+        display.log("a line")
+    assert out.getvalue() == ""
+
+
+def test_disabled_gives_a_display_that_does_nothing_even_on_a_terminal() -> None:
+    out = io.StringIO()
+    with progress_display(console=Console(file=out, force_terminal=True), enabled=False) as display:
+        assert not display.active
+        display.task("work", 10).update(5)
+    assert out.getvalue() == ""
+
+
+def test_a_terminal_gets_a_bar_with_the_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TERM", "xterm")  # not a dumb one, whatever runs the tests
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120, color_system=None)
+    with progress_display(console=console) as display:
+        assert display.active
+        bar = display.task("onceflow sim", 10, unit="seeds", text="{failed} failed", failed=0)
+        bar.update(7, failed=2)
+        display.log("a line above the bar")
+    text = out.getvalue()
+    assert "onceflow sim" in text and "7/10" in text and "seeds" in text and "2 failed" in text, text
+    assert "seeds/s" in text and "a line above the bar" in text, text
