@@ -74,6 +74,21 @@ def wait_until_settled(p: IdempotentProducer) -> None:
     assert p.in_flight_count == 0
 
 
+def append_until_refused(p: IdempotentProducer, values: list[Any], refusal: type[OnceflowError]) -> int:
+    """Append ``values`` one by one; how many append() accepted. The first ``refusal`` can come back
+    while they are still being appended (a loaded machine): from then on append() raises it, and what
+    it accepted before is what the producer must report lost."""
+    accepted = 0
+    for v in values:
+        try:
+            p.append(v)
+        except refusal:
+            break
+        accepted += 1
+    assert accepted >= 1
+    return accepted
+
+
 @pytest.fixture(autouse=True)
 def _no_producer_id_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Producers without producer_id must get a fresh random id (and epoch 0), whatever the environment says."""
@@ -474,17 +489,7 @@ def test_fenced_producer_fails_flush_and_reports_every_lost_message(shared_serve
         with Stream.connect(base, "fence") as s:  # a newer incarnation of the same producer id
             r = s.append({"new": 1}, producer=("zombie", 1, 0))
             assert not r.duplicate and r.producer_epoch == 1
-        # the first fenced answer can come back while these are still being appended (a loaded
-        # machine): from then on append() raises the producer's error, and what it accepted before
-        # is what must be reported lost
-        accepted = 0
-        for i in range(10, 40):
-            try:
-                p.append({"i": i})
-            except ProducerFencedError:
-                break
-            accepted += 1
-        assert accepted >= 1
+        accepted = append_until_refused(p, [{"i": i} for i in range(10, 40)], ProducerFencedError)
         with pytest.raises(ProducerFencedError) as exc:
             p.flush(timeout=20)
         assert exc.value.status == 403 and exc.value.current_epoch == 1
@@ -886,16 +891,7 @@ def test_stream_closed_while_a_blocking_producer_runs(shared_server: ServerProce
         p.flush(timeout=20)
         with Stream.connect(base, "closed-mid") as s:
             s.close_stream()
-        # the first refusal can come back while these are still being appended: from then on
-        # append() raises the producer's error; what it accepted before must be reported lost
-        accepted = 0
-        for i in range(5, 8):
-            try:
-                p.append({"i": i})
-            except StreamClosedError:
-                break
-            accepted += 1
-        assert accepted >= 1
+        accepted = append_until_refused(p, [{"i": i} for i in range(5, 8)], StreamClosedError)
         with pytest.raises(StreamClosedError):
             p.flush(timeout=20)
         wait_until_settled(p)
