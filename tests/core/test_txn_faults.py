@@ -602,3 +602,69 @@ async def test_a_completion_record_that_fails_does_not_lose_the_commits_offsets(
         assert await committed(c, "a") == [{"n": 1}] and await committed(c, "b") == [{"n": 2}]
         assert await group_offsets(c, "g") == {"in": offs[0]}
         await c.broker.close()
+
+
+async def test_the_producers_abort_that_finishes_the_sweeps_fenced_abort_is_told_it_was_fenced(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sweep aborts a transaction open past its timeout, with a fence; its marker fails, so the
+    abort stays unfinished. The producer's own abort of that transaction then finishes it, which
+    moves the id to a new epoch: the answer must say the producer was fenced (403, with the new
+    epoch), as it would had the sweep finished first. Answered 200, the producer would begin its
+    next transaction in the old epoch and meet the fence there (found by ``onceflow sim``, seed 23705)."""
+    disk = Disk(monkeypatch)
+    async with serve(tmp_path / "data", recover=False) as c:
+        await make(c, "s")
+        t = Txn(c.client, "w")
+        await t.init(timeout_ms=100)
+        assert (await t.send("s", {"n": "part 1"})).status_code == 200
+        await asyncio.sleep(0.15)
+        disk.fail(c.broker.streams["s"].log)
+        await c.broker.coordinator.expire()  # the fenced abort is decided; its marker fails
+        assert (await status(c, "w"))["status"] == "prepare_abort"
+        disk.heal()
+        r = await t.end(commit=False)
+        assert r.status_code == 403, r.text
+        error = r.json()["error"]
+        assert error["code"] == "stale_epoch" and "timeout" in error["message"], error
+        assert (await status(c, "w"))["epoch"] == t.epoch + 1  # the abort is finished, fence included
+        assert await committed(c, "s") == []
+        await assert_settled(c, "s")
+        late = await t.send("s", {"n": "part 2"})
+        assert late.status_code == 403, late.text
+        await c.broker.close()
+
+
+async def test_a_late_copy_of_an_init_that_a_later_init_replaced_fences_nothing(tmp_path: Path) -> None:
+    """A producer's init is carried out but its answer never arrives (the server dies); the
+    producer, or its replacement, inits again with a new request id and goes to work. A copy of
+    the first init that the network delivers late must not begin yet another epoch: that would
+    fence the producer that is working. It is refused (403), also after a restart (found by
+    ``onceflow sim``, seed 26411)."""
+
+    async def init(c: InProcess, request_id: str) -> httpx.Response:
+        return await c.client.post(T + "w/init", json={"request_id": request_id})
+
+    data = tmp_path / "data"
+    async with serve(data) as c:
+        await make(c, "s")
+        assert (await init(c, "first")).json()["epoch"] == 0  # its answer is lost
+        t = Txn(c.client, "w")
+        t.epoch = (await init(c, "second")).json()["epoch"]
+        assert t.epoch == 1
+        assert (await t.send("s", {"n": 1})).status_code == 200
+        late = await init(c, "first")
+        assert late.status_code == 403, late.text
+        assert "later init" in late.json()["error"]["message"]
+        assert (await status(c, "w"))["epoch"] == 1
+        assert (await t.end(commit=True)).status_code == 200
+        await kill(c.broker)
+    async with serve(data) as c:
+        t.c = c.client
+        assert (await init(c, "first")).status_code == 403  # the coordinator's log remembers
+        assert (await init(c, "second")).json()["epoch"] == 1  # the retry of the current one, as before
+        assert (await t.send("s", {"n": 2})).status_code == 200
+        assert (await t.end(commit=True, txn=2)).status_code == 200
+        assert await committed(c, "s") == [{"n": 1}, {"n": 2}]
+        await c.broker.close()

@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -113,6 +114,9 @@ class TxnMeta:
     timeout: float = 60.0
     started: float = 0.0  # monotonic time the transaction began
     init_id: str | None = None  # the request id of the init that began this epoch (retries repeat it)
+    # digests of the request ids of the last inits that began an epoch, the newest last: a late copy
+    # of an init that a later one replaced must not begin yet another epoch (see Coordinator.init)
+    inits: tuple[str, ...] = ()
     # With an abort decision: finishing that abort also fences, moving the id past this epoch
     # (a timeout, or data recovery found undecided); recorded with the decision, so it is durable.
     fence: int | None = None
@@ -163,9 +167,19 @@ class TxnMeta:
             "timeout": self.timeout,
             "init_id": self.init_id,
         }
+        if self.inits:
+            rec["inits"] = list(self.inits)
         if self.fence is not None:
             rec["fence"] = self.fence
         return rec
+
+
+INIT_HISTORY = 4  # how many inits of an id are remembered (TxnMeta.inits)
+
+
+def init_digest(request_id: str) -> str:
+    """A short stand-in for an init's request id (up to 200 characters) in every record of its id."""
+    return hashlib.blake2b(request_id.encode(), digest_size=8).hexdigest()
 
 
 MarkerWriter = Callable[[str, str, int, int, bool], Awaitable[None]]  # (stream, producer id, epoch, txn, commit)
@@ -388,6 +402,7 @@ class Coordinator:
                 offsets=rec["offsets"],
                 timeout=rec["timeout"],
                 init_id=rec.get("init_id"),
+                inits=tuple(rec.get("inits", ())),
                 fence=rec.get("fence"),
             )
             prev = self.txns.get(meta.tid)
@@ -547,7 +562,9 @@ class Coordinator:
 
         ``request_id`` makes a retried init harmless: the init that began the current epoch, sent
         again (its answer was lost, or the original arrives late, after its retry), gets the same
-        epoch instead of a new one that would fence the producer that asked for it.
+        epoch instead of a new one that would fence the producer that asked for it. A late copy of
+        one of the last inits (``INIT_HISTORY``) that a later init replaced is refused (``fenced``):
+        whoever sent it gave up on it and inited again, and a new epoch now would fence that one.
 
         ``expected_epoch`` (Kafka's KIP-360): the producer moves past its own epoch, and only if
         that is still the current one; otherwise another holder took the id over (or the server
@@ -560,8 +577,16 @@ class Coordinator:
         retry writes the new one again."""
         async with self._lock(tid):
             meta = self.txns.get(tid)
+            digest = init_digest(request_id) if request_id is not None else None
             if meta is not None and request_id is not None and meta.init_id == request_id and meta.epoch >= 0:
                 return meta
+            if meta is not None and digest is not None and digest in meta.inits[:-1]:
+                raise TxnError(
+                    Refusal.FENCED,
+                    f"this init of {tid!r} (request id {request_id!r}) was carried out already, and a later init "
+                    f"has taken the id over since (epoch {meta.epoch}); a late copy of it begins nothing",
+                    epoch=meta.epoch,
+                )
             if expected_epoch is not None and (meta.epoch if meta is not None else -1) != expected_epoch:
                 current = meta.epoch if meta is not None else -1
                 raise TxnError(
@@ -586,6 +611,9 @@ class Coordinator:
                 offsets={},
                 status=TxnStatus.EMPTY,
                 init_id=request_id,
+                inits=meta.inits
+                if digest is None or meta.inits[-1:] == (digest,)
+                else (*meta.inits, digest)[-INIT_HISTORY:],
                 fence=None,
             )
             if not known:
@@ -711,7 +739,16 @@ class Coordinator:
                 decided = TxnStatus.PREPARE_COMMIT if commit else TxnStatus.PREPARE_ABORT
                 if txn != meta.txn or meta.status is not decided:
                     self.refuse_while_completing(meta)
+                fenced = meta.fence is not None
                 await self._finish_decided(meta, self._complete(meta))
+                if fenced:  # the server's abort (a timeout, a sink, recovery) fenced this epoch
+                    raise TxnError(
+                        Refusal.FENCED,
+                        f"transaction {txn} of {tid!r} was aborted by the server (it was open longer than its "
+                        f"timeout, or its sink or a restart ended it), which fenced epoch {epoch}; the id's epoch "
+                        f"is now {meta.epoch}: init again",
+                        epoch=meta.epoch,
+                    )
                 return meta
             done = TxnStatus.COMPLETE_COMMIT if commit else TxnStatus.COMPLETE_ABORT
             if txn != meta.txn:
@@ -1253,7 +1290,7 @@ class Coordinator:
             async with self._lock(meta.tid):
                 if meta.status is TxnStatus.ONGOING and now - meta.started > meta.timeout:
                     log.warning(
-                        "aborting transaction %d of %r: open longer than %.0f s", meta.txn, meta.tid, meta.timeout
+                        "aborting transaction %d of %r: open longer than %.3g s", meta.txn, meta.tid, meta.timeout
                     )
                     # Fence the producer too: its next append must not quietly begin a new
                     # transaction that a later commit would publish without the aborted part.
