@@ -21,6 +21,27 @@ def _size(text: str) -> int:
     return int(t)
 
 
+def _duration(text: str) -> int:
+    """Seconds from e.g. ``7d``, ``12h``, ``30m``, ``90s`` or ``3600``."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+    t = text.strip().lower()
+    value = int(t[:-1]) * units[t[-1]] if t and t[-1] in units else int(t)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+def _positive_size(text: str) -> int:
+    value = _size(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+_duration.__name__ = "duration"  # argparse names the type in its error: "invalid duration value"
+_positive_size.__name__ = "size"
+
+
 def _run(coro: object) -> None:
     try:
         import uvloop
@@ -76,6 +97,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 guard=guard,
                 limits=limits,
                 webhook_targets=args.webhook_targets,
+                retention_seconds=args.retention_age,
+                retention_bytes=args.retention_bytes,
+                segment_bytes=args.segment_bytes,
+                retention_interval=args.retention_check_interval,
             )
         )
     except KeyboardInterrupt:
@@ -170,6 +195,40 @@ def build_parser() -> argparse.ArgumentParser:
         "localhost and loopback addresses; also private networks and local names (docs/security.md)",
     )
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    r = s.add_argument_group(
+        "retention",
+        "the default for streams created without Stream-Retention-* headers (docs/operations.md, "
+        '"Retention"): whole segments are deleted, oldest first, never data of an open transaction, '
+        "of a stream with forks, or past the offset of a group the stream names",
+    )
+    r.add_argument(
+        "--retention-age",
+        type=_duration,
+        default=None,
+        metavar="DURATION",
+        help="delete data older than this, e.g. 7d, 12h, 30m or seconds (default: keep everything)",
+    )
+    r.add_argument(
+        "--retention-bytes",
+        type=_positive_size,
+        default=None,
+        metavar="BYTES",
+        help="delete the oldest data while a stream holds more than this, e.g. 10GiB (default: no limit)",
+    )
+    r.add_argument(
+        "--segment-bytes",
+        type=_positive_size,
+        default=64 << 20,
+        metavar="BYTES",
+        help="size at which a stream's log starts a new segment file, the unit retention deletes (default: 64MiB)",
+    )
+    r.add_argument(
+        "--retention-check-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how often retention looks for segments to delete (default: 10)",
+    )
     h = s.add_argument_group(
         "HTTP limits",
         'connection management of the HTTP layer (docs/security.md, "HTTP layer"); '
@@ -268,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         metavar="SECONDS",
         help="the server aborts a transaction of this copier left open longer than this (default: 60)",
+    )
+    c.add_argument(
+        "--offset-reset",
+        choices=["error", "earliest"],
+        default="error",
+        help="when retention deleted input the group had not copied yet: stop with an error naming the "
+        "earliest offset kept (default), or go on from it, skipping what was deleted",
     )
     c.add_argument("--quiet", action="store_true", help="no progress output")
     c.set_defaults(func=_copy)

@@ -5,6 +5,10 @@ committed offsets) and writes every message to one of the output streams, in tra
 ``txn_size`` messages that also carry the consumed offsets. Kill it at any moment and start it again
 with the same transactional id: ``init`` aborts the half-done transaction, the consumer resumes from
 the last committed offsets, and the outputs hold every input message exactly once.
+
+If retention deleted input the group had not copied yet, the copier stops with an error naming
+the earliest offset kept, unless ``offset_reset="earliest"`` (``--offset-reset earliest``) lets it
+go on from there, skipping what was deleted.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from .client.consumer import AsyncConsumer
+from .client.consumer import AsyncConsumer, OffsetReset
 from .client.transactions import AsyncTransactionalProducer
+from .errors import OnceflowError
 
 __all__ = ["copy_streams", "route"]
 
@@ -45,6 +50,7 @@ async def copy_streams(
     progress: bool = False,
     max_read_bytes: int = 64 << 10,
     txn_timeout_ms: int = 60_000,
+    offset_reset: OffsetReset = "error",
 ) -> int:
     """Copy until the inputs are exhausted (``live=False``) or forever; returns messages copied."""
     producer = AsyncTransactionalProducer(base_url, transactional_id, timeout_ms=txn_timeout_ms)
@@ -56,6 +62,7 @@ async def copy_streams(
         delivery="exactly-once",
         live="long-poll" if live else None,
         max_read_bytes=max_read_bytes,
+        offset_reset=offset_reset,
     )
     await consumer.start()
     copied = 0
@@ -89,20 +96,25 @@ async def copy_streams(
 
 
 def run_copy(args: Any) -> int:
-    n = asyncio.run(
-        copy_streams(
-            args.url,
-            args.input,
-            args.output,
-            transactional_id=args.transactional_id,
-            group=args.group,
-            txn_size=args.txn_size,
-            live=args.live,
-            progress=not args.quiet,
-            max_read_bytes=args.max_read_bytes,
-            txn_timeout_ms=int(args.txn_timeout * 1000),
+    try:
+        n = asyncio.run(
+            copy_streams(
+                args.url,
+                args.input,
+                args.output,
+                transactional_id=args.transactional_id,
+                group=args.group,
+                txn_size=args.txn_size,
+                live=args.live,
+                progress=not args.quiet,
+                max_read_bytes=args.max_read_bytes,
+                txn_timeout_ms=int(args.txn_timeout * 1000),
+                offset_reset=args.offset_reset,
+            )
         )
-    )
+    except OnceflowError as exc:
+        print(f"onceflow copy: {exc}", file=sys.stderr)
+        return 1
     if not args.quiet:
         print(f"copied {n:,} messages", flush=True)
     return 0

@@ -77,6 +77,8 @@ def test_public_surface_is_what_the_docs_promise() -> None:
         "PreconditionFailedError",
         "ProducerFencedError",
         "ProducerStats",
+        "Retention",
+        "OffsetGoneError",
         "SequenceGapError",
         "ServerError",
         "Stream",

@@ -100,3 +100,16 @@ def read_all(log: StreamLog, max_bytes: int = 1 << 30) -> list[tuple[Position, P
             out.append((b.start, b.end, b.payload))
             at = b.end
     return out
+
+
+def producer_specs(pid: str, n: int, *, size: int = 40, epoch: int = 0, seq0: int = 0) -> list[Spec]:
+    return [
+        Spec(
+            payload=bytes([(i * 7 + 1) % 251 + 1]) * (size + i),
+            producer_id=pid,
+            epoch=epoch,
+            first_seq=seq0 + i,
+            last_seq=seq0 + i,
+        )
+        for i in range(n)
+    ]

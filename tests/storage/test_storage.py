@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers.logkit import ZERO, Spec, read_all, seg_files, write_log
+from helpers.logkit import ZERO, Spec, producer_specs, read_all, seg_files, write_log
 from onceflow.storage.batch import (
     FLAG_CLOSE,
     FLAG_JSON,
@@ -34,19 +34,6 @@ from onceflow.storage.position import Position, parse_token
 
 def dir_bytes(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in seg_files(directory)}
-
-
-def producer_specs(pid: str, n: int, *, size: int = 40, epoch: int = 0, seq0: int = 0) -> list[Spec]:
-    return [
-        Spec(
-            payload=bytes([(i * 7 + 1) % 251 + 1]) * (size + i),
-            producer_id=pid,
-            epoch=epoch,
-            first_seq=seq0 + i,
-            last_seq=seq0 + i,
-        )
-        for i in range(n)
-    ]
 
 
 # ---------------------------------------------------------------------- batch format

@@ -10,6 +10,7 @@ from ._errors import (
     CommitOutcomeUnknownError,
     ConflictError,
     ContentTypeMismatchError,
+    OffsetGoneError,
     OnceflowError,
     OutcomeUnknownError,
     PayloadTooLargeError,
@@ -22,7 +23,7 @@ from ._errors import (
     StreamNotFoundError,
     TransportError,
 )
-from ._types import AppendResult, Chunk, Delivery, LiveMode, Message, StreamInfo
+from ._types import AppendResult, Chunk, Delivery, LiveMode, Message, Retention, StreamInfo
 from .consumer import AsyncConsumer, AsyncOffsetStore, Consumer, FileOffsetStore, MemoryOffsetStore, OffsetStore
 from .producer import AsyncIdempotentProducer, IdempotentProducer, ProducerStats
 from .stream import AsyncStream, Stream
@@ -50,6 +51,7 @@ __all__ = [
     "LiveMode",
     "MemoryOffsetStore",
     "Message",
+    "OffsetGoneError",
     "OffsetStore",
     "OnceflowError",
     "OutcomeUnknownError",
@@ -57,6 +59,7 @@ __all__ = [
     "PreconditionFailedError",
     "ProducerFencedError",
     "ProducerStats",
+    "Retention",
     "SequenceGapError",
     "ServerError",
     "Stream",

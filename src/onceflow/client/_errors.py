@@ -15,6 +15,7 @@ __all__ = [
     "CommitOutcomeUnknownError",
     "ConflictError",
     "ContentTypeMismatchError",
+    "OffsetGoneError",
     "OnceflowError",
     "OutcomeUnknownError",
     "PayloadTooLargeError",
@@ -40,6 +41,23 @@ class StreamNotFoundError(OnceflowError):
 
 class StreamGoneError(OnceflowError):
     """410: the stream was deleted (its forks keep its data)."""
+
+
+class OffsetGoneError(OnceflowError):
+    """410 ``offset_gone``: retention deleted the data at the offset read; ``earliest_offset`` is the
+    first offset the stream still has (reading on from there skips what was deleted)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        earliest_offset: str,
+        status: int | None = None,
+        code: str = "offset_gone",
+        retriable: bool | None = None,
+    ) -> None:
+        super().__init__(message, status=status, code=code, retriable=retriable)
+        self.earliest_offset = earliest_offset
 
 
 class ConflictError(OnceflowError):
@@ -218,6 +236,9 @@ def error_from_response(resp: httpx.Response, what: str = "") -> OnceflowError:
             return ContentTypeMismatchError(msg, status=status, code=code)
         return ConflictError(msg, status=status, code=code)
     if status == 410:
+        earliest = h.get("stream-earliest-offset")
+        if code == "offset_gone" and earliest:
+            return OffsetGoneError(msg, status=status, earliest_offset=earliest)
         return StreamGoneError(msg, status=status, code=code or "gone")
     if status == 412:
         return PreconditionFailedError(

@@ -77,3 +77,15 @@ class Message:
     offset: str
     next_offset: str
     index: int
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How much of a stream the server keeps (``Stream.create(retention=...)``): data older than
+    ``seconds``, and the oldest data while the stream holds more than ``bytes``, is deleted in whole
+    segments; never past the committed offset of a group in ``keep_groups``. None: the server's
+    default (``onceflow serve --retention-age / --retention-bytes``). See docs/operations.md."""
+
+    seconds: int | None = None
+    bytes: int | None = None
+    keep_groups: tuple[str, ...] = ()

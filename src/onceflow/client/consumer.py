@@ -15,6 +15,12 @@ Delivery
 Offsets live in an :class:`OffsetStore`. ``FileOffsetStore`` keeps them in a local JSON file
 (durably replaced on each commit); server-side consumer groups plug in through the same protocol.
 Committed offsets only move forward.
+
+Retention
+    When a stream's retention deleted the data at a reader's offset (its group fell that far
+    behind), ``offset_reset`` decides: ``"error"`` (the default) hands ``poll()`` an
+    :class:`OffsetGoneError` naming the earliest offset kept; ``"earliest"`` logs a warning and
+    goes on from there, skipping what was deleted (Kafka's ``auto.offset.reset=earliest``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -30,7 +37,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import httpx
 
 from .._files import replace_file
-from ._errors import OnceflowError, TransportError, error_from_response
+from ._errors import OffsetGoneError, OnceflowError, TransportError, error_from_response
 from ._loop import run_sync
 from ._types import Chunk, Delivery, Message
 from .lowlevel import auth_headers, parse_chunk, read_params, stream_url, tls_verify
@@ -46,6 +53,9 @@ __all__ = [
 ]
 
 StartPolicy = Literal["earliest", "latest"]
+OffsetReset = Literal["error", "earliest"]
+
+log = logging.getLogger("onceflow.client")
 
 
 class OffsetStore(Protocol):
@@ -154,7 +164,10 @@ class AsyncConsumer:
         client: httpx.AsyncClient | None = None,
         buffer: int = 4,
         max_read_bytes: int | None = None,
+        offset_reset: OffsetReset = "error",
     ) -> None:
+        if offset_reset not in ("error", "earliest"):
+            raise ValueError(f"offset_reset must be error or earliest, not {offset_reset!r}")
         if delivery not in ("at-most-once", "at-least-once", "exactly-once"):
             raise ValueError(f"delivery must be at-most-once, at-least-once or exactly-once, not {delivery!r}")
         if (streams is None) == (prefix is None):
@@ -173,6 +186,7 @@ class AsyncConsumer:
         self.live = live
         self.discover_interval = discover_interval
         self.max_read_bytes = max_read_bytes  # onceflow only: bound each read (and so each poll)
+        self.offset_reset: OffsetReset = offset_reset
         self._own_client = client is None
         self._client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(30.0, read=90.0), verify=tls_verify(base_url), headers=auth_headers()
@@ -268,6 +282,17 @@ class AsyncConsumer:
                 chunk = parse_chunk(name, offset, resp, f"read {name}")
             except (httpx.TransportError, OnceflowError) as exc:
                 err = exc if isinstance(exc, OnceflowError) else TransportError(f"read {name}: {exc!r}")
+                if isinstance(err, OffsetGoneError) and self.offset_reset == "earliest":
+                    log.warning(
+                        "group %r: the data of %s at %s was deleted by retention; going on from the earliest "
+                        "offset kept, %s (offset_reset='earliest')",
+                        self.group,
+                        name,
+                        offset,
+                        err.earliest_offset,
+                    )
+                    offset, cursor = err.earliest_offset, None
+                    continue
                 if not err.retriable:
                     await self._queue.put(err)
                     return
@@ -419,6 +444,7 @@ class Consumer:
         client: httpx.AsyncClient | None = None,
         buffer: int = 4,
         max_read_bytes: int | None = None,
+        offset_reset: OffsetReset = "error",
     ) -> None:
         def make() -> AsyncConsumer:  # on the background loop: the consumer's queue belongs to it
             return AsyncConsumer(
@@ -434,6 +460,7 @@ class Consumer:
                 client=client,
                 buffer=buffer,
                 max_read_bytes=max_read_bytes,
+                offset_reset=offset_reset,
             )
 
         self._core: AsyncConsumer = run_sync(_start_consumer(make))

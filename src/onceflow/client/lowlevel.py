@@ -19,7 +19,7 @@ import httpx
 
 from ._errors import OnceflowError, error_from_response
 from ._loop import background_loop, run_sync
-from ._types import AppendResult, Chunk, StreamInfo
+from ._types import AppendResult, Chunk, Retention, StreamInfo
 
 __all__ = [
     "TOKEN_ENV",
@@ -79,8 +79,22 @@ def encode_json_messages(values: Iterable[Any]) -> bytes:
     return ("[" + ",".join(json.dumps(v, separators=(",", ":"), ensure_ascii=False) for v in values) + "]").encode()
 
 
-def create_headers(content_type: str, *, ttl: int | None, expires_at: str | None, closed: bool) -> dict[str, str]:
+def create_headers(
+    content_type: str,
+    *,
+    ttl: int | None,
+    expires_at: str | None,
+    closed: bool,
+    retention: Retention | None = None,
+) -> dict[str, str]:
     h = {"content-type": content_type}
+    if retention is not None:
+        if retention.seconds is not None:
+            h["stream-retention-seconds"] = str(retention.seconds)
+        if retention.bytes is not None:
+            h["stream-retention-bytes"] = str(retention.bytes)
+        if retention.keep_groups:
+            h["stream-retention-keep-groups"] = ",".join(retention.keep_groups)
     if ttl is not None:
         h["stream-ttl"] = str(ttl)
     if expires_at is not None:

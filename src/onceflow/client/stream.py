@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from ._errors import OnceflowError, TransportError, error_from_response
-from ._types import AppendResult, Chunk, LiveMode, StreamInfo
+from ._types import AppendResult, Chunk, LiveMode, Retention, StreamInfo
 from .lowlevel import (
     SSEParser,
     append_headers,
@@ -116,12 +116,14 @@ class Stream(_Base):
         expires_at: str | None = None,
         closed: bool = False,
         data: bytes | None = None,
+        retention: Retention | None = None,
     ) -> StreamInfo:
-        """Create the stream, or confirm an identical one exists (idempotent)."""
+        """Create the stream, or confirm an identical one exists (idempotent). ``retention``: how
+        long and how much of it the server keeps (its default otherwise; docs/operations.md)."""
         resp = self._request(
             "PUT",
             "create",
-            headers=create_headers(content_type, ttl=ttl, expires_at=expires_at, closed=closed),
+            headers=create_headers(content_type, ttl=ttl, expires_at=expires_at, closed=closed, retention=retention),
             content=data or b"",
         )
         info = parse_info(resp, f"create {self.name}")
@@ -293,11 +295,12 @@ class AsyncStream(_Base):
         expires_at: str | None = None,
         closed: bool = False,
         data: bytes | None = None,
+        retention: Retention | None = None,
     ) -> StreamInfo:
         resp = await self._request(
             "PUT",
             "create",
-            headers=create_headers(content_type, ttl=ttl, expires_at=expires_at, closed=closed),
+            headers=create_headers(content_type, ttl=ttl, expires_at=expires_at, closed=closed, retention=retention),
             content=data or b"",
         )
         info = parse_info(resp, f"create {self.name}")

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from ..storage.batch import FLAG_CLOSE, FLAG_COMMIT, FLAG_CONTROL, FLAG_JSON, FLAG_TXN, CorruptBatch
 from ..storage.fs import FileSystem, OsFileSystem
-from ..storage.log import FsyncPolicy, InvalidPosition, ReadBatch, Staged, StreamLog
+from ..storage.log import FsyncPolicy, InvalidPosition, OffsetGone, ReadBatch, Staged, StreamLog
 from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
 from ..storage.position import Position, parse_token
 from ..wire import MAX_SAFE_INT
@@ -176,6 +176,15 @@ class StreamState:
     def closed(self) -> bool:
         return self.log.durable.closed
 
+    @property
+    def earliest(self) -> Position:
+        """The first position a read may start at: where this stream begins, or where retention left
+        it. A fork whose own log kept all of its data begins where its source's kept data does."""
+        first = self.log.first
+        if self.parent is not None and first == self.log.base:
+            return self.parent.earliest
+        return first
+
     def touch(self) -> None:
         self.last_access = self.clock.monotonic()
 
@@ -271,6 +280,44 @@ class StreamState:
         return self.log.read(at, max_bytes, limit)
 
 
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """A stream's own retention, as its create asked (None: the server's default)."""
+
+    seconds: int | None = None
+    bytes: int | None = None
+    keep_groups: tuple[str, ...] | None = None
+
+    @classmethod
+    def of(cls, meta: StreamMeta) -> Retention:
+        groups = meta.retention_keep_groups
+        return cls(meta.retention_seconds, meta.retention_bytes, tuple(groups) if groups is not None else None)
+
+
+_MAX_KEEP_GROUPS = 16
+
+
+def parse_retention(seconds: str | None, size: str | None, keep_groups: str | None) -> Retention | str:
+    """The ``Stream-Retention-*`` headers of a create, or what is wrong with them."""
+    out: list[int | None] = []
+    for header, raw in (("Stream-Retention-Seconds", seconds), ("Stream-Retention-Bytes", size)):
+        if raw is None:
+            out.append(None)
+        elif not _TTL.match(raw) or not 1 <= int(raw) <= MAX_SAFE_INT:
+            return f"{header} must be a positive integer, got {raw!r}"
+        else:
+            out.append(int(raw))
+    groups: tuple[str, ...] | None = None
+    if keep_groups is not None:
+        groups = tuple(g.strip() for g in keep_groups.split(","))
+        if not 1 <= len(groups) <= _MAX_KEEP_GROUPS or any(not g or validate_name(g) for g in groups):
+            return (
+                f"Stream-Retention-Keep-Groups must list 1 to {_MAX_KEEP_GROUPS} group names separated by commas, "
+                f"got {keep_groups!r}"
+            )
+    return Retention(out[0], out[1], groups)
+
+
 @dataclass(slots=True)
 class _CreateSpec:
     """A create request's parsed headers; a fork fills in what it inherits from its source."""
@@ -284,6 +331,7 @@ class _CreateSpec:
     fork_from: str | None
     fork_pos: Position | None
     sub_offset: int
+    retention: Retention
 
 
 @dataclass(slots=True)
@@ -310,10 +358,17 @@ class Broker:
         reorder_wait: float = 0.5,
         txn_timeout: float = 60.0,
         max_streams: int = 100_000,
+        retention_seconds: int | None = None,
+        retention_bytes: int | None = None,
+        retention_interval: float = 10.0,
         fs: FileSystem | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.data_dir = Path(data_dir)
+        # the default retention of streams that set none of their own (None: keep everything)
+        self.retention_seconds = retention_seconds
+        self.retention_bytes = retention_bytes
+        self.retention_interval = retention_interval
         # the server's disk: open files bounded (storage/fs.py); the simulator passes its own
         self.fs: FileSystem = fs or OsFileSystem()
         self.clock = clock
@@ -470,11 +525,15 @@ class Broker:
         s.log.add_listener(s.notify)
 
     async def _sweep_loop(self) -> None:
+        next_retention = self.clock.monotonic() + self.retention_interval
         while True:
             await asyncio.sleep(1.0)
             for s in list(self.streams.values()):
                 if not s.meta.soft_deleted and s.expired():
                     self._expire(s)
+            if self.clock.monotonic() >= next_retention:
+                next_retention = self.clock.monotonic() + self.retention_interval
+                await self.enforce_retention()
             try:
                 await self.coordinator.expire()
             except OSError as exc:
@@ -506,6 +565,62 @@ class Broker:
             for s in list(self.streams.values()):
                 with contextlib.suppress(OSError):
                     await s.log.sync()
+
+    # ------------------------------------------------------------------ retention
+
+    def retention_of(self, s: StreamState) -> tuple[int | None, int | None]:
+        """The retention in force for ``s``, (seconds, bytes): its own, else the server's default."""
+        m = s.meta
+        return (
+            m.retention_seconds if m.retention_seconds is not None else self.retention_seconds,
+            m.retention_bytes if m.retention_bytes is not None else self.retention_bytes,
+        )
+
+    def retention_floor(self, s: StreamState) -> Position:
+        """What retention must keep of ``s``: no segment that ends past this position may go.
+
+        - Data of a transaction still open, and everything after it (the log's last stable offset):
+          its commit would otherwise publish a transaction with parts missing.
+        - Everything while the stream has forks: they read its data before their fork points.
+        - Everything past the committed offset of each group the stream names
+          (``Stream-Retention-Keep-Groups``), and everything while such a group has none for it."""
+        if s.children:
+            return s.log.first
+        keep = s.log.txn.stable(s.log.durable.end)
+        for group in s.meta.retention_keep_groups or ():
+            token = self.coordinator.groups.get(group, {}).get(s.name)
+            at = parse_token(token) if token is not None else None
+            if at is None:
+                return s.log.first
+            if at.pos < keep.pos:
+                keep = at
+        return keep
+
+    async def enforce_retention(self) -> dict[str, int]:
+        """Delete the whole segments that retention lets go, in every stream (the sweep calls this
+        every ``retention_interval`` seconds); returns the bytes freed per stream."""
+        now_ms = int(self.clock.time() * 1000)
+        freed: dict[str, int] = {}
+        for s in list(self.streams.values()):
+            seconds, max_bytes = self.retention_of(s)
+            if (seconds is None and max_bytes is None) or s.deleted or s.meta.soft_deleted:
+                continue
+            n = s.log.deletable(
+                now_ms=now_ms,
+                max_age_ms=seconds * 1000 if seconds is not None else None,
+                max_bytes=max_bytes,
+                keep_from=self.retention_floor(s),
+            )
+            if n and not s.deleted:
+                try:
+                    got = await s.log.delete_oldest(n)
+                except OSError as exc:  # e.g. the stream was deleted meanwhile; the next sweep goes on
+                    log.error("retention could not delete old segments of %r: %s", s.name, exc)
+                    continue
+                if got:
+                    freed[s.name] = got
+                    log.info("retention deleted %d segment(s), %d bytes, of %r", n, got, s.name)
+        return freed
 
     # ------------------------------------------------------------------ lookup
 
@@ -540,6 +655,7 @@ class Broker:
         fork_from: str | None = None,
         fork_offset: str | None = None,
         fork_sub_offset: str | None = None,
+        retention: Retention | None = None,
     ) -> Outcome:
         """Create a stream, or confirm an identical one exists (PUT semantics)."""
         spec = self._create_spec(
@@ -554,6 +670,7 @@ class Broker:
         )
         if isinstance(spec, Outcome):
             return spec
+        spec.retention = retention or Retention()
         existing = self.get(name)
         if existing is not None:
             return self._confirm_existing(existing, spec)
@@ -629,6 +746,7 @@ class Broker:
             fork_from=fork_from,
             fork_pos=fork_pos,
             sub_offset=sub_offset,
+            retention=Retention(),
         )
 
     @staticmethod
@@ -651,6 +769,7 @@ class Broker:
             and spec.fork_from == m.fork_parent
             and (spec.fork_pos is None or spec.fork_pos == m.base)
             and spec.sub_offset == m.fork_sub_offset
+            and spec.retention == Retention.of(m)
         )
         if same:
             return Outcome("exists", stream=existing, next=existing.tail, closed=existing.closed)
@@ -722,6 +841,9 @@ class Broker:
             fork_offset=(base.offset, base.pos) if spec.fork_from is not None else None,
             fork_sub_offset=spec.sub_offset,
             expiry_inherited=fork.inherited,
+            retention_seconds=spec.retention.seconds,
+            retention_bytes=spec.retention.bytes,
+            retention_keep_groups=list(spec.retention.keep_groups) if spec.retention.keep_groups is not None else None,
         )
         directory = self._dir_for(spec.name)
         if self.fs.exists(directory):  # debris of an expired or unfinished stream
@@ -1396,9 +1518,10 @@ class Broker:
     # ------------------------------------------------------------------ reads
 
     def resolve_start(self, s: StreamState, offset: str | None, *, committed: bool = True) -> Position | str:
-        """The position a read's ``offset`` parameter names, or what is wrong with it."""
+        """The position a read's ``offset`` parameter names, or what is wrong with it; raises
+        :class:`OffsetGone` for an offset whose data retention deleted."""
         if offset is None or offset == "-1":
-            return ZERO if s.parent is not None or s.log.base == ZERO else s.log.base
+            return s.earliest
         if offset == "now":
             return s.tail if not committed else s.stable()
         at = parse_token(offset)
@@ -1408,6 +1531,8 @@ class Broker:
             return s.tail
         if at.pos > s.tail.pos or at.offset > s.tail.offset:
             return f"offset {offset!r} is beyond the end of the stream"
+        if at.pos < s.earliest.pos:
+            raise OffsetGone(at, s.earliest)
         try:
             s.check_position(at)
         except InvalidPosition as exc:
@@ -1439,6 +1564,8 @@ class Broker:
         end = self.visible_end(s, committed)
         if until is not None and until.pos < end.pos:
             end = until
+        if at.pos < s.earliest.pos:
+            raise OffsetGone(at, s.earliest)  # a reader retention overtook
         batches: list[ReadBatch] = []
         if at.pos < end.pos:
             try:
@@ -1472,6 +1599,8 @@ class Broker:
         end = self.visible_end(s, committed)
         if until is not None and until.pos < end.pos:
             end = until
+        if at.pos < s.earliest.pos:
+            raise OffsetGone(at, s.earliest)
         marks: list[Position] = []
         last, pos = at, at
         while pos.pos < end.pos:

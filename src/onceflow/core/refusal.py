@@ -26,6 +26,7 @@ class Refusal(enum.StrEnum):
     BAD_REQUEST = "bad_request"  # malformed: resending it unchanged fails again
     NOT_FOUND = "not_found"  # no stream by that name
     GONE = "gone"  # the stream was deleted
+    OFFSET_GONE = "offset_gone"  # retention deleted the data at that offset (the earliest kept is named)
     CONFIG_CONFLICT = "config_conflict"  # a stream with another configuration holds the name
     CONTENT_TYPE_MISMATCH = "content_type_mismatch"
     STREAM_CLOSED = "stream_closed"  # closed: nothing more may be appended

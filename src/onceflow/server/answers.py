@@ -44,6 +44,7 @@ ANSWERS: dict[Refusal, Answer] = {
     R.BAD_REQUEST: Answer(400, "bad_request"),
     R.NOT_FOUND: Answer(404, "not_found"),
     R.GONE: Answer(410, "gone"),
+    R.OFFSET_GONE: Answer(410, "offset_gone"),
     R.CONFIG_CONFLICT: Answer(409, "config_conflict"),
     R.CONTENT_TYPE_MISMATCH: Answer(409, "content_type_mismatch"),
     R.STREAM_CLOSED: Answer(409, "stream_closed"),

@@ -21,13 +21,22 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote_to_bytes
 
-from ..core.broker import Broker, Outcome, ProducerHeaders, ReadResult, StreamState, txn_outcome, validate_name
+from ..core.broker import (
+    Broker,
+    Outcome,
+    ProducerHeaders,
+    ReadResult,
+    StreamState,
+    parse_retention,
+    txn_outcome,
+    validate_name,
+)
 from ..core.jsonmode import wrap_payloads
 from ..core.refusal import Refusal
 from ..core.subscriptions import WebhookTargets
 from ..core.txn import SinkState, TxnError, TxnMeta
 from ..errors import OnceflowError
-from ..storage.log import InvalidPosition
+from ..storage.log import InvalidPosition, OffsetGone
 from ..storage.position import Position, parse_token
 from ..wire import FRAME, MAX_SAFE_INT, RECORDS_MEDIA_TYPE
 from .answers import SUCCESS, answer_for
@@ -331,6 +340,8 @@ class App:
             status, h, body = _error(exc.status, exc.code, str(exc))
             if method == "HEAD":
                 body = b""
+        except OffsetGone as exc:
+            status, h, body = _gone(exc)
         if status < 300:
             self.subscriptions.stream_changed(name)  # created, appended to, closed or deleted
         await _send(send, status, h, body)
@@ -586,6 +597,13 @@ class App:
 
     def _put(self, name: str, headers: dict[str, str], body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         fork_from = fork_source(headers)
+        retention = parse_retention(
+            headers.get("stream-retention-seconds"),
+            headers.get("stream-retention-bytes"),
+            headers.get("stream-retention-keep-groups"),
+        )
+        if isinstance(retention, str):
+            raise BadRequest(retention)
         outcome = self.broker.create(
             name,
             content_type=headers.get("content-type"),
@@ -596,6 +614,7 @@ class App:
             fork_from=fork_from,
             fork_offset=headers.get("stream-fork-offset"),
             fork_sub_offset=headers.get("stream-fork-sub-offset"),
+            retention=retention,
         )
         return _outcome_response(outcome)
 
@@ -657,6 +676,9 @@ class App:
             h.append(_h("stream-ttl", s.meta.ttl_seconds))
         if s.meta.expires_at is not None:
             h.append(_h("stream-expires-at", s.meta.expires_at))
+        earliest = s.earliest
+        if earliest.pos > 0:  # retention deleted the start of the stream
+            h.append((b"stream-earliest-offset", earliest.token().encode()))
         return 200, h, b""
 
     # ------------------------------------------------------------------ GET
@@ -780,6 +802,8 @@ class App:
         the data and the caching headers the read allows."""
         try:
             result = self.broker.read(s, start, q.max_bytes, committed=q.committed)
+        except OffsetGone:
+            raise
         except InvalidPosition as exc:
             raise BadRequest(str(exc)) from None
         start_label = q.offset if q.offset is not None else "-1"
@@ -858,6 +882,8 @@ class App:
                 h.append((b"stream-next-offset", end.token().encode()))
                 status, jh, body = _json_response(200, {"boundaries": [m.token() for m in marks], "end": end.token()})
                 return status, jh + h, body
+        except OffsetGone:
+            raise
         except InvalidPosition as exc:
             raise BadRequest(str(exc)) from None
         raise BadRequest(f"format must be records or boundaries, got {fmt!r}")
@@ -946,6 +972,15 @@ class App:
 # ---------------------------------------------------------------------- helpers
 
 
+def _gone(exc: OffsetGone) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The answer to a read of data retention deleted: 410, naming the earliest offset kept (in the
+    body and in ``Stream-Earliest-Offset``), where a reader may go on if losing the rest is fine."""
+    answer = answer_for(Refusal.OFFSET_GONE)
+    earliest = exc.earliest.token()
+    body = json.dumps({"error": {"code": answer.code, "message": str(exc), "earliest_offset": earliest}}).encode()
+    return answer.status, [(b"content-type", b"application/json"), (b"stream-earliest-offset", earliest.encode())], body
+
+
 def _json_response(status: int, value: object) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     return (
         status,
@@ -1004,6 +1039,8 @@ def _producer_headers(headers: dict[str, str]) -> ProducerHeaders | None:
 
 def _etag(s: StreamState, start: str, end: Position, closed: bool) -> bytes:
     ident = f"{s.meta.created_ms:x}"
+    if start == "-1" and s.log.first != s.log.base:  # retention moved where "-1" begins
+        start = s.earliest.token()
     return f'"{ident}:{start}:{end.token()}{":c" if closed else ""}"'.encode()
 
 

@@ -41,6 +41,10 @@ async def serve(
     guard: GuardConfig | None = None,
     limits: HttpLimits | None = None,
     webhook_targets: WebhookTargets = "public",
+    retention_seconds: int | None = None,
+    retention_bytes: int | None = None,
+    segment_bytes: int = 64 << 20,
+    retention_interval: float = 10.0,
 ) -> None:
     """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
 
@@ -55,7 +59,15 @@ async def serve(
         max_open_files = max(64, min(4096, soft // 4)) if soft > 0 else 1024
     limits = fit_fd_limit(limits or HttpLimits(), soft, max_open_files)
     broker = Broker(
-        data, fsync=fsync, txn_timeout=txn_timeout, max_streams=max_streams, fs=OsFileSystem(max_open_files)
+        data,
+        fsync=fsync,
+        txn_timeout=txn_timeout,
+        max_streams=max_streams,
+        segment_bytes=segment_bytes,
+        retention_seconds=retention_seconds,
+        retention_bytes=retention_bytes,
+        retention_interval=retention_interval,
+        fs=OsFileSystem(max_open_files),
     )
     broker.open()
     app = App(

@@ -7,19 +7,23 @@ transport error or a 5xx is retried until ``deadline`` seconds have passed.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
-from ..client import OnceflowError, TransportError
+from ..client import OffsetGoneError, OnceflowError, TransportError
 from ..client.lowlevel import auth_headers, error_from_response, stream_url, tls_verify
 from ..wire import iter_frames
 
 __all__ = ["Conn", "Frame", "StreamTail", "record_offset"]
+
+log = logging.getLogger("onceflow.spark")
 
 
 def record_offset(token: str) -> int:
@@ -58,9 +62,18 @@ class Frame:
 class Conn:
     """A connection to one onceflow server."""
 
-    def __init__(self, url: str, *, deadline: float = 60.0, timeout: float = 30.0, token: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        deadline: float = 60.0,
+        timeout: float = 30.0,
+        token: str | None = None,
+        offset_reset: str = "error",
+    ) -> None:
         self.url = url.rstrip("/")
         self.deadline = deadline
+        self.offset_reset = offset_reset  # "error" or "earliest": see _overtaken
         self.client = httpx.Client(timeout=timeout, verify=tls_verify(self.url), headers=auth_headers(token))
 
     def close(self) -> None:
@@ -110,16 +123,42 @@ class Conn:
             stream, resp.headers.get("content-type", ""), nxt, resp.headers.get("stream-last-stable-offset", nxt)
         )
 
+    def _overtaken(self, exc: OffsetGoneError, stream: str, at: str, until: str) -> str | None:
+        """Where a read of ``stream`` from ``at`` whose data retention deleted goes on: the earliest
+        offset kept (``offsetReset`` = ``earliest``; None when nothing before ``until`` is kept), or
+        the error, saying how to go on."""
+        if self.offset_reset != "earliest":
+            raise OffsetGoneError(
+                f"{exc} (the query can go on from there, skipping what was deleted, with "
+                '.option("offsetReset", "earliest"))',
+                earliest_offset=exc.earliest_offset,
+                status=exc.status,
+            )
+        log.warning(
+            "onceflow stream %s: the data at %s was deleted by retention; reading on from %s (offsetReset=earliest)",
+            stream,
+            at,
+            exc.earliest_offset,
+        )
+        return exc.earliest_offset if exc.earliest_offset < until else None  # tokens sort as positions
+
     def read_frames(self, stream: str, start: str, until: str, *, isolation: str) -> Iterator[tuple[list[Frame], str]]:
         """The batches in ``[start, until)``, one response at a time, with each response's next offset."""
         at = start
         while at != until:
-            resp = self.request(
-                "GET",
-                stream_url(self.url, stream),
-                f"read {stream}",
-                params={"offset": at, "until": until, "format": "records", "isolation": isolation},
-            )
+            try:
+                resp = self.request(
+                    "GET",
+                    stream_url(self.url, stream),
+                    f"read {stream}",
+                    params={"offset": at, "until": until, "format": "records", "isolation": isolation},
+                )
+            except OffsetGoneError as exc:
+                on = self._overtaken(exc, stream, at, until)
+                if on is None:
+                    return
+                at = on
+                continue
             frames = [Frame(*f) for f in iter_frames(resp.content)]
             nxt = resp.headers["stream-next-offset"]
             if nxt == at:
@@ -142,5 +181,23 @@ class Conn:
             params["every"] = every
         if max_records is not None:
             params["max_records"] = max_records
-        body = self.request("GET", stream_url(self.url, stream), f"boundaries of {stream}", params=params).json()
+        try:
+            body = self.request("GET", stream_url(self.url, stream), f"boundaries of {stream}", params=params).json()
+        except OffsetGoneError as exc:
+            on = self._overtaken(exc, stream, start, until)
+            if on is None:
+                return [], until
+            params["offset"] = on
+            body = self.request("GET", stream_url(self.url, stream), f"boundaries of {stream}", params=params).json()
         return list(body["boundaries"]), str(body["end"])
+
+    def commit_group(self, group: str, offsets: dict[str, str]) -> None:
+        """Record ``offsets`` as consumer group ``group``'s (they only move forward)."""
+        real = {name: off for name, off in offsets.items() if off != "-1"}
+        if real:
+            self.request(
+                "POST",
+                f"{self.url}/v1/groups/{quote(group, safe='')}/offsets",
+                f"commit the offsets of group {group}",
+                json={"offsets": real},
+            )

@@ -62,6 +62,8 @@ class Options:
     transaction_timeout_ms: int
     batch_id: int | None
     verify_replay: bool = True
+    offset_reset: str = "error"  # "earliest": read on from the earliest offset kept when retention overtook a read
+    group: str | None = None  # a consumer group the source commits each finished micro-batch's end to
 
     @classmethod
     def parse(cls, raw: Mapping[str, str]) -> Options:
@@ -84,6 +86,9 @@ class Options:
         isolation = opts.get("isolation", "read_committed")
         if isolation not in ("read_committed", "read_uncommitted"):
             raise OptionError(f"option isolation must be read_committed or read_uncommitted, got {isolation!r}")
+        offset_reset = opts.get("offsetreset", "error")
+        if offset_reset not in ("error", "earliest"):
+            raise OptionError(f"option offsetReset must be error or earliest, got {offset_reset!r}")
         sink_id = opts.get("sinkid")
         if sink_id is not None and (not sink_id or "/" in sink_id or any(ord(c) < 0x20 for c in sink_id)):
             raise OptionError(f"option sinkId must be a non-empty name without '/', got {sink_id!r}")
@@ -104,11 +109,13 @@ class Options:
             transaction_timeout_ms=_int(opts, "transactiontimeoutms", 300_000) or 300_000,
             batch_id=_int(opts, "batchid", None, low=0),
             verify_replay=_bool(opts, "verifyreplay", True),
+            offset_reset=offset_reset,
+            group=opts.get("group") or None,
         )
 
     def connect(self) -> Conn:
         """A connection to the server these options name."""
-        return Conn(self.url, deadline=self.request_deadline, token=self.token)
+        return Conn(self.url, deadline=self.request_deadline, token=self.token, offset_reset=self.offset_reset)
 
     def writer_settings(self, sink: str) -> WriterSettings:
         """What the sink's tasks and driver need, for sink (or write job) ``sink``."""

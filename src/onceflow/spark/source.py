@@ -276,7 +276,11 @@ class OnceflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return read_partition(self.opts, partition, self.text_values)
 
     def commit(self, end: dict[str, str]) -> None:
-        pass  # Spark keeps the offsets in its checkpoint; the server needs nothing
+        # Spark keeps the offsets in its checkpoint. With option group, the server learns them too:
+        # a stream that names the group (Stream-Retention-Keep-Groups) then keeps what the query
+        # may still replay (a batch is replayed from the previous batch's end after a failure).
+        if self.opts.group is not None:
+            self.conn.commit_group(self.opts.group, end)
 
     def stop(self) -> None:
         if self._conn is not None:

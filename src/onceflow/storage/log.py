@@ -55,6 +55,7 @@ from .position import Position
 __all__ = [
     "FsyncPolicy",
     "InvalidPosition",
+    "OffsetGone",
     "ProducerState",
     "ReadBatch",
     "RecentBatch",
@@ -78,6 +79,18 @@ DEFAULT_SNAPSHOT_BYTES = 8 << 20
 
 class InvalidPosition(OnceflowError):
     """A read was asked to start somewhere that is not a batch boundary of this log."""
+
+
+class OffsetGone(InvalidPosition):
+    """A read was asked for data that retention deleted; ``earliest``: the first position kept."""
+
+    def __init__(self, at: Position, earliest: Position) -> None:
+        super().__init__(
+            f"offset {at.token()} is no longer kept: retention deleted the data before {earliest.token()}, "
+            "the earliest offset this stream still has"
+        )
+        self.at = at
+        self.earliest = earliest
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +289,7 @@ class _Segment:
     path: Path
     file: File
     size: int
+    first_ms: int | None = None  # the append time of its first batch, once read (retention by age)
 
 
 def _segment_name(base: Position) -> str:
@@ -574,6 +588,67 @@ class StreamLog:
         bases = [s.base.pos for s in self._segments]
         return max(0, bisect.bisect_right(bases, pos) - 1)
 
+    # ------------------------------------------------------------------ retention
+
+    @property
+    def first(self) -> Position:
+        """The first position this log still holds: ``base`` until retention deleted segments."""
+        return self._segments[0].base if self._segments else self.base
+
+    def _first_ms(self, seg: _Segment) -> int | None:
+        if seg.first_ms is None and seg.size >= HEADER_SIZE:
+            seg.first_ms = HEADER.unpack(seg.file.pread(HEADER_SIZE, 0))[7]
+        return seg.first_ms
+
+    def deletable(self, *, now_ms: int, max_age_ms: int | None, max_bytes: int | None, keep_from: Position) -> int:
+        """How many of the oldest segments retention may delete: each one whole, never the one
+        being written, none that ends past ``keep_from`` (what the caller must keep: open
+        transactions, groups' offsets). A segment goes when everything in it is older than
+        ``max_age_ms`` (the next segment's first batch, appended after all of it, is) or while
+        the log without it still holds ``max_bytes``."""
+        segs = self._segments
+        total = sum(seg.size for seg in segs)
+        n = 0
+        while n < len(segs) - 1:
+            seg, after = segs[n], segs[n + 1]
+            if after.base.pos > keep_from.pos or after.base.pos > self.durable.end.pos:
+                break
+            by_size = max_bytes is not None and total - seg.size >= max_bytes
+            if not by_size:
+                ts = self._first_ms(after) if max_age_ms is not None else None
+                if ts is None or max_age_ms is None or ts > now_ms - max_age_ms:
+                    break
+            total -= seg.size
+            n += 1
+        return n
+
+    async def delete_oldest(self, n: int) -> int:
+        """Delete the ``n`` oldest segments (see :meth:`deletable`); returns their bytes.
+
+        What the producers and the transaction index learned from them lives on in the snapshot,
+        which every roll writes at the new segment's start: it must lie past what goes, and its
+        name is synced before any segment file is unlinked, so a power loss cannot leave a log
+        whose only snapshot describes deleted data. Segments go oldest first, so a crash in
+        between leaves a log that still tiles from its (new) first segment."""
+        n = min(n, len(self._segments) - 1)
+        if n <= 0:
+            return 0
+        if self._snapshot_pos < self._segments[n].base.pos:
+            log.warning("%s: not deleting old segments yet: the last snapshot lies before them", self.directory)
+            return 0
+        gone = self._segments[:n]
+        del self._segments[:n]  # in place: a roll may be appending in a worker thread; reads see the new start at once
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._delete_segments, gone)
+        return sum(seg.size for seg in gone)
+
+    def _delete_segments(self, gone: list[_Segment]) -> None:
+        self.fs.sync_dir(self.directory)  # the snapshot's name first
+        for seg in gone:
+            seg.file.close()
+            self.fs.unlink(seg.path)
+        self.fs.sync_dir(self.directory)
+
     # ------------------------------------------------------------------ state views
 
     def producer(self, producer_id: str) -> ProducerState | None:
@@ -805,6 +880,8 @@ class StreamLog:
             return
         if at.pos < self.base.pos or at.pos > end.pos or at.offset > end.offset:
             raise InvalidPosition(f"offset {at.token()} is outside this stream")
+        if at.pos < self.first.pos:
+            raise OffsetGone(at, self.first)
         seg = self._segments[self._segment_index(at.pos)]
         rel = at.pos - seg.base.pos
         raw = seg.file.pread(HEADER_SIZE, rel)
@@ -829,6 +906,8 @@ class StreamLog:
         end = self.durable.end
         if limit is not None and limit.pos < end.pos:
             end = limit
+        if at.pos < self.first.pos:
+            raise OffsetGone(at, self.first)  # a reader that was here before retention deleted it
         out: list[ReadBatch] = []
         pos, offset, budget = at.pos, at.offset, max_bytes
         while pos < end.pos:

@@ -32,6 +32,11 @@ class StreamMeta:
     fork_sub_offset: int = 0
     expiry_inherited: bool = False  # a fork that took its TTL / Expires-At from its source
     soft_deleted: bool = False
+    # retention (None: the server's default): whole segments older than this / beyond this size go,
+    # but never data of an open transaction, nor past the committed offset of a group named here
+    retention_seconds: int | None = None
+    retention_bytes: int | None = None
+    retention_keep_groups: list[str] | None = None
 
     @property
     def base(self) -> Position:

@@ -1,0 +1,125 @@
+"""Retention in the storage layer: whole segments deleted oldest first, by size or by age, never
+past what the caller keeps; what reads, reopens and producers see afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from helpers.logkit import ZERO, append_each, producer_specs, seg_files
+from onceflow.storage.log import OffsetGone, StreamLog
+from onceflow.storage.position import Position
+
+FAR = Position(1 << 60, 1 << 60)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_size_retention_deletes_whole_oldest_segments_and_reads_say_what_is_gone(tmp_path: Path) -> None:
+    async def go() -> None:
+        log = StreamLog.open(tmp_path, ZERO, segment_bytes=500)
+        written = await append_each(log, producer_specs("p", 60, size=40))
+        segs = seg_files(tmp_path)
+        assert len(segs) >= 5
+        total = sum(p.stat().st_size for p in segs)
+        n = log.deletable(now_ms=0, max_age_ms=None, max_bytes=total // 2, keep_from=FAR)
+        assert 0 < n < len(segs)
+        freed = await log.delete_oldest(n)
+        left = seg_files(tmp_path)
+        assert len(left) == len(segs) - n and freed == total - sum(p.stat().st_size for p in left)
+        assert sum(p.stat().st_size for p in left) >= total // 2  # at least max_bytes is kept
+        first = log.first
+        assert first.pos > 0 and any(w.start == first for w in written)
+        with pytest.raises(OffsetGone) as gone:
+            log.read(ZERO, 1 << 20)
+        assert gone.value.earliest == first and first.token() in str(gone.value)
+        with pytest.raises(OffsetGone):
+            log.check_position(written[1].start)
+        kept = [w for w in written if w.start.pos >= first.pos]
+        assert [b.start for b in log.read(first, 1 << 30)] == [w.start for w in kept]
+        # nothing more goes while the log holds no more than asked, and never the segment being written
+        assert log.deletable(now_ms=0, max_age_ms=None, max_bytes=total // 2, keep_from=FAR) == 0
+        every = log.deletable(now_ms=0, max_age_ms=None, max_bytes=0, keep_from=FAR)
+        assert every == len(left) - 1
+        await log.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("clean_close", [True, False])
+def test_after_a_reopen_the_log_starts_where_retention_left_it_and_remembers_its_producers(
+    tmp_path: Path, clean_close: bool
+) -> None:
+    """A producer whose batches were all deleted is still known after a restart: a retry of its
+    last sequence is a duplicate, not new data appended twice."""
+
+    async def go() -> None:
+        log = StreamLog.open(tmp_path, ZERO, segment_bytes=500)
+        await append_each(log, producer_specs("old", 20, size=40))
+        await append_each(log, producer_specs("new", 20, size=40))
+        n = log.deletable(now_ms=0, max_age_ms=None, max_bytes=0, keep_from=FAR)
+        await log.delete_oldest(n)
+        first, end = log.first, log.durable.end
+        assert not any(b.header.producer_id == "old" for b in log.read(first, 1 << 30))
+        if clean_close:
+            await log.close()
+        else:
+            await log.drain()
+            log.close_files()  # as kill -9 leaves it
+        again = StreamLog.open(tmp_path, ZERO, segment_bytes=500)
+        assert again.first == first and again.durable.end == end
+        old = again.producer("old")
+        assert old is not None and old.last_seq == 19
+        with pytest.raises(OffsetGone):
+            again.read(ZERO, 100)
+        await again.close()
+
+    asyncio.run(go())
+
+
+def test_age_retention_deletes_a_segment_once_everything_in_it_is_older(tmp_path: Path) -> None:
+    clock = Clock()
+
+    async def go() -> None:
+        log = StreamLog.open(tmp_path, ZERO, segment_bytes=500, clock=clock)
+        await append_each(log, producer_specs("p", 30, size=40))  # at t=1000 s
+        clock.now = 2_000.0
+        await append_each(log, producer_specs("p", 30, size=40, seq0=30))  # at t=2000 s
+        day = 3_600_000
+        # an hour after the first appends nothing is an hour old yet: the next segment's first batch
+        # (appended after all of a segment) is what dates it
+        assert log.deletable(now_ms=1_000_000 + 10_000, max_age_ms=day, max_bytes=None, keep_from=FAR) == 0
+        n = log.deletable(now_ms=1_000_000 + day + 1, max_age_ms=day, max_bytes=None, keep_from=FAR)
+        assert n > 0
+        await log.delete_oldest(n)
+        got = log.read(log.first, 1 << 30)
+        assert got[0].header.timestamp <= 1_000_000  # some of the old ones stay: their segment is not all old
+        # once everything is a day older than the last appends, all but the segment being written goes
+        n = log.deletable(now_ms=2_000_000 + day + 1, max_age_ms=day, max_bytes=None, keep_from=FAR)
+        assert n == len(seg_files(tmp_path)) - 1
+        await log.close()
+
+    asyncio.run(go())
+
+
+def test_retention_deletes_nothing_that_ends_past_what_the_caller_keeps(tmp_path: Path) -> None:
+    async def go() -> None:
+        log = StreamLog.open(tmp_path, ZERO, segment_bytes=500)
+        written = await append_each(log, producer_specs("p", 60, size=40))
+        keep = written[25].start
+        n = log.deletable(now_ms=0, max_age_ms=None, max_bytes=0, keep_from=keep)
+        await log.delete_oldest(n)
+        assert log.first.pos <= keep.pos
+        assert [b.start for b in log.read(keep, 1 << 30)] == [w.start for w in written[25:]]
+        assert log.deletable(now_ms=0, max_age_ms=None, max_bytes=0, keep_from=keep) == 0
+        await log.close()
+
+    asyncio.run(go())
