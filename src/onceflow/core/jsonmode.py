@@ -6,6 +6,8 @@ import json
 import re
 from typing import Any
 
+import msgspec
+
 from ..errors import OnceflowError
 
 __all__ = ["JsonError", "encode_messages", "first_messages", "wrap_payloads"]
@@ -44,19 +46,51 @@ def _strip_whitespace(body: bytes) -> bytes:
     return b"".join(parts)
 
 
+# The fast path: msgspec checks the JSON and finds an array's elements in C without building them
+# (~0.1 us per 100-byte message, against ~0.9 us for json.loads). It accepts nothing the json
+# module rejects (tests/core/test_jsonmode.py compares them) but rejects a few texts json takes
+# (lone surrogate escapes); whatever it refuses goes to the json module, which decides as before.
+_split_array = msgspec.json.Decoder(list[msgspec.Raw]).decode
+_check_value = msgspec.json.Decoder(msgspec.Raw).decode
+_compact = msgspec.json.format
+
+
 def encode_messages(body: bytes, *, allow_empty: bool) -> tuple[bytes, int]:
     """Stored payload and message count for a JSON body.
 
     A top-level array is flattened one level (each element is a message); any other value is one
     message. ``[]`` is an error for appends and an empty stream for creates (``allow_empty``).
-    Every value the decoder accepts is stored (numbers out of float range and lone surrogate
+    Every value the json module accepts is stored (numbers out of float range and lone surrogate
     escapes included, as their text); nesting deeper than the decoder's recursion limit is a
-    JsonError. Only JsonError is raised.
+    JsonError. A body with whitespace outside its strings is stored without it. Only JsonError is
+    raised.
     """
     try:
-        text = body.decode("utf-8")
+        body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise JsonError(f"body is not UTF-8: {exc}") from None
+    array = body.lstrip(b" \t\n\r")[:1] == b"["
+    try:
+        count = len(_split_array(body)) if array else 1
+        if not array:
+            _check_value(body)
+    except (msgspec.DecodeError, RecursionError):
+        return _encode_slowly(body, allow_empty)
+    if not _is_compact(body):
+        body = _compact(body, indent=-1)
+    if not array:
+        return body + b",", 1
+    if not count:
+        if allow_empty:
+            return b"", 0
+        raise JsonError("an empty JSON array appends nothing; send at least one message")
+    return body[1:-1] + b",", count
+
+
+def _encode_slowly(body: bytes, allow_empty: bool) -> tuple[bytes, int]:
+    """:func:`encode_messages` by the json module: for what msgspec refused (an error, or a text
+    only json takes); the error messages are json's."""
+    text = body.decode("utf-8")
     try:
         value = _decode(text)
     except JsonError:

@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgspec
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
@@ -24,6 +25,7 @@ from .options import Options
 __all__ = ["OnceflowBatchReader", "OnceflowStreamReader", "RangePartition", "arrow_schema", "source_schema"]
 
 _raw_decode = json.JSONDecoder().raw_decode
+_split_array = msgspec.json.Decoder(list[msgspec.Raw]).decode
 
 
 def source_schema(text_values: bool) -> StructType:
@@ -54,8 +56,26 @@ class RangePartition(InputPartition):
         self.content_type = content_type
 
 
+def split_json_bytes(payload: bytes) -> list[bytes]:
+    """The message texts of a stored JSON payload (compact texts, each followed by a comma), as
+    UTF-8: msgspec finds them in C (~0.2 us a row, against ~1.7 us for the json module's
+    raw_decode); a payload it refuses (a lone surrogate escape, which the server stores) is split by
+    the json module."""
+    if not payload:
+        return []
+    try:
+        return [bytes(raw) for raw in _split_array(b"[" + payload[:-1] + b"]")]
+    except (msgspec.DecodeError, RecursionError):
+        return [t.encode("utf-8", "surrogatepass") for t in split_json(payload)]
+
+
 def split_json(payload: bytes) -> list[str]:
-    """The message texts of a stored JSON payload (compact texts, each followed by a comma)."""
+    """The message texts of a stored JSON payload, as text."""
+    if payload:
+        try:
+            return [bytes(raw).decode() for raw in _split_array(b"[" + payload[:-1] + b"]")]
+        except (msgspec.DecodeError, RecursionError):
+            pass
     text = payload.decode("utf-8")
     out: list[str] = []
     i, n = 0, len(text)
@@ -74,12 +94,12 @@ def frames_to_arrow(stream: str, content_type: str, frames: list[Frame], text_va
     values: list[Any] = []
     for f in frames:
         if json_stream:
-            texts = split_json(f.payload)
+            texts = split_json(f.payload) if text_values else split_json_bytes(f.payload)
             if len(texts) != f.count:
                 raise ValueError(
                     f"stream {stream}: batch at record {f.base_offset} holds {len(texts)} messages, header says {f.count}"
                 )
-            values.extend(texts if text_values else [t.encode() for t in texts])
+            values.extend(texts)
         else:
             values.append(f.payload.decode("utf-8", "replace") if text_values else f.payload)
         offsets.extend(range(f.base_offset, f.base_offset + f.count))
