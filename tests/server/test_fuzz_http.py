@@ -157,6 +157,10 @@ bodies = st.one_of(
             "task": st.sampled_from(["r/t1", ""]) | scalars,
             "partition": ints | scalars,
             "fingerprint": text | scalars,
+            "to": st.sampled_from(["earliest", "latest", "offsets", "time", ""]) | scalars,
+            "streams": st.lists(st.sampled_from(["fz", "nope", ""]) | text, max_size=2) | scalars,
+            "time_ms": ints | scalars,
+            "dry_run": st.booleans() | scalars,
         },
     ).map(lambda d: json.dumps(d).encode()),
     json_values.map(lambda v: json.dumps(v).encode()),
@@ -166,9 +170,13 @@ ids = (st.sampled_from(["tz", "gz", "sz", "", "a/b", "..", "x" * 300, "\x00", "n
     lambda i: quote(i, safe="/")
 )  # sent percent-encoded, so that any text reaches the server
 paths = st.one_of(
-    st.builds(lambda i, a: f"/v1/txn/{i}/{a}", ids, st.sampled_from(["init", "commit", "abort", "offsets", "", "x"])),
+    st.builds(
+        lambda i, a: f"/v1/txn/{i}/{a}",
+        ids,
+        st.sampled_from(["init", "commit", "abort", "offsets", "force-abort", "", "x"]),
+    ),
     st.builds(lambda i: f"/v1/txn/{i}", ids),
-    st.builds(lambda i, a: f"/v1/groups/{i}/{a}", ids, st.sampled_from(["offsets", "", "commit"])),
+    st.builds(lambda i, a: f"/v1/groups/{i}/{a}", ids, st.sampled_from(["offsets", "reset", "", "commit"])),
     st.builds(
         lambda i, a: f"/v1/sinks/{i}{a}",
         ids,
@@ -181,6 +189,11 @@ paths = st.one_of(
     ),
     st.sampled_from([S + "__ds/jwks.json", S + "__ds", S + "__ds/x", S + "bad%ff", S + "__ds/subscriptions/%ff"]),
     st.sampled_from(["/v1/streams", "/v1/streams/", "/v1/", "/", S, S + "fz", S + "fz/", S + "nope"]),
+    st.builds(
+        lambda p, q: p + q,
+        st.sampled_from(["/v1/txn", "/v1/groups", "/v1/sinks", "/v1/txn/", "/v1/groups/", "/v1/sinks/"]),
+        st.sampled_from(["", "?prefix=g", "?open=true", "?open=x", "?prefix=%ff", "?prefix=a&prefix=b"]),
+    ),
 )
 header_names = st.sampled_from(
     [

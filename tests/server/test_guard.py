@@ -144,7 +144,7 @@ async def test_live_read_limit_counts_open_long_polls(guarded: httpx.AsyncClient
         [],
         {"tokens": []},
         {"tokens": {"t": [{"prefix": "a"}]}},
-        {"tokens": {"t": [{"prefix": "a", "scopes": ["admin"]}]}},
+        {"tokens": {"t": [{"prefix": "a", "scopes": ["root"]}]}},
         {"limits": {"streams": -1}},
         {"limits": {"stream": 1}},
         {"extra": 1},

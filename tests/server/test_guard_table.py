@@ -3,8 +3,8 @@
 For each endpoint there is at least one request whose names all lie under ``pub/``, the scopes it
 needs there (written here, independently of the code's table), and one variant per name it
 carries with that one name moved under ``orders/``. Each request is sent with no token, an unknown
-token, read on ``pub/``, write on ``pub/``, both, a grant on ``orders/`` only and an admin grant on
-everything. A refusal must be the guard's (401, or 403 ``forbidden``) and change nothing a client
+token, read on ``pub/``, write on ``pub/``, both, admin on ``pub/``, read and admin, all three, a
+grant on ``orders/`` only, read and write on everything (no admin) and every scope on everything. A refusal must be the guard's (401, or 403 ``forbidden``) and change nothing a client
 can observe; an allowed request must not be refused by the guard (the app may still say no). And
 docs/security.md shows the code's table.
 """
@@ -31,11 +31,22 @@ GRANTS: dict[str, list[dict[str, Any]]] = {
     "pub-r": [{"prefix": "pub/", "scopes": ["read"]}],
     "pub-w": [{"prefix": "pub/", "scopes": ["write"]}],
     "pub-rw": [{"prefix": "pub/", "scopes": ["read", "write"]}],
-    "other": [{"prefix": "orders/", "scopes": ["read", "write"]}],
-    "admin": [{"prefix": "", "scopes": ["read", "write"]}],
+    "pub-a": [{"prefix": "pub/", "scopes": ["admin"]}],
+    "pub-ra": [{"prefix": "pub/", "scopes": ["read", "admin"]}],
+    "pub-all": [{"prefix": "pub/", "scopes": ["read", "write", "admin"]}],
+    "other": [{"prefix": "orders/", "scopes": ["read", "write", "admin"]}],
+    "rw-all": [{"prefix": "", "scopes": ["read", "write"]}],  # everything but the operator's scope
+    "admin": [{"prefix": "", "scopes": ["read", "write", "admin"]}],
 }
 WHO: list[str | None] = [None, "unknown", "wake", *GRANTS]  # no token, an unknown one, the claim token, the grants
-PUB_SCOPES = {"pub-r": {"read"}, "pub-w": {"write"}, "pub-rw": {"read", "write"}}
+PUB_SCOPES = {
+    "pub-r": {"read"},
+    "pub-w": {"write"},
+    "pub-rw": {"read", "write"},
+    "pub-a": {"admin"},
+    "pub-ra": {"read", "admin"},
+    "pub-all": {"read", "write", "admin"},
+}
 
 
 @dataclass
@@ -151,6 +162,7 @@ def txn_headers(w: World, tenant: str, seq: str) -> dict[str, str]:
 
 
 R, W, RW = frozenset({"read"}), frozenset({"write"}), frozenset({"read", "write"})
+A, RA, RWA = frozenset({"admin"}), frozenset({"read", "admin"}), frozenset({"read", "write", "admin"})
 SUB_SPEC = {"type": "pull-wake", "pattern": "pub/x/*", "streams": ["pub/s"], "wake_stream": "pub/wake"}
 
 CASES: list[Case] = [
@@ -227,6 +239,16 @@ CASES: list[Case] = [
             "short prefix": lambda w: req("GET", "/v1/streams?prefix=pu"),
         },
     ),
+    Case(
+        "txns.list",
+        A,
+        lambda w: req("GET", "/v1/txn?prefix=pub/&open=true"),
+        {
+            "prefix": lambda w: req("GET", "/v1/txn?prefix=orders/"),
+            "no prefix": lambda w: req("GET", "/v1/txn"),
+            "short prefix": lambda w: req("GET", "/v1/txn?prefix=pu"),
+        },
+    ),
     Case("txn.read", R, lambda w: req("GET", "/v1/txn/pub/t"), {"path": lambda w: req("GET", "/v1/txn/orders/t")}),
     Case(
         "txn.init",
@@ -275,7 +297,22 @@ CASES: list[Case] = [
         },
     ),
     Case(
+        "txn.force_abort",
+        A,
+        lambda w: req("POST", "/v1/txn/pub/t/force-abort", {}),
+        {"path": lambda w: req("POST", "/v1/txn/orders/t/force-abort", {})},
+    ),
+    Case(
         "txn.other", W, lambda w: req("DELETE", "/v1/txn/pub/t"), {"path": lambda w: req("DELETE", "/v1/txn/orders/t")}
+    ),
+    Case(
+        "groups.list",
+        A,
+        lambda w: req("GET", "/v1/groups?prefix=pub/"),
+        {
+            "prefix": lambda w: req("GET", "/v1/groups?prefix=orders/"),
+            "no prefix": lambda w: req("GET", "/v1/groups"),
+        },
     ),
     Case(
         "group.read",
@@ -286,6 +323,17 @@ CASES: list[Case] = [
     Case(
         "group.commit",
         RW,
+        lambda w: req("POST", "/v1/groups/pub/g/offsets", {"offsets": {"pub/s": w.facts["pub/tail"]}}),
+        {
+            "path": lambda w: req("POST", "/v1/groups/orders/g/offsets", {"offsets": {"pub/s": w.facts["pub/tail"]}}),
+            "offsets stream": lambda w: req(
+                "POST", "/v1/groups/pub/g/offsets", {"offsets": {"orders/s": "0000000000000000_0000000000000000"}}
+            ),
+        },
+    ),
+    Case(
+        "group.commit",
+        RWA,  # a rewind is an operator's act
         lambda w: req("POST", "/v1/groups/pub/g/offsets", {"offsets": {"pub/s": w.facts["pub/tail"]}, "reset": True}),
         {
             "path": lambda w: req(
@@ -299,10 +347,37 @@ CASES: list[Case] = [
         },
     ),
     Case(
+        "group.reset",
+        A,
+        lambda w: req("POST", "/v1/groups/pub/g/reset", {"to": "earliest"}),
+        {"path": lambda w: req("POST", "/v1/groups/orders/g/reset", {"to": "earliest"})},
+    ),
+    Case(
+        "group.reset",
+        RA,
+        lambda w: req("POST", "/v1/groups/pub/g/reset", {"to": "latest", "streams": ["pub/s"]}),
+        {
+            "path": lambda w: req("POST", "/v1/groups/orders/g/reset", {"to": "latest", "streams": ["pub/s"]}),
+            "streams": lambda w: req("POST", "/v1/groups/pub/g/reset", {"to": "latest", "streams": ["orders/s"]}),
+            "offsets stream": lambda w: req(
+                "POST", "/v1/groups/pub/g/reset", {"to": "offsets", "offsets": {"orders/s": w.facts["orders/tail"]}}
+            ),
+        },
+    ),
+    Case(
         "group.other",
         W,
-        lambda w: req("POST", "/v1/groups/pub/g/reset", {}),
-        {"path": lambda w: req("POST", "/v1/groups/orders/g/reset", {})},
+        lambda w: req("POST", "/v1/groups/pub/g/bogus", {}),
+        {"path": lambda w: req("POST", "/v1/groups/orders/g/bogus", {})},
+    ),
+    Case(
+        "sinks.list",
+        A,
+        lambda w: req("GET", "/v1/sinks?prefix=pub/"),
+        {
+            "prefix": lambda w: req("GET", "/v1/sinks?prefix=orders/"),
+            "no prefix": lambda w: req("GET", "/v1/sinks"),
+        },
     ),
     Case("sink.read", R, lambda w: req("GET", "/v1/sinks/pub/k"), {"path": lambda w: req("GET", "/v1/sinks/orders/k")}),
     Case(
@@ -355,8 +430,8 @@ CASES: list[Case] = [
         },
     ),
     Case(
-        "sink.post",
-        W,
+        "sink.reset",
+        A,
         lambda w: req("POST", "/v1/sinks/pub/k/reset", {"owner": None}),
         {
             "path": lambda w: req("POST", "/v1/sinks/orders/k/reset", {"owner": None}),
@@ -461,9 +536,11 @@ def expected_refusal(needs: frozenset[str] | str, who: str | None) -> int | None
         return 401
     if needs == "token" or who == "admin":
         return None
+    assert isinstance(needs, frozenset)
+    if who == "rw-all":
+        return 403 if "admin" in needs else None
     if who == "other":
         return 403
-    assert isinstance(needs, frozenset)
     return None if needs <= PUB_SCOPES[who] else 403
 
 
@@ -514,7 +591,7 @@ async def test_every_name_a_request_carries_is_checked(world: World, case: Case,
     nothing; the same request from the admin gets past the guard (so the name is what was refused)."""
     request = case.outside[label](world)
     before = await snapshot(world)
-    r = await send(world, "pub-rw", request)
+    r = await send(world, "pub-all", request)
     assert refused_by_guard(r) == 403, (label, r.status_code, r.text)
     assert await snapshot(world) == before
     r = await send(world, "admin", request)

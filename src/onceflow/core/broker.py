@@ -1616,6 +1616,31 @@ class Broker:
                     last = pos
         return marks, pos
 
+    async def position_at_time(self, s: StreamState, time_ms: int, *, step: int = 1 << 20) -> Position:
+        """Where the first batch of ``s`` appended at or after ``time_ms`` (milliseconds since the
+        epoch) starts, by the append time every batch header keeps; the durable tail when none was.
+
+        A linear scan from the stream's start (through the source's range for a fork), read in
+        steps of about ``step`` bytes with a pause for the event loop between them, so other
+        requests are served meanwhile; its cost grows with the stream's size. Append times are
+        the server's wall clock: if that clock ever went back, the first batch stamped at or after
+        ``time_ms`` is found, even if an earlier one was stamped later."""
+        start = self.resolve_start(s, "-1")
+        assert isinstance(start, Position)
+        at, end = start, s.tail
+        while at.pos < end.pos:
+            if s.deleted:
+                raise InvalidPosition(f"stream {s.name!r} was deleted")
+            batches = s.read_range(at, step, end)
+            if not batches:
+                break
+            for b in batches:
+                if b.header.timestamp >= time_ms:
+                    return b.start
+            at = batches[-1].end
+            await asyncio.sleep(0)
+        return end
+
     async def wait(self, s: StreamState, after: Position, max_wait: float) -> bool:
         """Wait until the stream has data past ``after``, closes or goes away. False on timeout."""
         if s.tail != after or s.closed or s.deleted or s.meta.soft_deleted or self._closing:

@@ -1314,6 +1314,60 @@ class Coordinator:
                         log.error("could not finish transaction %d of %r yet: %s", meta.txn, meta.tid, exc)
         return [m.tid for m in expired]
 
+    async def abort_open(self, tid: str, *, epoch: int | None = None, txn: int | None = None) -> tuple[int, int]:
+        """An operator's abort of ``tid``'s open transaction (``onceflow txn abort``, what Kafka's
+        ``kafka-transactions.sh abort`` is for): a hanging transaction holds the last stable offset
+        of every stream it wrote to until its timeout, which may be long.
+
+        The transaction is aborted and the epoch fenced exactly as the timeout sweep does it
+        (:meth:`expire`, through :meth:`_fence`, under the id's lock): the abort decision carries
+        the fence, its markers end the data in every stream (read_committed readers skip it), and
+        the id moves to a new epoch, so the producer that held it is refused (``fenced``) from its
+        next request on and must ``init`` again; it cannot quietly go on without the aborted part.
+
+        ``epoch`` and ``txn``, when given, must name the open transaction (what the operator saw
+        listed), else ``stale_transaction`` and nothing changes. Refused and nothing changes for an
+        id never initialised (``unknown_transactional_id``), an id with nothing open
+        (``invalid_state``), and a transaction whose decision is logged and being finished
+        (``invalid_state``: a decided commit cannot be aborted; the sweep finishes it).
+
+        Returns ``(epoch, txn)`` of the aborted transaction; the id's state is the new epoch. A
+        decision logged whose markers fail is ``unavailable`` (retriable): the abort is fixed and
+        the sweep finishes it, with its fence."""
+        async with self._lock(tid):
+            meta = self.txns.get(tid)
+            if meta is None or meta.epoch < 0:
+                raise TxnError(Refusal.UNKNOWN_TRANSACTIONAL_ID, f"transactional id {tid!r} was never initialised")
+            if meta.completing:
+                outcome = "commit" if meta.status is TxnStatus.PREPARE_COMMIT else "abort"
+                raise TxnError(
+                    Refusal.INVALID_STATE,
+                    f"transaction {meta.txn} of {tid!r} (epoch {meta.epoch}) is already decided ({outcome}) and "
+                    "being finished by the server; nothing was aborted",
+                    txn=meta.txn,
+                )
+            if meta.status is not TxnStatus.ONGOING:
+                raise TxnError(
+                    Refusal.INVALID_STATE,
+                    f"transactional id {tid!r} has no open transaction (epoch {meta.epoch}, transaction "
+                    f"{meta.txn}: {meta.status.value}); nothing was aborted",
+                    txn=meta.txn,
+                )
+            if (epoch is not None and epoch != meta.epoch) or (txn is not None and txn != meta.txn):
+                raise TxnError(
+                    Refusal.STALE_TRANSACTION,
+                    f"the open transaction of {tid!r} is transaction {meta.txn} of epoch {meta.epoch}, not "
+                    f"{txn if txn is not None else meta.txn} of epoch {epoch if epoch is not None else meta.epoch}; "
+                    "nothing was aborted",
+                    txn=meta.txn,
+                )
+            aborted = (meta.epoch, meta.txn)
+            log.warning(
+                "aborting transaction %d of %r on an operator's request; fencing epoch %d", meta.txn, tid, meta.epoch
+            )
+            await self._finish_decided(meta, self._fence(meta, meta.epoch))
+            return aborted
+
     # ------------------------------------------------------------------ group offsets
 
     def _apply_offsets(self, offsets: dict[str, dict[str, str]]) -> None:

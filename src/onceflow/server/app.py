@@ -34,7 +34,7 @@ from ..core.broker import (
 from ..core.jsonmode import wrap_payloads
 from ..core.refusal import Refusal
 from ..core.subscriptions import WebhookTargets
-from ..core.txn import SinkState, TxnError, TxnMeta
+from ..core.txn import SinkState, TxnError, TxnMeta, TxnStatus
 from ..errors import OnceflowError
 from ..storage.log import InvalidPosition, OffsetGone
 from ..storage.position import Position, parse_token
@@ -65,6 +65,11 @@ LIST_PATH = "/v1/streams"  # extension: list streams by name prefix
 TXN_PREFIX = "/v1/txn/"  # extension: transactions (docs/transactions.md)
 GROUPS_PREFIX = "/v1/groups/"  # extension: consumer-group offsets
 SINKS_PREFIX = "/v1/sinks/"  # extension: many transactions committed as one (docs/transactions.md)
+# extension: what an operator lists (docs/operations.md): transactional ids, groups with lag, sinks
+TXN_LIST_PATH, GROUPS_LIST_PATH, SINKS_LIST_PATH = "/v1/txn", "/v1/groups", "/v1/sinks"
+ADMIN_LISTS = (TXN_LIST_PATH, GROUPS_LIST_PATH, SINKS_LIST_PATH)
+FORCE_ABORT = "force-abort"  # POST /v1/txn/<id>/force-abort: an operator's abort of a hanging transaction
+GROUP_RESET = "reset"  # POST /v1/groups/<group>/reset: rewind (or move) a group to earliest/latest/offsets/a time
 _DIGITS = re.compile(r"^[0-9]+$")
 _LINES = re.compile(r"\r\n|\r|\n")
 CURSOR_EPOCH = 1728432000.0  # 2024-10-09T00:00:00Z, the protocol's default cursor epoch
@@ -301,6 +306,13 @@ class App:
                 )
             await _send(send, status, h, body)
             return
+        if path in ADMIN_LISTS and method in ("GET", "HEAD"):
+            try:
+                status, h, body = self._admin_list(path, scope)
+            except BadRequest as exc:
+                status, h, body = _error(exc.status, exc.code, str(exc))
+            await _send(send, status, h, b"" if method == "HEAD" else body)
+            return
         if path == LIST_PATH and method in ("GET", "HEAD"):
             status, h, body = self._list(scope)
             await _send(send, status, h, b"" if method == "HEAD" else body)
@@ -417,10 +429,12 @@ class App:
             meta = coord.txns.get(tid)
             if meta is None:
                 raise BadRequest(f"transactional id {tid!r} was never initialised", 404, "not_found")
-            return _json_response(200, _txn_json(meta))
+            return _json_response(200, self._txn_state(meta))
         if method != "POST":
             raise BadRequest(f"{method} is not supported here; use POST", 405, "method_not_allowed")
         body = await self._json_body(headers, receive)
+        if action == FORCE_ABORT:
+            return await self._force_abort(tid, body)
         if action == "init":
             timeout_ms = body.get("timeout_ms")
             if timeout_ms is not None and (
@@ -451,14 +465,24 @@ class App:
                 tid, self._int_field(body, "epoch"), group, self._offsets_field(body), txn=txn
             )
             return _json_response(200, _txn_json(meta))
-        raise BadRequest(f"unknown transaction action {action!r}: use init, commit, abort or offsets", 404, "not_found")
+        raise BadRequest(
+            f"unknown transaction action {action!r}: use init, commit, abort, offsets or {FORCE_ABORT}",
+            404,
+            "not_found",
+        )
 
     async def _groups(
         self, method: str, rest: str, headers: dict[str, str], receive: Receive
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         group, _, action = rest.rpartition("/")
+        if group and action == GROUP_RESET:
+            if method != "POST":
+                raise BadRequest(f"{method} is not supported here; use POST", 405, "method_not_allowed")
+            return await self._reset_group(group, await self._json_body(headers, receive))
         if not group or action != "offsets":
-            raise BadRequest("use /v1/groups/<group>/offsets", 404, "not_found")
+            raise BadRequest(
+                f"use /v1/groups/<group>/offsets or POST /v1/groups/<group>/{GROUP_RESET}", 404, "not_found"
+            )
         coord = self.broker.coordinator
         if method == "GET":
             return _json_response(200, {"group": group, "offsets": coord.groups.get(group, {})})
@@ -580,18 +604,181 @@ class App:
 
     def _list(self, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         prefix = list_prefix(scope)
-        streams = [
-            {
-                "name": s.name,
-                "content_type": s.meta.content_type,
-                "next_offset": s.tail.token(),
-                "stable_offset": s.stable().token(),
-                "closed": s.closed,
-            }
-            for s in self.broker.list(prefix)
-        ]
+        streams = [self._stream_json(s) for s in self.broker.list(prefix)]
         body = json.dumps({"streams": streams}, separators=(",", ":")).encode()
         return 200, [(b"content-type", b"application/json"), (b"cache-control", b"no-store")], body
+
+    def _stream_json(self, s: StreamState) -> dict[str, object]:
+        """One stream of the listing (docs/protocol.md, docs/operations.md)."""
+        start = self.broker.resolve_start(s, "-1")
+        assert isinstance(start, Position)
+        tail = s.tail
+        return {
+            "name": s.name,
+            "content_type": s.meta.content_type,
+            "next_offset": tail.token(),
+            "stable_offset": s.stable().token(),
+            "closed": s.closed,
+            "start_offset": start.token(),
+            "messages": tail.offset - start.offset,
+            "bytes": tail.pos - start.pos,
+            "created_ms": s.meta.created_ms,
+            "ttl_seconds": s.meta.ttl_seconds,
+            "expires_at": s.meta.expires_at,
+            "forked_from": s.meta.fork_parent,
+            "producers": len(s.log.producers),
+            "open_transactions": len(s.log.txn.open),
+        }
+
+    # ------------------------------------------------------------------ operator endpoints (extension)
+
+    def _admin_list(self, path: str, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """``GET /v1/txn``, ``/v1/groups`` and ``/v1/sinks`` (docs/operations.md): everything whose
+        name starts with the ``prefix`` parameter, sorted by name."""
+        params = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        prefix = list_prefix(scope)
+        coord = self.broker.coordinator
+        if path == TXN_LIST_PATH:
+            raw_open = params.get("open", ["false"])[0]
+            if raw_open not in ("true", "false"):
+                raise BadRequest(f"open must be true or false, got {raw_open!r}")
+            txns = [
+                self._txn_detail(m)
+                for tid, m in sorted(coord.txns.items())
+                if tid.startswith(prefix) and m.epoch >= 0 and (raw_open == "false" or _is_open(m))
+            ]
+            return _json_response(200, {"transactions": txns})
+        if path == GROUPS_LIST_PATH:
+            names = sorted(g for g in set(coord.groups) | set(coord.member_epochs) if g.startswith(prefix))
+            return _json_response(200, {"groups": [self._group_lag(g) for g in names]})
+        sinks = [_sink_json(name, state) for name, state in sorted(coord.sinks.items()) if name.startswith(prefix)]
+        return _json_response(200, {"sinks": sinks})
+
+    @staticmethod
+    def _txn_state(meta: TxnMeta) -> dict[str, object]:
+        """``GET /v1/txn/<id>``: the id's state, whether a transaction is open (or decided and not
+        finished: either holds the last stable offset of its streams), and the groups whose
+        offsets it carries."""
+        return {**_txn_json(meta), "open": _is_open(meta), "groups": sorted(meta.offsets)}
+
+    def _txn_detail(self, meta: TxnMeta) -> dict[str, object]:
+        """A row of ``GET /v1/txn``: the id's state and, for an open transaction, ``open_ms``: the
+        time its timeout counts (since it began, the server's last start, or a sink task's last
+        keep-alive, whichever is latest)."""
+        age = self.broker.coordinator.clock.monotonic() - meta.started
+        return {**self._txn_state(meta), "open_ms": int(age * 1000) if _is_open(meta) else None}
+
+    def _group_lag(self, group: str) -> dict[str, object]:
+        """A group's committed offset in each stream, the stream's ends, and the lag: messages
+        (records) from the committed offset to the last stable offset, which is what a
+        read_committed consumer of the group has still to read (records of aborted transactions
+        in between included); ``lag_bytes`` is the same distance in log bytes. Both are None
+        when the stream is gone or the offset is not one of its positions (past its tail)."""
+        coord = self.broker.coordinator
+        streams: list[dict[str, object]] = []
+        total: int | None = None
+        for name, token in sorted(coord.groups.get(group, {}).items()):
+            entry: dict[str, object] = {
+                "stream": name,
+                "offset": token,
+                "next_offset": None,
+                "stable_offset": None,
+                "lag": None,
+                "lag_bytes": None,
+            }
+            s = self.broker.get(name)
+            at = parse_token(token)
+            if s is not None and not s.meta.soft_deleted and at is not None:
+                stable, tail = s.stable(), s.tail
+                entry["next_offset"], entry["stable_offset"] = tail.token(), stable.token()
+                if at.pos <= tail.pos and at.offset <= tail.offset:
+                    entry["lag"] = max(0, stable.offset - at.offset)
+                    entry["lag_bytes"] = max(0, stable.pos - at.pos)
+                    total = (total or 0) + max(0, stable.offset - at.offset)
+            streams.append(entry)
+        return {"group": group, "member_epoch": coord.member_epochs.get(group), "lag": total, "streams": streams}
+
+    async def _force_abort(self, tid: str, body: dict[str, Any]) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """``POST /v1/txn/<id>/force-abort``: an operator aborts the id's open transaction and
+        fences its epoch (:meth:`~onceflow.core.txn.Coordinator.abort_open`)."""
+        epoch = self._int_field(body, "epoch") if body.get("epoch") is not None else None
+        txn = self._int_field(body, "txn") if body.get("txn") is not None else None
+        aborted_epoch, aborted_txn = await self.broker.coordinator.abort_open(tid, epoch=epoch, txn=txn)
+        meta = self.broker.coordinator.txns[tid]
+        return _json_response(200, {**self._txn_state(meta), "aborted": {"epoch": aborted_epoch, "txn": aborted_txn}})
+
+    async def _reset_group(self, group: str, body: dict[str, Any]) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """``POST /v1/groups/<group>/reset``: move the group's offsets to the start of each stream
+        (``earliest``), its last stable offset (``latest``), given offsets (``offsets``) or the
+        first batch appended at or after ``time_ms`` (``time``), with one reset commit (or, with
+        ``dry_run``, only say where they would go)."""
+        to = body.get("to")
+        if to not in ("earliest", "latest", "offsets", "time"):
+            raise BadRequest('the body needs "to": "earliest", "latest", "offsets" or "time"')
+        dry_run = body.get("dry_run", False)
+        if not isinstance(dry_run, bool):
+            raise BadRequest('"dry_run" must be true or false')
+        coord = self.broker.coordinator
+        before = coord.groups.get(group, {})
+        if to == "offsets":
+            if body.get("streams") is not None:
+                raise BadRequest('a reset to "offsets" names its streams in "offsets", not in "streams"')
+            wanted = self._offsets_field(body)
+            names = list(wanted)
+        else:
+            names = self._reset_streams(body, before, group)
+        time_ms = self._int_field(body, "time_ms") if to == "time" else None
+        if to != "time" and body.get("time_ms") is not None:
+            raise BadRequest('"time_ms" goes with "to": "time" only')
+        new: dict[str, str] = {}
+        for name in names:
+            s = self.broker.get(name)
+            if s is None or s.meta.soft_deleted:
+                raise BadRequest(f"no stream named {name!r}: nothing was reset", 404, "not_found")
+            if to == "earliest":
+                at = self.broker.resolve_start(s, "-1")
+            elif to == "latest":
+                at = s.stable()
+            elif to == "offsets":
+                at = self.broker.resolve_start(s, wanted[name])
+                if isinstance(at, str):
+                    raise BadRequest(f"offset for stream {name!r}: {at}; nothing was reset")
+            else:
+                assert time_ms is not None
+                try:
+                    at = await self.broker.position_at_time(s, time_ms)
+                except InvalidPosition as exc:
+                    raise BadRequest(f"{exc}: nothing was reset", 404, "not_found") from None
+            assert isinstance(at, Position)
+            new[name] = at.token()
+        if not dry_run:
+            await coord.commit_offsets(group, new, reset=True)
+        return _json_response(
+            200,
+            {
+                "group": group,
+                "to": to,
+                "dry_run": dry_run,
+                "offsets": new,
+                "previous": {name: before.get(name) for name in new},
+            },
+        )
+
+    @staticmethod
+    def _reset_streams(body: dict[str, Any], committed: dict[str, str], group: str) -> list[str]:
+        """The streams a reset moves: ``streams`` in the body, else every stream the group has
+        committed an offset in."""
+        raw = body.get("streams")
+        if raw is None:
+            if not committed:
+                raise BadRequest(
+                    f'group {group!r} has no committed offsets: name the streams to reset ("streams"; '
+                    "--stream of onceflow groups reset)"
+                )
+            return sorted(committed)
+        if not isinstance(raw, list) or not raw or not all(isinstance(n, str) and n for n in raw):
+            raise BadRequest('"streams" must be a non-empty list of stream names')
+        return list(dict.fromkeys(raw))
 
     # ------------------------------------------------------------------ PUT
 
@@ -1013,6 +1200,11 @@ def _txn_json(meta: TxnMeta) -> dict[str, object]:
 def _sink_json(sink: str, state: SinkState | None) -> dict[str, object]:
     """What ``GET /v1/sinks/<sink>`` shows: the last committed batch and the query owning the sink."""
     return {"sink": sink, "batch": state.batch if state else None, "owner": state.owner if state else None}
+
+
+def _is_open(meta: TxnMeta) -> bool:
+    """A transaction is open (or decided and not finished yet): it holds the LSO of its streams."""
+    return meta.status in (TxnStatus.ONGOING, TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT)
 
 
 def _is_true(value: str | None) -> bool:

@@ -3,7 +3,8 @@
 Configured by a JSON file (``onceflow serve --guard FILE`` or ``$ONCEFLOW_GUARD``)::
 
     {"tokens": {"s3cret-ingest": [{"prefix": "orders/", "scopes": ["write"]}],
-                "s3cret-report": [{"prefix": "", "scopes": ["read"]}]},
+                "s3cret-report": [{"prefix": "", "scopes": ["read"]}],
+                "s3cret-ops": [{"prefix": "", "scopes": ["read", "admin"]}]},
      "limits": {"streams": 10000, "live_reads": 500, "producers_per_stream": 100}}
 
 Both parts are optional. Without ``tokens`` every request is allowed (as without a guard).
@@ -16,8 +17,11 @@ Authorisation (``tokens``)
     name must start with the prefix of a grant of the request's token that has the scope. A name
     prefix (the listing's ``prefix``, a sink's ``abort_prefix``, a subscription pattern through
     :func:`~onceflow.core.subscriptions.glob_prefix`) stands for every name it covers, so it must
-    itself start with a grant's prefix. Refusals: ``401`` with ``WWW-Authenticate: Bearer`` for a
-    missing or unknown token, ``403`` (error code ``forbidden``) for a name outside the grants.
+    itself start with a grant's prefix. Scopes: ``read``, ``write`` and ``admin`` (what an operator
+    does: list transactional ids, groups and sinks, abort another's hanging transaction, rewind a
+    group, reset a sink; docs/operations.md); none implies another. Refusals: ``401`` with
+    ``WWW-Authenticate: Bearer`` for a missing or unknown token, ``403`` (error code ``forbidden``)
+    for a name outside the grants.
 
 Limits (``limits``), answered ``429`` with ``Retry-After: 1`` (error code ``limit_exceeded``)
     ``streams``: creating a stream when this many exist. ``live_reads``: a long-poll or SSE read
@@ -56,10 +60,16 @@ from ..core.subscriptions import Subscription, SubscriptionError, glob_prefix
 from ..errors import OnceflowError
 from .answers import answer_for
 from .app import (
+    ADMIN_LISTS,
+    FORCE_ABORT,
+    GROUP_RESET,
+    GROUPS_LIST_PATH,
     GROUPS_PREFIX,
     LIST_PATH,
     PREFIX,
+    SINKS_LIST_PATH,
     SINKS_PREFIX,
+    TXN_LIST_PATH,
     TXN_PREFIX,
     App,
     ASGIMessage,
@@ -89,7 +99,8 @@ __all__ = [
 ]
 
 ENV_VAR = "ONCEFLOW_GUARD"
-Scope = Literal["read", "write"]
+Scope = Literal["read", "write", "admin"]
+SCOPES = frozenset({"read", "write", "admin"})
 Auth = Literal["token", "anyone", "wake_token"]
 
 
@@ -143,10 +154,11 @@ class GuardConfig:
                         or not isinstance(g.get("prefix"), str)
                         or not isinstance(scopes, list)
                         or not scopes
-                        or not set(scopes) <= {"read", "write"}
+                        or not set(scopes) <= SCOPES
                     ):
                         raise GuardConfigError(
-                            f'each grant is {{"prefix": "...", "scopes": ["read", "write"]}}; got {g!r}'
+                            'each grant is {"prefix": "...", "scopes": [...]} with scopes among "read", "write" and '
+                            f'"admin"; got {g!r}'
                         )
                     parsed.append(Grant(g["prefix"], frozenset(scopes)))
                 tokens[token] = tuple(parsed)
@@ -267,6 +279,22 @@ def _abort_prefix(r: Request) -> Iterator[str]:
         yield as_owned(prefix)
 
 
+def _group_if_reset(r: Request) -> Iterator[str]:
+    """A commit with ``"reset": true`` may move a group's offsets backwards: an operator's act."""
+    if isinstance(r.body, dict) and r.body.get("reset") is True:
+        yield r.name
+
+
+def _reset_streams(r: Request) -> Iterator[str]:
+    """The streams a group reset names: body ``streams`` (as given: the app does not normalise
+    them) and the streams of body ``offsets``."""
+    streams = r.body.get("streams") if isinstance(r.body, dict) else None
+    for s in streams if isinstance(streams, list) else ():
+        if isinstance(s, str):
+            yield s
+    yield from _offset_streams(r)
+
+
 def _fork_source(r: Request) -> Iterator[str]:
     source = fork_source(dict(r.headers))
     if source is not None:
@@ -361,6 +389,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "token",
         (Names("read", '`P` (a prefix; `""` when absent)', _list_prefix),),
     ),
+    Endpoint(
+        "txns.list",
+        "GET/HEAD /v1/txn?prefix=P&open=true",
+        "token",
+        (Names("admin", '`P` (a prefix; `""` when absent)', _list_prefix),),
+    ),
     Endpoint("txn.read", "GET /v1/txn/<id>", "token", (Names("read", "the transactional id", _txn_path),)),
     Endpoint("txn.init", "POST /v1/txn/<id>/init", "token", (Names("write", "the transactional id", _txn_path),)),
     Endpoint(
@@ -378,10 +412,22 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body="json",
     ),
     Endpoint(
+        "txn.force_abort",
+        f"POST /v1/txn/<id>/{FORCE_ABORT}",
+        "token",
+        (Names("admin", "the transactional id", _txn_path),),
+    ),
+    Endpoint(
         "txn.other",
         "other requests under /v1/txn/ (404, 405)",
         "token",
         (Names("write", "the path after /v1/txn/", _path_name),),
+    ),
+    Endpoint(
+        "groups.list",
+        "GET/HEAD /v1/groups?prefix=P",
+        "token",
+        (Names("admin", '`P` (a prefix; `""` when absent)', _list_prefix),),
     ),
     Endpoint("group.read", "GET /v1/groups/<group>/offsets", "token", (Names("read", "the group", _path_name),)),
     Endpoint(
@@ -391,6 +437,17 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         (
             Names("write", "the group", _path_name),
             Names("read", "the streams of body `offsets`", _offset_streams),
+            Names("admin", "the group, when body `reset` is `true` (a rewind)", _group_if_reset),
+        ),
+        body="json",
+    ),
+    Endpoint(
+        "group.reset",
+        f"POST /v1/groups/<group>/{GROUP_RESET}",
+        "token",
+        (
+            Names("admin", "the group", _path_name),
+            Names("read", "body `streams` and the streams of body `offsets`", _reset_streams),
         ),
         body="json",
     ),
@@ -400,10 +457,17 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "token",
         (Names("write", "the path after /v1/groups/", _path_name),),
     ),
+    Endpoint(
+        "sinks.list",
+        "GET/HEAD /v1/sinks?prefix=P",
+        "token",
+        (Names("admin", '`P` (a prefix; `""` when absent)', _list_prefix),),
+    ),
     Endpoint("sink.read", "GET /v1/sinks/<sink>", "token", (Names("read", "the sink id", _path_name),)),
+    Endpoint("sink.reset", "POST /v1/sinks/<sink>/reset", "token", (Names("admin", "the sink id", _path_name),)),
     Endpoint(
         "sink.post",
-        "POST /v1/sinks/<sink>/(begin|alive|commit|abort|reset)",
+        "POST /v1/sinks/<sink>/(begin|alive|commit|abort)",
         "token",
         (
             Names("write", "the sink id", _path_name),
@@ -485,12 +549,16 @@ def route(method: str, path: str, scope: ASGIScope) -> tuple[Endpoint, str, str]
             return _BY_KEY["txn.end"], tid, ""
         if method == "POST" and action == "offsets":
             return _BY_KEY["txn.offsets"], tid, ""
+        if method == "POST" and action == FORCE_ABORT:
+            return _BY_KEY["txn.force_abort"], tid, ""
         return _BY_KEY["txn.other"], rest, ""
     if path.startswith(SINKS_PREFIX):
         rest = path[len(SINKS_PREFIX) :]
         if method == "GET":
             return _BY_KEY["sink.read"], rest, ""
         sink, action = sink_action(rest)
+        if method == "POST" and action == "reset":
+            return _BY_KEY["sink.reset"], sink, ""
         if method == "POST" and action:
             return _BY_KEY["sink.post"], sink, ""
         return _BY_KEY["sink.other"], rest, ""
@@ -501,9 +569,14 @@ def route(method: str, path: str, scope: ASGIScope) -> tuple[Endpoint, str, str]
             return _BY_KEY["group.read"], group, ""
         if action == "offsets" and method == "POST":
             return _BY_KEY["group.commit"], group, ""
+        if action == GROUP_RESET and method == "POST":
+            return _BY_KEY["group.reset"], group, ""
         return _BY_KEY["group.other"], rest, ""
     if path == LIST_PATH and method in ("GET", "HEAD"):
         return _BY_KEY["streams.list"], "", ""
+    if path in ADMIN_LISTS and method in ("GET", "HEAD"):
+        key = {TXN_LIST_PATH: "txns.list", GROUPS_LIST_PATH: "groups.list", SINKS_LIST_PATH: "sinks.list"}[path]
+        return _BY_KEY[key], "", ""
     if not path.startswith(PREFIX):
         return _BY_KEY["other"], "", ""
     name = path[len(PREFIX) :]
