@@ -342,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_parser(sub)
 
+    from .admin import add_admin_parsers  # streams, groups, txn, sinks: an operator's commands (docs/operations.md)
+
+    add_admin_parsers(sub)
+
     if _tools_installed():
         # the dev tools (a separate distribution, tools/): imported by name, so that onceflow never
         # imports onceflow_tools statically (the layers contract in pyproject.toml checks that)
