@@ -245,10 +245,13 @@ CASES: list[Case] = [
         lambda w: req("GET", "/v1/txn?prefix=pub/&open=true"),
         {
             "prefix": lambda w: req("GET", "/v1/txn?prefix=orders/"),
+            "another tenant's sink tasks": lambda w: req("GET", "/v1/txn?prefix=spark/orders/"),
+            "all the sink tasks": lambda w: req("GET", "/v1/txn?prefix=spark/"),
             "no prefix": lambda w: req("GET", "/v1/txn"),
             "short prefix": lambda w: req("GET", "/v1/txn?prefix=pu"),
         },
     ),
+    Case("txns.list", A, lambda w: req("GET", "/v1/txn?prefix=spark/pub/k/")),  # the tasks of sink pub/k
     Case("txn.read", R, lambda w: req("GET", "/v1/txn/pub/t"), {"path": lambda w: req("GET", "/v1/txn/orders/t")}),
     Case(
         "txn.init",

@@ -318,6 +318,12 @@ def _list_prefix(r: Request) -> Iterator[str]:
     yield list_prefix(r.scope)
 
 
+def _txn_list_prefix(r: Request) -> Iterator[str]:
+    """The prefix of a listing of transactional ids, checked as such ids are (``spark/<sink id>/``
+    as the sink id's)."""
+    yield as_owned(list_prefix(r.scope))
+
+
 def _body_pattern(r: Request) -> Iterator[str]:
     pattern = r.body.get("pattern") if isinstance(r.body, dict) else None
     if isinstance(pattern, str):
@@ -393,7 +399,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "txns.list",
         "GET/HEAD /v1/txn?prefix=P&open=true",
         "token",
-        (Names("admin", '`P` (a prefix; `""` when absent)', _list_prefix),),
+        (Names("admin", '`P` (a prefix of transactional ids; `""` when absent)', _txn_list_prefix),),
     ),
     Endpoint("txn.read", "GET /v1/txn/<id>", "token", (Names("read", "the transactional id", _txn_path),)),
     Endpoint("txn.init", "POST /v1/txn/<id>/init", "token", (Names("write", "the transactional id", _txn_path),)),
