@@ -210,6 +210,9 @@ def streams_describe(c: AdminClient, args: argparse.Namespace) -> int:
             ("forked from", s.get("forked_from")),
             ("ttl (s)", s.get("ttl_seconds")),
             ("expires at", s.get("expires_at")),
+            ("retention (s)", s.get("retention_seconds")),
+            ("retention (bytes)", s.get("retention_bytes")),
+            ("retention keeps groups", ", ".join(s.get("retention_keep_groups") or []) or None),
         ]
     )
     return 0
@@ -249,6 +252,12 @@ def groups_describe(c: AdminClient, args: argparse.Namespace) -> int:
             [(s["stream"], s["offset"], s["stable_offset"], s["lag"], s["lag_bytes"]) for s in g["streams"]],
             numeric=("LAG", "LAG BYTES"),
         )
+    for s in g["streams"]:
+        if s.get("offset_gone"):
+            print(
+                f"{s['stream']}: retention deleted the data at the committed offset (a consumer gets 410 "
+                "offset_gone there); the lag counts what is kept"
+            )
     return 0
 
 

@@ -260,7 +260,8 @@ async def test_a_group_is_reset_to_earliest_latest_an_offset_and_a_time(c: InPro
     dry = await reset({"to": "earliest", "dry_run": True})
     assert dry["offsets"] == {"s": "0000000000000000_0000000000000000"} and dry["previous"] == {"s": two}
     assert await read_group_position(c, "g", "s") == two  # a dry run changes nothing
-    assert (await reset({"to": "earliest"}))["offsets"] == {"s": "0000000000000000_0000000000000000"}
+    done = await reset({"to": "earliest"})
+    assert done["offsets"] == {"s": "0000000000000000_0000000000000000"} and done["previous"] == {"s": two}
     assert await read_group_position(c, "g", "s") == "0000000000000000_0000000000000000"
     assert (await reset({"to": "latest"}))["offsets"] == {"s": stable}
     assert (await reset({"to": "offsets", "offsets": {"s": one}}))["offsets"] == {"s": one}
@@ -329,6 +330,51 @@ async def test_a_reset_of_a_group_without_offsets_must_name_its_streams(c: InPro
     assert (await c.client.get("/v1/groups")).json() == {"groups": []}
     r = await c.client.get("/v1/groups/g/reset")
     assert r.status_code == 405
+
+
+async def test_after_retention_lag_earliest_and_times_count_what_is_kept(tmp_path: Path, clock: Clock) -> None:
+    """Retention deleted the oldest segments: a group whose offset is in them is flagged, its lag
+    counts only what can still be read; earliest is the first offset kept; a reset to a deleted
+    offset is a 410 that names the earliest one, and changes nothing."""
+    broker = Broker(tmp_path / "data", clock=clock, segment_bytes=600)
+    broker.open()
+    app = App(broker, AppConfig(long_poll_timeout=0.2))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        c = InProcess(broker, app, client, tmp_path / "data")
+        r = await client.put(S + "r", headers={**JSON, "Stream-Retention-Bytes": "1200"})
+        assert r.status_code == 201, r.text
+        t0 = int(clock.now * 1000)
+        offsets = []
+        for i in range(40):
+            clock.now += 1
+            offsets.append(await append(c, "r", {"i": i, "pad": "x" * 60}))
+        assert (await client.post("/v1/groups/g/offsets", json={"offsets": {"r": offsets[0]}})).status_code == 200
+        assert (await broker.enforce_retention()).get("r", 0) > 0
+        earliest = (await client.head(S + "r")).headers["stream-earliest-offset"]
+        kept = 40 - records(earliest)
+        assert 0 < kept < 39
+
+        listed = (await client.get("/v1/streams")).json()["streams"][0]
+        assert listed["start_offset"] == earliest and listed["messages"] == kept
+        assert listed["retention_bytes"] == 1200 and listed["retention_seconds"] is None
+
+        (row,) = (await client.get("/v1/groups")).json()["groups"][0]["streams"]
+        assert row["offset_gone"] is True and row["lag"] == kept
+
+        gone = await client.post("/v1/groups/g/reset", json={"to": "offsets", "offsets": {"r": offsets[0]}})
+        assert gone.status_code == 410 and gone.json()["error"]["code"] == "offset_gone"
+        assert earliest in gone.json()["error"]["message"]
+        assert (await client.get("/v1/groups/g/offsets")).json()["offsets"] == {"r": offsets[0]}
+
+        r = await client.post("/v1/groups/g/reset", json={"to": "earliest"})
+        assert r.json()["offsets"] == {"r": earliest}
+        (row,) = (await client.get("/v1/groups")).json()["groups"][0]["streams"]
+        assert row["offset_gone"] is False and row["lag"] == kept
+        r = await client.post("/v1/groups/g/reset", json={"to": "time", "time_ms": t0})  # before all that is kept
+        assert r.json()["offsets"] == {"r": earliest}
+        r = await client.post("/v1/groups/g/reset", json={"to": "time", "time_ms": t0 + 39_000})
+        assert r.json()["offsets"] == {"r": offsets[37]}  # the 39th append, made at t0 + 39 s, starts there
+    await broker.close()
 
 
 # ---------------------------------------------------------------------- sinks

@@ -1620,17 +1620,17 @@ class Broker:
         """Where the first batch of ``s`` appended at or after ``time_ms`` (milliseconds since the
         epoch) starts, by the append time every batch header keeps; the durable tail when none was.
 
-        A linear scan from the stream's start (through the source's range for a fork), read in
+        A linear scan from the earliest offset kept (through the source's range for a fork), read in
         steps of about ``step`` bytes with a pause for the event loop between them, so other
         requests are served meanwhile; its cost grows with the stream's size. Append times are
         the server's wall clock: if that clock ever went back, the first batch stamped at or after
         ``time_ms`` is found, even if an earlier one was stamped later."""
-        start = self.resolve_start(s, "-1")
-        assert isinstance(start, Position)
-        at, end = start, s.tail
+        at, end = s.earliest, s.tail
         while at.pos < end.pos:
             if s.deleted:
                 raise InvalidPosition(f"stream {s.name!r} was deleted")
+            if at.pos < s.earliest.pos:  # retention deleted segments meanwhile: none of them is the answer now
+                at = s.earliest
             batches = s.read_range(at, step, end)
             if not batches:
                 break

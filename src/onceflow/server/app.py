@@ -610,9 +610,8 @@ class App:
 
     def _stream_json(self, s: StreamState) -> dict[str, object]:
         """One stream of the listing (docs/protocol.md, docs/operations.md)."""
-        start = self.broker.resolve_start(s, "-1")
-        assert isinstance(start, Position)
-        tail = s.tail
+        start, tail = s.earliest, s.tail
+        keep_seconds, keep_bytes = self.broker.retention_of(s)  # in force: the stream's own, else the server's
         return {
             "name": s.name,
             "content_type": s.meta.content_type,
@@ -628,6 +627,9 @@ class App:
             "forked_from": s.meta.fork_parent,
             "producers": len(s.log.producers),
             "open_transactions": len(s.log.txn.open),
+            "retention_seconds": keep_seconds,
+            "retention_bytes": keep_bytes,
+            "retention_keep_groups": s.meta.retention_keep_groups,
         }
 
     # ------------------------------------------------------------------ operator endpoints (extension)
@@ -673,7 +675,9 @@ class App:
         (records) from the committed offset to the last stable offset, which is what a
         read_committed consumer of the group has still to read (records of aborted transactions
         in between included); ``lag_bytes`` is the same distance in log bytes. Both are None
-        when the stream is gone or the offset is not one of its positions (past its tail)."""
+        when the stream is gone or the offset is not one of its positions (past its tail). An
+        offset whose data retention deleted (``offset_gone``) counts from the earliest offset
+        kept: what is gone cannot be read any more."""
         coord = self.broker.coordinator
         streams: list[dict[str, object]] = []
         total: int | None = None
@@ -685,12 +689,16 @@ class App:
                 "stable_offset": None,
                 "lag": None,
                 "lag_bytes": None,
+                "offset_gone": False,
             }
             s = self.broker.get(name)
             at = parse_token(token)
             if s is not None and not s.meta.soft_deleted and at is not None:
-                stable, tail = s.stable(), s.tail
+                stable, tail, earliest = s.stable(), s.tail, s.earliest
                 entry["next_offset"], entry["stable_offset"] = tail.token(), stable.token()
+                if at.pos < earliest.pos:
+                    entry["offset_gone"] = True
+                    at = earliest
                 if at.pos <= tail.pos and at.offset <= tail.offset:
                     entry["lag"] = max(0, stable.offset - at.offset)
                     entry["lag_bytes"] = max(0, stable.pos - at.pos)
@@ -719,7 +727,8 @@ class App:
         if not isinstance(dry_run, bool):
             raise BadRequest('"dry_run" must be true or false')
         coord = self.broker.coordinator
-        before = coord.groups.get(group, {})
+        before = dict(coord.groups.get(group, {}))  # a copy: the commit below changes the group in place
+        wanted: dict[str, str] = {}
         if to == "offsets":
             if body.get("streams") is not None:
                 raise BadRequest('a reset to "offsets" names its streams in "offsets", not in "streams"')
@@ -735,22 +744,7 @@ class App:
             s = self.broker.get(name)
             if s is None or s.meta.soft_deleted:
                 raise BadRequest(f"no stream named {name!r}: nothing was reset", 404, "not_found")
-            if to == "earliest":
-                at = self.broker.resolve_start(s, "-1")
-            elif to == "latest":
-                at = s.stable()
-            elif to == "offsets":
-                at = self.broker.resolve_start(s, wanted[name])
-                if isinstance(at, str):
-                    raise BadRequest(f"offset for stream {name!r}: {at}; nothing was reset")
-            else:
-                assert time_ms is not None
-                try:
-                    at = await self.broker.position_at_time(s, time_ms)
-                except InvalidPosition as exc:
-                    raise BadRequest(f"{exc}: nothing was reset", 404, "not_found") from None
-            assert isinstance(at, Position)
-            new[name] = at.token()
+            new[name] = (await self._reset_position(s, to, wanted.get(name), time_ms)).token()
         if not dry_run:
             await coord.commit_offsets(group, new, reset=True)
         return _json_response(
@@ -763,6 +757,30 @@ class App:
                 "previous": {name: before.get(name) for name in new},
             },
         )
+
+    async def _reset_position(self, s: StreamState, to: str, offset: str | None, time_ms: int | None) -> Position:
+        """Where a reset ``to`` earliest, latest, an ``offset`` or ``time_ms`` puts a group in ``s``."""
+        if to == "earliest":
+            return s.earliest  # where a read from -1 starts: the start, or where retention left it
+        if to == "latest":
+            return s.stable()
+        if to == "offsets":
+            assert offset is not None
+            try:
+                at = self.broker.resolve_start(s, offset)
+            except OffsetGone as exc:
+                gone = answer_for(Refusal.OFFSET_GONE)
+                raise BadRequest(
+                    f"offset for stream {s.name!r}: {exc}; nothing was reset", gone.status, gone.code
+                ) from None
+            if isinstance(at, str):
+                raise BadRequest(f"offset for stream {s.name!r}: {at}; nothing was reset")
+            return at
+        assert time_ms is not None
+        try:
+            return await self.broker.position_at_time(s, time_ms)
+        except InvalidPosition as exc:
+            raise BadRequest(f"{exc}: nothing was reset", 404, "not_found") from None
 
     @staticmethod
     def _reset_streams(body: dict[str, Any], committed: dict[str, str], group: str) -> list[str]:
