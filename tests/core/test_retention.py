@@ -6,6 +6,8 @@ Streams here roll a new segment every ~600 bytes, so a few dozen appends make se
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,6 +20,7 @@ from helpers.servers import InProcess
 from helpers.txn import JSON, S, Txn, committed
 from onceflow.core.broker import Broker
 from onceflow.server.app import App, AppConfig
+from onceflow.storage.fs import OsFileSystem
 
 pytestmark = pytest.mark.anyio
 
@@ -219,3 +222,45 @@ async def test_retention_headers_are_checked_and_part_of_the_streams_configurati
     assert (await onceflow.client.put(S + "h", headers={**JSON, **retention})).status_code in (200, 204)
     other = await onceflow.client.put(S + "h", headers={**JSON, "Stream-Retention-Seconds": "60"})
     assert other.status_code == 409, other.text
+
+
+class _GatedSync(OsFileSystem):
+    """The real disk, but once ``armed`` the next directory sync waits for ``gate``: retention's
+    first step, in the worker thread it deletes in, so a test can act in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def sync_dir(self, path: Path) -> None:
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            self.gate.wait()
+        super().sync_dir(path)
+
+
+async def test_retention_that_overlaps_a_delete_and_recreate_leaves_the_new_streams_files_alone(
+    tmp_path: Path,
+) -> None:
+    """Retention deletes segment files by name in a worker thread. A stream deleted and created
+    again under the same name meanwhile has its directory, and its first segment's file name,
+    at the very same path: the new stream's data must not be what goes."""
+    fs = _GatedSync()
+    async with served(tmp_path / "d", fs=fs) as c:
+        await create(c, "r", **{"Stream-Retention-Bytes": "1200"})
+        await fill(c, "r", 40)
+        fs.armed = True
+        sweep = asyncio.ensure_future(c.broker.enforce_retention())
+        while not fs.entered.is_set():
+            await asyncio.sleep(0.01)
+        assert (await c.client.delete(S + "r")).status_code in (200, 204)
+        await create(c, "r", **{"Stream-Retention-Bytes": "1200"})
+        await fill(c, "r", 3, start=100)
+        fs.gate.set()
+        await sweep
+        assert await numbers(c, "r") == [100, 101, 102]
+    async with served(tmp_path / "d") as c:
+        assert await numbers(c, "r") == [100, 101, 102]

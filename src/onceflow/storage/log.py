@@ -629,7 +629,13 @@ class StreamLog:
         which every roll writes at the new segment's start: it must lie past what goes, and its
         name is synced before any segment file is unlinked, so a power loss cannot leave a log
         whose only snapshot describes deleted data. Segments go oldest first, so a crash in
-        between leaves a log that still tiles from its (new) first segment."""
+        between leaves a log that still tiles from its (new) first segment.
+
+        The files are unlinked on the loop, right after the check that the log is still open: a
+        stream deleted while the snapshot's name was being synced may already have been created
+        again, in the very same directory and with the same first segment name (a worker thread
+        that unlinked by name then would delete the new stream's data). A log that was closed or
+        changed meanwhile deletes nothing; the next sweep decides again."""
         n = min(n, len(self._segments) - 1)
         if n <= 0:
             return 0
@@ -637,17 +643,16 @@ class StreamLog:
             log.warning("%s: not deleting old segments yet: the last snapshot lies before them", self.directory)
             return 0
         gone = self._segments[:n]
-        del self._segments[:n]  # in place: a roll may be appending in a worker thread; reads see the new start at once
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._delete_segments, gone)
-        return sum(seg.size for seg in gone)
-
-    def _delete_segments(self, gone: list[_Segment]) -> None:
-        self.fs.sync_dir(self.directory)  # the snapshot's name first
+        await loop.run_in_executor(self._executor, self.fs.sync_dir, self.directory)  # the snapshot's name first
+        if self.closed_for_writes or list(map(id, self._segments[:n])) != list(map(id, gone)):
+            return 0
+        del self._segments[:n]  # in place: a roll may be appending in a worker thread; reads see the new start at once
         for seg in gone:
             seg.file.close()
             self.fs.unlink(seg.path)
-        self.fs.sync_dir(self.directory)
+        await loop.run_in_executor(self._executor, self.fs.sync_dir, self.directory)
+        return sum(seg.size for seg in gone)
 
     # ------------------------------------------------------------------ state views
 
