@@ -7,6 +7,7 @@ Streams here roll a new segment every ~600 bytes, so a few dozen appends make se
 from __future__ import annotations
 
 import asyncio
+import errno
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,7 +21,7 @@ from helpers.servers import InProcess
 from helpers.txn import JSON, S, Txn, committed
 from onceflow.core.broker import Broker
 from onceflow.server.app import App, AppConfig
-from onceflow.storage.fs import OsFileSystem
+from onceflow.storage.fs import File, OsFileSystem
 
 pytestmark = pytest.mark.anyio
 
@@ -264,3 +265,66 @@ async def test_retention_that_overlaps_a_delete_and_recreate_leaves_the_new_stre
         assert await numbers(c, "r") == [100, 101, 102]
     async with served(tmp_path / "d") as c:
         assert await numbers(c, "r") == [100, 101, 102]
+
+
+class _FailingReads(OsFileSystem):
+    """The real disk, but every read of a file under ``failing`` (a directory) raises EIO."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing: Path | None = None
+
+    def open_file(self, path: Path, *, create: bool) -> File:
+        return _FlakyFile(super().open_file(path, create=create), self)
+
+
+class _FlakyFile:
+    def __init__(self, inner: File, fs: _FailingReads) -> None:
+        self.inner, self.fs = inner, fs
+
+    @property
+    def path(self) -> Path:
+        return self.inner.path
+
+    def size(self) -> int:
+        return self.inner.size()
+
+    def pwrite(self, data: bytes, at: int) -> None:
+        self.inner.pwrite(data, at)
+
+    def pread(self, n: int, at: int) -> bytes:
+        if self.fs.failing is not None and self.inner.path.parent == self.fs.failing:
+            raise OSError(errno.EIO, "injected read error", str(self.inner.path))
+        return self.inner.pread(n, at)
+
+    def sync(self) -> None:
+        self.inner.sync()
+
+    def truncate(self, size: int) -> None:
+        self.inner.truncate(size)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+async def test_a_read_error_in_one_stream_stops_neither_retention_of_the_others_nor_the_sweep(
+    tmp_path: Path,
+) -> None:
+    """Retention by age reads the first batch header of a segment. An I/O error there is that
+    stream's problem: the others are still trimmed, and the pass returns normally (it runs inside
+    the server's sweep, which also times transactions out and expires streams: an exception out of
+    it would end the sweep for good)."""
+    clock = Clock()
+    fs = _FailingReads()
+    async with served(tmp_path / "d", clock=clock, fs=fs) as c:
+        for name in ("bad", "good"):
+            await create(c, name, **{"Stream-Retention-Seconds": "3600"})
+            await fill(c, name, 30)
+        clock.now += 7200
+        for name in ("bad", "good"):
+            await fill(c, name, 10, start=30)
+        bad = c.broker.get("bad")
+        assert bad is not None
+        fs.failing = bad.directory
+        freed = await c.broker.enforce_retention()
+        assert "bad" not in freed and freed.get("good", 0) > 0

@@ -605,21 +605,20 @@ class Broker:
             seconds, max_bytes = self.retention_of(s)
             if (seconds is None and max_bytes is None) or s.deleted or s.meta.soft_deleted:
                 continue
-            n = s.log.deletable(
-                now_ms=now_ms,
-                max_age_ms=seconds * 1000 if seconds is not None else None,
-                max_bytes=max_bytes,
-                keep_from=self.retention_floor(s),
-            )
-            if n and not s.deleted:
-                try:
-                    got = await s.log.delete_oldest(n)
-                except OSError as exc:  # e.g. the stream was deleted meanwhile; the next sweep goes on
-                    log.error("retention could not delete old segments of %r: %s", s.name, exc)
-                    continue
-                if got:
-                    freed[s.name] = got
-                    log.info("retention deleted %d segment(s), %d bytes, of %r", n, got, s.name)
+            try:  # an I/O error is this stream's alone: the others, and the sweep, go on
+                n = s.log.deletable(
+                    now_ms=now_ms,
+                    max_age_ms=seconds * 1000 if seconds is not None else None,
+                    max_bytes=max_bytes,
+                    keep_from=self.retention_floor(s),
+                )
+                got = await s.log.delete_oldest(n) if n and not s.deleted else 0
+            except OSError as exc:  # e.g. a segment's first header unreadable; the next sweep tries again
+                log.error("retention could not delete old segments of %r: %s", s.name, exc)
+                continue
+            if got:
+                freed[s.name] = got
+                log.info("retention deleted %d segment(s), %d bytes, of %r", n, got, s.name)
         return freed
 
     # ------------------------------------------------------------------ lookup
