@@ -4,11 +4,13 @@ past what the caller keeps; what reads, reopens and producers see afterwards."""
 from __future__ import annotations
 
 import asyncio
+import errno
 from pathlib import Path
 
 import pytest
 
 from helpers.logkit import ZERO, append_each, producer_specs, seg_files
+from onceflow.storage.fs import OsFileSystem
 from onceflow.storage.log import OffsetGone, StreamLog
 from onceflow.storage.position import Position
 
@@ -121,5 +123,53 @@ def test_retention_deletes_nothing_that_ends_past_what_the_caller_keeps(tmp_path
         assert [b.start for b in log.read(keep, 1 << 30)] == [w.start for w in written[25:]]
         assert log.deletable(now_ms=0, max_age_ms=None, max_bytes=0, keep_from=keep) == 0
         await log.close()
+
+    asyncio.run(go())
+
+
+class _SnapshotFailsOnce(OsFileSystem):
+    """The real disk, but once ``armed`` the next write of a snapshot fails (a full disk)."""
+
+    armed = False
+    failed = False
+
+    def replace_file(
+        self, path: Path, data: bytes, *, sync: bool = True, sync_dir: bool = True, mode: int = 0o666
+    ) -> None:
+        if self.armed:
+            self.armed, self.failed = False, True
+            raise OSError(errno.ENOSPC, "no space left on device (injected)", str(path))
+        super().replace_file(path, data, sync=sync, sync_dir=sync_dir, mode=mode)
+
+
+def test_a_roll_whose_snapshot_cannot_be_written_fails_its_appends_and_loses_nothing_acknowledged(
+    tmp_path: Path,
+) -> None:
+    """Every roll writes the snapshot that retention relies on. When that write fails, the appends
+    waiting for the roll fail (they may be retried); they must neither hang, nor leave the log
+    writing later appends at offsets the file does not hold, which a reopen would cut off."""
+
+    async def go() -> None:
+        fs = _SnapshotFailsOnce()
+        log = StreamLog.open(tmp_path, ZERO, segment_bytes=300, fs=fs)
+        for i in range(2):
+            await log.stage(count=1, payload=bytes([65 + i]) * 100).done
+        assert len(seg_files(tmp_path)) == 1
+        fs.armed = True
+        failed = log.stage(count=1, payload=b"x" * 100)  # the segment is full: this one rolls
+        while not fs.failed:
+            await asyncio.sleep(0.01)
+        later = [log.stage(count=1, payload=bytes([67 + i]) * 100) for i in range(3)]
+        for staged in later:
+            await staged.done
+        assert failed.done.done() and isinstance(failed.done.exception(), OSError)
+        acknowledged = [b.payload for b in log.read(log.first, 1 << 20)]
+        await log.drain()
+        log.close_files()  # as kill -9 leaves it
+        again = StreamLog.open(tmp_path, ZERO, segment_bytes=300)
+        assert again.durable.end == later[-1].end
+        assert [b.payload for b in again.read(again.first, 1 << 20)] == acknowledged
+        assert acknowledged == [b"A" * 100, b"B" * 100, b"C" * 100, b"D" * 100, b"E" * 100]
+        again.close_files()
 
     asyncio.run(go())

@@ -763,11 +763,15 @@ class StreamLog:
                 group, self._group = self._group, None
                 seg = self._segments[-1]
                 # Between groups the durable state is still, so rolls and snapshots see it whole.
-                if seg.size >= self.segment_bytes and seg.base != self.durable.end:
-                    await loop.run_in_executor(self._executor, self._roll)
-                    seg = self._segments[-1]
-                elif self.durable.end.pos - self._snapshot_pos >= self.snapshot_bytes:
-                    await loop.run_in_executor(self._executor, self._checkpoint)
+                try:
+                    if seg.size >= self.segment_bytes and seg.base != self.durable.end:
+                        await loop.run_in_executor(self._executor, self._roll)
+                        seg = self._segments[-1]
+                    elif self.durable.end.pos - self._snapshot_pos >= self.snapshot_bytes:
+                        await loop.run_in_executor(self._executor, self._checkpoint)
+                except OSError as exc:  # the group waited for it: it fails like a write would (and may be retried)
+                    self._rollback(group, exc)
+                    continue
                 data = b"".join(group.chunks) if len(group.chunks) > 1 else group.chunks[0]
                 at = self.durable.end.pos - seg.base.pos
                 try:
@@ -819,12 +823,24 @@ class StreamLog:
             fn()  # retries waiting on a rolled-back original must re-check and fail too
 
     def _roll(self) -> None:
-        """Start a new segment at the durable end (in a worker thread, between groups)."""
+        """Start a new segment at the durable end (in a worker thread, between groups). All or
+        nothing: a new segment whose name or snapshot could not be made durable is taken back, so
+        no data goes into it and the next group tries the roll again (retention deletes nothing
+        the last snapshot does not lie past)."""
         old = self._segments[-1]
         if self.policy != "always":
             old.file.sync()
-        self._add_segment(self.durable.end)
-        self._write_snapshot()
+        try:
+            self._add_segment(self.durable.end)
+            self._write_snapshot()
+        except OSError:
+            new = self._segments[-1]
+            if new is not old:
+                self._segments.pop()
+                with contextlib.suppress(OSError):
+                    new.file.close()
+                    self.fs.unlink(new.path)
+            raise
         self._dirty = False
 
     def _checkpoint(self) -> None:
