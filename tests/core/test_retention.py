@@ -328,3 +328,27 @@ async def test_a_read_error_in_one_stream_stops_neither_retention_of_the_others_
         fs.failing = bad.directory
         freed = await c.broker.enforce_retention()
         assert "bad" not in freed and freed.get("good", 0) > 0
+
+
+async def test_a_fork_made_while_retention_syncs_keeps_its_sources_data(tmp_path: Path) -> None:
+    """Retention syncs the directory (the snapshot's name) before it deletes. A fork created
+    meanwhile, at a point in the data retention had chosen, is either refused or keeps that data:
+    never made, and then left reading nothing."""
+    fs = _GatedSync()
+    async with served(tmp_path / "d", fs=fs) as c:
+        await create(c, "p", **{"Stream-Retention-Bytes": "600"})
+        offsets = await fill(c, "p", 40)
+        fs.armed = True
+        sweep = asyncio.ensure_future(c.broker.enforce_retention())
+        while not fs.entered.is_set():
+            await asyncio.sleep(0.01)
+        fork = await c.client.put(
+            S + "p-fork", headers={**JSON, "Stream-Forked-From": S + "p", "Stream-Fork-Offset": offsets[5]}
+        )
+        fs.gate.set()
+        await sweep
+        if fork.status_code == 201:  # made before the deletion: it keeps what it forked
+            assert await numbers(c, "p-fork") == list(range(6))
+            assert await numbers(c, "p") == list(range(40))
+        else:  # or refused, the data being gone already
+            assert fork.status_code == 400 and "no longer kept" in fork.text, fork.text

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import re
@@ -596,23 +597,31 @@ class Broker:
                 keep = at
         return keep
 
+    def _deletable(self, s: StreamState, now_ms: int) -> int:
+        """How many of the oldest segments of ``s`` retention may delete now (0: none)."""
+        seconds, max_bytes = self.retention_of(s)
+        if (seconds is None and max_bytes is None) or s.deleted or s.meta.soft_deleted:
+            return 0
+        return s.log.deletable(
+            now_ms=now_ms,
+            max_age_ms=seconds * 1000 if seconds is not None else None,
+            max_bytes=max_bytes,
+            keep_from=self.retention_floor(s),
+        )
+
     async def enforce_retention(self) -> dict[str, int]:
         """Delete the whole segments that retention lets go, in every stream (the sweep calls this
         every ``retention_interval`` seconds); returns the bytes freed per stream."""
         now_ms = int(self.clock.time() * 1000)
         freed: dict[str, int] = {}
         for s in list(self.streams.values()):
-            seconds, max_bytes = self.retention_of(s)
-            if (seconds is None and max_bytes is None) or s.deleted or s.meta.soft_deleted:
-                continue
             try:  # an I/O error is this stream's alone: the others, and the sweep, go on
-                n = s.log.deletable(
-                    now_ms=now_ms,
-                    max_age_ms=seconds * 1000 if seconds is not None else None,
-                    max_bytes=max_bytes,
-                    keep_from=self.retention_floor(s),
-                )
-                got = await s.log.delete_oldest(n) if n and not s.deleted else 0
+                n = self._deletable(s, now_ms)
+                if not n:
+                    continue
+                # asked again right before the deletion: a fork, a group's offset or the stream's
+                # deletion may come while the log syncs its directory
+                got = await s.log.delete_oldest(n, recheck=functools.partial(self._deletable, s, now_ms))
             except OSError as exc:  # e.g. a segment's first header unreadable; the next sweep tries again
                 log.error("retention could not delete old segments of %r: %s", s.name, exc)
                 continue

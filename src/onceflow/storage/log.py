@@ -622,7 +622,7 @@ class StreamLog:
             n += 1
         return n
 
-    async def delete_oldest(self, n: int) -> int:
+    async def delete_oldest(self, n: int, *, recheck: Callable[[], int] | None = None) -> int:
         """Delete the ``n`` oldest segments (see :meth:`deletable`); returns their bytes.
 
         What the producers and the transaction index learned from them lives on in the snapshot,
@@ -631,11 +631,12 @@ class StreamLog:
         whose only snapshot describes deleted data. Segments go oldest first, so a crash in
         between leaves a log that still tiles from its (new) first segment.
 
-        The files are unlinked on the loop, right after the check that the log is still open: a
-        stream deleted while the snapshot's name was being synced may already have been created
-        again, in the very same directory and with the same first segment name (a worker thread
-        that unlinked by name then would delete the new stream's data). A log that was closed or
-        changed meanwhile deletes nothing; the next sweep decides again."""
+        Whatever happens while that sync runs counts: ``recheck`` (the caller's :meth:`deletable`)
+        is asked again afterwards, and at most that many go (a fork may have been made of the data,
+        a group's offset moved back). The decision and the deletion then run on the loop without a
+        pause, and only in a log still open: a stream deleted meanwhile may already have been
+        created again, in the same directory, with the same first segment name (unlinking that by
+        name from a worker thread once deleted the new stream's data)."""
         n = min(n, len(self._segments) - 1)
         if n <= 0:
             return 0
@@ -647,6 +648,11 @@ class StreamLog:
         await loop.run_in_executor(self._executor, self.fs.sync_dir, self.directory)  # the snapshot's name first
         if self.closed_for_writes or list(map(id, self._segments[:n])) != list(map(id, gone)):
             return 0
+        if recheck is not None:
+            n = min(n, recheck())
+            if n <= 0:
+                return 0
+            gone = gone[:n]
         del self._segments[:n]  # in place: a roll may be appending in a worker thread; reads see the new start at once
         for seg in gone:
             seg.file.close()
