@@ -243,6 +243,21 @@ class _GatedSync(OsFileSystem):
         super().sync_dir(path)
 
 
+@asynccontextmanager
+async def retention_paused(c: InProcess, fs: _GatedSync) -> AsyncIterator[None]:
+    """Run a retention pass that stops at its directory sync for the block's duration (and
+    always goes on afterwards, so no worker thread is left waiting)."""
+    fs.armed = True
+    sweep = asyncio.ensure_future(c.broker.enforce_retention())
+    try:
+        while not fs.entered.is_set():
+            await asyncio.sleep(0.01)
+        yield
+    finally:
+        fs.gate.set()
+        await sweep
+
+
 async def test_retention_that_overlaps_a_delete_and_recreate_leaves_the_new_streams_files_alone(
     tmp_path: Path,
 ) -> None:
@@ -253,15 +268,10 @@ async def test_retention_that_overlaps_a_delete_and_recreate_leaves_the_new_stre
     async with served(tmp_path / "d", fs=fs) as c:
         await create(c, "r", **{"Stream-Retention-Bytes": "1200"})
         await fill(c, "r", 40)
-        fs.armed = True
-        sweep = asyncio.ensure_future(c.broker.enforce_retention())
-        while not fs.entered.is_set():
-            await asyncio.sleep(0.01)
-        assert (await c.client.delete(S + "r")).status_code in (200, 204)
-        await create(c, "r", **{"Stream-Retention-Bytes": "1200"})
-        await fill(c, "r", 3, start=100)
-        fs.gate.set()
-        await sweep
+        async with retention_paused(c, fs):
+            assert (await c.client.delete(S + "r")).status_code in (200, 204)
+            await create(c, "r", **{"Stream-Retention-Bytes": "1200"})
+            await fill(c, "r", 3, start=100)
         assert await numbers(c, "r") == [100, 101, 102]
     async with served(tmp_path / "d") as c:
         assert await numbers(c, "r") == [100, 101, 102]
@@ -338,15 +348,10 @@ async def test_a_fork_made_while_retention_syncs_keeps_its_sources_data(tmp_path
     async with served(tmp_path / "d", fs=fs) as c:
         await create(c, "p", **{"Stream-Retention-Bytes": "600"})
         offsets = await fill(c, "p", 40)
-        fs.armed = True
-        sweep = asyncio.ensure_future(c.broker.enforce_retention())
-        while not fs.entered.is_set():
-            await asyncio.sleep(0.01)
-        fork = await c.client.put(
-            S + "p-fork", headers={**JSON, "Stream-Forked-From": S + "p", "Stream-Fork-Offset": offsets[5]}
-        )
-        fs.gate.set()
-        await sweep
+        async with retention_paused(c, fs):
+            fork = await c.client.put(
+                S + "p-fork", headers={**JSON, "Stream-Forked-From": S + "p", "Stream-Fork-Offset": offsets[5]}
+            )
         if fork.status_code == 201:  # made before the deletion: it keeps what it forked
             assert await numbers(c, "p-fork") == list(range(6))
             assert await numbers(c, "p") == list(range(40))
