@@ -11,7 +11,7 @@ import pytest
 
 from helpers.logkit import ZERO, append_each, producer_specs, seg_files
 from onceflow.storage.fs import OsFileSystem
-from onceflow.storage.log import OffsetGone, StreamLog
+from onceflow.storage.log import SNAPSHOT_NAME, OffsetGone, StreamLog
 from onceflow.storage.position import Position
 
 FAR = Position(1 << 60, 1 << 60)
@@ -171,5 +171,27 @@ def test_a_roll_whose_snapshot_cannot_be_written_fails_its_appends_and_loses_not
         assert [b.payload for b in again.read(again.first, 1 << 20)] == acknowledged
         assert acknowledged == [b"A" * 100, b"B" * 100, b"C" * 100, b"D" * 100, b"E" * 100]
         again.close_files()
+
+    asyncio.run(go())
+
+
+def test_a_lost_snapshot_after_retention_is_an_error_in_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The snapshot is the only record of what the deleted segments told the producers: if it is
+    gone (disk damage), the log still opens, and says loudly what it forgot."""
+
+    async def go() -> None:
+        log = StreamLog.open(tmp_path, ZERO, segment_bytes=500)
+        await append_each(log, producer_specs("old", 20, size=40))
+        await append_each(log, producer_specs("new", 20, size=40))
+        await log.delete_oldest(log.deletable(now_ms=0, max_age_ms=None, max_bytes=0, keep_from=FAR))
+        await log.close()
+        (tmp_path / SNAPSHOT_NAME).unlink()
+        with caplog.at_level("ERROR", logger="onceflow.storage"):
+            again = StreamLog.open(tmp_path, ZERO, segment_bytes=500)
+        assert any("retention deleted" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+        assert again.producer("old") is None and again.producer("new") is not None
+        await again.close()
 
     asyncio.run(go())

@@ -466,6 +466,16 @@ class StreamLog:
             if seg.base.pos <= s_tail.end.pos <= seg.base.pos + seg.size:
                 start_index, tail, producers, used = i, s_tail, s_producers, True
                 self.txn = s_txn
+        if not used and use_snapshot and segs[0].base != self.base:
+            # retention deleted the start of this log: what producers, the stream's closing and its
+            # transactions' markers wrote there lived on only in the snapshot, which is missing or
+            # does not fit, so a retry of an append whose data was deleted is no longer recognised
+            log.error(
+                "%s: the producer snapshot is missing or unusable and retention deleted the log's start "
+                "(before %s): producers, Stream-Seq and transaction markers seen only there are forgotten",
+                self.directory,
+                segs[0].base.token(),
+            )
         tail, producers = self._scan(start_index, tail, producers)
         self.durable = self.pending = tail
         self.producers = producers
