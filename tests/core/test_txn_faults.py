@@ -668,3 +668,34 @@ async def test_a_late_copy_of_an_init_that_a_later_init_replaced_fences_nothing(
         assert (await t.end(commit=True, txn=2)).status_code == 200
         assert await committed(c, "s") == [{"n": 1}, {"n": 2}]
         await c.broker.close()
+
+
+async def test_a_retried_append_meeting_the_sweeps_unfinished_fenced_abort_is_told_to_retry(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sweep aborts a transaction open past its timeout, with a fence, and the abort's marker
+    fails, so it stays unfinished. A retry of the producer's last append (its answer was lost) is
+    a duplicate, but its transaction is being aborted: answered as a plain duplicate, the producer
+    took its append as stored in an open transaction and began the next one in the fenced epoch
+    (found by ``onceflow sim``, seed 30221). It is refused as retriable until the abort is
+    finished, then as fenced."""
+    disk = Disk(monkeypatch)
+    async with serve(tmp_path / "data", recover=False) as c:
+        await make(c, "s")
+        t = Txn(c.client, "w")
+        await t.init(timeout_ms=100)
+        assert (await t.send("s", {"n": 1})).status_code == 200
+        assert (await t.send("s", {"n": 2})).status_code == 200  # its answer is lost; the producer retries
+        await asyncio.sleep(0.15)
+        disk.fail(c.broker.streams["s"].log)
+        await c.broker.coordinator.expire()  # the fenced abort is decided; its marker fails
+        assert (await status(c, "w"))["status"] == "prepare_abort"
+        retry = await t.send("s", {"n": 2}, seq=1)
+        assert_retriable(retry)
+        disk.heal()
+        await c.broker.coordinator.expire()  # the sweep finishes the abort, fence included
+        retry = await t.send("s", {"n": 2}, seq=1)
+        assert retry.status_code == 403, retry.text
+        assert await committed(c, "s") == []
+        await c.broker.close()

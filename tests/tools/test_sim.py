@@ -31,6 +31,7 @@ REGRESSION_SEEDS = {
     # liveness: a producer fenced though nothing it did called for it
     "the producer's abort that finishes a fenced abort answered 200": 23705,
     "a late copy of a replaced init fences the working producer": 26411,
+    "a retried append answered as a duplicate while its transaction's fenced abort was unfinished": 30221,
 }
 CI_SEEDS = int(os.environ.get("ONCEFLOW_SIM_SEEDS", "1000"))
 

@@ -1169,7 +1169,9 @@ class Broker:
 
         - Without ``Transaction-Commit``: the duplicate's answer, carrying ``Transaction-Number``
           only while the transaction it belongs to is still open in ``s`` (the client compares
-          it with its own); one whose transaction has ended there carries none.
+          it with its own); one whose transaction has ended there carries none. While the id's
+          last decision is being finished it is refused as retriable, and once its epoch is
+          fenced, as fenced.
         - The retry of the last append of transaction ``commit_txn``: committed already, it is
           answered committed; its commit decided but unfinished (a marker failed), the retry
           finishes it first, as a retry of ``/commit`` would; still open, None: the ordinary path
@@ -1209,7 +1211,16 @@ class Broker:
         outcome = await self._settle_duplicate(s, producer, closed=False)
         if outcome.kind != "duplicate":
             return outcome
-        return replace(outcome, txn=self._open_transaction_of(s, producer, coord.txns[tid]))
+        meta = coord.txns[tid]
+        try:
+            # its transaction's decision is being finished (an abort of the sweep's may end in a
+            # fence): the plain duplicate's answer would let the producer take its append as
+            # stored in an open transaction; once the decision is finished, a retry learns which
+            coord.refuse_while_completing(meta)
+            coord.current(tid, producer.epoch)  # fenced while it waited: say so
+        except TxnError as exc:
+            return txn_outcome(exc)
+        return replace(outcome, txn=self._open_transaction_of(s, producer, meta))
 
     @staticmethod
     def _open_transaction_of(s: StreamState, producer: ProducerHeaders, meta: TxnMeta) -> int | None:
