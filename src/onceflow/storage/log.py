@@ -12,6 +12,12 @@ Write path (group commit)
        waiting append fails; a retry of the same producer sequence is then accepted afresh, or, if
        the bytes did reach the disk after all, recognised as a duplicate after recovery.
 
+I/O events
+    Each written group (its batches, bytes and the ``fdatasync`` time), each timed sync and each
+    failure of the write path is told to the :class:`IoEvents` the log was opened with (one per
+    broker, shared by its logs). The storage layer knows no metrics: the server's ``/metrics`` is
+    one observer.
+
 Recovery
     Scan from the last producer-state snapshot (or from the start), verify every batch's checksum
     and offsets, truncate the log at the first torn or corrupt batch (dropping later segments), and
@@ -26,12 +32,13 @@ import bisect
 import contextlib
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import crc32c
 
@@ -55,6 +62,8 @@ from .position import Position
 __all__ = [
     "FsyncPolicy",
     "InvalidPosition",
+    "IoEvents",
+    "IoObserver",
     "OffsetGone",
     "ProducerState",
     "ReadBatch",
@@ -91,6 +100,50 @@ class OffsetGone(InvalidPosition):
         )
         self.at = at
         self.earliest = earliest
+
+
+class IoObserver(Protocol):
+    """What an observer of the logs' I/O is told (on the event loop; keep it cheap)."""
+
+    def written(self, batches: int, nbytes: int, sync_seconds: float | None) -> None:
+        """A group of ``batches`` batches, ``nbytes`` bytes, was written; ``sync_seconds``: how long
+        its ``fdatasync`` took (None when the policy did not sync it)."""
+
+    def synced(self, seconds: float) -> None:
+        """A sync of what was written before (policy ``interval``) took ``seconds``."""
+
+    def failed(self, op: str) -> None:
+        """A write path I/O call failed: ``op`` is ``write`` (a group's write or sync), ``sync``
+        (an interval sync), ``roll`` (a new segment), ``snapshot`` or ``create`` (a new log's first
+        batches)."""
+
+
+class IoEvents:
+    """Tells the observers added to it what the logs opened with it write, sync and fail."""
+
+    __slots__ = ("observers",)
+
+    def __init__(self) -> None:
+        self.observers: list[IoObserver] = []
+
+    def add(self, observer: IoObserver) -> None:
+        self.observers.append(observer)
+
+    def remove(self, observer: IoObserver) -> None:
+        with contextlib.suppress(ValueError):
+            self.observers.remove(observer)
+
+    def written(self, batches: int, nbytes: int, sync_seconds: float | None) -> None:
+        for o in self.observers:
+            o.written(batches, nbytes, sync_seconds)
+
+    def synced(self, seconds: float) -> None:
+        for o in self.observers:
+            o.synced(seconds)
+
+    def failed(self, op: str) -> None:
+        for o in self.observers:
+            o.failed(op)
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,10 +360,20 @@ def _parse_segment_name(name: str) -> Position | None:
 _OS = OsFileSystem()  # for logs opened without a file system of their own (tests, tools)
 
 
-def _write_all(f: File, data: bytes, at: int, sync: bool) -> None:
+def _write_all(f: File, data: bytes, at: int, sync: bool) -> float | None:
+    """Write ``data`` at ``at`` and, with ``sync``, fdatasync it; how long the sync took."""
     f.pwrite(data, at)
-    if sync:
-        f.sync()
+    if not sync:
+        return None
+    began = time.perf_counter()
+    f.sync()
+    return time.perf_counter() - began
+
+
+def _timed_sync(f: File) -> float:
+    began = time.perf_counter()
+    f.sync()
+    return time.perf_counter() - began
 
 
 class StreamLog:
@@ -326,9 +389,11 @@ class StreamLog:
         snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES,
         fs: FileSystem | None = None,
         clock: Callable[[], float] | None = None,
+        io: IoEvents | None = None,
     ) -> None:
         self.directory = directory
         self.fs: FileSystem = fs or _OS
+        self.io = io  # told of writes, syncs and failures (see IoEvents)
         self._clock = clock  # wall-clock seconds for batch timestamps (None: the system's)
         self.snapshot_bytes = snapshot_bytes
         self.policy: FsyncPolicy = policy
@@ -364,6 +429,7 @@ class StreamLog:
         snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES,
         fs: FileSystem | None = None,
         clock: Callable[[], float] | None = None,
+        io: IoEvents | None = None,
     ) -> StreamLog:
         """Open (creating if needed) the log in ``directory`` whose first batch starts at ``base``."""
         self = cls(
@@ -374,6 +440,7 @@ class StreamLog:
             snapshot_bytes=snapshot_bytes,
             fs=fs,
             clock=clock,
+            io=io,
         )
         self.base = base
         fs = self.fs
@@ -700,16 +767,21 @@ class StreamLog:
         Used while creating a stream, before its metadata makes it visible.
         """
         seg = self._segments[-1]
-        for payload, count, flags in batches:
-            start = self.durable.end
-            data = encode_batch(
-                base_offset=start.offset, count=count, payload=payload, flags=flags, timestamp=self._now_ms()
-            )
-            seg.file.pwrite(data, start.pos - seg.base.pos)
-            seg.size += len(data)
-            end = Position(start.offset + count, start.pos + len(data))
-            self.durable = self.durable.after(parse_header(data, 0), start, end)
-        seg.file.sync()
+        try:
+            for payload, count, flags in batches:
+                start = self.durable.end
+                data = encode_batch(
+                    base_offset=start.offset, count=count, payload=payload, flags=flags, timestamp=self._now_ms()
+                )
+                seg.file.pwrite(data, start.pos - seg.base.pos)
+                seg.size += len(data)
+                end = Position(start.offset + count, start.pos + len(data))
+                self.durable = self.durable.after(parse_header(data, 0), start, end)
+            seg.file.sync()
+        except OSError:
+            if self.io is not None:
+                self.io.failed("create")
+            raise
         self.pending = self.durable
 
     def _now_ms(self) -> int | None:
@@ -779,24 +851,34 @@ class StreamLog:
                 group, self._group = self._group, None
                 seg = self._segments[-1]
                 # Between groups the durable state is still, so rolls and snapshots see it whole.
+                op = "roll"
                 try:
                     if seg.size >= self.segment_bytes and seg.base != self.durable.end:
                         await loop.run_in_executor(self._executor, self._roll)
                         seg = self._segments[-1]
                     elif self.durable.end.pos - self._snapshot_pos >= self.snapshot_bytes:
+                        op = "snapshot"
                         await loop.run_in_executor(self._executor, self._checkpoint)
                 except OSError as exc:  # the group waited for it: it fails like a write would (and may be retried)
+                    if self.io is not None:
+                        self.io.failed(op)
                     self._rollback(group, exc)
                     continue
                 data = b"".join(group.chunks) if len(group.chunks) > 1 else group.chunks[0]
                 at = self.durable.end.pos - seg.base.pos
                 try:
-                    await loop.run_in_executor(self._executor, _write_all, seg.file, data, at, self.policy == "always")
+                    took = await loop.run_in_executor(
+                        self._executor, _write_all, seg.file, data, at, self.policy == "always"
+                    )
                 except OSError as exc:
+                    if self.io is not None:
+                        self.io.failed("write")
                     self._rollback(group, exc)
                     continue
                 seg.size = max(seg.size, at + len(data))
                 self._dirty = self.policy != "always"
+                if self.io is not None:
+                    self.io.written(len(group.chunks), len(data), took)
                 self._commit(group)
         finally:
             self._flusher = None
@@ -872,7 +954,14 @@ class StreamLog:
             return
         self._dirty = False
         f = self._segments[-1].file
-        await asyncio.get_running_loop().run_in_executor(self._executor, f.sync)
+        try:
+            took = await asyncio.get_running_loop().run_in_executor(self._executor, _timed_sync, f)
+        except OSError:
+            if self.io is not None:
+                self.io.failed("sync")
+            raise
+        if self.io is not None:
+            self.io.synced(took)
 
     @property
     def idle(self) -> bool:
