@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from ..storage.batch import FLAG_CLOSE, FLAG_COMMIT, FLAG_CONTROL, FLAG_JSON, FLAG_TXN, CorruptBatch
 from ..storage.fs import FileSystem, OsFileSystem
-from ..storage.log import FsyncPolicy, InvalidPosition, OffsetGone, ReadBatch, Staged, StreamLog
+from ..storage.log import FsyncPolicy, InvalidPosition, IoEvents, OffsetGone, ReadBatch, Staged, StreamLog
 from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
 from ..storage.position import Position, parse_token
 from ..wire import MAX_SAFE_INT
@@ -381,12 +381,15 @@ class Broker:
         self.max_read_bytes = max_read_bytes
         self.fsync_interval = fsync_interval
         self.reorder_wait = reorder_wait
+        # every log's writes, syncs and I/O failures, for whoever observes them (the server's /metrics)
+        self.io = IoEvents()
         self.coordinator = Coordinator(
             self.data_dir / "coordinator",
             policy=fsync,
             default_timeout=txn_timeout,
             fs=self.fs,
             clock=clock,
+            io=self.io,
         )
         self.coordinator.write_marker = self._write_marker
         self._unfinished: list[TxnMeta] = []
@@ -519,6 +522,7 @@ class Broker:
             executor=self.executor,
             fs=self.fs,
             clock=self.clock.time,
+            io=self.io,
         )
 
     def _register(self, s: StreamState) -> None:

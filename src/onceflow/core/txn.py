@@ -52,7 +52,7 @@ from typing import Any
 
 from ..storage.batch import FLAG_JSON
 from ..storage.fs import FileSystem, OsFileSystem
-from ..storage.log import FsyncPolicy, StreamLog
+from ..storage.log import FsyncPolicy, IoEvents, StreamLog
 from ..storage.position import Position
 from .clock import SYSTEM, Clock
 from .refusal import Refusal, Refused
@@ -254,10 +254,12 @@ class Coordinator:
         compact_bytes: int = 64 << 20,
         fs: FileSystem | None = None,
         clock: Clock = SYSTEM,
+        io: IoEvents | None = None,
     ) -> None:
         self.directory = directory
         self.fs: FileSystem = fs or OsFileSystem()
         self.clock = clock
+        self.io = io  # told of the coordinator log's writes, syncs and failures
         self.policy = policy
         self.default_timeout = default_timeout
         self.compact_bytes = compact_bytes  # rewrite the log at open when it is larger than this
@@ -350,7 +352,9 @@ class Coordinator:
         return False
 
     def _open_log(self, directory: Path) -> StreamLog:
-        return StreamLog.open(directory, Position(0, 0), policy=self.policy, fs=self.fs, clock=self.clock.time)
+        return StreamLog.open(
+            directory, Position(0, 0), policy=self.policy, fs=self.fs, clock=self.clock.time, io=self.io
+        )
 
     def _beside(self, suffix: str) -> Path:
         return self.directory.with_name(self.directory.name + suffix)
