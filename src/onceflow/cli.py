@@ -101,6 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 retention_bytes=args.retention_bytes,
                 segment_bytes=args.segment_bytes,
                 retention_interval=args.retention_check_interval,
+                metrics_allow=args.metrics_allow,
             )
         )
     except KeyboardInterrupt:
@@ -184,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="FILE",
-        help="JSON file of bearer tokens (read/write scopes per name prefix) and limits; "
+        help="JSON file of bearer tokens (read/write scopes per name prefix, metrics for /metrics) and limits; "
         "default: $ONCEFLOW_GUARD if set, else no tokens and no limits (see docs/security.md)",
     )
     s.add_argument(
@@ -193,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="public",
         help="where subscriptions may send webhooks: public addresses over https (default); also "
         "localhost and loopback addresses; also private networks and local names (docs/security.md)",
+    )
+    s.add_argument(
+        "--metrics-allow",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="give streams, consumer groups and sink ids starting with PREFIX a label of their own in "
+        "GET /metrics (repeatable; default: none, all names counted together; docs/operations.md)",
     )
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     r = s.add_argument_group(

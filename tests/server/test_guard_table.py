@@ -35,8 +35,8 @@ GRANTS: dict[str, list[dict[str, Any]]] = {
     "pub-ra": [{"prefix": "pub/", "scopes": ["read", "admin"]}],
     "pub-all": [{"prefix": "pub/", "scopes": ["read", "write", "admin"]}],
     "other": [{"prefix": "orders/", "scopes": ["read", "write", "admin"]}],
-    "rw-all": [{"prefix": "", "scopes": ["read", "write"]}],  # everything but the operator's scope
-    "admin": [{"prefix": "", "scopes": ["read", "write", "admin"]}],
+    "rw-all": [{"prefix": "", "scopes": ["read", "write"]}],  # everything but the operator's and the scraper's scopes
+    "admin": [{"prefix": "", "scopes": ["read", "write", "admin", "metrics"]}],
 }
 WHO: list[str | None] = [None, "unknown", "wake", *GRANTS]  # no token, an unknown one, the claim token, the grants
 PUB_SCOPES = {
@@ -526,6 +526,8 @@ CASES: list[Case] = [
         lambda w: req("POST", f"{SUBS}/pubsub/bogus", {}),
         {"subscription": lambda w: req("POST", f"{SUBS}/orderssub/bogus", {})},
     ),
+    Case("metrics", frozenset({"metrics"}), lambda w: req("GET", "/metrics")),
+    Case("metrics", frozenset({"metrics"}), lambda w: req("POST", "/metrics")),  # 405 past the guard
     Case("other", "token", lambda w: req("GET", "/v2/pub/s")),
 ]
 
@@ -541,10 +543,10 @@ def expected_refusal(needs: frozenset[str] | str, who: str | None) -> int | None
         return None
     assert isinstance(needs, frozenset)
     if who == "rw-all":
-        return 403 if "admin" in needs else None
+        return None if needs <= {"read", "write"} else 403
     if who == "other":
         return 403
-    return None if needs <= PUB_SCOPES[who] else 403
+    return None if needs <= PUB_SCOPES[who] else 403  # a pub/ grant never has the whole server's metrics
 
 
 async def send(w: World, who: str | None, request: tuple[str, str, dict[str, str], Any]) -> httpx.Response:

@@ -40,6 +40,7 @@ from ..storage.log import InvalidPosition, OffsetGone
 from ..storage.position import Position, parse_token
 from ..wire import FRAME, MAX_SAFE_INT, RECORDS_MEDIA_TYPE
 from .answers import SUCCESS, answer_for
+from .metrics import Metrics
 from .subscriptions import SubscriptionAPI
 
 __all__ = [
@@ -70,6 +71,7 @@ TXN_LIST_PATH, GROUPS_LIST_PATH, SINKS_LIST_PATH = "/v1/txn", "/v1/groups", "/v1
 ADMIN_LISTS = (TXN_LIST_PATH, GROUPS_LIST_PATH, SINKS_LIST_PATH)
 FORCE_ABORT = "force-abort"  # POST /v1/txn/<id>/force-abort: an operator's abort of a hanging transaction
 GROUP_RESET = "reset"  # POST /v1/groups/<group>/reset: rewind (or move) a group to earliest/latest/offsets/a time
+METRICS_PATH = "/metrics"  # Prometheus metrics (docs/operations.md)
 _DIGITS = re.compile(r"^[0-9]+$")
 _LINES = re.compile(r"\r\n|\r|\n")
 CURSOR_EPOCH = 1728432000.0  # 2024-10-09T00:00:00Z, the protocol's default cursor epoch
@@ -99,6 +101,7 @@ class AppConfig:
     max_body_bytes: int = 64 << 20
     sse_max_seconds: float = 60.0
     webhook_targets: WebhookTargets = "public"  # where webhooks may go (docs/security.md)
+    metrics_allow: tuple[str, ...] = ()  # name prefixes that get a label of their own in /metrics
 
 
 class BadRequest(OnceflowError):
@@ -232,6 +235,7 @@ class App:
         self.config = config or AppConfig()
         # the reserved __ds control APIs
         self.subscriptions = SubscriptionAPI(broker, webhook_targets=self.config.webhook_targets)
+        self.metrics = Metrics(broker, self.config.metrics_allow)  # its own registry, fed by server/instrument.py
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -318,7 +322,10 @@ class App:
             await _send(send, status, h, b"" if method == "HEAD" else body)
             return
         if not path.startswith(PREFIX):
-            status, h, body = _error(404, "not_found", f"no such resource: streams live under {PREFIX}<name>")
+            if path == METRICS_PATH:
+                status, h, body = self._metrics(method, headers)
+            else:
+                status, h, body = _error(404, "not_found", f"no such resource: streams live under {PREFIX}<name>")
             await _send(send, status, h, b"" if method == "HEAD" else body)
             return
         name = path[len(PREFIX) :]
@@ -797,6 +804,16 @@ class App:
         if not isinstance(raw, list) or not raw or not all(isinstance(n, str) and n for n in raw):
             raise BadRequest('"streams" must be a non-empty list of stream names')
         return list(dict.fromkeys(raw))
+
+    # ------------------------------------------------------------------ metrics
+
+    def _metrics(self, method: str, headers: dict[str, str]) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        if method not in ("GET", "HEAD"):
+            status, h, body = _error(405, "method_not_allowed", f"{method} is not supported on {METRICS_PATH}")
+            h.append((b"allow", b"GET, HEAD, OPTIONS"))
+            return status, h, body
+        body, content_type = self.metrics.scrape(headers.get("accept"))
+        return 200, [(b"content-type", content_type.encode()), (b"cache-control", b"no-store")], body
 
     # ------------------------------------------------------------------ PUT
 

@@ -4,7 +4,8 @@ Configured by a JSON file (``onceflow serve --guard FILE`` or ``$ONCEFLOW_GUARD`
 
     {"tokens": {"s3cret-ingest": [{"prefix": "orders/", "scopes": ["write"]}],
                 "s3cret-report": [{"prefix": "", "scopes": ["read"]}],
-                "s3cret-ops": [{"prefix": "", "scopes": ["read", "admin"]}]},
+                "s3cret-ops": [{"prefix": "", "scopes": ["read", "admin"]}],
+                "s3cret-scraper": [{"prefix": "", "scopes": ["metrics"]}]},
      "limits": {"streams": 10000, "live_reads": 500, "producers_per_stream": 100}}
 
 Both parts are optional. Without ``tokens`` every request is allowed (as without a guard).
@@ -17,11 +18,12 @@ Authorisation (``tokens``)
     name must start with the prefix of a grant of the request's token that has the scope. A name
     prefix (the listing's ``prefix``, a sink's ``abort_prefix``, a subscription pattern through
     :func:`~onceflow.core.subscriptions.glob_prefix`) stands for every name it covers, so it must
-    itself start with a grant's prefix. Scopes: ``read``, ``write`` and ``admin`` (what an operator
+    itself start with a grant's prefix. Scopes: ``read``, ``write``, ``admin`` (what an operator
     does: list transactional ids, groups and sinks, abort another's hanging transaction, rewind a
-    group, reset a sink; docs/operations.md); none implies another. Refusals: ``401`` with
-    ``WWW-Authenticate: Bearer`` for a missing or unknown token, ``403`` (error code ``forbidden``)
-    for a name outside the grants.
+    group, reset a sink; docs/operations.md) and ``metrics`` (``GET /metrics``, which shows the
+    whole server: a grant gives it only on the prefix ``""``); none implies another. Refusals:
+    ``401`` with ``WWW-Authenticate: Bearer`` for a missing or unknown token, ``403`` (error code
+    ``forbidden``) for a name outside the grants.
 
 Limits (``limits``), answered ``429`` with ``Retry-After: 1`` (error code ``limit_exceeded``)
     ``streams``: creating a stream when this many exist. ``live_reads``: a long-poll or SSE read
@@ -66,6 +68,7 @@ from .app import (
     GROUPS_LIST_PATH,
     GROUPS_PREFIX,
     LIST_PATH,
+    METRICS_PATH,
     PREFIX,
     SINKS_LIST_PATH,
     SINKS_PREFIX,
@@ -95,12 +98,15 @@ __all__ = [
     "GuardConfig",
     "GuardConfigError",
     "Names",
+    "SCOPES",
     "scope_table",
 ]
 
 ENV_VAR = "ONCEFLOW_GUARD"
-Scope = Literal["read", "write", "admin"]
-SCOPES = frozenset({"read", "write", "admin"})
+Scope = Literal["read", "write", "admin", "metrics"]
+SCOPES: tuple[Scope, ...] = ("read", "write", "admin", "metrics")
+WHOLE_SERVER: frozenset[Scope] = frozenset({"metrics"})  # scopes a grant gives only on the prefix ""
+_SCOPE_NAMES = ", ".join(f'"{s}"' for s in SCOPES)
 Auth = Literal["token", "anyone", "wake_token"]
 
 
@@ -154,11 +160,16 @@ class GuardConfig:
                         or not isinstance(g.get("prefix"), str)
                         or not isinstance(scopes, list)
                         or not scopes
-                        or not set(scopes) <= SCOPES
+                        or not set(scopes) <= set(SCOPES)
                     ):
                         raise GuardConfigError(
-                            'each grant is {"prefix": "...", "scopes": [...]} with scopes among "read", "write" and '
-                            f'"admin"; got {g!r}'
+                            f'each grant is {{"prefix": "...", "scopes": [...]}} with scopes among {_SCOPE_NAMES}; '
+                            f"got {g!r}"
+                        )
+                    if g["prefix"] and WHOLE_SERVER & set(scopes):
+                        raise GuardConfigError(
+                            f"the {', '.join(map(repr, sorted(WHOLE_SERVER & set(scopes))))} scope covers the whole "
+                            f'server: give it in a grant with "prefix": ""; got {g!r}'
                         )
                     parsed.append(Grant(g["prefix"], frozenset(scopes)))
                 tokens[token] = tuple(parsed)
@@ -357,6 +368,10 @@ def _removed_stream(r: Request) -> Iterator[str]:
     yield r.extra.strip("/")
 
 
+def _whole_server(r: Request) -> Iterator[str]:
+    yield ""  # only a grant on the prefix "" covers it
+
+
 PATH_STREAM = Names("read", "the stream", _path_name)
 SUBSCRIPTION_HELD = (
     Names("read", "the subscription's pattern (as a prefix) and linked streams", _held_reads),
@@ -526,6 +541,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("subs.claim", "POST /v1/stream/__ds/subscriptions/<id>/claim", "token", SUBSCRIPTION_HELD, body="read"),
     Endpoint("subs.wake", "POST /v1/stream/__ds/subscriptions/<id>/(callback|ack|release)", "wake_token"),
     Endpoint("subs.other", "other requests under /v1/stream/__ds/ (404, 405)", "token", SUBSCRIPTION_HELD, body="read"),
+    Endpoint(
+        "metrics",
+        "any request to /metrics (GET/HEAD: Prometheus metrics; others 405)",
+        "token",
+        (Names("metrics", 'the whole server (a grant on the prefix `""`)', _whole_server),),
+    ),
     Endpoint("other", "any other path (404)", "token"),
 )
 _BY_KEY = {e.key: e for e in ENDPOINTS}
@@ -584,7 +605,7 @@ def route(method: str, path: str, scope: ASGIScope) -> tuple[Endpoint, str, str]
         key = {TXN_LIST_PATH: "txns.list", GROUPS_LIST_PATH: "groups.list", SINKS_LIST_PATH: "sinks.list"}[path]
         return _BY_KEY[key], "", ""
     if not path.startswith(PREFIX):
-        return _BY_KEY["other"], "", ""
+        return _BY_KEY["metrics" if path == METRICS_PATH else "other"], "", ""
     name = path[len(PREFIX) :]
     if name == "__ds" or name.startswith("__ds/"):
         return _control_route(method, control_segments(scope))
@@ -745,6 +766,10 @@ def _authorise(grants: tuple[Grant, ...], endpoint: Endpoint, request: Request) 
     for names in endpoint.names:
         for n in names.of(request):
             if not any(g.allows(n, names.scope) for g in grants):
+                if names.scope in WHOLE_SERVER:
+                    raise _Refused(
+                        403, "forbidden", f'this token has no {names.scope!r} scope (a grant on the prefix "" gives it)'
+                    )
                 raise _Refused(403, "forbidden", f"this token may not {names.scope} {n!r} ({names.doc})")
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import resource
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +19,7 @@ from ..storage.log import FsyncPolicy
 from .app import App, AppConfig
 from .guard import Guard, GuardConfig
 from .http import HttpLimits, HttpServerProtocol, start_server
+from .instrument import Instrumented
 
 __all__ = ["serve"]
 
@@ -45,6 +46,7 @@ async def serve(
     retention_bytes: int | None = None,
     segment_bytes: int = 64 << 20,
     retention_interval: float = 10.0,
+    metrics_allow: Sequence[str] = (),
 ) -> None:
     """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
 
@@ -53,6 +55,8 @@ async def serve(
 
     ``limits`` are the HTTP layer's timeouts and caps (server/http.py); uvicorn applies only
     ``idle_timeout`` and ``max_connections`` of them (docs/security.md, "HTTP layer").
+    ``metrics_allow``: name prefixes whose streams, groups and sinks get a label of their own in
+    ``/metrics`` (docs/operations.md).
     """
     soft, _hard = raise_open_file_limit()
     if max_open_files is None:
@@ -72,15 +76,21 @@ async def serve(
     broker.open()
     app = App(
         broker,
-        AppConfig(long_poll_timeout=long_poll_timeout, max_body_bytes=max_body_bytes, webhook_targets=webhook_targets),
+        AppConfig(
+            long_poll_timeout=long_poll_timeout,
+            max_body_bytes=max_body_bytes,
+            webhook_targets=webhook_targets,
+            metrics_allow=tuple(metrics_allow),
+        ),
     )
-    handler: App | Guard = app if guard is None else Guard(app, broker, guard)  # tokens and limits (server/guard.py)
+    guarded: App | Guard = app if guard is None else Guard(app, broker, guard)  # tokens and limits (server/guard.py)
+    handler = Instrumented(guarded, app.metrics)  # outermost: /metrics counts the guard's refusals too
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if http == "uvicorn":
-        await _serve_uvicorn(handler, host, port, log_level, stop, limits)
+        await _serve_uvicorn(handler, broker, host, port, log_level, stop, limits)
         return
     await broker.start()  # finishes transactions decided before a crash, before anyone connects
     app.subscriptions.start()  # resumes wakes, leases and webhook retries kept on disk
@@ -129,7 +139,7 @@ def fit_fd_limit(limits: HttpLimits, soft: int, files: int) -> HttpLimits:
 
 
 async def _serve_uvicorn(
-    app: App | Guard, host: str, port: int, log_level: str, stop: asyncio.Event, limits: HttpLimits
+    app: Instrumented, broker: Broker, host: str, port: int, log_level: str, stop: asyncio.Event, limits: HttpLimits
 ) -> None:
     import uvicorn
 
@@ -165,6 +175,6 @@ async def _serve_uvicorn(
     bound = server.servers[0].sockets[0].getsockname()
     print(f"onceflow listening on http://{host}:{bound[1]} (uvicorn)", flush=True)
     await stop.wait()
-    app.broker.begin_shutdown()
+    broker.begin_shutdown()
     server.should_exit = True
     await task

@@ -1,0 +1,276 @@
+"""Prometheus metrics, scraped at ``GET /metrics`` (docs/operations.md lists every one).
+
+Each :class:`~onceflow.server.app.App` keeps its own :class:`Metrics`, with a registry of its own
+(never the client library's global one: a process may serve several brokers, as the tests do).
+The figures come from three places, each where it is cheapest:
+
+- per request, from :class:`~onceflow.server.instrument.Instrumented`, the outermost ASGI layer:
+  request latency by route, status and error code; appends and their bytes, bytes read; live
+  readers. A counter or histogram step per request, no parsing on the success path.
+- from the storage layer, through the broker's :class:`~onceflow.storage.log.IoEvents` (this
+  object is one of its observers): fsync latency, group-commit size, store errors. Per written
+  group, not per request.
+- from the broker's state, computed at scrape time by :class:`_StateCollector`: streams, open
+  transactions and the oldest one's age, LSO lag, consumer-group lag, sinks' last batch, disk free.
+  Nothing on the hot path.
+
+Names are not labels by default: a stream, group or sink gets a label of its own only when it
+starts with a prefix of the allow-list (``onceflow serve --metrics-allow PREFIX``); the others
+share the empty label value (a sum for counters, the largest value for lags). Without an
+allow-list those metrics have no name label at all, so the number of series does not grow with
+the number of streams.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from ..core.broker import Broker
+from ..core.txn import TxnStatus
+from ..storage.position import parse_token
+
+__all__ = ["Metrics", "STORE_OPS"]
+
+# Counters and histograms without their ``_created`` twin series: half the series, nothing lost
+# for a scraper (process-wide in the client library; a server process exports no other registry).
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+FSYNC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+GROUP_BATCHES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+GROUP_BYTES_BUCKETS = (512, 4096, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+STORE_OPS = ("write", "sync", "roll", "snapshot", "create")  # what IoObserver.failed names
+OPEN_STATUSES = (TxnStatus.ONGOING, TxnStatus.PREPARE_COMMIT, TxnStatus.PREPARE_ABORT)
+MAX_CODES = 64  # distinct error-code label values; any further one is counted as "other"
+_CODE = re.compile(r"[A-Za-z_]{1,40}")
+
+
+class _Traffic:
+    """Appends, their bytes and bytes read, per stream label value: plain integers added on the
+    event loop (no lock per step, unlike the client library's counters) and shown as counters at
+    scrape time, which runs on the same loop."""
+
+    __slots__ = ("appends", "append_bytes", "read_bytes")
+
+    def __init__(self) -> None:
+        self.appends = 0
+        self.append_bytes = 0
+        self.read_bytes = 0
+
+
+class Metrics:
+    """The registry ``/metrics`` shows for one broker, and the calls that feed it."""
+
+    def __init__(self, broker: Broker, allow: Sequence[str] = ()) -> None:
+        self.broker = broker
+        self.allow = tuple(allow)
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._requests = Histogram(
+            "onceflow_http_request_duration_seconds",
+            "Time from a request's arrival to the end of its answer, by route, status and error code",
+            ("route", "status", "code"),
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self._request_children: dict[tuple[str, int, str], Histogram] = {}
+        self._codes: set[str] = set()
+        self.traffic: dict[str, _Traffic] = {"": _Traffic()}  # by stream label value ("": not allow-listed)
+        self.live_readers = Gauge("onceflow_live_readers", "Long-poll and SSE reads open now", registry=r)
+        self._fsync = Histogram(
+            "onceflow_fsync_duration_seconds",
+            "Time an fdatasync of a log took (a written group, or an interval sync)",
+            registry=r,
+            buckets=FSYNC_BUCKETS,
+        )
+        self._group_batches = Histogram(
+            "onceflow_group_commit_batches",
+            "Batches written together in one group (one write, one fsync under --fsync always)",
+            registry=r,
+            buckets=GROUP_BATCHES_BUCKETS,
+        )
+        self._group_bytes = Histogram(
+            "onceflow_group_commit_bytes",
+            "Bytes written together in one group",
+            registry=r,
+            buckets=GROUP_BYTES_BUCKETS,
+        )
+        self._store_errors = Counter(
+            "onceflow_store_errors", "I/O errors of the logs' write path, by operation", ("op",), registry=r
+        )
+        self._store_error_children = {op: self._store_errors.labels(op) for op in STORE_OPS}
+        r.register(_StateCollector(broker, self.allow, self.traffic))
+        ProcessCollector(registry=r)  # the client library's standard process_* metrics
+        broker.io.add(self)
+
+    # ------------------------------------------------------------------ per request
+
+    def request(self, route: str, status: int, code: str, seconds: float) -> None:
+        """One request answered (``status`` 0: it ended with no answer started)."""
+        key = (route, status, code)
+        child = self._request_children.get(key)
+        if child is None:
+            if code not in self._codes:
+                if len(self._codes) >= MAX_CODES or (code and not _CODE.fullmatch(code)):
+                    code = "other"
+                else:
+                    self._codes.add(code)
+            child = self._requests.labels(route, str(status) if status else "none", code)
+            self._request_children[key] = child
+        child.observe(seconds)
+
+    def _traffic(self, stream: str) -> _Traffic:
+        if not self.allow or not stream.startswith(self.allow):
+            return self.traffic[""]
+        t = self.traffic.get(stream)
+        if t is None:
+            t = self.traffic[stream] = _Traffic()
+        return t
+
+    def appended(self, stream: str, nbytes: int) -> None:
+        t = self._traffic(stream)
+        t.appends += 1
+        t.append_bytes += nbytes
+
+    def read(self, stream: str, nbytes: int) -> None:
+        self._traffic(stream).read_bytes += nbytes
+
+    # ------------------------------------------------------------------ IoObserver (storage)
+
+    def written(self, batches: int, nbytes: int, sync_seconds: float | None) -> None:
+        self._group_batches.observe(batches)
+        self._group_bytes.observe(nbytes)
+        if sync_seconds is not None:
+            self._fsync.observe(sync_seconds)
+
+    def synced(self, seconds: float) -> None:
+        self._fsync.observe(seconds)
+
+    def failed(self, op: str) -> None:
+        child = self._store_error_children.get(op)
+        (child if child is not None else self._store_errors.labels(op)).inc()
+
+    # ------------------------------------------------------------------ the scrape
+
+    def scrape(self, accept: str | None) -> tuple[bytes, str]:
+        """The exposition (OpenMetrics when the scraper asks for it) and its content type."""
+        encode, content_type = choose_encoder(accept or "")
+        return encode(self.registry), content_type
+
+
+class _StateCollector(Collector):
+    """The gauges computed from the broker's state at each scrape (on the event loop, like every
+    other reader of that state)."""
+
+    def __init__(self, broker: Broker, allow: tuple[str, ...], traffic: dict[str, _Traffic]) -> None:
+        self.broker = broker
+        self.allow = allow
+        self.traffic = traffic
+
+    def _key(self, name: str) -> str:
+        return name if name.startswith(self.allow) else ""
+
+    def _per_name(self, metric: str, doc: str, label: str, values: dict[str, float]) -> GaugeMetricFamily:
+        """``values`` by label value ("": the names not allowed, already reduced) as one family."""
+        if not self.allow:
+            return GaugeMetricFamily(metric, doc, value=values.get("", 0))
+        family = GaugeMetricFamily(metric, doc, labels=[label])
+        values.setdefault("", 0)
+        for key in sorted(values):
+            family.add_metric([key], values[key])
+        return family
+
+    def _counters(self) -> Iterator[Metric]:
+        labels = ["stream"] if self.allow else None
+        for metric, doc, field in (
+            ("onceflow_appends", "Appends stored (duplicates not counted)", "appends"),
+            ("onceflow_append_bytes", "Request body bytes of the appends stored", "append_bytes"),
+            ("onceflow_read_bytes", "Body bytes of the read answers sent (200s)", "read_bytes"),
+        ):
+            if labels is None:
+                yield CounterMetricFamily(metric, doc, value=getattr(self.traffic[""], field))
+                continue
+            family = CounterMetricFamily(metric, doc, labels=labels)
+            for key in sorted(self.traffic):
+                family.add_metric([key], getattr(self.traffic[key], field))
+            yield family
+
+    def collect(self) -> Iterator[Metric]:
+        b = self.broker
+        yield from self._counters()
+        live = [s for s in b.streams.values() if not s.meta.soft_deleted]
+        yield GaugeMetricFamily("onceflow_streams", "Streams held (soft-deleted ones not counted)", value=len(live))
+        yield from self._transactions()
+        lso: dict[str, float] = {}
+        for s in live:
+            lag = s.tail.offset - s.stable().offset
+            key = self._key(s.name) if self.allow else ""
+            lso[key] = max(lso.get(key, 0), lag)
+        yield self._per_name(
+            "onceflow_lso_lag_records",
+            "Records past the last stable offset: held back from read_committed readers by open transactions "
+            '(the largest among the streams under stream="")',
+            "stream",
+            lso,
+        )
+        yield self._per_name(
+            "onceflow_consumer_group_lag_records",
+            "Records a consumer group has yet to commit, summed over its streams, up to each stream's last stable "
+            'offset (the largest among the groups under group="")',
+            "group",
+            self._group_lags(),
+        )
+        sinks = GaugeMetricFamily(
+            "onceflow_sink_last_batch", "The last batch a sink committed (allow-listed sink ids only)", labels=["sink"]
+        )
+        for sink, state in sorted(b.coordinator.sinks.items()):
+            if self.allow and sink.startswith(self.allow) and state.batch is not None:
+                sinks.add_metric([sink], state.batch)
+        yield sinks
+        try:
+            usage = shutil.disk_usage(b.data_dir)
+        except OSError:
+            return
+        yield GaugeMetricFamily(
+            "onceflow_disk_free_bytes",
+            "Bytes free for the server on the data directory's file system",
+            value=usage.free,
+        )
+        yield GaugeMetricFamily(
+            "onceflow_disk_size_bytes", "Size of the data directory's file system in bytes", value=usage.total
+        )
+
+    def _transactions(self) -> Iterator[Metric]:
+        coord = self.broker.coordinator
+        started = [m.started for m in coord.txns.values() if m.status in OPEN_STATUSES]
+        yield GaugeMetricFamily(
+            "onceflow_open_transactions", "Transactions begun and not yet completed", value=len(started)
+        )
+        age = coord.clock.monotonic() - min(started) if started else 0.0
+        yield GaugeMetricFamily(
+            "onceflow_oldest_open_transaction_age_seconds",
+            "How long the oldest open transaction has been open (0: none; its timeout restarts with the server)",
+            value=max(0.0, age),
+        )
+
+    def _group_lags(self) -> dict[str, float]:
+        b = self.broker
+        lags: dict[str, float] = {}
+        for group, offsets in b.coordinator.groups.items():
+            lag = 0
+            for stream, token in offsets.items():
+                s = b.streams.get(stream)
+                at = parse_token(token)
+                if s is None or s.meta.soft_deleted or at is None:
+                    continue
+                lag += max(0, s.stable().offset - at.offset)
+            key = self._key(group) if self.allow else ""
+            lags[key] = max(lags.get(key, 0), lag)
+        return lags

@@ -1,0 +1,503 @@
+"""``GET /metrics`` (issue 18): every metric of docs/operations.md driven by real requests and read
+back from the scrape, the allow-list of names, and the guard's ``metrics`` scope.
+
+The servers are in-process (an ``App`` behind the ``Instrumented`` layer ``onceflow serve`` puts in
+front of it, over httpx's ASGI transport), except one real ``onceflow serve`` that checks the
+command wires it all up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import shutil
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import onceflow.storage.log as storage_log
+from helpers.servers import ServerProcess
+from onceflow.core.broker import Broker
+from onceflow.server.app import App, AppConfig
+from onceflow.server.guard import Guard, GuardConfig, GuardConfigError, route
+from onceflow.server.instrument import Instrumented, classify
+
+pytestmark = pytest.mark.anyio
+S = "/v1/stream/"
+JSON = {"content-type": "application/json"}
+REQUESTS = "onceflow_http_request_duration_seconds_count"
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+class Clock:
+    """A clock the test moves: the broker's and the coordinator's time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return 1_700_000_000.0 + self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@dataclass
+class Server:
+    broker: Broker
+    app: App
+    client: httpx.AsyncClient
+    clock: Clock
+
+    async def scrape(self, **headers: str) -> Samples:
+        r = await self.client.get("/metrics", headers=headers)
+        assert r.status_code == 200, r.text
+        return parse(r.text)
+
+
+def parse(text: str) -> Samples:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def requests(samples: Samples, route: str, status: int, code: str = "") -> float:
+    return value(samples, REQUESTS, route=route, status=str(status), code=code) or 0.0
+
+
+Serve = Callable[..., AsyncIterator[Server]]
+
+
+@pytest.fixture
+async def make(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    """Starts in-process servers: ``await make(allow=..., guard=..., **broker options)``."""
+    opened: list[tuple[Broker, httpx.AsyncClient]] = []
+
+    async def start(
+        *, allow: tuple[str, ...] = (), guard: dict[str, Any] | None = None, long_poll: float = 0.3, **kw: Any
+    ) -> Server:
+        clock = Clock()
+        broker = Broker(tmp_path / f"data{len(opened)}", clock=clock, **kw)
+        broker.open()
+        app = App(broker, AppConfig(long_poll_timeout=long_poll, max_body_bytes=64 * 1024, metrics_allow=allow))
+        inner: Any = app if guard is None else Guard(app, broker, GuardConfig.from_json(guard))
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=Instrumented(inner, app.metrics)), base_url="http://t"
+        )
+        opened.append((broker, client))
+        return Server(broker, app, client, clock)
+
+    yield start
+    for broker, client in opened:
+        await client.aclose()
+        await broker.close()
+
+
+def producer(pid: str, epoch: int, seq: int) -> dict[str, str]:
+    return {**JSON, "producer-id": pid, "producer-epoch": str(epoch), "producer-seq": str(seq)}
+
+
+async def txn_append(c: httpx.AsyncClient, tid: str, stream: str, body: bytes) -> tuple[int, int]:
+    """Begins transaction ``tid`` (a fresh init) with one append to ``stream``: (epoch, txn)."""
+    epoch = (await c.post(f"/v1/txn/{tid}/init", json={})).json()["epoch"]
+    h = {**producer(f"txn:{tid}", epoch, 0), "transaction-id": tid}
+    r = await c.post(S + stream, content=body, headers=h)
+    assert r.status_code == 200, r.text
+    return epoch, int(r.headers["transaction-number"])
+
+
+# ---------------------------------------------------------------------- the endpoint
+
+
+async def test_metrics_are_served_as_prometheus_text_or_openmetrics(make: Callable[..., Any]) -> None:
+    srv: Server = await make()
+    r = await srv.client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    names = {f.name for f in text_string_to_metric_families(r.text)}
+    assert {"onceflow_http_request_duration_seconds", "onceflow_appends", "onceflow_streams"} <= names
+    om = await srv.client.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    assert om.text.endswith("# EOF\n")
+    head = await srv.client.head("/metrics")
+    assert head.status_code == 200 and head.content == b""
+    post = await srv.client.post("/metrics")
+    assert post.status_code == 405 and post.json()["error"]["code"] == "method_not_allowed"
+
+
+async def test_each_app_has_its_own_registry(make: Callable[..., Any]) -> None:
+    one: Server = await make()
+    two: Server = await make()
+    await one.client.put(S + "a", headers=JSON)
+    assert value(await one.scrape(), "onceflow_streams") == 1
+    assert value(await two.scrape(), "onceflow_streams") == 0
+
+
+# ---------------------------------------------------------------------- per request
+
+
+async def test_request_latency_is_counted_by_route_status_and_error_code(make: Callable[..., Any]) -> None:
+    srv: Server = await make()
+    c = srv.client
+    assert (await c.put(S + "s", headers=JSON)).status_code == 201
+    assert (await c.post(S + "s", content=b"[1]", headers=JSON)).status_code == 204
+    assert (await c.post(S + "s", content=b"[2]", headers=producer("p", 0, 0))).status_code == 200
+    assert (await c.post(S + "s", content=b"[2]", headers=producer("p", 0, 0))).status_code == 204  # duplicate
+    assert (await c.post(S + "s", content=b"[3]", headers=producer("p", 0, 5))).status_code == 409  # gap
+    assert (await c.post(S + "s", content=b"[3]", headers=producer("p", 1, 0))).status_code == 200
+    assert (await c.post(S + "s", content=b"[4]", headers=producer("p", 0, 1))).status_code == 403  # fenced
+    stale = {**JSON, "if-match": "0000000000000000_0000000000000000"}
+    assert (await c.post(S + "s", content=b"[5]", headers=stale)).status_code == 412
+    assert (await c.get(S + "s", params={"offset": "-1"})).status_code == 200
+    assert (await c.get(S + "missing", params={"offset": "-1"})).status_code == 404
+    assert (await c.head(S + "s")).status_code == 200
+    assert (await c.post("/v1/txn/t/init", json={})).status_code == 200
+    assert (await c.get("/nowhere")).status_code == 404
+    assert (await c.options(S + "s")).status_code == 204
+    m = await srv.scrape()
+    assert requests(m, "stream.create", 201) == 1
+    assert requests(m, "stream.append", 204) == 1
+    assert requests(m, "stream.append", 200) == 2
+    assert requests(m, "stream.append", 204, "duplicate") == 1
+    assert requests(m, "stream.append", 409, "sequence_gap") == 1
+    assert requests(m, "stream.append", 403, "stale_epoch") == 1
+    assert requests(m, "stream.append", 412, "tail_mismatch") == 1
+    assert requests(m, "stream.read", 200) == 1
+    assert requests(m, "stream.read", 404, "not_found") == 1
+    assert requests(m, "stream.head", 200) == 1
+    assert requests(m, "txn.init", 200) == 1
+    assert requests(m, "other", 404, "not_found") == 1
+    assert requests(m, "options", 204) == 1
+    # a histogram: every request falls in the +Inf bucket, and the sum is a duration
+    le = value(
+        m, "onceflow_http_request_duration_seconds_bucket", route="stream.create", status="201", code="", le="+Inf"
+    )
+    assert le == 1
+    total = value(m, "onceflow_http_request_duration_seconds_sum", route="stream.create", status="201", code="")
+    assert total is not None and total > 0
+
+
+def test_the_route_label_is_the_guards_endpoint_key() -> None:
+    """The instrumentation classifies stream requests without the guard's router, but the same."""
+    paths = [
+        "/v1/stream/a",
+        "/v1/stream/a/b",
+        "/v1/stream/__dsx",
+        "/v1/stream/__ds",
+        "/v1/stream/__ds/jwks.json",
+        "/v1/stream/__ds/subscriptions/x/claim",
+        "/v1/streams",
+        "/v1/txn/t/init",
+        "/v1/groups/g/offsets",
+        "/v1/sinks/s/commit",
+        "/metrics",
+        "/elsewhere",
+    ]
+    for method in ("GET", "HEAD", "PUT", "POST", "DELETE", "PATCH"):
+        for path in paths:
+            scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b""}
+            endpoint, name, _ = route(method, path, scope)
+            assert classify(method, scope) == (endpoint.key, name), (method, path)
+    live = {"type": "http", "method": "GET", "path": "/v1/stream/a", "query_string": b"offset=now&live=sse"}
+    assert classify("GET", live) == ("stream.live", "a")
+    assert classify("OPTIONS", live) == ("options", "")
+
+
+async def test_the_broker_refusing_a_stream_past_its_cap_is_a_429(make: Callable[..., Any]) -> None:
+    srv: Server = await make(max_streams=1)
+    assert (await srv.client.put(S + "a", headers=JSON)).status_code == 201
+    assert (await srv.client.put(S + "b", headers=JSON)).status_code == 429
+    assert requests(await srv.scrape(), "stream.create", 429, "limit") == 1
+
+
+async def test_error_codes_are_a_bounded_set_of_label_values(make: Callable[..., Any]) -> None:
+    srv: Server = await make()
+    metrics = srv.app.metrics
+    for i in range(100):
+        metrics.request("other", 400, "code_" + "x" * (i % 30) + chr(ord("a") + i % 26), 0.001)
+    metrics.request("other", 400, "not a code: {}", 0.001)
+    m = await srv.scrape()
+    codes = {dict(labels)["code"] for name, labels in m if name == REQUESTS}
+    assert len(codes) <= 65 and "other" in codes
+    assert "not a code: {}" not in codes
+
+
+async def test_appends_and_bytes_in_and_out_are_counted(make: Callable[..., Any]) -> None:
+    srv: Server = await make()
+    c = srv.client
+    await c.put(S + "s", headers=JSON)
+    bodies = [b'[{"n":1}]', b'[{"n":2},{"n":3}]', b"[4]"]
+    for body in bodies:
+        assert (await c.post(S + "s", content=body, headers=JSON)).status_code == 204
+    assert (await c.post(S + "s", content=b"[5]", headers=producer("p", 0, 0))).status_code == 200
+    assert (await c.post(S + "s", content=b"[5]", headers=producer("p", 0, 0))).status_code == 204  # not counted
+    assert (await c.post(S + "s", content=b"[6]", headers=producer("p", 0, 9))).status_code == 409  # not counted
+    read = await c.get(S + "s", params={"offset": "-1"})
+    assert (await c.head(S + "s")).status_code == 200  # no body: nothing read
+    m = await srv.scrape()
+    assert value(m, "onceflow_appends_total") == 4
+    assert value(m, "onceflow_append_bytes_total") == sum(map(len, bodies)) + len(b"[5]")
+    assert value(m, "onceflow_read_bytes_total") == len(read.content)
+
+
+async def test_live_readers_are_counted_while_they_wait(make: Callable[..., Any]) -> None:
+    srv: Server = await make(long_poll=30)
+    c = srv.client
+    await c.put(S + "s", headers=JSON)
+    assert value(await srv.scrape(), "onceflow_live_readers") == 0
+    reader = asyncio.ensure_future(c.get(S + "s", params={"offset": "now", "live": "long-poll"}))
+    for _ in range(1000):  # until the read is waiting (no time is asserted)
+        if value(await srv.scrape(), "onceflow_live_readers") == 1:
+            break
+        await asyncio.sleep(0.005)
+    assert value(await srv.scrape(), "onceflow_live_readers") == 1
+    await c.post(S + "s", content=b"[1]", headers=JSON)
+    r = await reader
+    assert r.status_code == 200 and r.json() == [1]
+    m = await srv.scrape()
+    assert value(m, "onceflow_live_readers") == 0
+    assert requests(m, "stream.live", 200) == 1
+    assert value(m, "onceflow_read_bytes_total") == len(r.content)
+
+
+# ---------------------------------------------------------------------- storage
+
+
+async def test_fsync_latency_and_group_commit_size_are_observed(make: Callable[..., Any]) -> None:
+    srv: Server = await make()  # --fsync always: every written group is synced
+    c = srv.client
+    await c.put(S + "s", headers=JSON)
+    n = 12
+    results = await asyncio.gather(*(c.post(S + "s", content=b"[%d]" % i, headers=JSON) for i in range(n)))
+    assert all(r.status_code == 204 for r in results)
+    m = await srv.scrape()
+    groups = value(m, "onceflow_group_commit_batches_count")
+    assert groups is not None and 1 <= groups <= n
+    assert value(m, "onceflow_group_commit_batches_sum") == n  # every batch in exactly one group
+    log = srv.broker.streams["s"].log
+    assert value(m, "onceflow_group_commit_bytes_sum") == log.durable.end.pos - log.base.pos
+    assert value(m, "onceflow_fsync_duration_seconds_count") == groups  # one fsync per group
+    assert (value(m, "onceflow_fsync_duration_seconds_sum") or 0) > 0
+
+
+async def test_without_sync_per_group_no_fsync_is_observed_for_it(make: Callable[..., Any]) -> None:
+    srv: Server = await make(fsync="never")
+    await srv.client.put(S + "s", headers=JSON)
+    await srv.client.post(S + "s", content=b"[1]", headers=JSON)
+    m = await srv.scrape()
+    assert value(m, "onceflow_group_commit_batches_count") == 1
+    assert value(m, "onceflow_fsync_duration_seconds_count") == 0
+
+
+async def test_store_errors_are_counted_by_operation(make: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    srv: Server = await make()
+    c = srv.client
+    await c.put(S + "s", headers=JSON)
+    assert value(await srv.scrape(), "onceflow_store_errors_total", op="write") == 0
+
+    def no_space(*_args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage_log, "_write_all", no_space)
+    r = await c.post(S + "s", content=b"[1]", headers=JSON)
+    assert r.status_code == 503
+    r = await c.post("/v1/txn/t/init", json={})  # the coordinator's log fails too
+    assert r.status_code == 503
+    monkeypatch.undo()
+    m = await srv.scrape()
+    assert value(m, "onceflow_store_errors_total", op="write") == 2
+    assert requests(m, "stream.append", 503, "unavailable") == 1
+    assert value(m, "onceflow_appends_total") == 0
+    for op in ("sync", "roll", "snapshot", "create"):
+        assert value(m, "onceflow_store_errors_total", op=op) == 0
+
+
+# ---------------------------------------------------------------------- state, at scrape time
+
+
+async def test_streams_are_counted(make: Callable[..., Any]) -> None:
+    srv: Server = await make()
+    for name in ("a", "b", "c"):
+        await srv.client.put(S + name, headers=JSON)
+    await srv.client.delete(S + "b")
+    assert value(await srv.scrape(), "onceflow_streams") == 2
+
+
+async def test_open_transactions_their_oldest_age_and_the_lso_lag(make: Callable[..., Any]) -> None:
+    srv: Server = await make()
+    c = srv.client
+    await c.put(S + "s", headers=JSON)
+    m = await srv.scrape()
+    assert value(m, "onceflow_open_transactions") == 0
+    assert value(m, "onceflow_oldest_open_transaction_age_seconds") == 0
+    assert value(m, "onceflow_lso_lag_records") == 0
+    epoch, txn = await txn_append(c, "t1", "s", b"[1,2]")
+    srv.clock.now += 7
+    await txn_append(c, "t2", "s", b"[3]")
+    srv.clock.now += 2
+    await c.post(S + "s", content=b"[4]", headers=JSON)  # after the open transactions: held back too
+    m = await srv.scrape()
+    assert value(m, "onceflow_open_transactions") == 2
+    assert value(m, "onceflow_oldest_open_transaction_age_seconds") == 9
+    assert value(m, "onceflow_lso_lag_records") == 4
+    r = await c.post("/v1/txn/t1/commit", json={"epoch": epoch, "txn": txn})
+    assert r.status_code == 200, r.text
+    m = await srv.scrape()
+    assert value(m, "onceflow_open_transactions") == 1
+    assert value(m, "onceflow_oldest_open_transaction_age_seconds") == 2
+    assert value(m, "onceflow_lso_lag_records") == 2  # t2's record and the one after it
+
+
+async def test_consumer_group_lag_counts_records_up_to_the_stable_offset(make: Callable[..., Any]) -> None:
+    srv: Server = await make()
+    c = srv.client
+    await c.put(S + "s", headers=JSON)
+    after = []
+    for i in range(3):
+        r = await c.post(S + "s", content=b"[%d]" % i, headers=JSON)
+        after.append(r.headers["stream-next-offset"])
+    assert value(await srv.scrape(), "onceflow_consumer_group_lag_records") == 0  # no group yet
+    r = await c.post("/v1/groups/g/offsets", json={"offsets": {"s": after[0]}})
+    assert r.status_code == 200, r.text
+    assert value(await srv.scrape(), "onceflow_consumer_group_lag_records") == 2
+    await txn_append(c, "t", "s", b"[9]")  # not yet readable by a read_committed consumer
+    assert value(await srv.scrape(), "onceflow_consumer_group_lag_records") == 2
+    await c.post("/v1/groups/g/offsets", json={"offsets": {"s": after[2]}})
+    assert value(await srv.scrape(), "onceflow_consumer_group_lag_records") == 0
+
+
+async def test_disk_free_and_size_of_the_data_directory(make: Callable[..., Any]) -> None:
+    srv: Server = await make()
+    m = await srv.scrape()
+    size = value(m, "onceflow_disk_size_bytes")
+    free = value(m, "onceflow_disk_free_bytes")
+    assert size == shutil.disk_usage(srv.broker.data_dir).total
+    assert free is not None and size is not None and 0 < free <= size
+
+
+async def test_the_process_metrics_of_the_client_library_are_there(make: Callable[..., Any]) -> None:
+    srv: Server = await make()
+    m = await srv.scrape()
+    assert (value(m, "process_open_fds") or 0) > 0
+    assert (value(m, "process_resident_memory_bytes") or 0) > 0
+
+
+# ---------------------------------------------------------------------- the allow-list
+
+
+async def test_names_get_a_label_only_when_allow_listed(make: Callable[..., Any]) -> None:
+    srv: Server = await make(allow=("pub/",))
+    c = srv.client
+    for name in ("pub/a", "pub/b", "orders/x", "orders/y"):
+        await c.put(S + name, headers=JSON)
+    await c.post(S + "pub/a", content=b"[1]", headers=JSON)
+    await c.post(S + "orders/x", content=b"[1]", headers=JSON)
+    await c.post(S + "orders/y", content=b"[22]", headers=JSON)
+    read = await c.get(S + "pub/a", params={"offset": "-1"})
+    await txn_append(c, "pub/t", "pub/b", b"[1,2,3]")
+    await txn_append(c, "orders/t", "orders/x", b"[1]")
+    await txn_append(c, "orders/u", "orders/y", b"[1,2]")
+    await c.post("/v1/groups/pub/g/offsets", json={"offsets": {"pub/a": "0000000000000000_0000000000000000"}})
+    await c.post("/v1/groups/orders/g/offsets", json={"offsets": {"orders/x": "0000000000000000_0000000000000000"}})
+    assert (await c.post("/v1/sinks/pub/k/commit", json={"batch": 4, "members": []})).status_code == 200
+    assert (await c.post("/v1/sinks/orders/k/commit", json={"batch": 9, "members": []})).status_code == 200
+    m = await srv.scrape()
+    assert value(m, "onceflow_appends_total", stream="pub/a") == 1
+    assert value(m, "onceflow_appends_total", stream="pub/b") == 1  # a transactional append is an append
+    assert value(m, "onceflow_appends_total", stream="") == 4  # orders/x and orders/y together
+    assert value(m, "onceflow_append_bytes_total", stream="") == len(b"[1][22][1][1,2]")
+    assert value(m, "onceflow_read_bytes_total", stream="pub/a") == len(read.content)
+    assert value(m, "onceflow_lso_lag_records", stream="pub/b") == 3
+    assert value(m, "onceflow_lso_lag_records", stream="pub/a") == 0
+    assert value(m, "onceflow_lso_lag_records", stream="") == 2  # the largest of orders/x (1), orders/y (2)
+    assert value(m, "onceflow_consumer_group_lag_records", group="pub/g") == 1
+    assert value(m, "onceflow_consumer_group_lag_records", group="") == 1
+    assert value(m, "onceflow_sink_last_batch", sink="pub/k") == 4
+    assert not [labels for name, labels in m if name == "onceflow_sink_last_batch" and ("sink", "orders/k") in labels]
+    assert not [labels for name, labels in m if ("stream", "orders/x") in labels]
+
+
+async def test_without_an_allow_list_there_is_no_name_label(make: Callable[..., Any]) -> None:
+    srv: Server = await make()
+    c = srv.client
+    await c.put(S + "pub/a", headers=JSON)
+    await c.post(S + "pub/a", content=b"[1]", headers=JSON)
+    await c.post("/v1/sinks/pub/k/commit", json={"batch": 4, "members": []})
+    m = await srv.scrape()
+    assert value(m, "onceflow_appends_total") == 1
+    assert not [name for name, labels in m if {"stream", "group", "sink"} & {k for k, _ in labels}]
+
+
+# ---------------------------------------------------------------------- the guard
+
+
+TOKENS = {
+    "scraper": [{"prefix": "", "scopes": ["metrics"]}],
+    "admin": [{"prefix": "", "scopes": ["read", "write"]}],
+}
+
+
+async def test_with_the_guard_metrics_needs_the_metrics_scope(make: Callable[..., Any]) -> None:
+    srv: Server = await make(guard={"tokens": TOKENS, "limits": {"streams": 1}})
+    c = srv.client
+    r = await c.get("/metrics")
+    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+    r = await c.get("/metrics", headers={"authorization": "Bearer nobody"})
+    assert r.status_code == 401
+    r = await c.get("/metrics", headers={"authorization": "Bearer admin"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+    assert "metrics" in r.json()["error"]["message"]
+    admin = {**JSON, "authorization": "Bearer admin"}
+    assert (await c.put(S + "a", headers=admin)).status_code == 201
+    assert (await c.put(S + "b", headers=admin)).status_code == 429  # the guard's stream limit
+    assert (await c.get(S + "a", params={"offset": "-1"})).status_code == 401
+    m = await srv.scrape(authorization="Bearer scraper")
+    assert requests(m, "metrics", 401, "unauthorized") == 2
+    assert requests(m, "metrics", 403, "forbidden") == 1
+    assert requests(m, "stream.create", 429, "limit_exceeded") == 1
+    assert requests(m, "stream.read", 401, "unauthorized") == 1
+    # the scraper's token reads no stream
+    r = await c.get(S + "a", params={"offset": "-1"}, headers={"authorization": "Bearer scraper"})
+    assert r.status_code == 403
+
+
+def test_the_metrics_scope_is_given_on_the_whole_server_only() -> None:
+    GuardConfig.from_json({"tokens": {"t": [{"prefix": "", "scopes": ["metrics", "read"]}]}})
+    with pytest.raises(GuardConfigError, match='covers the whole server: give it in a grant with "prefix": ""'):
+        GuardConfig.from_json({"tokens": {"t": [{"prefix": "pub/", "scopes": ["metrics"]}]}})
+    with pytest.raises(GuardConfigError, match='"read", "write", "admin", "metrics"'):
+        GuardConfig.from_json({"tokens": {"t": [{"prefix": "", "scopes": ["scrape"]}]}})
+
+
+# ---------------------------------------------------------------------- onceflow serve
+
+
+@pytest.mark.slow
+def test_onceflow_serve_counts_requests_and_takes_the_allow_list(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path / "data", "--metrics-allow", "pub/", "--metrics-allow", "ops/")
+    srv.start()
+    try:
+        with httpx.Client(base_url=srv.url) as c:
+            assert c.put(S + "pub/a", headers=JSON).status_code == 201
+            assert c.post(S + "pub/a", content=b"[1]", headers=JSON).status_code == 204
+            assert c.put(S + "ops/b", headers=JSON).status_code == 201
+            assert c.post(S + "ops/b", content=b"[2]", headers=JSON).status_code == 204
+            m = parse(c.get("/metrics").text)
+    finally:
+        srv.kill()
+    assert value(m, "onceflow_appends_total", stream="pub/a") == 1
+    assert value(m, "onceflow_appends_total", stream="ops/b") == 1
+    assert requests(m, "stream.create", 201) == 2
+    assert (value(m, "onceflow_fsync_duration_seconds_count") or 0) >= 1
