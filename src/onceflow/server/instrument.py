@@ -118,13 +118,13 @@ class Instrumented:
 
         live = key == "stream.live"
         if live:
-            self.metrics.live_readers.inc()
+            self.metrics.live_readers += 1
         try:
             await self.inner(scope, receiving if append else receive, sending)
         finally:
             m = self.metrics
             if live:
-                m.live_readers.dec()
+                m.live_readers -= 1
             m.request(key, status, code, time.perf_counter() - began)
             if append and status in (200, 204) and code != "duplicate":
                 m.appended(name, got)

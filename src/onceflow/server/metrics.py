@@ -6,11 +6,11 @@ The figures come from three places, each where it is cheapest:
 
 - per request, from :class:`~onceflow.server.instrument.Instrumented`, the outermost ASGI layer:
   request latency by route, status and error code; appends and their bytes, bytes read; live
-  readers. A counter or histogram step per request, no parsing on the success path.
+  readers. A histogram step and a few additions per request, no parsing on the success path.
 - from the storage layer, through the broker's :class:`~onceflow.storage.log.IoEvents` (this
   object is one of its observers): fsync latency, group-commit size, store errors. Per written
   group, not per request.
-- from the broker's state, computed at scrape time by :class:`_StateCollector`: streams, open
+- from the broker's state, computed at scrape time by :class:`_Collector`: streams, open
   transactions and the oldest one's age, LSO lag, consumer-group lag, sinks' last batch, disk free.
   Nothing on the hot path.
 
@@ -25,22 +25,20 @@ from __future__ import annotations
 
 import re
 import shutil
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ..core.broker import Broker
 from ..core.txn import TxnStatus
 from ..storage.position import parse_token
 
 __all__ = ["Metrics", "STORE_OPS"]
-
-# Counters and histograms without their ``_created`` twin series: half the series, nothing lost
-# for a scraper (process-wide in the client library; a server process exports no other registry).
-disable_created_metrics()  # type: ignore[no-untyped-call]
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 FSYNC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -52,12 +50,33 @@ MAX_CODES = 64  # distinct error-code label values; any further one is counted a
 _CODE = re.compile(r"[A-Za-z_]{1,40}")
 
 
-class _Traffic:
-    """Appends, their bytes and bytes read, per stream label value: plain integers added on the
-    event loop (no lock per step, unlike the client library's counters) and shown as counters at
-    scrape time, which runs on the same loop."""
+class _Buckets:
+    """One histogram's counts (``counts[i]``: observations in bucket ``i`` alone, the last one past
+    every bound) and sum."""
 
-    __slots__ = ("appends", "append_bytes", "read_bytes")
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # a bucket holds values <= its bound
+        self.sum += value
+
+    def add_to(self, family: HistogramMetricFamily, labels: list[str]) -> None:
+        cumulative, buckets = 0, []
+        for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts, strict=True):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        family.add_metric(labels, buckets, self.sum)
+
+
+class _Traffic:
+    """Appends, their bytes and bytes read for one stream label value."""
+
+    __slots__ = ("append_bytes", "appends", "read_bytes")
 
     def __init__(self) -> None:
         self.appends = 0
@@ -66,48 +85,29 @@ class _Traffic:
 
 
 class Metrics:
-    """The registry ``/metrics`` shows for one broker, and the calls that feed it."""
+    """What ``/metrics`` shows for one broker: a registry of its own, and the calls that feed it.
+
+    The figures fed per request or per written group are plain numbers added on the event loop
+    (the only thread that feeds or scrapes them), with no lock per step as the client library's
+    own counters and histograms take: they cost a third as much on the hot path (issue 19 counts
+    microseconds per request). :class:`_Collector` shows them, with what it computes from the
+    broker's state, as the library's metric families; the library encodes the scrape."""
 
     def __init__(self, broker: Broker, allow: Sequence[str] = ()) -> None:
         self.broker = broker
         self.allow = tuple(allow)
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self._requests = Histogram(
-            "onceflow_http_request_duration_seconds",
-            "Time from a request's arrival to the end of its answer, by route, status and error code",
-            ("route", "status", "code"),
-            registry=r,
-            buckets=LATENCY_BUCKETS,
-        )
-        self._request_children: dict[tuple[str, int, str], Histogram] = {}
+        self.requests: dict[tuple[str, str, str], _Buckets] = {}  # by (route, status, code)
+        self._request_keys: dict[tuple[str, int, str], _Buckets] = {}
         self._codes: set[str] = set()
         self.traffic: dict[str, _Traffic] = {"": _Traffic()}  # by stream label value ("": not allow-listed)
-        self.live_readers = Gauge("onceflow_live_readers", "Long-poll and SSE reads open now", registry=r)
-        self._fsync = Histogram(
-            "onceflow_fsync_duration_seconds",
-            "Time an fdatasync of a log took (a written group, or an interval sync)",
-            registry=r,
-            buckets=FSYNC_BUCKETS,
-        )
-        self._group_batches = Histogram(
-            "onceflow_group_commit_batches",
-            "Batches written together in one group (one write, one fsync under --fsync always)",
-            registry=r,
-            buckets=GROUP_BATCHES_BUCKETS,
-        )
-        self._group_bytes = Histogram(
-            "onceflow_group_commit_bytes",
-            "Bytes written together in one group",
-            registry=r,
-            buckets=GROUP_BYTES_BUCKETS,
-        )
-        self._store_errors = Counter(
-            "onceflow_store_errors", "I/O errors of the logs' write path, by operation", ("op",), registry=r
-        )
-        self._store_error_children = {op: self._store_errors.labels(op) for op in STORE_OPS}
-        r.register(_StateCollector(broker, self.allow, self.traffic))
-        ProcessCollector(registry=r)  # the client library's standard process_* metrics
+        self.live_readers = 0
+        self.fsync = _Buckets(FSYNC_BUCKETS)
+        self.group_batches = _Buckets(GROUP_BATCHES_BUCKETS)
+        self.group_bytes = _Buckets(GROUP_BYTES_BUCKETS)
+        self.store_errors = dict.fromkeys(STORE_OPS, 0)
+        self.registry = CollectorRegistry()
+        self.registry.register(_Collector(self))
+        ProcessCollector(registry=self.registry)  # the client library's standard process_* metrics
         broker.io.add(self)
 
     # ------------------------------------------------------------------ per request
@@ -115,16 +115,19 @@ class Metrics:
     def request(self, route: str, status: int, code: str, seconds: float) -> None:
         """One request answered (``status`` 0: it ended with no answer started)."""
         key = (route, status, code)
-        child = self._request_children.get(key)
-        if child is None:
+        buckets = self._request_keys.get(key)
+        if buckets is None:
             if code not in self._codes:
                 if len(self._codes) >= MAX_CODES or (code and not _CODE.fullmatch(code)):
                     code = "other"
                 else:
                     self._codes.add(code)
-            child = self._requests.labels(route, str(status) if status else "none", code)
-            self._request_children[key] = child
-        child.observe(seconds)
+            labels = (route, str(status) if status else "none", code)
+            buckets = self.requests.get(labels)
+            if buckets is None:
+                buckets = self.requests[labels] = _Buckets(LATENCY_BUCKETS)
+            self._request_keys[key] = buckets
+        buckets.observe(seconds)
 
     def _traffic(self, stream: str) -> _Traffic:
         if not self.allow or not stream.startswith(self.allow):
@@ -145,17 +148,16 @@ class Metrics:
     # ------------------------------------------------------------------ IoObserver (storage)
 
     def written(self, batches: int, nbytes: int, sync_seconds: float | None) -> None:
-        self._group_batches.observe(batches)
-        self._group_bytes.observe(nbytes)
+        self.group_batches.observe(batches)
+        self.group_bytes.observe(nbytes)
         if sync_seconds is not None:
-            self._fsync.observe(sync_seconds)
+            self.fsync.observe(sync_seconds)
 
     def synced(self, seconds: float) -> None:
-        self._fsync.observe(seconds)
+        self.fsync.observe(seconds)
 
     def failed(self, op: str) -> None:
-        child = self._store_error_children.get(op)
-        (child if child is not None else self._store_errors.labels(op)).inc()
+        self.store_errors[op] = self.store_errors.get(op, 0) + 1
 
     # ------------------------------------------------------------------ the scrape
 
@@ -165,14 +167,20 @@ class Metrics:
         return encode(self.registry), content_type
 
 
-class _StateCollector(Collector):
-    """The gauges computed from the broker's state at each scrape (on the event loop, like every
-    other reader of that state)."""
+def _histogram(name: str, doc: str, buckets: _Buckets) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=[])
+    buckets.add_to(family, [])
+    return family
 
-    def __init__(self, broker: Broker, allow: tuple[str, ...], traffic: dict[str, _Traffic]) -> None:
-        self.broker = broker
-        self.allow = allow
-        self.traffic = traffic
+
+class _Collector(Collector):
+    """Every onceflow metric at scrape time: the numbers :class:`Metrics` keeps, and the gauges
+    computed from the broker's state (on the event loop, like every other reader of that state)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.broker = metrics.broker
+        self.allow = metrics.allow
 
     def _key(self, name: str) -> str:
         return name if name.startswith(self.allow) else ""
@@ -195,16 +203,47 @@ class _StateCollector(Collector):
             ("onceflow_read_bytes", "Body bytes of the read answers sent (200s)", "read_bytes"),
         ):
             if labels is None:
-                yield CounterMetricFamily(metric, doc, value=getattr(self.traffic[""], field))
+                yield CounterMetricFamily(metric, doc, value=getattr(self.metrics.traffic[""], field))
                 continue
             family = CounterMetricFamily(metric, doc, labels=labels)
-            for key in sorted(self.traffic):
-                family.add_metric([key], getattr(self.traffic[key], field))
+            traffic = self.metrics.traffic
+            for key in sorted(traffic):
+                family.add_metric([key], getattr(traffic[key], field))
             yield family
+
+    def _fed(self) -> Iterator[Metric]:
+        m = self.metrics
+        requests = HistogramMetricFamily(
+            "onceflow_http_request_duration_seconds",
+            "Time from a request's arrival to the end of its answer, by route, status and error code",
+            labels=["route", "status", "code"],
+        )
+        for labels in sorted(m.requests):
+            m.requests[labels].add_to(requests, list(labels))
+        yield requests
+        yield from self._counters()
+        yield GaugeMetricFamily("onceflow_live_readers", "Long-poll and SSE reads open now", value=m.live_readers)
+        yield _histogram(
+            "onceflow_fsync_duration_seconds",
+            "Time an fdatasync of a log took (a written group, or an interval sync)",
+            m.fsync,
+        )
+        yield _histogram(
+            "onceflow_group_commit_batches",
+            "Batches written together in one group (one write, one fsync under --fsync always)",
+            m.group_batches,
+        )
+        yield _histogram("onceflow_group_commit_bytes", "Bytes written together in one group", m.group_bytes)
+        errors = CounterMetricFamily(
+            "onceflow_store_errors", "I/O errors of the logs' write path, by operation", labels=["op"]
+        )
+        for op, n in m.store_errors.items():
+            errors.add_metric([op], n)
+        yield errors
 
     def collect(self) -> Iterator[Metric]:
         b = self.broker
-        yield from self._counters()
+        yield from self._fed()
         live = [s for s in b.streams.values() if not s.meta.soft_deleted]
         yield GaugeMetricFamily("onceflow_streams", "Streams held (soft-deleted ones not counted)", value=len(live))
         yield from self._transactions()
