@@ -360,6 +360,20 @@ async def test_open_transactions_their_oldest_age_and_the_lso_lag(make: Callable
     assert value(m, "onceflow_lso_lag_records") == 2  # t2's record and the one after it
 
 
+async def test_a_fork_lags_behind_a_transaction_open_in_its_source(make: Callable[..., Any]) -> None:
+    srv: Server = await make(allow=("fork",))
+    c = srv.client
+    await c.put(S + "src", headers=JSON)
+    await c.post(S + "src", content=b"[1]", headers=JSON)
+    await txn_append(c, "t", "src", b"[2,3]")  # open: src's LSO stays before it
+    r = await c.put(S + "fork", headers={**JSON, "stream-forked-from": "src"})
+    assert r.status_code == 201, r.text
+    await c.post(S + "fork", content=b"[4]", headers=JSON)
+    m = await srv.scrape()
+    assert value(m, "onceflow_lso_lag_records", stream="fork") == 3  # the transaction's two records and [4]
+    assert value(m, "onceflow_lso_lag_records", stream="") == 2  # src
+
+
 async def test_consumer_group_lag_counts_records_up_to_the_stable_offset(make: Callable[..., Any]) -> None:
     srv: Server = await make()
     c = srv.client
