@@ -499,8 +499,9 @@ def test_the_metrics_scope_is_given_on_the_whole_server_only() -> None:
 
 
 @pytest.mark.slow
-def test_onceflow_serve_counts_requests_and_takes_the_allow_list(tmp_path: Path) -> None:
-    srv = ServerProcess(tmp_path / "data", "--metrics-allow", "pub/", "--metrics-allow", "ops/")
+@pytest.mark.parametrize("front", ["native", "uvicorn"])
+def test_onceflow_serve_counts_requests_and_takes_the_allow_list(tmp_path: Path, front: str) -> None:
+    srv = ServerProcess(tmp_path / "data", "--http", front, "--metrics-allow", "pub/", "--metrics-allow", "ops/")
     srv.start()
     try:
         with httpx.Client(base_url=srv.url) as c:
