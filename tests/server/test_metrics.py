@@ -232,6 +232,9 @@ async def test_error_codes_are_a_bounded_set_of_label_values(make: Callable[...,
     codes = {dict(labels)["code"] for name, labels in m if name == REQUESTS}
     assert len(codes) <= 65 and "other" in codes
     assert "not a code: {}" not in codes
+    assert value(m, REQUESTS, route="other", status="400", code="other") == 100 - 64 + 1
+    assert len([labels for labels in metrics.requests if labels[1] == "400"]) == 65
+    assert len(metrics._request_keys) <= 66  # the 64 codes, and the scrape's own request
 
 
 async def test_appends_and_bytes_in_and_out_are_counted(make: Callable[..., Any]) -> None:

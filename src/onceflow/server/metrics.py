@@ -117,16 +117,16 @@ class Metrics:
         key = (route, status, code)
         buckets = self._request_keys.get(key)
         if buckets is None:
-            if code not in self._codes:
-                if len(self._codes) >= MAX_CODES or (code and not _CODE.fullmatch(code)):
-                    code = "other"
-                else:
-                    self._codes.add(code)
-            labels = (route, str(status) if status else "none", code)
+            known = not code or code in self._codes
+            if not known and len(self._codes) < MAX_CODES and _CODE.fullmatch(code):
+                self._codes.add(code)
+                known = True
+            labels = (route, str(status) if status else "none", code if known else "other")
             buckets = self.requests.get(labels)
             if buckets is None:
                 buckets = self.requests[labels] = _Buckets(LATENCY_BUCKETS)
-            self._request_keys[key] = buckets
+            if known:  # a code past the cap is not remembered: every one of them is "other"
+                self._request_keys[key] = buckets
         buckets.observe(seconds)
 
     def _traffic(self, stream: str) -> _Traffic:
