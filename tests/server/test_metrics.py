@@ -327,6 +327,32 @@ async def test_store_errors_are_counted_by_operation(make: Callable[..., Any], m
         assert value(m, "onceflow_store_errors_total", op=op) == 0
 
 
+async def test_a_failed_segment_roll_and_interval_sync_are_store_errors(
+    make: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srv: Server = await make(fsync="interval", segment_bytes=1)
+    c = srv.client
+    await c.put(S + "s", headers=JSON)
+    assert (await c.post(S + "s", content=b"[1]", headers=JSON)).status_code == 204  # the segment is full
+    log = srv.broker.streams["s"].log
+
+    def no_space(*_args: object, **_kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(log.fs, "open_file", no_space)  # the next group needs a new segment
+    assert (await c.post(S + "s", content=b"[2]", headers=JSON)).status_code == 503
+    monkeypatch.undo()
+    monkeypatch.setattr(storage_log, "_timed_sync", no_space)
+    await c.post(S + "s", content=b"[3]", headers=JSON)
+    with pytest.raises(OSError):
+        await log.sync()  # what the interval policy's timer does each second
+    monkeypatch.undo()
+    m = await srv.scrape()
+    assert value(m, "onceflow_store_errors_total", op="roll") == 1
+    assert value(m, "onceflow_store_errors_total", op="sync") == 1
+    assert value(m, "onceflow_store_errors_total", op="write") == 0
+
+
 # ---------------------------------------------------------------------- state, at scrape time
 
 
