@@ -421,6 +421,26 @@ async def test_consumer_group_lag_counts_records_up_to_the_stable_offset(make: C
     assert value(await srv.scrape(), "onceflow_consumer_group_lag_records") == 0
 
 
+async def test_consumer_group_lag_counts_only_what_retention_kept(make: Callable[..., Any]) -> None:
+    """A group whose committed offset retention deleted lags by what can still be read, as
+    ``onceflow groups list`` says."""
+    srv: Server = await make(segment_bytes=600)
+    c = srv.client
+    assert (await c.put(S + "r", headers={**JSON, "stream-retention-bytes": "1200"})).status_code == 201
+    offsets = []
+    for i in range(40):
+        r = await c.post(S + "r", content=b'{"i":%d,"pad":"%s"}' % (i, b"x" * 60), headers=JSON)
+        offsets.append(r.headers["stream-next-offset"])
+    assert (await c.post("/v1/groups/g/offsets", json={"offsets": {"r": offsets[0]}})).status_code == 200
+    assert (await srv.broker.enforce_retention()).get("r", 0) > 0
+    earliest = (await c.head(S + "r")).headers["stream-earliest-offset"]
+    kept = 40 - int(earliest.split("_")[0])
+    assert 0 < kept < 39
+    assert value(await srv.scrape(), "onceflow_consumer_group_lag_records") == kept
+    (row,) = (await c.get("/v1/groups")).json()["groups"]
+    assert row["lag"] == kept
+
+
 async def test_disk_free_and_size_of_the_data_directory(make: Callable[..., Any]) -> None:
     srv: Server = await make()
     m = await srv.scrape()

@@ -337,7 +337,12 @@ class _Collector(Collector):
                 at = parse_token(token)
                 if s is None or s.meta.soft_deleted or at is None:
                     continue
-                lag += max(0, s.stable().offset - at.offset)
+                # as GET /v1/groups counts it: from the earliest offset kept when retention deleted
+                # the committed one, nothing for an offset past the tail (not one of this stream's)
+                at = max(at, s.earliest, key=lambda p: p.pos)
+                tail = s.tail
+                if at.pos <= tail.pos and at.offset <= tail.offset:
+                    lag += max(0, s.stable().offset - at.offset)
             key = self._key(group) if self.allow else ""
             lags[key] = max(lags.get(key, 0), lag)
         return lags
