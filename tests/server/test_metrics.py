@@ -165,6 +165,7 @@ async def test_request_latency_is_counted_by_route_status_and_error_code(make: C
     assert (await c.head(S + "s")).status_code == 200
     assert (await c.post("/v1/txn/t/init", json={})).status_code == 200
     assert (await c.get("/nowhere")).status_code == 404
+    assert (await c.get("/v1/groups")).status_code == 200  # an operator's listing
     assert (await c.options(S + "s")).status_code == 204
     m = await srv.scrape()
     assert requests(m, "stream.create", 201) == 1
@@ -179,6 +180,7 @@ async def test_request_latency_is_counted_by_route_status_and_error_code(make: C
     assert requests(m, "stream.head", 200) == 1
     assert requests(m, "txn.init", 200) == 1
     assert requests(m, "other", 404, "not_found") == 1
+    assert requests(m, "groups.list", 200) == 1
     assert requests(m, "options", 204) == 1
     # a histogram: every request falls in the +Inf bucket, and the sum is a duration
     le = value(
@@ -202,6 +204,12 @@ def test_the_route_label_is_the_guards_endpoint_key() -> None:
         "/v1/txn/t/init",
         "/v1/groups/g/offsets",
         "/v1/sinks/s/commit",
+        "/v1/txn",
+        "/v1/groups",
+        "/v1/sinks",
+        "/v1/txn/t/force-abort",
+        "/v1/groups/g/reset",
+        "/v1/sinks/s/reset",
         "/metrics",
         "/elsewhere",
     ]
