@@ -52,6 +52,12 @@ if ! command -v java >/dev/null 2>&1 && [ -z "${JAVA_HOME:-}" ]; then
   apt_install openjdk-17-jre-headless
 fi
 
+# the dashboard's test loads /ui in a headless browser (tests/server/test_dashboard.py)
+if [ "$want" = dev ] && ! command -v chromium >/dev/null 2>&1; then
+  echo "setup: Chromium is missing (the dashboard's test runs it headless); installing from Debian's packages"
+  apt_install chromium
+fi
+
 if [ "$want" = dev ] && ! command -v npx >/dev/null 2>&1; then
   echo "setup: Node.js is missing (the conformance suite runs on it); installing from Debian's packages"
   apt_install nodejs npm

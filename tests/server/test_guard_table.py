@@ -528,6 +528,7 @@ CASES: list[Case] = [
     ),
     Case("metrics", frozenset({"metrics"}), lambda w: req("GET", "/metrics")),
     Case("metrics", frozenset({"metrics"}), lambda w: req("POST", "/metrics")),  # 405 past the guard
+    Case("ui", "anyone", lambda w: req("GET", "/ui")),
     Case("other", "token", lambda w: req("GET", "/v2/pub/s")),
 ]
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
+import importlib.resources
 import json
 import logging
 import math
@@ -68,6 +70,7 @@ GROUPS_PREFIX = "/v1/groups/"  # extension: consumer-group offsets
 SINKS_PREFIX = "/v1/sinks/"  # extension: many transactions committed as one (docs/transactions.md)
 # extension: what an operator lists (docs/operations.md): transactional ids, groups with lag, sinks
 TXN_LIST_PATH, GROUPS_LIST_PATH, SINKS_LIST_PATH = "/v1/txn", "/v1/groups", "/v1/sinks"
+UI_PATHS = ("/ui", "/ui/")  # the dashboard (docs/operations.md)
 ADMIN_LISTS = (TXN_LIST_PATH, GROUPS_LIST_PATH, SINKS_LIST_PATH)
 FORCE_ABORT = "force-abort"  # POST /v1/txn/<id>/force-abort: an operator's abort of a hanging transaction
 GROUP_RESET = "reset"  # POST /v1/groups/<group>/reset: rewind (or move) a group to earliest/latest/offsets/a time
@@ -319,6 +322,10 @@ class App:
             return
         if path == LIST_PATH and method in ("GET", "HEAD"):
             status, h, body = self._list(scope)
+            await _send(send, status, h, b"" if method == "HEAD" else body)
+            return
+        if path in UI_PATHS:
+            status, h, body = _dashboard(method)
             await _send(send, status, h, b"" if method == "HEAD" else body)
             return
         if not path.startswith(PREFIX):
@@ -1201,6 +1208,34 @@ def _gone(exc: OffsetGone) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     earliest = exc.earliest.token()
     body = json.dumps({"error": {"code": answer.code, "message": str(exc), "earliest_offset": earliest}}).encode()
     return answer.status, [(b"content-type", b"application/json"), (b"stream-earliest-offset", earliest.encode())], body
+
+
+@functools.cache
+def _dashboard_page() -> bytes:
+    return importlib.resources.files("onceflow.server").joinpath("ui/index.html").read_bytes()
+
+
+# The page's own script and styles are inline; it fetches only this server's JSON and /metrics.
+_UI_POLICY = (
+    b"default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' data:; "
+    b"connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+)
+
+
+def _dashboard(method: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """``GET /ui``: the dashboard, one HTML file shipped in the package (docs/operations.md)."""
+    if method not in ("GET", "HEAD"):
+        status, h, body = _error(405, "method_not_allowed", f"{method} is not supported on /ui; use GET")
+        return status, [*h, (b"allow", b"GET, HEAD")], body
+    return (
+        200,
+        [
+            (b"content-type", b"text/html; charset=utf-8"),
+            (b"cache-control", b"no-store"),
+            (b"content-security-policy", _UI_POLICY),
+        ],
+        _dashboard_page(),
+    )
 
 
 def _json_response(status: int, value: object) -> tuple[int, list[tuple[bytes, bytes]], bytes]:

@@ -74,6 +74,7 @@ from .app import (
     SINKS_PREFIX,
     TXN_LIST_PATH,
     TXN_PREFIX,
+    UI_PATHS,
     App,
     ASGIMessage,
     BadRequest,
@@ -547,6 +548,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "token",
         (Names("metrics", 'the whole server (a grant on the prefix `""`)', _whole_server),),
     ),
+    Endpoint("ui", "GET/HEAD /ui (the dashboard's page: no data; it asks for a token)", "anyone"),
     Endpoint("other", "any other path (404)", "token"),
 )
 _BY_KEY = {e.key: e for e in ENDPOINTS}
@@ -604,6 +606,8 @@ def route(method: str, path: str, scope: ASGIScope) -> tuple[Endpoint, str, str]
     if path in ADMIN_LISTS and method in ("GET", "HEAD"):
         key = {TXN_LIST_PATH: "txns.list", GROUPS_LIST_PATH: "groups.list", SINKS_LIST_PATH: "sinks.list"}[path]
         return _BY_KEY[key], "", ""
+    if path in UI_PATHS:
+        return _BY_KEY["ui"], "", ""
     if not path.startswith(PREFIX):
         return _BY_KEY["metrics" if path == METRICS_PATH else "other"], "", ""
     name = path[len(PREFIX) :]

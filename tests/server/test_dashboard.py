@@ -1,0 +1,176 @@
+"""The dashboard (``GET /ui``) in a real headless Chromium against a real server with traffic: the
+numbers it shows are the API's, and a screenshot is taken (docs/img/dashboard.png comes from
+``ONCEFLOW_DASHBOARD_PNG=docs/img/dashboard.png pytest tests/server/test_dashboard.py``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers.servers import ServerProcess
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (scripts/setup.sh dev installs it)")
+JSON = {"content-type": "application/json"}
+
+
+class Page(HTMLParser):
+    """What the dashboard shows: card values by id, and table rows by section, key and field."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cards: dict[str, str] = {}
+        self.rows: dict[str, dict[str, dict[str, str]]] = {}
+        self._section: str | None = None
+        self._row: str | None = None
+        self._into: tuple[str, str] | None = None  # ("card", id) or ("cell", field)
+        self._text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "div" and a.get("id") in ("streams", "groups", "txns", "sinks"):
+            self._section = a["id"]
+        elif tag == "div" and (a.get("id") or "").startswith("card-"):
+            self._into, self._text = ("card", str(a["id"])[5:]), []
+        elif tag == "tr" and a.get("data-key") is not None and self._section:
+            self._row = a["data-key"]
+            self.rows.setdefault(self._section, {})[str(self._row)] = {}
+        elif tag == "td" and self._row is not None and a.get("data-field"):
+            self._into, self._text = ("cell", str(a["data-field"])), []
+
+    def handle_data(self, data: str) -> None:
+        if self._into is not None:
+            self._text.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._into is not None and tag in ("div", "td"):
+            kind, name = self._into
+            text = "".join(self._text).strip()
+            if kind == "card":
+                self.cards[name] = text
+            elif self._section and self._row is not None:
+                self.rows[self._section][self._row][name] = text
+            self._into = None
+        elif tag == "tr":
+            self._row = None
+        elif tag == "section":
+            self._section = None
+
+
+def chromium(url: str, profile: Path, *args: str, height: int = 1500) -> subprocess.CompletedProcess[str]:
+    assert CHROMIUM is not None
+    return subprocess.run(
+        [
+            CHROMIUM,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            f"--window-size=1280,{height}",
+            "--virtual-time-budget=9000",  # several refreshes of the page (its timers run on virtual time)
+            *args,
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path / "data")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+def scene(url: str) -> None:
+    """Streams with data, a consumer group behind, a transaction left open, a sink with batches."""
+    for name in ("orders", "payments", "traffic"):
+        assert httpx.put(f"{url}/v1/stream/{name}", headers=JSON).status_code == 201
+    after = [
+        httpx.post(f"{url}/v1/stream/orders", json=[{"order": i + k} for k in range(10)], headers=JSON)
+        for i in range(0, 120, 10)
+    ]
+    httpx.post(f"{url}/v1/stream/payments", json=[{"payment": k} for k in range(7)], headers=JSON)
+    fifty = after[4].headers["stream-next-offset"]  # billing has read 50 of the 120 orders
+    r = httpx.post(f"{url}/v1/groups/billing/offsets", json={"offsets": {"orders": fifty}})
+    assert r.status_code == 200, r.text
+    epoch = httpx.post(f"{url}/v1/txn/loader/init", json={"timeout_ms": 3_600_000}).json()["epoch"]
+    txn_headers = {**JSON, "producer-id": "txn:loader", "producer-epoch": str(epoch), "producer-seq": "0"}
+    r = httpx.post(
+        f"{url}/v1/stream/payments", json=[{"payment": "pending"}], headers={**txn_headers, "transaction-id": "loader"}
+    )
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/v1/sinks/daily/commit", json={"batch": 4, "members": [], "query": "q-7f3a"})
+    assert r.status_code == 200, r.text
+
+
+@needs_chromium
+def test_the_dashboard_shows_what_the_api_says_while_traffic_flows(server: ServerProcess, tmp_path: Path) -> None:
+    url = server.url
+    scene(url)
+    stop = threading.Event()
+
+    def traffic() -> None:
+        with httpx.Client() as c:
+            while not stop.is_set():
+                c.post(f"{url}/v1/stream/traffic", json=[{"tick": 1}], headers=JSON)
+
+    feeder = threading.Thread(target=traffic, daemon=True)
+    feeder.start()
+    try:
+        page = chromium(f"{url}/ui?interval=1000", tmp_path / "profile", "--dump-dom")
+        shot = tmp_path / "dashboard.png"
+        taken = chromium(f"{url}/ui?interval=1000", tmp_path / "profile2", f"--screenshot={shot}", height=960)
+    finally:
+        stop.set()
+        feeder.join(timeout=10)
+    assert page.returncode == 0, page.stderr[-2000:]
+    shown = Page()
+    shown.feed(page.stdout)
+
+    streams = httpx.get(f"{url}/v1/streams").json()["streams"]
+    assert shown.cards["streams"] == str(len(streams))
+    for s in streams:
+        if s["name"] != "traffic":  # still growing
+            assert shown.rows["streams"][s["name"]]["messages"] == f"{s['messages']:,}", s
+    assert shown.rows["streams"]["orders"]["messages"] == "120"
+    group = httpx.get(f"{url}/v1/groups").json()["groups"][0]
+    assert group["group"] == "billing" and group["lag"] == 70
+    assert shown.rows["groups"]["billing"]["lag"] == "70" and shown.cards["group-lag"] == "70"
+    txns = httpx.get(f"{url}/v1/txn", params={"open": "true"}).json()["transactions"]
+    assert [t["transactional_id"] for t in txns] == ["loader"]
+    assert shown.rows["txns"]["loader"]["status"] == "ongoing" and shown.cards["open-txns"] == "1"
+    assert shown.rows["streams"]["payments"]["lso_lag"] == "1"  # the open transaction holds one record back
+    assert shown.rows["sinks"]["daily"]["batch"] == "4" and shown.rows["sinks"]["daily"]["owner"] == "q-7f3a"
+    assert shown.cards["stuck-txns"] == "0"
+    rate = shown.cards["append-rate"].replace(",", "")
+    assert rate.isdigit() and int(rate) > 0, shown.cards  # the traffic, seen through /metrics
+
+    assert taken.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", taken.stderr[-2000:]
+    target = os.environ.get("ONCEFLOW_DASHBOARD_PNG")
+    if target:
+        shutil.copyfile(shot, target)
+
+
+def test_the_page_is_served_whole_with_nothing_from_elsewhere(server: ServerProcess) -> None:
+    r = httpx.get(f"{server.url}/ui")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in r.headers["content-security-policy"]
+    assert "http://" not in r.text and "https://" not in r.text  # no CDN, no external font or script
+    assert httpx.head(f"{server.url}/ui").status_code == 200
+    assert httpx.post(f"{server.url}/ui").status_code == 405
