@@ -18,7 +18,9 @@ import pytest
 from helpers.servers import ServerProcess
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (scripts/setup.sh dev installs it)")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="needs Debian's chromium (scripts/setup.sh dev installs it)"
+)
 JSON = {"content-type": "application/json"}
 
 
