@@ -298,10 +298,12 @@ def test_an_abort_can_be_pinned_to_the_transaction_listed(run: Run, url: str) ->
 def test_sinks_are_listed_and_reset_on_purpose(run: Run, url: str) -> None:
     r = httpx.post(f"{url}/v1/sinks/sk/daily/commit", json={"batch": 4, "members": [], "query": "q-1"})
     assert r.status_code == 200, r.text
-    assert rows(run.ok("sinks", "list", "--prefix", "sk/")) == {"sk/daily": ["4", "q-1"]}
-    assert run.json("sinks", "describe", "sk/daily") == {"sink": "sk/daily", "batch": 4, "owner": "q-1"}
+    assert rows(run.ok("sinks", "list", "--prefix", "sk/")) == {"sk/daily": ["4", "-", "q-1"]}
+    assert run.json("sinks", "describe", "sk/daily") == {"sink": "sk/daily", "batch": 4, "owner": "q-1", "rows": None}
     assert "belongs to query q-1" in run.fails("sinks", "reset", "sk/daily", "--owner", "q-2")
-    assert run.json("sinks", "list", "--prefix", "sk/")["sinks"] == [{"sink": "sk/daily", "batch": 4, "owner": "q-1"}]
+    assert run.json("sinks", "list", "--prefix", "sk/")["sinks"] == [
+        {"sink": "sk/daily", "batch": 4, "owner": "q-1", "rows": None}
+    ]
     assert run.ok("sinks", "reset", "sk/daily", "--owner", "q-1").startswith("sink sk/daily reset")
     assert run.ok("sinks", "list", "--prefix", "sk/") == "no sinks under 'sk/'\n"
     code, _, err = run("sinks", "reset", "sk/daily")

@@ -375,9 +375,9 @@ def sinks_list(c: AdminClient, args: argparse.Namespace) -> int:
         print(f"no sinks{_under(args.prefix)}")
         return 0
     _table(
-        ["SINK", "LAST BATCH", "OWNER (QUERY)"],
-        [(s["sink"], s["batch"], s["owner"]) for s in sinks],
-        numeric=("LAST BATCH",),
+        ["SINK", "LAST BATCH", "ROWS", "OWNER (QUERY)"],
+        [(s["sink"], s["batch"], s.get("rows"), s["owner"]) for s in sinks],
+        numeric=("LAST BATCH", "ROWS"),
     )
     return 0
 
@@ -387,7 +387,14 @@ def sinks_describe(c: AdminClient, args: argparse.Namespace) -> int:
     if args.json:
         _show_json(s)
     else:
-        _fields([("sink", s["sink"]), ("last batch", s["batch"]), ("owner (query)", s["owner"])])
+        _fields(
+            [
+                ("sink", s["sink"]),
+                ("last batch", s["batch"]),
+                ("rows of that batch", s.get("rows")),
+                ("owner (query)", s["owner"]),
+            ]
+        )
     return 0
 
 

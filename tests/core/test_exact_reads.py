@@ -168,7 +168,7 @@ async def test_members_commit_as_one_and_a_replayed_batch_adds_nothing(onceflow:
     assert sorted(m["from"] for m in await committed(onceflow, "x")) == ["a", "b"]
     head = await onceflow.client.head(S + "x")
     assert head.headers["stream-last-stable-offset"] == head.headers["stream-next-offset"]  # the re-run was aborted
-    assert (await onceflow.client.get("/v1/sinks/q")).json() == {"sink": "q", "batch": 7, "owner": None}
+    assert (await onceflow.client.get("/v1/sinks/q")).json() == {"sink": "q", "batch": 7, "owner": None, "rows": None}
 
 
 async def test_leftover_attempts_under_the_prefix_are_aborted(onceflow: InProcess) -> None:

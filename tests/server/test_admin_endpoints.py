@@ -385,7 +385,10 @@ async def test_sinks_are_listed_with_last_batch_and_owner(c: InProcess) -> None:
         r = await c.client.post(f"/v1/sinks/{sink}/commit", json={"batch": batch, "members": [], "query": query})
         assert r.status_code == 200, r.text
     listed = (await c.client.get("/v1/sinks", params={"prefix": "app/"})).json()["sinks"]
-    assert listed == [{"sink": "app/j", "batch": 0, "owner": None}, {"sink": "app/k", "batch": 3, "owner": "Q1"}]
+    assert listed == [
+        {"sink": "app/j", "batch": 0, "owner": None, "rows": None},
+        {"sink": "app/k", "batch": 3, "owner": "Q1", "rows": None},
+    ]
     r = await c.client.post("/v1/sinks/app/k/reset", json={"owner": "Q1"})
     assert r.status_code == 200
     assert [s["sink"] for s in (await c.client.get("/v1/sinks")).json()["sinks"]] == ["app/j", "other/k"]

@@ -117,7 +117,7 @@ def scene(url: str) -> None:
         f"{url}/v1/stream/payments", json=[{"payment": "pending"}], headers={**txn_headers, "transaction-id": "loader"}
     )
     assert r.status_code == 200, r.text
-    r = httpx.post(f"{url}/v1/sinks/daily/commit", json={"batch": 4, "members": [], "query": "q-7f3a"})
+    r = httpx.post(f"{url}/v1/sinks/daily/commit", json={"batch": 4, "members": [], "query": "q-7f3a", "rows": 2500})
     assert r.status_code == 200, r.text
 
 
@@ -159,6 +159,7 @@ def test_the_dashboard_shows_what_the_api_says_while_traffic_flows(server: Serve
     assert shown.rows["txns"]["loader"]["status"] == "ongoing" and shown.cards["open-txns"] == "1"
     assert shown.rows["streams"]["payments"]["lso_lag"] == "1"  # the open transaction holds one record back
     assert shown.rows["sinks"]["daily"]["batch"] == "4" and shown.rows["sinks"]["daily"]["owner"] == "q-7f3a"
+    assert shown.rows["sinks"]["daily"]["rows"] == "2,500"
     assert shown.cards["stuck-txns"] == "0"
     rate = shown.cards["append-rate"].replace(",", "")
     assert rate.isdigit() and int(rate) > 0, shown.cards  # the traffic, seen through /metrics

@@ -156,7 +156,12 @@ async def test_sink_ids_are_names_under_the_grant(g: Guarded) -> None:
         headers=PUB,
     )
     assert r.status_code == 200 and r.json() == {"sink": "pub/s1", "status": "committed", "batch": 3}
-    assert (await c.get("/v1/sinks/pub/s1", headers=PUB)).json() == {"sink": "pub/s1", "batch": 3, "owner": None}
+    assert (await c.get("/v1/sinks/pub/s1", headers=PUB)).json() == {
+        "sink": "pub/s1",
+        "batch": 3,
+        "owner": None,
+        "rows": None,
+    }
     assert forbidden(await c.get("/v1/sinks/orders/s1", headers=PUB))
 
 

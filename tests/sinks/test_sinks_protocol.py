@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from helpers.servers import InProcess
-from helpers.txn import S, Txn, committed, make
+from helpers.txn import S, Txn, committed, kill, make, serve
 
 pytestmark = pytest.mark.anyio
 
@@ -274,7 +275,12 @@ async def test_two_new_queries_racing_for_one_sink_id_leave_one_owner_and_no_los
     await abort_batch(onceflow.client, st, 0, [b])
     assert await ids(onceflow) == [1]
     assert await settled(onceflow)
-    assert (await onceflow.client.get("/v1/sinks/fresh")).json() == {"sink": "fresh", "batch": 0, "owner": "QA"}
+    assert (await onceflow.client.get("/v1/sinks/fresh")).json() == {
+        "sink": "fresh",
+        "batch": 0,
+        "owner": "QA",
+        "rows": 1,
+    }
 
 
 async def test_a_reset_is_explicit_and_names_the_owner_it_resets(onceflow: InProcess) -> None:
@@ -287,7 +293,12 @@ async def test_a_reset_is_explicit_and_names_the_owner_it_resets(onceflow: InPro
     assert wrong.status_code == 409 and "belongs to query Q1" in wrong.json()["error"]["message"]
     r = await onceflow.client.post("/v1/sinks/orders/reset", json={"owner": "Q1"})
     assert r.status_code == 200, r.text
-    assert (await onceflow.client.get("/v1/sinks/orders")).json() == {"sink": "orders", "batch": None, "owner": None}
+    assert (await onceflow.client.get("/v1/sinks/orders")).json() == {
+        "sink": "orders",
+        "batch": None,
+        "owner": None,
+        "rows": None,
+    }
     assert (
         await onceflow.client.post("/v1/sinks/orders/reset", json={"owner": "Q1"})
     ).status_code == 200  # a retry: no-op
@@ -467,3 +478,27 @@ class _Posting:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+
+async def test_the_sink_shows_how_many_rows_its_last_batch_published(tmp_path: Path) -> None:
+    """The driver's commit counts the rows its tasks wrote; the sink keeps the count of its last
+    committed batch (for the dashboard and ``onceflow sinks``), also after a restart, and a
+    replayed batch changes nothing."""
+    st = settings("counted")
+    async with serve(tmp_path / "data") as c:
+        await make(c, "out")
+        assert await batch(c, st, "Q", 0, [[1, 2, 3], [4, 5]]) == "committed"
+        assert (await c.client.get("/v1/sinks/counted")).json()["rows"] == 5
+        assert await batch(c, st, "Q", 1, [[6], []]) == "committed"
+        assert await batch(c, st, "Q", 1, [[6], []], run="r2") == "already_committed"
+        bad = await c.client.post("/v1/sinks/counted/commit", json={"members": [], "rows": -1})
+        assert bad.status_code == 400 and "rows" in bad.json()["error"]["message"]
+        await kill(c.broker)
+    async with serve(tmp_path / "data") as c:
+        assert (await c.client.get("/v1/sinks/counted")).json() == {
+            "sink": "counted",
+            "batch": 1,
+            "owner": "Q",
+            "rows": 1,
+        }
+        await c.broker.close()

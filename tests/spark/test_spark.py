@@ -141,7 +141,8 @@ def test_stream_to_stream_is_exactly_once_even_when_spark_replays_a_batch(
     assert len(out) == 300 and sorted(r["id"] for r in out) == [r["id"] for r in rows]
     h = head(srv.url, "eo/out")
     assert h.headers["stream-last-stable-offset"] == h.headers["stream-next-offset"]  # no transaction left open
-    assert httpx.get(f"{srv.url}/v1/sinks/eo").json()["batch"] == last
+    sink = httpx.get(f"{srv.url}/v1/sinks/eo").json()
+    assert sink["batch"] == last and sink["rows"] == 100  # the rows of the last batch, as the tasks counted
 
 
 def test_source_reads_committed_data_only(registered: Any, srv: ServerProcess, tmp_path: Path) -> None:

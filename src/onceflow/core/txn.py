@@ -215,6 +215,7 @@ class SinkState:
     owner: str | None = None  # the query the sink belongs to: bound by its first commit that names one
     decision: tuple[tuple[str, int, int], ...] | None = None  # the members of its last committed decision
     fingerprint: str | None = None  # of the rows of batch ``batch``, as its writers reported them
+    rows: int | None = None  # rows the last committed decision published, as its writers reported them
 
     def record(self, sink: str) -> dict[str, Any]:
         return {
@@ -223,6 +224,7 @@ class SinkState:
             "batch": self.batch,
             "owner": self.owner,
             "fingerprint": self.fingerprint,
+            "rows": self.rows,
             "decision": [list(m) for m in self.decision] if self.decision is not None else None,
         }
 
@@ -438,6 +440,7 @@ class Coordinator:
                     rec.get("owner"),
                     tuple((t, e, n) for t, e, n in decision) if decision is not None else None,
                     rec.get("fingerprint"),
+                    rec.get("rows"),
                 )
         elif rec["kind"] == "offsets":
             if rec.get("reset"):
@@ -458,6 +461,7 @@ class Coordinator:
             owner=rec.get("query") or prev.owner,
             decision=tuple((t, e, n) for t, e, n in decision) if decision is not None else None,
             fingerprint=rec.get("fingerprint") if batch is not None else prev.fingerprint,
+            rows=rec.get("rows"),
         )
 
     def _stage(self, rec: dict[str, Any]) -> asyncio.Future[None]:
@@ -935,6 +939,7 @@ class Coordinator:
         *,
         query: str | None = None,
         fingerprint: str | None = None,
+        rows: int | None = None,
     ) -> tuple[bool, int | None]:
         """Commit several open transactions ``(tid, epoch, txn)`` as one decision: a single durable
         record is the commit point for all of them, so readers see all of their data or none.
@@ -950,6 +955,7 @@ class Coordinator:
            same query) is a retry after a lost answer: answered committed, nothing changes.
         1. ``query`` must be the query the sink belongs to (bound by its first commit that names
            one), else ``sink_owned`` and only the caller's own tasks are aborted.
+        ``rows``: how many rows the members wrote (the writers' count), shown with the sink.
         2. A replay of the last batch whose ``fingerprint`` (of the rows its tasks were given)
            differs from the one recorded with it is refused (``replay_mismatch``): the batch was
            planned over other input, and skipping it on its id alone would lose or double rows.
@@ -1034,6 +1040,7 @@ class Coordinator:
                         "query": query,
                         "fingerprint": fingerprint,
                         "decision": [list(m) for m in decision],
+                        "rows": rows,
                     }
                     await self._write(rec)
                 self.sinks[sink] = SinkState(
@@ -1043,6 +1050,7 @@ class Coordinator:
                     fingerprint=fingerprint
                     if batch is not None
                     else (state.fingerprint if state is not None else None),
+                    rows=rows,
                 )
                 # Step 4: markers, then the rest of the batch's tasks and the leftovers.
                 await asyncio.gather(*(self._complete(meta) for meta in prepared))

@@ -600,7 +600,10 @@ class App:
                 200, {"sink": sink, "status": "aborted", "batch": _sink_json(sink, coord.sinks.get(sink))["batch"]}
             )
         fingerprint = self._name_field(body, "fingerprint")
-        committed, last = await coord.commit_members(sink, batch, members, prefix, query=query, fingerprint=fingerprint)
+        rows = self._int_field(body, "rows") if body.get("rows") is not None else None
+        committed, last = await coord.commit_members(
+            sink, batch, members, prefix, query=query, fingerprint=fingerprint, rows=rows
+        )
         return _json_response(
             200, {"sink": sink, "status": "committed" if committed else "already_committed", "batch": last}
         )
@@ -1269,7 +1272,12 @@ def _txn_json(meta: TxnMeta) -> dict[str, object]:
 
 def _sink_json(sink: str, state: SinkState | None) -> dict[str, object]:
     """What ``GET /v1/sinks/<sink>`` shows: the last committed batch and the query owning the sink."""
-    return {"sink": sink, "batch": state.batch if state else None, "owner": state.owner if state else None}
+    return {
+        "sink": sink,
+        "batch": state.batch if state else None,
+        "owner": state.owner if state else None,
+        "rows": state.rows if state else None,  # of its last committed batch, as its writers counted them
+    }
 
 
 def _is_open(meta: TxnMeta) -> bool:

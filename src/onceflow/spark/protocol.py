@@ -388,7 +388,12 @@ async def commit_batch(
     A retry after a lost answer is the same decision: answered ``committed``."""
     if not results:
         return BatchOutcome("empty", None)
-    body: dict[str, Any] = {"members": _members(results), "abort_prefix": settings.prefix, "query": _query(results)}
+    body: dict[str, Any] = {
+        "members": _members(results),
+        "abort_prefix": settings.prefix,
+        "query": _query(results),
+        "rows": sum(r.rows for r in results if r is not None and not r.skipped),  # shown with the sink
+    }
     if batch is not None:
         body["batch"] = batch
         prints = [r.fingerprint for r in results if r is not None]
