@@ -41,3 +41,34 @@ def test_a_terminal_gets_a_bar_with_the_numbers(monkeypatch: pytest.MonkeyPatch)
     text = out.getvalue()
     assert "onceflow sim" in text and "7/10" in text and "seeds" in text and "2 failed" in text, text
     assert "seeds/s" in text and "a line above the bar" in text, text
+
+
+def test_a_bench_reports_plain_lines_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    from onceflow_tools.bench.progress import bench_progress, say
+
+    with bench_progress("txn", console=Console(file=io.StringIO(), force_terminal=False)) as display:
+        assert not display.active
+        say("onceflow serve ready")
+        say("p99 4.2 ms", prefix="[bench spark]")
+    assert capsys.readouterr().out == "[bench] onceflow serve ready\n[bench spark] p99 4.2 ms\n"
+
+
+def test_a_bench_on_a_terminal_counts_its_steps_and_prints_each_above_the_bar(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from onceflow_tools.bench.progress import bench_progress, say
+
+    monkeypatch.setenv("TERM", "xterm")
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120, color_system=None)
+    with bench_progress("compare", console=console) as display:
+        assert display.active
+        say("redis: 61,094 appends/s")
+        say("onceflow: 15,120 appends/s")
+    shown = out.getvalue()
+    last = shown.rsplit("\r", 1)[-1]  # the bar as it was left: two steps, the latest as its text
+    assert "onceflow bench compare" in last and "2/? steps" in last and "onceflow: 15,120 appends/s" in last
+    assert "[bench] redis: 61,094 appends/s" in shown and "[bench] onceflow: 15,120 appends/s" in shown
+    assert capsys.readouterr().out == ""  # nothing printed beside the display
+    say("after the bench")  # the display is gone: a plain line again
+    assert capsys.readouterr().out == "[bench] after the bench\n"

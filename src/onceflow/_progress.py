@@ -1,4 +1,4 @@
-"""Progress bars for long commands (``onceflow demo``, ``sim``, ``chaos``): a ``rich`` display on stderr
+"""Progress bars for long commands (``onceflow demo``, ``sim``, ``chaos``, ``bench``): a ``rich`` display on stderr
 when stderr is a terminal, nothing at all otherwise (CI logs, soaks, pipes stay clean).
 
 ``rich`` is imported only when a display is opened, so that importing this module costs nothing.

@@ -44,6 +44,8 @@ from typing import Any, TypeVar
 
 from onceflow.testing import ServerFailure, ServerProcess, onceflow_server
 
+from .progress import say
+
 __all__ = ["run"]
 
 STREAM_PATH = "/v1/stream/bench"
@@ -68,7 +70,7 @@ BenchFailure = ServerFailure
 
 
 def _say(text: str) -> None:
-    print(f"[bench] {text}", flush=True)
+    say(text)  # a plain "[bench] ..." line, or a step above the bench's bar on a terminal
 
 
 def make_message(size: int = MESSAGE_BYTES) -> bytes:

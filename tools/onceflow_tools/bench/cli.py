@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .progress import bench_progress
+
 __all__ = ["add_bench_parser"]
 
 
@@ -111,34 +113,40 @@ def add_bench_parser(sub: Any) -> None:
 def _bench_txn(args: argparse.Namespace) -> int:
     from .txn import run
 
-    return run(args)
+    with bench_progress("txn"):  # a bar on a terminal, the plain [bench] lines elsewhere
+        return run(args)
 
 
 def _bench_append(args: argparse.Namespace) -> int:
     from .append import run
 
-    return run(args)
+    with bench_progress("append"):  # a bar on a terminal, the plain [bench] lines elsewhere
+        return run(args)
 
 
 def _bench_produce(args: argparse.Namespace) -> int:
     from .produce import run
 
-    return run(args)
+    with bench_progress("produce"):  # a bar on a terminal, the plain [bench] lines elsewhere
+        return run(args)
 
 
 def _bench_spark(args: argparse.Namespace) -> int:
     from .spark import run
 
-    return run(args)
+    with bench_progress("spark"):  # a bar on a terminal, the plain [bench] lines elsewhere
+        return run(args)
 
 
 def _bench_sinks(args: argparse.Namespace) -> int:
     from .sinks import run
 
-    return run(args)
+    with bench_progress("sinks"):  # a bar on a terminal, the plain [bench] lines elsewhere
+        return run(args)
 
 
 def _bench_processors(args: argparse.Namespace) -> int:
     from .processors import run
 
-    return run(args)
+    with bench_progress("processors"):  # a bar on a terminal, the plain [bench] lines elsewhere
+        return run(args)

@@ -1562,4 +1562,7 @@ def add_parser(bsub: Any) -> None:
 
 
 def _bench_compare(args: argparse.Namespace) -> int:
-    return run(args)
+    from .progress import bench_progress
+
+    with bench_progress("compare"):  # a bar on a terminal, the plain [bench] lines elsewhere
+        return run(args)

@@ -35,6 +35,7 @@ from onceflow.spark.source import source_schema
 from onceflow.testing import onceflow_server
 
 from .append import report
+from .progress import say
 
 __all__ = ["run"]
 
@@ -42,7 +43,7 @@ ROW = '{"id":%d,"user":"user-%02d","amount":%d.25,"note":"abcdefghijklmnopqrstuv
 
 
 def _say(msg: str) -> None:
-    print(f"[bench spark] {msg}", file=sys.stderr, flush=True)
+    say(msg, prefix="[bench spark]", stream=sys.stderr)
 
 
 class _Slice(InputPartition):
