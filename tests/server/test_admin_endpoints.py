@@ -394,6 +394,24 @@ async def test_sinks_are_listed_with_last_batch_and_owner(c: InProcess) -> None:
     assert [s["sink"] for s in (await c.client.get("/v1/sinks")).json()["sinks"]] == ["app/j", "other/k"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/groups/g/offsets", '{"offsets": {"s\\ud800": "%s"}}'),
+        ("/v1/sinks/k/commit", '{"batch": 1, "members": [], "query": "q\\udc80"}'),
+    ],
+)
+async def test_names_no_path_could_hold_are_refused_in_bodies(c: InProcess, path: str, body: str) -> None:
+    """A JSON body's ``"\\ud800"`` is a lone surrogate, which no path can carry and nothing can
+    print: kept, it made the listings unprintable (``onceflow groups --json`` died encoding it)."""
+    await make(c, "s")
+    end = await append(c, "s", 1)
+    r = await c.client.post(path, content=body.replace("%s", end), headers=JSON)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text
+    assert (await c.client.get("/v1/groups")).json()["groups"] == []
+    assert (await c.client.get("/v1/sinks")).json()["sinks"] == []
+
+
 # ---------------------------------------------------------------------- the guard
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import shutil
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -498,6 +499,24 @@ async def test_names_get_a_label_only_when_allow_listed(make: Callable[..., Any]
     assert value(m, "onceflow_sink_last_batch", sink="pub/k") == 4
     assert not [labels for name, labels in m if name == "onceflow_sink_last_batch" and ("sink", "orders/k") in labels]
     assert not [labels for name, labels in m if ("stream", "orders/x") in labels]
+
+
+async def test_a_group_name_that_is_not_utf8_is_refused_and_metrics_stay_up(make: Callable[..., Any]) -> None:
+    """A group named in a JSON body can hold a lone surrogate (``"\\ud800"``), which no path can
+    name: allow-listed, it became a label the scrape could not encode, and /metrics answered 500
+    from then on (the group is in the coordinator log), whoever's group it was."""
+    srv: Server = await make(allow=("",))
+    c = srv.client
+    await c.put(S + "s", headers=JSON)
+    end = (await c.post(S + "s", content=b"[1]", headers=JSON)).headers["stream-next-offset"]
+    epoch = (await c.post("/v1/txn/t/init", json={})).json()["epoch"]
+    body = json.dumps({"epoch": epoch, "group": "g\ud800", "offsets": {"s": end}})  # "g\\ud800" in the JSON
+    r = await c.post("/v1/txn/t/offsets", content=body, headers=JSON)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text
+    assert "group" in r.json()["error"]["message"]
+    await c.post("/v1/txn/t/commit", json={"epoch": epoch, "txn": (await c.get("/v1/txn/t")).json()["txn"]})
+    m = await srv.scrape()
+    assert value(m, "onceflow_streams") == 1
 
 
 async def test_without_an_allow_list_there_is_no_name_label(make: Callable[..., Any]) -> None:

@@ -426,6 +426,8 @@ class App:
         if not isinstance(offsets, dict) or not offsets:
             raise BadRequest('the body needs "offsets": {"<stream>": "<offset>", ...}')
         for stream, off in offsets.items():
+            if not _utf8(stream):
+                raise BadRequest(f"stream name {stream!r} in offsets is not valid UTF-8 (a lone surrogate escape)")
             if not isinstance(off, str) or parse_token(off) is None:
                 raise BadRequest(f"offset for {stream!r} is not an offset this server issued: {off!r}")
         return offsets
@@ -472,8 +474,8 @@ class App:
             return _json_response(200, _txn_json(meta))
         if action == "offsets":
             group = body.get("group")
-            if not isinstance(group, str) or not group:
-                raise BadRequest('the body needs "group": a non-empty string')
+            if not isinstance(group, str) or not group or not _utf8(group):
+                raise BadRequest('the body needs "group": a non-empty string of valid UTF-8')
             txn = self._int_field(body, "txn") if body.get("txn") is not None else None
             meta = await coord.add_offsets(
                 tid, self._int_field(body, "epoch"), group, self._offsets_field(body), txn=txn
@@ -612,7 +614,10 @@ class App:
     def _name_field(body: dict[str, Any], key: str) -> str | None:
         value = body.get(key)
         if value is not None and (
-            not isinstance(value, str) or not 1 <= len(value) <= 200 or any(ord(c) < 0x20 for c in value)
+            not isinstance(value, str)
+            or not 1 <= len(value) <= 200
+            or any(ord(c) < 0x20 for c in value)
+            or not _utf8(value)
         ):
             raise BadRequest(f'"{key}" must be a string of 1 to 200 printable characters, or null')
         return value
@@ -1239,6 +1244,16 @@ def _dashboard(method: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         ],
         _dashboard_page(),
     )
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` is valid UTF-8 text: a JSON body's ``"\\ud800"`` is a lone surrogate, which
+    no path can carry (:func:`request_path`) and no listing, label or terminal can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _json_response(status: int, value: object) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
