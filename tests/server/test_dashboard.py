@@ -4,7 +4,9 @@ numbers it shows are the API's, and a screenshot is taken (docs/img/dashboard.pn
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -16,6 +18,9 @@ import httpx
 import pytest
 
 from helpers.servers import ServerProcess
+from onceflow.core.broker import Broker
+from onceflow.server.app import App, AppConfig
+from onceflow.server.guard import Guard, GuardConfig
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
@@ -177,3 +182,30 @@ def test_the_page_is_served_whole_with_nothing_from_elsewhere(server: ServerProc
     assert "http://" not in r.text and "https://" not in r.text  # no CDN, no external font or script
     assert httpx.head(f"{server.url}/ui").status_code == 200
     assert httpx.post(f"{server.url}/ui").status_code == 405
+
+
+def test_the_token_the_docs_name_reads_everything_the_page_fetches(tmp_path: Path) -> None:
+    """docs/operations.md names the grants a token needs for the dashboard under --guard; with
+    exactly those, every endpoint the page fetches answers (a 403 on any one blanks the page)."""
+    page = (Path(__file__).parents[2] / "src/onceflow/server/ui/index.html").read_text()
+    fetched = re.findall(r'get\("(/[^"]*)"', page)
+    assert {p.split("?")[0] for p in fetched} == {"/v1/streams", "/v1/groups", "/v1/txn", "/v1/sinks", "/metrics"}
+    docs = (Path(__file__).parents[2] / "docs/operations.md").read_text()
+    said = re.search(r"that token needs (.*?) grants?\s+on\s+the\s+prefix", docs.split("## Dashboard")[1], re.S)
+    assert said is not None
+    scopes = re.findall(r"`(\w+)`", said.group(1))
+    assert scopes
+
+    async def run() -> list[tuple[str, int]]:
+        broker = Broker(tmp_path / "data")
+        broker.open()
+        app = App(broker, AppConfig())
+        guard = Guard(app, broker, GuardConfig.from_json({"tokens": {"ui": [{"prefix": "", "scopes": scopes}]}}))
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://t") as c:
+                return [(p, (await c.get(p, headers={"authorization": "Bearer ui"})).status_code) for p in fetched]
+        finally:
+            await broker.close()
+
+    answers = asyncio.run(run())
+    assert all(status == 200 for _, status in answers), (scopes, answers)
