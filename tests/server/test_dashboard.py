@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.servers import ServerProcess
 from onceflow.core.broker import Broker
@@ -72,7 +73,9 @@ class Page(HTMLParser):
             self._section = None
 
 
-def chromium(url: str, profile: Path, *args: str, height: int = 1500) -> subprocess.CompletedProcess[str]:
+def chromium(
+    url: str, profile: Path, *args: str, height: int = 1500, budget_ms: int = 9000
+) -> subprocess.CompletedProcess[str]:
     assert CHROMIUM is not None
     return subprocess.run(
         [
@@ -83,7 +86,7 @@ def chromium(url: str, profile: Path, *args: str, height: int = 1500) -> subproc
             "--hide-scrollbars",
             f"--user-data-dir={profile}",
             f"--window-size=1280,{height}",
-            "--virtual-time-budget=9000",  # several refreshes of the page (its timers run on virtual time)
+            f"--virtual-time-budget={budget_ms}",  # several refreshes of the page (its timers run on virtual time)
             *args,
             url,
         ],
@@ -173,6 +176,25 @@ def test_the_dashboard_shows_what_the_api_says_while_traffic_flows(server: Serve
     target = os.environ.get("ONCEFLOW_DASHBOARD_PNG")
     if target:
         shutil.copyfile(shot, target)
+
+
+@needs_chromium
+@pytest.mark.parametrize("interval", ["soon", "3000000000"])
+def test_an_interval_the_page_cannot_use_means_the_default(
+    server: ServerProcess, tmp_path: Path, interval: str
+) -> None:
+    """``/ui?interval=soon`` made the refresh period NaN and ``3000000000`` overflowed the
+    browser's timer: either way setInterval ran refresh() back to back, five requests each time.
+    In 1.5 s of the page's (virtual) time it must load the listings once, as with the default 2 s."""
+    page = chromium(f"{server.url}/ui?interval={interval}", tmp_path / "profile", "--dump-dom", budget_ms=1500)
+    assert page.returncode == 0, page.stderr[-2000:]
+    listings = sum(
+        s.value
+        for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+        for s in family.samples
+        if s.name == "onceflow_http_request_duration_seconds_count" and s.labels["route"] == "streams.list"
+    )
+    assert listings == 1
 
 
 def test_the_page_is_served_whole_with_nothing_from_elsewhere(server: ServerProcess) -> None:
