@@ -27,6 +27,8 @@ TOKENS = {
     "tokens": {
         "pub": [{"prefix": "pub/", "scopes": ["read", "write"]}],
         "admin": [{"prefix": "", "scopes": ["read", "write"]}],
+        # a tenant whose prefix is also a prefix of "spark/", where every sink's task ids live
+        "s": [{"prefix": "s", "scopes": ["read", "write", "admin"]}],
         # what an operator had to grant before for subscriptions to work at all: "__ds/" as a name
         "pub+ds": [{"prefix": "pub/", "scopes": ["read", "write"]}, {"prefix": "__ds/", "scopes": ["read", "write"]}],
     },
@@ -121,6 +123,27 @@ async def test_a_sink_abort_prefix_outside_the_grant_is_refused(g: Guarded) -> N
     r = await c.post("/v1/sinks/pub/s1/abort", json={"members": [], "abort_prefix": "orders/"}, headers=PUB)
     assert forbidden(r), r.text
     assert await txn_state(c, "orders/t1") == before and before["status"] == "ongoing"
+
+
+async def test_a_prefix_of_spark_slash_does_not_reach_other_tenants_sink_tasks(g: Guarded) -> None:
+    """A sink task's id ``spark/<sink id>/...`` is checked as its sink id's. A listing or an
+    ``abort_prefix`` shorter than ``spark/`` (``s``, ``spark``) takes in every sink's tasks, so it
+    must not be checked as itself: a tenant granted ``s`` listed (names of other tenants' streams
+    with them) and aborted the tasks of sink ``orders/k``."""
+    c = g.client
+    await secret(c)
+    await open_txn(c, "spark/orders/k/p0", "orders/secret")
+    before = await txn_state(c, "spark/orders/k/p0")
+    S_TENANT = bearer("s")
+    for prefix in ("s", "spark"):
+        r = await c.get("/v1/txn", params={"prefix": prefix}, headers=S_TENANT)
+        assert forbidden(r) or r.json()["transactions"] == [], r.text
+        body = {"members": [], "abort_prefix": prefix}
+        r = await c.post("/v1/sinks/s/k/abort", json=body, headers=S_TENANT)
+        assert forbidden(r), r.text
+    assert await txn_state(c, "spark/orders/k/p0") == before and before["status"] == "ongoing"
+    # the tenant's own ids under its prefix are still its to list
+    assert (await c.get("/v1/txn", params={"prefix": "s/"}, headers=S_TENANT)).status_code == 200
 
 
 async def test_a_sink_member_outside_the_grant_is_refused(g: Guarded) -> None:

@@ -274,6 +274,15 @@ def as_owned(tid: str) -> str:
     return tid[len(SINK_TASKS) :] if tid.startswith(SINK_TASKS) else tid
 
 
+def owned_prefix(prefix: str) -> Iterator[str]:
+    """The names a prefix of transactional ids (a listing's, an ``abort_prefix``) is checked as:
+    :func:`as_owned` of it; and one that ``spark/`` starts with (``s``, ``spark``) takes in the
+    tasks of every sink too, which no grant short of the whole server's (``""``) covers."""
+    yield as_owned(prefix)
+    if prefix != SINK_TASKS and SINK_TASKS.startswith(prefix):
+        yield ""
+
+
 def _txn_path(r: Request) -> Iterator[str]:
     yield as_owned(r.name)
 
@@ -288,7 +297,7 @@ def _members(r: Request) -> Iterator[str]:
 def _abort_prefix(r: Request) -> Iterator[str]:
     prefix = r.body.get("abort_prefix") if isinstance(r.body, dict) else None
     if isinstance(prefix, str):
-        yield as_owned(prefix)
+        yield from owned_prefix(prefix)
 
 
 def _group_if_reset(r: Request) -> Iterator[str]:
@@ -333,7 +342,7 @@ def _list_prefix(r: Request) -> Iterator[str]:
 def _txn_list_prefix(r: Request) -> Iterator[str]:
     """The prefix of a listing of transactional ids, checked as such ids are (``spark/<sink id>/``
     as the sink id's)."""
-    yield as_owned(list_prefix(r.scope))
+    yield from owned_prefix(list_prefix(r.scope))
 
 
 def _body_pattern(r: Request) -> Iterator[str]:
