@@ -138,7 +138,7 @@ async def test_a_prefix_of_spark_slash_does_not_reach_other_tenants_sink_tasks(g
     for prefix in ("s", "spark"):
         r = await c.get("/v1/txn", params={"prefix": prefix}, headers=S_TENANT)
         assert forbidden(r) or r.json()["transactions"] == [], r.text
-        body = {"members": [], "abort_prefix": prefix}
+        body: dict[str, Any] = {"members": [], "abort_prefix": prefix}
         r = await c.post("/v1/sinks/s/k/abort", json=body, headers=S_TENANT)
         assert forbidden(r), r.text
     assert await txn_state(c, "spark/orders/k/p0") == before and before["status"] == "ongoing"
