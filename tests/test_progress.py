@@ -72,3 +72,13 @@ def test_a_bench_on_a_terminal_counts_its_steps_and_prints_each_above_the_bar(
     assert capsys.readouterr().out == ""  # nothing printed beside the display
     say("after the bench")  # the display is gone: a plain line again
     assert capsys.readouterr().out == "[bench] after the bench\n"
+
+
+def test_a_bench_step_that_looks_like_markup_is_shown_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    from onceflow_tools.bench.progress import bench_progress, say
+
+    monkeypatch.setenv("TERM", "xterm")
+    out = io.StringIO()
+    with bench_progress("txn", console=Console(file=out, force_terminal=True, width=120, color_system=None)):
+        say("wrk [/usr/bin/wrk] not found, [bold]python[/bold] generator")
+    assert "[/usr/bin/wrk]" in out.getvalue().rsplit("\r", 1)[-1]

@@ -472,3 +472,24 @@ def test_a_guard_file_may_grant_admin_and_nothing_unknown() -> None:
     assert config.tokens is not None and config.tokens["ops"][0].scopes == frozenset({"admin"})
     with pytest.raises(ValueError, match='"admin"'):
         GuardConfig.from_json({"tokens": {"ops": [{"prefix": "", "scopes": ["root"]}]}})
+
+
+async def test_a_reset_by_time_that_retention_overtakes_is_410_not_500(
+    c: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention deletes the segment the time scan is reading (it lets other requests run between
+    its steps): the answer is 410 offset_gone naming the earliest offset kept, as for a reset to a
+    deleted offset, not a 404 that says nothing was there."""
+    from onceflow.storage.log import OffsetGone
+    from onceflow.storage.position import Position
+
+    await make(c, "s")
+    await append(c, "s", 1)
+
+    async def overtaken(s: Any, time_ms: int, **_: Any) -> Position:
+        raise OffsetGone(Position(0, 0), Position(5, 500))
+
+    monkeypatch.setattr(c.broker, "position_at_time", overtaken)
+    r = await c.client.post("/v1/groups/g/reset", json={"to": "time", "time_ms": 1, "streams": ["s"]})
+    assert r.status_code == 410, r.text
+    assert r.json()["error"]["code"] == "offset_gone" and Position(5, 500).token() in r.json()["error"]["message"]

@@ -179,3 +179,30 @@ class FullFile:
 
     def close(self) -> None:
         self.real.close()
+
+
+async def test_an_observer_that_raises_does_not_stop_the_log(tmp_path: Path) -> None:
+    """A broken observer (a metrics bug) must not leave a written group uncommitted: its
+    appends are answered and the log goes on; the error is only logged."""
+
+    class Broken:
+        def written(self, batches: int, nbytes: int, sync_seconds: float | None) -> None:
+            raise RuntimeError("observer bug")
+
+        def synced(self, seconds: float) -> None:
+            raise RuntimeError("observer bug")
+
+        def failed(self, op: str) -> None:
+            raise RuntimeError("observer bug")
+
+    io, seen = IoEvents(), Seen()
+    io.add(Broken())
+    io.add(Observer(seen))
+    log = StreamLog.open(tmp_path / "s", ZERO, policy="always", io=io)
+    try:
+        for n in range(3):
+            await log.stage(count=1, payload=b"z" * (n + 1)).done  # each one answered
+        assert len(seen.written) == 3  # the observers after the broken one are still told
+        assert [b.payload for b in log.read(ZERO, 1 << 20)] == [b"z", b"zz", b"zzz"]
+    finally:
+        await log.close()

@@ -302,6 +302,8 @@ class App:
                 status, h, body = _error(exc.status, exc.code, str(exc))
             except TxnError as exc:
                 status, h, body = _outcome_response(txn_outcome(exc))
+            except OffsetGone as exc:  # a group reset whose scan retention overtook
+                status, h, body = _gone(exc)
             except OSError as exc:  # the coordinator log could not be written (disk full, I/O error)
                 log.error("%s %s: %s", method, path, exc)
                 status, h, body = _error(
@@ -801,6 +803,9 @@ class App:
         assert time_ms is not None
         try:
             return await self.broker.position_at_time(s, time_ms)
+        except OffsetGone as exc:  # retention deleted what the scan was reading
+            gone = answer_for(Refusal.OFFSET_GONE)
+            raise BadRequest(f"stream {s.name!r}: {exc}; nothing was reset", gone.status, gone.code) from None
         except InvalidPosition as exc:
             raise BadRequest(f"{exc}: nothing was reset", 404, "not_found") from None
 

@@ -133,17 +133,29 @@ class IoEvents:
         with contextlib.suppress(ValueError):
             self.observers.remove(observer)
 
+    # An observer that raises must not reach the write path (a group would be left half
+    # committed, its appends waiting forever): its error is logged and the write goes on.
+
     def written(self, batches: int, nbytes: int, sync_seconds: float | None) -> None:
         for o in self.observers:
-            o.written(batches, nbytes, sync_seconds)
+            try:
+                o.written(batches, nbytes, sync_seconds)
+            except Exception:  # noqa: BLE001 - see above
+                log.exception("an I/O observer failed; the write goes on")
 
     def synced(self, seconds: float) -> None:
         for o in self.observers:
-            o.synced(seconds)
+            try:
+                o.synced(seconds)
+            except Exception:  # noqa: BLE001 - see above
+                log.exception("an I/O observer failed; the write goes on")
 
     def failed(self, op: str) -> None:
         for o in self.observers:
-            o.failed(op)
+            try:
+                o.failed(op)
+            except Exception:  # noqa: BLE001 - see above
+                log.exception("an I/O observer failed; the write goes on")
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,9 @@ def say(text: str, *, prefix: str = "[bench]", stream: TextIO | None = None) -> 
     if _now.display is None or _now.bar is None:
         print(f"{prefix} {text}", file=stream or sys.stdout, flush=True)
         return
+    from rich.markup import escape  # the bar's text is markup: a step is shown as written
+
     _now.display.log(f"{prefix} {text}")
     _now.steps += 1
     step = text.strip()
-    _now.bar.update(_now.steps, step=step if len(step) <= 60 else step[:59] + "…")
+    _now.bar.update(_now.steps, step=escape(step if len(step) <= 60 else step[:59] + "…"))
