@@ -66,24 +66,19 @@ def split_json_bytes(payload: bytes) -> list[bytes]:
     try:
         return [bytes(raw) for raw in _split_array(b"[" + payload[:-1] + b"]")]
     except (msgspec.DecodeError, RecursionError):
-        return [t.encode("utf-8", "surrogatepass") for t in split_json(payload)]
+        text = payload.decode("utf-8")
+        out: list[bytes] = []
+        i, n = 0, len(text)
+        while i < n:
+            _, j = _raw_decode(text, i)
+            out.append(text[i:j].encode("utf-8"))
+            i = j + 1
+        return out
 
 
 def split_json(payload: bytes) -> list[str]:
     """The message texts of a stored JSON payload, as text."""
-    if payload:
-        try:
-            return [bytes(raw).decode() for raw in _split_array(b"[" + payload[:-1] + b"]")]
-        except (msgspec.DecodeError, RecursionError):
-            pass
-    text = payload.decode("utf-8")
-    out: list[str] = []
-    i, n = 0, len(text)
-    while i < n:
-        _, j = _raw_decode(text, i)
-        out.append(text[i:j])
-        i = j + 1
-    return out
+    return [t.decode("utf-8") for t in split_json_bytes(payload)]
 
 
 def frames_to_arrow(stream: str, content_type: str, frames: list[Frame], text_values: bool) -> pa.RecordBatch:
