@@ -45,6 +45,9 @@ from ..chaos.worker import parse_records
 __all__ = ["ACTORS", "Env"]
 
 URL = "http://onceflow.sim"
+# the longest a request can take to reach the node and be served: the network's slowest delay
+# and a duplicate's extra delay (world.NetFaults, SimTransport), plus room for the server's own
+LATE_COPY = 10.0
 JSON = {"content-type": "application/json"}
 
 
@@ -146,11 +149,14 @@ async def transactional_producer(env: Env, name: str, streams: list[str]) -> Non
     a transaction of its own that outlived the timeout or a crash of the server: a fence on the
     first append of a transaction, answered sooner than the timeout after it was sent, after the
     previous transaction was confirmed ended and with no crash since, is reported
-    (``spurious-fence``)."""
+    (``spurious-fence``). So is a fence that an init of its own may have made: one that failed
+    without an answer can still land, late, after a later init, and begin the next epoch (the
+    server cannot tell it from a new instance's; Kafka's InitProducerId races the same way)."""
     c = env.client(name)
     for s in streams:
         await ensure_stream(c, env, s)
     k = 0
+    unanswered = -LATE_COPY  # when an init of this id last failed: a copy of it may land until LATE_COPY after
     while not env.stopping():
         producer = AsyncTransactionalProducer(
             URL,
@@ -164,6 +170,7 @@ async def transactional_producer(env: Env, name: str, streams: list[str]) -> Non
             await producer.init()
         except OnceflowError as exc:
             env.trace(name, f"init failed: {exc}")
+            unanswered = env_time(env)
             await nap(env, 0.1, 0.5)
             continue
         clean: int | None = env.crashes()  # crashes seen when the last transaction was confirmed ended
@@ -191,6 +198,7 @@ async def transactional_producer(env: Env, name: str, streams: list[str]) -> Non
                                 first
                                 and quick
                                 and clean == env.crashes()
+                                and sent - unanswered > LATE_COPY
                                 and (exc.status == 403 or exc.code == "transaction_aborted")
                             ):
                                 env.anomaly(

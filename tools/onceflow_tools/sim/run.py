@@ -277,7 +277,13 @@ class World:
         # writers first; copiers last, once there is nothing more to copy
         late = {n for n, kind, _ in w.actors if kind == "copier"}
         for group in ([n for n in tasks if n not in late], [n for n in tasks if n in late]):
-            if group is not None and group and group[0] in late:
+            if group and group[0] in late:
+                # A writer that stopped may have left a request in the network (a late copy, or a
+                # retry it gave up on): the copiers stop only once nothing of the writers' can still
+                # land, or they would leave behind what lands after their last read.
+                deadline = self.loop.time() + 30.0
+                while self.net.busy(but=late) and self.loop.time() < deadline:  # noqa: ASYNC110 - polls simulated time
+                    await asyncio.sleep(0.1)
                 self._stop_late = True
             if not group:
                 continue
@@ -383,7 +389,7 @@ class World:
                         f"{self.txn_timeout * 2 + 2:.0f} s after the last transaction could be open",
                     )
                 )
-        stuck = [(t0, what) for t0, what in self.node.in_flight.values() if self.loop.time() - t0 > 30.0]
+        stuck = [(t0, what) for t0, what, _ in self.node.in_flight.values() if self.loop.time() - t0 > 30.0]
         for t0, what in stuck:
             self.extra.append(Anomaly("stuck", None, f"the server has not answered {what} since t={t0 - 1000:.2f}"))
 

@@ -21,7 +21,7 @@ import asyncio
 import contextvars
 import random
 import re
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,7 +104,7 @@ class ServerNode:
         self.starts = 0
         self.crashes = 0
         self.failed_starts = 0
-        self.in_flight: dict[asyncio.Task[Any], tuple[float, str]] = {}  # request handlers: start, what
+        self.in_flight: dict[asyncio.Task[Any], tuple[float, str, str]] = {}  # request handlers: start, what, client
         self._replies: dict[asyncio.Future[httpx.Response], None] = {}  # ordered: replays must not depend on addresses
 
     @property
@@ -174,7 +174,7 @@ class ServerNode:
         ctx = contextvars.copy_context()
         ctx.run(owner.set, self.token)
         task = self.loop.create_task(self._serve(request, reply, gone), context=ctx)
-        self.in_flight[task] = (self.loop.time(), f"{request.method} {request.target}")
+        self.in_flight[task] = (self.loop.time(), f"{request.method} {request.target}", request.client)
         task.add_done_callback(lambda t: self.in_flight.pop(t, None))
 
     async def _serve(self, req: _Wire, reply: Callable[[httpx.Response], None], gone: asyncio.Future[None]) -> None:
@@ -244,6 +244,27 @@ class SimNet:
     stats: dict[str, int] = field(
         default_factory=lambda: {"requests": 0, "lost": 0, "dups": 0, "refused": 0, "timeouts": 0}
     )
+    # requests on their way to the node, by client: a late copy can still be in the network long
+    # after its client gave up on it
+    on_the_way: Counter[str] = field(default_factory=Counter)
+
+    def carry(
+        self, delay: float, wire: _Wire, reply: Callable[[httpx.Response], None], gone: asyncio.Future[None]
+    ) -> None:
+        """Deliver ``wire`` to the node after ``delay``."""
+        self.on_the_way[wire.client] += 1
+
+        def arrive() -> None:
+            self.on_the_way[wire.client] -= 1
+            self.node.deliver(wire, reply, gone)
+
+        self.loop.call_later(delay, arrive)
+
+    def busy(self, but: set[str]) -> bool:
+        """Whether a request of a client not in ``but`` is on its way or being served."""
+        return any(n for c, n in self.on_the_way.items() if c not in but) or any(
+            c not in but for _, _, c in self.node.in_flight.values()
+        )
 
     def one_way(self) -> float:
         f = self.faults
@@ -302,7 +323,7 @@ class SimTransport(httpx.AsyncBaseTransport):
                 net.trace(self.client, f"request lost: {what}")
                 continue
             delay = net.one_way() + (rng.uniform(0.05, 3.0) if n else 0.0)
-            loop.call_later(delay, node.deliver, wire, reply, gone)
+            net.carry(delay, wire, reply, gone)
         try:
             # asyncio.wait, not wait_for: on Python 3.11 wait_for can lose a cancellation that
             # arrives as the answer does, which a real transport would not
