@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Run the Durable Streams server conformance suite against a throwaway `onceflow serve`.
 
-Starts the server (file-backed, temp dir, free loopback port, 500 ms long-poll timeout), runs the
+`--store local` (the default) runs it on the segment log in a temp dir; `--store postgresql` on a
+throwaway PostgreSQL (initdb in a temp dir, onceflow.testing.PostgresServer), waiting until the server
+holds the store's lease. Starts the server (free loopback port, 500 ms long-poll timeout), runs the
 npm suite from .ci/conformance with vitest (the reserved subscription APIs included; the suite starts
 its own webhook receivers on 127.0.0.1), prints the count and exits non-zero unless every test that
 ran passed. Installs the npm packages first when they are missing.
@@ -9,6 +11,8 @@ ran passed. Installs the npm packages first when they are missing.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -18,16 +22,30 @@ import tempfile
 import time
 from pathlib import Path
 
-from onceflow.testing import free_port
+import httpx
+
+from onceflow.testing import PostgresServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / ".ci" / "conformance"
 
 
 def main() -> int:
+    p = argparse.ArgumentParser(description="the Durable Streams conformance suite against onceflow serve")
+    p.add_argument("--store", choices=["local", "postgresql"], default="local", help="the server's store")
+    args = p.parse_args()
     if not (SUITE / "node_modules" / "@durable-streams" / "server-conformance-tests").exists():
         print("conformance: installing @durable-streams/server-conformance-tests@0.3.6 from npm", flush=True)
         subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--loglevel=error"], cwd=SUITE, check=True)
+    with contextlib.ExitStack() as stack:
+        store: list[str] = []
+        if args.store == "postgresql":
+            pg = stack.enter_context(PostgresServer(fsync=False))
+            store = ["--store", f"postgresql://postgres@127.0.0.1:{pg.port}/postgres"]
+        return run_suite(store, args.store)
+
+
+def run_suite(store: list[str], label: str) -> int:
     port = free_port()
     data = Path(tempfile.mkdtemp(prefix="onceflow-conformance-"))
     server = subprocess.Popen(
@@ -46,6 +64,7 @@ def main() -> int:
             "always",
             "--webhook-targets",
             "loopback",
+            *store,
         ],  # the suite's webhook receivers listen on 127.0.0.1
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -56,6 +75,9 @@ def main() -> int:
         line = server.stdout.readline()
         if "listening" not in line:
             print(f"conformance: server did not start: {line}{server.stdout.read()}", file=sys.stderr)
+            return 1
+        if store and not wait_for_lead(f"http://127.0.0.1:{port}"):
+            print("conformance: the server did not take the store's lease", file=sys.stderr)
             return 1
         out = data / "result.json"
         env = dict(os.environ, CONFORMANCE_BASE_URL=f"http://127.0.0.1:{port}", CONFORMANCE_LONG_POLL_MS="500")
@@ -82,7 +104,8 @@ def main() -> int:
         for line in failed:
             print(f"  FAILED {line}")
         print(
-            f"conformance (@durable-streams/server-conformance-tests 0.3.6): {report['numPassedTests']} passed, "
+            f"conformance (@durable-streams/server-conformance-tests 0.3.6, {label} store): "
+            f"{report['numPassedTests']} passed, "
             f"{report['numFailedTests']} failed, {report['numPendingTests']} skipped "
             f"of {report['numTotalTests']} in {time.monotonic() - started:.0f}s",
             flush=True,
@@ -96,6 +119,17 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             server.kill()
         shutil.rmtree(data, ignore_errors=True)
+
+
+def wait_for_lead(url: str, within: float = 60.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.TransportError):
+            r = httpx.get(f"{url}/v1/stream/conformance-probe", timeout=5.0)
+            if r.status_code != 503:
+                return True
+        time.sleep(0.1)
+    return False
 
 
 if __name__ == "__main__":

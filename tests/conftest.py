@@ -5,12 +5,15 @@ The server processes, free ports, PostgreSQL/Redis and the fault proxy come from
 :class:`~onceflow.testing.OnceflowProcess`. Helpers shared between test modules live in the
 ``tests/helpers`` package (``tests`` is on pytest's ``pythonpath``); a test module never imports
 another test module (``tests/test_layout.py`` checks). Fixtures for one area live in that area's
-``conftest.py`` (``tests/sinks/conftest.py``: PostgreSQL, Redis and a shared server).
+``conftest.py`` (``tests/sinks/conftest.py``: Redis and a shared server); a throwaway PostgreSQL
+(``postgres_server``, one per session, and ``pg``, a fresh database per test) is here, for the sinks
+and the PostgreSQL store alike.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -22,6 +25,7 @@ import pytest
 from helpers.servers import InProcess, ServerProcess
 from onceflow.core.broker import Broker
 from onceflow.server.app import App, AppConfig
+from onceflow.testing import PostgresServer, ServiceUnavailable
 
 
 def _tools_on_subprocess_path() -> None:
@@ -37,6 +41,53 @@ def _tools_on_subprocess_path() -> None:
 
 
 _tools_on_subprocess_path()
+
+
+_databases = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    try:
+        server = PostgresServer(fsync=False, max_prepared_transactions=32)
+    except ServiceUnavailable as exc:
+        pytest.skip(f"no PostgreSQL to start: {exc}")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def drop_prepared(conninfo: str) -> list[str]:
+    """Roll back every prepared transaction of the database; returns their ids."""
+    import psycopg
+
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        gids = [
+            r[0]
+            for r in conn.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()").fetchall()
+        ]
+        for gid in gids:
+            conn.execute(f"ROLLBACK PREPARED '{gid}'")
+    return gids
+
+
+@pytest.fixture
+def pg(postgres_server: PostgresServer) -> Iterator[str]:
+    """A new, empty database; its conninfo."""
+    import psycopg
+
+    name = f"t{next(_databases)}"
+    with psycopg.connect(postgres_server.conninfo(), autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    conninfo = postgres_server.conninfo(name)
+    try:
+        yield conninfo
+    finally:
+        drop_prepared(conninfo)
+        with psycopg.connect(postgres_server.conninfo(), autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
 
 
 @pytest.fixture

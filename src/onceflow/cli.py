@@ -79,7 +79,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    args.data.mkdir(parents=True, exist_ok=True)
+    if args.store is not None:
+        if not args.store.startswith(("postgresql://", "postgres://")) and "=" not in args.store:
+            print(
+                f"onceflow serve: --store {args.store!r} is not a PostgreSQL URL (postgresql://USER@HOST:PORT/DB)",
+                file=sys.stderr,
+            )
+            return 2
+        if args.http != "native":
+            print("onceflow serve: --store runs on the native HTTP server only (leave --http out)", file=sys.stderr)
+            return 2
+    else:
+        args.data.mkdir(parents=True, exist_ok=True)
     try:
         _run(
             serve(
@@ -102,6 +113,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 segment_bytes=args.segment_bytes,
                 retention_interval=args.retention_check_interval,
                 metrics_allow=args.metrics_allow,
+                store=args.store,
+                advertise=args.advertise,
+                lease_seconds=args.lease_seconds,
             )
         )
     except KeyboardInterrupt:
@@ -126,6 +140,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--data", type=Path, default=Path("./onceflow-data"), help="data directory (default: ./onceflow-data)"
+    )
+    s.add_argument(
+        "--store",
+        metavar="URL",
+        help="keep the streams in this PostgreSQL database instead of --data (a libpq URL, multi-host "
+        "ones included: postgresql://USER@HOST1:PORT,HOST2:PORT/DB?target_session_attrs=read-write); "
+        "any number of servers can share it, the one holding its lease serves (docs/ha.md)",
+    )
+    s.add_argument(
+        "--advertise",
+        metavar="URL",
+        help="with --store: this server's URL as the other servers name it to clients "
+        "(default: http://HOST:PORT as bound)",
+    )
+    s.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="with --store: the term of the store's lease; a follower takes over this long after the "
+        "leader died (default: 10)",
     )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument(

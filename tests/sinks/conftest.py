@@ -1,70 +1,24 @@
-"""Fixtures for real PostgreSQL and Redis servers, started for the test session and stopped after.
+"""Fixtures for a real Redis server, started for the test session and stopped after (PostgreSQL's,
+``postgres_server`` and ``pg``, are in tests/conftest.py: the PostgreSQL store's tests use them too).
 
 They never touch the servers on the standard ports: each is a throwaway instance in a temporary
 directory on a free loopback port (``onceflow.testing``). Every test under ``tests/sinks`` can ask
 for them by name.
 
-``pg`` is a fresh database per test (its conninfo), ``redis_url`` the session's Redis, flushed after
-each test, and ``onceflow_url`` an `onceflow serve` subprocess shared by a test module.
+``redis_url`` is the session's Redis, flushed after each test, and ``onceflow_url`` an
+`onceflow serve` subprocess shared by a test module.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 
 import pytest
 
 from helpers.servers import ServerProcess
-from onceflow.testing import PostgresServer, RedisServer, ServiceUnavailable
+from onceflow.testing import RedisServer, ServiceUnavailable
 
-__all__ = ["drop_prepared", "onceflow_url", "pg", "postgres_server", "redis_server", "redis_url"]
-
-_databases = itertools.count()
-
-
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[PostgresServer]:
-    try:
-        server = PostgresServer(fsync=False, max_prepared_transactions=32)
-    except ServiceUnavailable as exc:
-        pytest.skip(f"no PostgreSQL to start: {exc}")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def drop_prepared(conninfo: str) -> list[str]:
-    """Roll back every prepared transaction of the database; returns their ids."""
-    import psycopg
-
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        gids = [
-            r[0]
-            for r in conn.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()").fetchall()
-        ]
-        for gid in gids:
-            conn.execute(f"ROLLBACK PREPARED '{gid}'")
-    return gids
-
-
-@pytest.fixture
-def pg(postgres_server: PostgresServer) -> Iterator[str]:
-    """A new, empty database; its conninfo."""
-    import psycopg
-
-    name = f"t{next(_databases)}"
-    with psycopg.connect(postgres_server.conninfo(), autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-    conninfo = postgres_server.conninfo(name)
-    try:
-        yield conninfo
-    finally:
-        drop_prepared(conninfo)
-        with psycopg.connect(postgres_server.conninfo(), autocommit=True) as admin:
-            admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+__all__ = ["onceflow_url", "redis_server", "redis_url"]
 
 
 @pytest.fixture(scope="session")

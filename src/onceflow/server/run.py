@@ -14,14 +14,14 @@ from typing import Literal
 
 from ..core.broker import Broker
 from ..core.subscriptions import WebhookTargets
-from ..storage.fs import OsFileSystem, raise_open_file_limit
+from ..storage.fs import FileSystem, OsFileSystem, raise_open_file_limit
 from ..storage.log import FsyncPolicy
 from .app import App, AppConfig
 from .guard import Guard, GuardConfig
 from .http import HttpLimits, HttpServerProtocol, start_server
 from .instrument import Instrumented
 
-__all__ = ["serve"]
+__all__ = ["build_handler", "serve", "shut_down"]
 
 log = logging.getLogger("onceflow")
 
@@ -47,8 +47,15 @@ async def serve(
     segment_bytes: int = 64 << 20,
     retention_interval: float = 10.0,
     metrics_allow: Sequence[str] = (),
+    store: str | None = None,
+    advertise: str | None = None,
+    lease_seconds: float = 10.0,
 ) -> None:
     """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
+
+    ``store``: a PostgreSQL URL instead of ``data``: the streams live in that database, and of the
+    servers sharing it the one holding its lease serves (server/leader.py, docs/ha.md);
+    ``advertise`` is this server's URL as the others tell clients, ``lease_seconds`` the lease's term.
 
     Shutdown: stop accepting, end live reads (long-poll / SSE), let in-flight appends become durable
     (up to a few seconds), close connections, then flush and snapshot every stream.
@@ -62,33 +69,48 @@ async def serve(
     if max_open_files is None:
         max_open_files = max(64, min(4096, soft // 4)) if soft > 0 else 1024
     limits = fit_fd_limit(limits or HttpLimits(), soft, max_open_files)
-    broker = Broker(
-        data,
-        fsync=fsync,
-        txn_timeout=txn_timeout,
-        max_streams=max_streams,
-        segment_bytes=segment_bytes,
-        retention_seconds=retention_seconds,
-        retention_bytes=retention_bytes,
-        retention_interval=retention_interval,
-        fs=OsFileSystem(max_open_files),
+    config = AppConfig(
+        long_poll_timeout=long_poll_timeout,
+        max_body_bytes=max_body_bytes,
+        webhook_targets=webhook_targets,
+        metrics_allow=tuple(metrics_allow),
     )
-    broker.open()
-    app = App(
-        broker,
-        AppConfig(
-            long_poll_timeout=long_poll_timeout,
-            max_body_bytes=max_body_bytes,
-            webhook_targets=webhook_targets,
-            metrics_allow=tuple(metrics_allow),
-        ),
-    )
-    guarded: App | Guard = app if guard is None else Guard(app, broker, guard)  # tokens and limits (server/guard.py)
-    handler = Instrumented(guarded, app.metrics)  # outermost: /metrics counts the guard's refusals too
+
+    def make_broker(fs: FileSystem, root: Path) -> Broker:
+        return Broker(
+            root,
+            fsync=fsync,
+            txn_timeout=txn_timeout,
+            max_streams=max_streams,
+            segment_bytes=segment_bytes,
+            retention_seconds=retention_seconds,
+            retention_bytes=retention_bytes,
+            retention_interval=retention_interval,
+            fs=fs,
+        )
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if store is not None:
+        from .leader import serve_store  # imports psycopg: only for the PostgreSQL store
+
+        await serve_store(
+            store,
+            host=host,
+            port=port,
+            limits=limits,
+            make_broker=make_broker,
+            build=lambda broker: build_handler(broker, config, guard),
+            stop=stop,
+            advertise=advertise,
+            lease_seconds=lease_seconds,
+        )
+        return
+    broker = make_broker(OsFileSystem(max_open_files), data)
+    broker.open()
+    app, handler = build_handler(broker, config, guard)
     if http == "uvicorn":
         await _serve_uvicorn(handler, broker, host, port, log_level, stop, limits)
         return
@@ -99,6 +121,20 @@ async def serve(
     bound = server.sockets[0].getsockname()
     print(f"onceflow listening on http://{host}:{bound[1]}", flush=True)
     await stop.wait()
+    await shut_down(server, connections, app, broker)
+
+
+def build_handler(broker: Broker, config: AppConfig, guard: GuardConfig | None) -> tuple[App, Instrumented]:
+    """The app on ``broker`` and the handler that serves it: the guard (tokens and limits,
+    server/guard.py) inside the instrumentation (outermost: /metrics counts the guard's refusals too)."""
+    app = App(broker, config)
+    guarded: App | Guard = app if guard is None else Guard(app, broker, guard)
+    return app, Instrumented(guarded, app.metrics)
+
+
+async def shut_down(server: asyncio.Server, connections: set[HttpServerProtocol], app: App, broker: Broker) -> None:
+    """Stop accepting, end live reads, let in-flight appends become durable (a few seconds at
+    most), close the connections, then flush and close every stream."""
     server.close()
     broker.begin_shutdown()
     running = [c.task for c in connections if c.busy and c.task is not None]

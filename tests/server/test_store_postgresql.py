@@ -1,0 +1,136 @@
+"""``onceflow serve --store postgresql://…`` (server/leader.py, docs/ha.md): servers sharing one
+database, one leading by the store's lease; followers answer 503 ``not_leader`` naming the leader; a
+follower takes over when the leader dies (kill -9: after the lease's term; a clean stop: at once),
+and nothing acknowledged is lost or doubled; a leader whose lease was taken writes nothing more and
+exits."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("psycopg_pool", reason="the PostgreSQL store needs psycopg_pool (onceflow[postgresql])")
+
+from helpers.servers import ServerProcess  # noqa: E402
+from onceflow.server.leader import LEASE_LOST_EXIT  # noqa: E402
+
+JSON = {"Content-Type": "application/json"}
+
+
+def pg_url(conninfo: str) -> str:
+    """The ``pg`` fixture's key=value conninfo as the URL ``--store`` takes."""
+    kv = dict(part.split("=", 1) for part in conninfo.split())
+    return f"postgresql://{kv['user']}@{kv['host']}:{kv['port']}/{kv['dbname']}"
+
+
+def leads(server: ServerProcess) -> bool:
+    try:
+        r = httpx.get(f"{server.url}/v1/stream/no-such-stream", timeout=2.0)
+    except httpx.TransportError:
+        return False
+    return not (r.status_code == 503 and r.json()["error"]["code"] == "not_leader")
+
+
+def wait_for_leader(*servers: ServerProcess, within: float = 30.0) -> ServerProcess:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        for s in servers:
+            if s.proc is not None and s.proc.poll() is None and leads(s):
+                return s
+        time.sleep(0.05)
+    raise AssertionError(f"no server took the lead within {within} s")
+
+
+@pytest.fixture
+def pair(pg: str, tmp_path: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    store = pg_url(pg)
+    servers = tuple(ServerProcess(tmp_path / f"unused{i}", "--store", store, "--lease-seconds", "2") for i in range(2))
+    try:
+        for s in servers:
+            s.start()
+        yield servers  # type: ignore[misc]
+    finally:
+        for s in servers:
+            s.kill()
+
+
+def test_one_server_leads_and_the_other_names_it(pair: tuple[ServerProcess, ServerProcess]) -> None:
+    leader = wait_for_leader(*pair)
+    follower = pair[1] if leader is pair[0] else pair[0]
+    assert httpx.put(f"{leader.url}/v1/stream/orders", headers=JSON).status_code == 201
+    r = httpx.post(f"{follower.url}/v1/stream/orders", content=b"[1]", headers=JSON)
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "not_leader"
+    assert r.headers["onceflow-leader"] == leader.url
+    assert r.json()["error"]["leader"] == leader.url
+    assert httpx.get(f"{leader.url}/v1/stream/orders", params={"offset": "-1"}).json() == []
+
+
+def test_after_the_leader_is_killed_the_other_serves_everything_it_acknowledged(
+    pair: tuple[ServerProcess, ServerProcess],
+) -> None:
+    leader = wait_for_leader(*pair)
+    follower = pair[1] if leader is pair[0] else pair[0]
+    assert httpx.put(f"{leader.url}/v1/stream/orders", headers=JSON).status_code == 201
+    producer = {**JSON, "Producer-Id": "p", "Producer-Epoch": "0"}
+    for seq in range(20):
+        r = httpx.post(
+            f"{leader.url}/v1/stream/orders",
+            content=f'[{{"n": {seq}}}]',
+            headers={**producer, "Producer-Seq": str(seq)},
+        )
+        assert r.status_code == 200
+    leader.kill()  # kill -9: the lease runs out after its term, then the follower takes it
+    assert wait_for_leader(follower) is follower
+    # the last append again (its answer lost, say), now through the new leader: a duplicate
+    again = httpx.post(
+        f"{follower.url}/v1/stream/orders", content=b'[{"n": 19}]', headers={**producer, "Producer-Seq": "19"}
+    )
+    assert again.status_code == 204
+    r = httpx.post(
+        f"{follower.url}/v1/stream/orders", content=b'[{"n": 20}]', headers={**producer, "Producer-Seq": "20"}
+    )
+    assert r.status_code == 200
+    got = httpx.get(f"{follower.url}/v1/stream/orders", params={"offset": "-1"}).json()
+    assert got == [{"n": n} for n in range(21)]
+
+
+def test_a_clean_stop_hands_the_lease_over_without_waiting_for_its_term(pg: str, tmp_path: Path) -> None:
+    store = pg_url(pg)
+    a = ServerProcess(tmp_path / "a", "--store", store, "--lease-seconds", "120")
+    b = ServerProcess(tmp_path / "b", "--store", store, "--lease-seconds", "120")
+    try:
+        a.start()
+        assert wait_for_leader(a) is a
+        b.start()
+        assert not leads(b)
+        a.stop()  # SIGTERM: finishes, gives the lease up
+        assert wait_for_leader(b, within=60.0) is b  # well before the 120 s term
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_a_leader_whose_lease_was_taken_writes_nothing_more_and_exits(
+    pg: str, pair: tuple[ServerProcess, ServerProcess]
+) -> None:
+    import psycopg
+
+    leader = wait_for_leader(*pair)
+    assert httpx.put(f"{leader.url}/v1/stream/orders", headers=JSON).status_code == 201
+    with psycopg.connect(pg, autocommit=True) as conn:  # as if another server had taken it over
+        conn.execute("UPDATE onceflow_lease SET token = token + 100, holder = 'someone else'")
+    r = httpx.post(f"{leader.url}/v1/stream/orders", content=b'[{"late": 1}]', headers=JSON)
+    assert r.status_code >= 500  # refused: fenced by the token in the same database transaction
+    assert leader.proc is not None
+    assert leader.proc.wait(timeout=30) == LEASE_LOST_EXIT
+    with psycopg.connect(pg) as conn:
+        rows = conn.execute(
+            "SELECT count(*) FROM onceflow_chunks c JOIN onceflow_files f ON f.id = c.file "
+            "WHERE f.path LIKE '/onceflow/streams/%%' AND position('late' in convert_from(c.data, 'latin1')) > 0"
+        ).fetchone()
+    assert rows == (0,)

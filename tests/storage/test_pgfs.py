@@ -1,0 +1,254 @@
+"""The PostgreSQL store's file system (storage/pgfs.py): the FileSystem contract the logs rely on,
+what survives a crash of the process (only what was synced), fencing by the lease's token, and the
+whole broker run on it: data, producer state and transactions survive a restart on another process's
+file system instance (a second server taking over)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("psycopg_pool", reason="the PostgreSQL store needs psycopg_pool (onceflow[postgresql])")
+
+from onceflow.client.transactions import AsyncTransactionalProducer  # noqa: E402
+from onceflow.core.broker import Broker  # noqa: E402
+from onceflow.server.app import App, AppConfig  # noqa: E402
+from onceflow.storage.pgfs import TAIL_CACHE, LeaseLost, PgFileSystem  # noqa: E402
+
+ROOT = Path("/onceflow")
+URL = "http://testserver"
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.fixture
+def fs(pg: str) -> Iterator[PgFileSystem]:
+    f = PgFileSystem(pg)
+    f.mkdir(ROOT)
+    yield f
+    f.close()
+
+
+def again(fs: PgFileSystem) -> PgFileSystem:
+    """Another process's view of the same database (what a restarted or second server sees)."""
+    return PgFileSystem(fs.conninfo)
+
+
+def test_synced_bytes_survive_and_unsynced_ones_do_not(fs: PgFileSystem) -> None:
+    f = fs.open_file(ROOT / "a.log", create=True)
+    f.pwrite(b"hello ", 0)
+    f.pwrite(b"world", 6)
+    f.sync()
+    f.pwrite(b" and more", 11)  # never synced: a crash loses it, as a power loss loses unsynced pages
+    assert f.pread(100, 0) == b"hello world and more"
+    other = again(fs)
+    try:
+        g = other.open_file(ROOT / "a.log", create=False)
+        assert g.size() == 11
+        assert g.pread(100, 0) == b"hello world"
+        assert g.pread(5, 6) == b"world"
+    finally:
+        other.close()
+
+
+def test_truncate_and_rewrite_replace_the_tail_durably(fs: PgFileSystem) -> None:
+    f = fs.open_file(ROOT / "t.log", create=True)
+    f.pwrite(b"0123456789", 0)
+    f.sync()
+    f.pwrite(b"abcdef", 10)
+    f.sync()
+    f.truncate(4)  # a torn tail cut off by recovery, then written again
+    f.pwrite(b"XY", 4)
+    f.sync()
+    assert f.pread(100, 0) == b"0123XY"
+    other = again(fs)
+    try:
+        assert other.open_file(ROOT / "t.log", create=False).pread(100, 0) == b"0123XY"
+        assert other.read_bytes(ROOT / "t.log") == b"0123XY"
+    finally:
+        other.close()
+
+
+def test_a_write_inside_durable_bytes_keeps_those_around_it(fs: PgFileSystem) -> None:
+    f = fs.open_file(ROOT / "m.log", create=True)
+    f.pwrite(b"a" * 100, 0)
+    f.sync()
+    f.pwrite(b"b" * 100, 100)
+    f.sync()
+    f.pwrite(b"XX", 50)
+    assert f.pread(4, 49) == b"aXXa"
+    f.sync()
+    other = again(fs)
+    try:
+        got = other.open_file(ROOT / "m.log", create=False).pread(300, 0)
+    finally:
+        other.close()
+    assert got == b"a" * 50 + b"XX" + b"a" * 48 + b"b" * 100
+
+
+def test_reads_beyond_the_memory_cache_come_from_the_database(fs: PgFileSystem) -> None:
+    f = fs.open_file(ROOT / "big.log", create=True)
+    blob = bytes(range(256)) * (TAIL_CACHE // 256 // 4)
+    at = 0
+    for _ in range(6):  # 1.5x the cache
+        f.pwrite(blob, at)
+        f.sync()
+        at += len(blob)
+    assert f.pread(len(blob), 0) == blob  # long evicted from memory
+    assert f.pread(10, len(blob) - 5) == blob[-5:] + blob[:5]  # across two chunks
+    assert f.pread(10, at - 4) == blob[-4:]  # short at the end
+    assert f.pread(10, at + 10) == b""
+
+
+def test_a_failed_sync_keeps_its_bytes_pending_and_the_next_sync_writes_them(fs: PgFileSystem) -> None:
+    f = fs.open_file(ROOT / "x.log", create=True)
+    f.pwrite(b"first", 0)
+    f.sync()
+    f.pwrite(b"second", 5)
+    fs.token = 7  # fenced with a token the lease does not hold (there is no lease row): refused
+    with pytest.raises(OSError) as caught:
+        f.sync()
+    assert isinstance(caught.value, LeaseLost)
+    fs.token = None
+    f.sync()
+    other = again(fs)
+    try:
+        assert other.read_bytes(ROOT / "x.log") == b"firstsecond"
+    finally:
+        other.close()
+
+
+def test_a_server_that_lost_the_lease_can_write_nothing(fs: PgFileSystem) -> None:
+    import psycopg
+
+    with psycopg.connect(fs.conninfo, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO onceflow_lease (id, token, holder, expires) VALUES (1, 1, 'one', now() + interval '1 min')"
+        )
+    fs.token = 1
+    f = fs.open_file(ROOT / "l.log", create=True)
+    f.pwrite(b"mine", 0)
+    f.sync()
+    with psycopg.connect(fs.conninfo, autocommit=True) as conn:  # another server takes over
+        conn.execute("UPDATE onceflow_lease SET token = 2, holder = 'two'")
+    f.pwrite(b" zombie", 4)
+    for write in (
+        f.sync,
+        lambda: fs.replace_file(ROOT / "snap", b"{}"),
+        lambda: fs.mkdir(ROOT / "d"),
+        lambda: fs.unlink(ROOT / "l.log"),
+        lambda: fs.rename(ROOT / "l.log", ROOT / "m.log"),
+        lambda: fs.open_file(ROOT / "new.log", create=True),
+    ):
+        with pytest.raises(LeaseLost, match="took over"):
+            write()
+    fs.token = None
+    assert fs.read_bytes(ROOT / "l.log") == b"mine"
+    assert not fs.exists(ROOT / "snap") and not fs.exists(ROOT / "d") and not fs.exists(ROOT / "new.log")
+
+
+def test_directories_behave_as_the_logs_expect(fs: PgFileSystem) -> None:
+    fs.mkdir(ROOT / "streams" / "a%b_c")  # names with LIKE's wildcards in them
+    fs.mkdir(ROOT / "streams" / "ab")
+    fs.replace_file(ROOT / "streams" / "a%b_c" / "meta.json", b'{"x": 1}')
+    f = fs.open_file(ROOT / "streams" / "a%b_c" / "0.log", create=True)
+    f.pwrite(b"data", 0)
+    f.sync()
+    assert sorted(fs.listdir(ROOT / "streams")) == ["a%b_c", "ab"]
+    assert sorted(fs.listdir(ROOT / "streams" / "a%b_c")) == ["0.log", "meta.json"]
+    with pytest.raises(FileNotFoundError):
+        fs.open_file(ROOT / "nowhere" / "x", create=True)
+    with pytest.raises(FileNotFoundError):
+        fs.open_file(ROOT / "streams" / "missing", create=False)
+    with pytest.raises(FileNotFoundError):
+        fs.read_bytes(ROOT / "missing")
+    # a directory renamed (a deleted stream goes to the trash) takes what it holds with it
+    fs.mkdir(ROOT / "trash")
+    fs.rename(ROOT / "streams" / "a%b_c", ROOT / "trash" / "1")
+    assert fs.listdir(ROOT / "streams") == ["ab"]
+    assert fs.read_bytes(ROOT / "trash" / "1" / "meta.json") == b'{"x": 1}'
+    assert fs.open_file(ROOT / "trash" / "1" / "0.log", create=False).pread(10, 0) == b"data"
+    fs.rmtree(ROOT / "trash" / "1")
+    assert fs.listdir(ROOT / "trash") == []
+    assert fs.exists(ROOT / "streams" / "ab")
+    # replace_file replaces, rename of a file onto another replaces it
+    fs.replace_file(ROOT / "streams" / "ab" / "s", b"one")
+    fs.replace_file(ROOT / "streams" / "ab" / "s", b"two")
+    fs.replace_file(ROOT / "streams" / "ab" / "t", b"three")
+    fs.rename(ROOT / "streams" / "ab" / "t", ROOT / "streams" / "ab" / "s")
+    assert fs.read_bytes(ROOT / "streams" / "ab" / "s") == b"three"
+    fs.unlink(ROOT / "streams" / "ab" / "s")
+    fs.unlink(ROOT / "streams" / "ab" / "s")  # missing is fine
+    assert not fs.exists(ROOT / "streams" / "ab" / "s")
+    fs.mkdir(ROOT / "full" / "x")
+    with pytest.raises(OSError) as caught:
+        fs.rename(ROOT / "streams", ROOT / "full")  # onto a directory that is not empty
+    assert caught.value.errno == errno.ENOTEMPTY
+    fs.rename(ROOT / "streams", ROOT / "trash")  # onto an empty one: replaces it
+    assert fs.listdir(ROOT / "trash") == ["ab"]
+    assert not fs.exists(ROOT / "streams")
+
+
+def test_a_write_to_a_removed_file_goes_nowhere(fs: PgFileSystem) -> None:
+    f = fs.open_file(ROOT / "gone.log", create=True)
+    fs.unlink(ROOT / "gone.log")
+    f.pwrite(b"late", 0)
+    f.sync()
+    assert not fs.exists(ROOT / "gone.log")
+
+
+@contextlib.asynccontextmanager
+async def served(fs: PgFileSystem) -> AsyncIterator[httpx.AsyncClient]:
+    """A server (broker and app, in-process) on ``fs``: recovery, serving, a clean close."""
+    broker = Broker(ROOT / "data", fs=fs, txn_timeout=30)
+    broker.open()
+    await broker.start()
+    app = App(broker, AppConfig(long_poll_timeout=0.2))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=URL) as client:
+        yield client
+    await broker.close()
+
+
+@pytest.mark.anyio
+async def test_the_broker_runs_on_it_and_a_second_server_takes_over_its_state(fs: PgFileSystem) -> None:
+    """Data, a producer's dedup state and a committed transaction, as a new leader recovers them."""
+    append = {"Content-Type": "application/json", "Producer-Id": "checkout", "Producer-Epoch": "0", "Producer-Seq": "0"}
+    async with served(fs) as c:
+        for name in ("orders", "audit", "shipped"):
+            assert (await c.put(f"/v1/stream/{name}", headers=JSON)).status_code == 201
+        assert (await c.post("/v1/stream/orders", content=b'[{"id": 1}]', headers=append)).status_code == 200
+        tx = AsyncTransactionalProducer(URL, "copier", client=c)
+        await tx.init()
+        await tx.append("audit", {"seen": 1})
+        await tx.append("shipped", {"id": 1})
+        await tx.commit()
+        await tx.append("audit", {"seen": "aborted"})
+        await tx.abort()
+
+    other = again(fs)
+    try:
+        async with served(other) as c:
+            retry = await c.post("/v1/stream/orders", content=b'[{"id": 1}]', headers=append)
+            assert retry.status_code == 204  # through the new leader: a duplicate, not a second copy
+            nxt = await c.post("/v1/stream/orders", content=b'[{"id": 2}]', headers={**append, "Producer-Seq": "1"})
+            assert nxt.status_code == 200
+            orders = (await c.get("/v1/stream/orders", params={"offset": "-1"})).json()
+            audit = (await c.get("/v1/stream/audit", params={"offset": "-1", "isolation": "read_committed"})).json()
+            shipped = (await c.get("/v1/stream/shipped", params={"offset": "-1"})).json()
+    finally:
+        other.close()
+    assert orders == [{"id": 1}, {"id": 2}]
+    assert audit == [{"seen": 1}]
+    assert shipped == [{"id": 1}]
+
+
+def test_errors_are_oserrors_the_log_understands(pg: str) -> None:
+    fs = PgFileSystem(pg)
+    fs.close()
+    with pytest.raises(OSError) as caught:
+        fs.exists(ROOT)
+    assert caught.value.errno == errno.EIO
