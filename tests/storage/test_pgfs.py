@@ -252,3 +252,20 @@ def test_errors_are_oserrors_the_log_understands(pg: str) -> None:
     with pytest.raises(OSError) as caught:
         fs.exists(ROOT)
     assert caught.value.errno == errno.EIO
+
+
+def test_the_memory_cache_of_all_files_stays_within_its_budget(pg: str) -> None:
+    fs = PgFileSystem(pg, cache_budget=300_000)
+    try:
+        fs.mkdir(ROOT)
+        files = [fs.open_file(ROOT / f"{i}.log", create=True) for i in range(10)]
+        for i, f in enumerate(files):
+            f.pwrite(bytes([i]) * 100_000, 0)
+            f.sync()
+        assert sum(len(f._cache) for f in files) <= 300_000  # the last three written
+        assert all(f.pread(100_000, 0) == bytes([i]) * 100_000 for i, f in enumerate(files))  # from the database
+        for f in files:
+            f.close()
+        assert fs._cache_total == 0
+    finally:
+        fs.close()

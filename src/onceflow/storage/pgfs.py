@@ -32,6 +32,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -178,6 +179,7 @@ class PgFile:
             # durable now: the pending bytes join the cache of the file's end
             if self._cache_from + len(self._cache) != start:
                 self._cache_from, self._cache = start, bytearray()
+            before = len(self._cache)
             self._cache += data
             if len(self._cache) > TAIL_CACHE:
                 cut = len(self._cache) - TAIL_CACHE
@@ -185,9 +187,24 @@ class PgFile:
                 self._cache_from += cut
             self._durable = self._from = size
             self._pending.clear()
+            grew = len(self._cache) - before
+        self._fs.cached(self, grew)
+
+    def drop_cache(self) -> bool:
+        """Forget the cached bytes (reads go to the database). Skipped (False) if the file is busy:
+        the caller may hold another file's lock, and waiting here could deadlock."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._cache_from, self._cache = self._from, bytearray()
+            return True
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         self.closed = True
+        self._cache_from, self._cache = self._from, bytearray()
+        self._fs.forget(self)
 
     def _check(self) -> None:
         if self.closed:
@@ -215,7 +232,9 @@ class PgFileSystem:
     ``conninfo`` is any libpq connection string or URL (multi-host ones included). ``pool_size``
     bounds the connections: the storage layer's worker threads each take one per operation."""
 
-    def __init__(self, conninfo: str, *, pool_size: int = 8, connect_timeout: float = 10.0) -> None:
+    def __init__(
+        self, conninfo: str, *, pool_size: int = 8, connect_timeout: float = 10.0, cache_budget: int = 256 << 20
+    ) -> None:
         self.conninfo = conninfo
         self.token: int | None = None  # the lease this server holds; None: no fencing (tests, tools)
         self._pool = ConnectionPool(
@@ -229,12 +248,39 @@ class PgFileSystem:
             name="onceflow-store",
         )
         self._pool.open(wait=True, timeout=connect_timeout)
+        self.cache_budget = cache_budget
+        self._cached: OrderedDict[PgFile, int] = OrderedDict()  # files' cached bytes, least recent first
+        self._cache_total = 0
+        self._cache_lock = threading.Lock()
         with self._tx("create the schema", fence=False) as cur:
             cur.execute("SELECT pg_advisory_xact_lock(4437001)")  # concurrent first starts: one creates
             cur.execute(SCHEMA)
 
     def close(self) -> None:
         self._pool.close()
+
+    def cached(self, f: PgFile, grew: int) -> None:
+        """Account ``f``'s cache growing by ``grew`` bytes (an upper bound: a truncation shrinks
+        it unaccounted); over the budget, the least recently written files' caches are dropped
+        (their reads go to the database)."""
+        with self._cache_lock:
+            self._cached[f] = self._cached.pop(f, 0) + grew
+            self._cache_total += grew
+            over = self._cache_total - self.cache_budget
+            victims = []
+            for victim, n in self._cached.items():
+                if over <= 0 or victim is f:
+                    break
+                victims.append(victim)
+                over -= n
+        for victim in victims:
+            if victim.drop_cache():
+                self.forget(victim)
+
+    def forget(self, f: PgFile) -> None:
+        """``f``'s cache is gone (dropped, or the file closed)."""
+        with self._cache_lock:
+            self._cache_total -= self._cached.pop(f, 0)
 
     # ------------------------------------------------------------------ the lease (server/leader.py)
 
