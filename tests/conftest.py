@@ -95,16 +95,43 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+# ONCEFLOW_TEST_STORE=postgresql runs the in-process server (the ``onceflow`` fixture) on the
+# PostgreSQL store (storage/pgfs.py) instead of a temp dir: the same semantic tests on both stores.
+# A test that works on the local disk's files themselves is marked ``local_store``.
+TEST_STORE = os.environ.get("ONCEFLOW_TEST_STORE", "local")
+if TEST_STORE not in ("local", "postgresql"):
+    raise RuntimeError(f"ONCEFLOW_TEST_STORE={TEST_STORE!r}: local or postgresql")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if TEST_STORE == "local":
+        return
+    skip = pytest.mark.skip(reason="works on the local store's files themselves (ONCEFLOW_TEST_STORE=postgresql)")
+    for item in items:
+        if item.get_closest_marker("local_store") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture
-async def onceflow(tmp_path: Path) -> AsyncIterator[InProcess]:
-    """A broker on a temp dir served in-process (no sockets) with a small body limit."""
-    broker = Broker(tmp_path / "data")
+async def onceflow(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[InProcess]:
+    """A broker served in-process (no sockets) with a small body limit, on a temp dir (or on a fresh
+    PostgreSQL database with ONCEFLOW_TEST_STORE=postgresql)."""
+    fs = None
+    data = tmp_path / "data"
+    if TEST_STORE == "postgresql":
+        from onceflow.storage.pgfs import PgFileSystem
+
+        fs = PgFileSystem(request.getfixturevalue("pg"))
+        data = Path("/onceflow/data")
+    broker = Broker(data, fs=fs)
     broker.open()
     app = App(broker, AppConfig(long_poll_timeout=0.3, max_body_bytes=64 * 1024))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-        yield InProcess(broker, app, client, tmp_path / "data")
+        yield InProcess(broker, app, client, data, fs)
     await broker.close()
+    if fs is not None:
+        fs.close()
 
 
 @pytest.fixture

@@ -238,7 +238,7 @@ async def test_recovery_completes_a_logged_decision_and_keeps_aborts_hidden(once
     assert coord.log is not None
     coord.log.close_files()
     onceflow.broker.streams.clear()
-    again = Broker(onceflow.data)
+    again = onceflow.reopen()
     again.open()
     await again.start()
     try:
@@ -254,6 +254,7 @@ async def test_recovery_completes_a_logged_decision_and_keeps_aborts_hidden(once
         await again.close()
 
 
+@pytest.mark.local_store
 async def test_a_lost_completion_record_is_redone_harmlessly(onceflow: InProcess) -> None:
     """COMPLETE is not synced before the answer: if it is lost, recovery rewrites the markers, which
     must neither duplicate nor hide the committed data."""

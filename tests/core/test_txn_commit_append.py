@@ -48,6 +48,7 @@ def statuses(data: Path, tid: str) -> list[tuple[int, str]]:
     return out
 
 
+@pytest.mark.local_store  # reads the coordinator's records off the disk
 async def test_one_request_commits_a_one_stream_transaction_in_one_write(
     onceflow: InProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -139,6 +140,7 @@ async def test_a_malformed_transaction_commit_header_is_a_400(onceflow: InProces
     assert await uncommitted(onceflow, "s") == []
 
 
+@pytest.mark.local_store  # reads the coordinator's records off the disk
 async def test_a_commit_append_ends_a_transaction_of_several_streams_or_with_offsets(onceflow: InProcess) -> None:
     await make(onceflow, "a", "b", "in")
     t = Txn(onceflow.client, "w")

@@ -10,6 +10,7 @@ import httpx
 
 from onceflow.core.broker import Broker
 from onceflow.server.app import App
+from onceflow.storage.fs import FileSystem
 from onceflow.testing import OnceflowProcess as ServerProcess
 from onceflow.testing import free_port
 
@@ -22,3 +23,8 @@ class InProcess:
     app: App
     client: httpx.AsyncClient
     data: Path
+    fs: FileSystem | None = None  # the store's file system; None: the local disk
+
+    def reopen(self) -> Broker:
+        """A new broker on the same store (a restart), not yet opened."""
+        return Broker(self.data, fs=self.fs)

@@ -147,14 +147,14 @@ async def test_names_that_could_escape_the_data_directory_are_rejected(onceflow:
     r = await onceflow.client.put(S + raw, headers={"content-type": "text/plain"}, content=b"x")
     assert r.status_code == 400, (name, r.status_code)
     assert "name" in error_message(r)
-    entries = sorted(os.listdir(onceflow.data))
-    assert entries == ["coordinator", "streams", "trash"]
-    assert os.listdir(onceflow.data / "streams") == []
+    fs = onceflow.broker.fs
+    assert sorted(fs.listdir(onceflow.data)) == ["coordinator", "streams", "trash"]
+    assert fs.listdir(onceflow.data / "streams") == []
 
 
 async def test_stream_directories_are_hashes_never_client_text(onceflow: InProcess) -> None:
     await make(onceflow, "tenant/a/b", ct="text/plain")
-    (d,) = os.listdir(onceflow.data / "streams")
+    (d,) = onceflow.broker.fs.listdir(onceflow.data / "streams")
     assert all(c in "0123456789abcdef" for c in d)
 
 

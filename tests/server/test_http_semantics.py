@@ -95,9 +95,7 @@ async def test_failed_write_is_not_acknowledged_and_the_retry_is_accepted(
     assert (await c.get(S + "full?offset=-1")).json() == [{"n": 0}, {"n": 1}]
     # and the half-written bytes are gone from the log after recovery too
     await onceflow.broker.close()
-    from onceflow.core.broker import Broker
-
-    again = Broker(onceflow.data)
+    again = onceflow.reopen()
     again.open()
     s = again.get("full")
     assert s is not None
@@ -259,6 +257,7 @@ async def test_a_real_gap_is_still_a_409_after_the_reorder_wait(onceflow: InProc
 
 
 @pytest.mark.anyio
+@pytest.mark.local_store
 async def test_a_delete_that_could_not_be_stored_is_a_503_and_changes_nothing(
     onceflow: InProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:

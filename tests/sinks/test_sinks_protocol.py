@@ -324,7 +324,9 @@ async def test_the_sink_record_survives_a_restart_and_a_compaction(onceflow: InP
     from onceflow.core.txn import Coordinator
 
     for compact in (False, True):
-        again = Coordinator(coord.directory, policy=coord.policy, compact_bytes=0 if compact else 64 << 20)
+        again = Coordinator(
+            coord.directory, policy=coord.policy, compact_bytes=0 if compact else 64 << 20, fs=onceflow.broker.fs
+        )
         again.open()
         assert again.sinks == before
         await again.close()
