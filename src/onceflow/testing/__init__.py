@@ -15,16 +15,24 @@ acknowledgements with it.
 - :class:`PostgresServer`, :class:`RedisServer`: throwaway PostgreSQL (``initdb`` + ``pg_ctl``) and
   ``redis-server`` instances on free loopback ports, never the standard ones;
   :class:`ServiceUnavailable` when their binaries are missing (``scripts/setup.sh dev`` installs them).
+- :class:`PostgresNode`: one postmaster of a throwaway PostgreSQL (what :class:`PostgresServer` runs).
 - :class:`FaultProxy`: an HTTP/1.1 proxy that drops, delays and reorders (lost acknowledgements).
 """
 
 from .faultproxy import FaultProxy
 from .processes import OnceflowProcess, ServerFailure, ServerProcess, free_port, onceflow_server
-from .services import PostgresServer, RedisServer, ServiceUnavailable, postgres_bindir
+from .services import (
+    PostgresNode,
+    PostgresServer,
+    RedisServer,
+    ServiceUnavailable,
+    postgres_bindir,
+)
 
 __all__ = [
     "FaultProxy",
     "OnceflowProcess",
+    "PostgresNode",
     "PostgresServer",
     "RedisServer",
     "ServerFailure",

@@ -1,11 +1,12 @@
 """Throwaway PostgreSQL and Redis servers for tests, benches and chaos runs (public through :mod:`onceflow.testing`).
 
-Each lives in its own temporary directory and listens on a free loopback port (never the standard
+Each lives in its own temporary directory and listens on free loopback ports (never the standard
 5432 / 6379, so an installed server is never touched); ``stop()`` ends it and removes the
 directory. PostgreSQL: ``initdb`` + ``pg_ctl`` from ``pg_config --bindir`` (or
 ``/usr/lib/postgresql/*/bin``), its Unix socket in the temporary directory; ``initdb`` refuses to
-run as root, so as root both run as the unprivileged user ``nobody``. Redis: ``redis-server``
-without persistence unless asked (``appendonly``).
+run as root, so as root PostgreSQL runs as the unprivileged user ``nobody``. :class:`PostgresServer`
+is one instance, made of a :class:`PostgresNode`, one postmaster. Redis: ``redis-server`` without
+persistence unless asked (``appendonly``).
 """
 
 from __future__ import annotations
@@ -14,17 +15,26 @@ import contextlib
 import glob
 import os
 import pwd
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import OnceflowError
 from .processes import free_port
 
-__all__ = ["PostgresServer", "RedisServer", "ServiceUnavailable", "postgres_bindir"]
+__all__ = [
+    "PostgresNode",
+    "PostgresServer",
+    "RedisServer",
+    "ServiceUnavailable",
+    "postgres_bindir",
+]
 
 
 class ServiceUnavailable(OnceflowError, RuntimeError):
@@ -52,23 +62,97 @@ def postgres_bindir() -> Path:
     )
 
 
-class PostgresServer:
-    """``initdb`` into a temporary directory, then ``pg_ctl start`` on a free loopback port.
+def _server_user() -> str | None:
+    """Who runs PostgreSQL's programs: ``nobody`` when we are root (``initdb`` and ``postgres`` refuse root)."""
+    return "nobody" if os.geteuid() == 0 else None
 
-    ``conninfo(dbname)`` connects as the superuser ``postgres`` (trust authentication, loopback
-    only). ``fsync=False`` trades crash safety of the database itself for speed (tests kill
-    clients, not this server). ``max_prepared_transactions`` > 0 enables two-phase commit.
+
+def _make_dir(path: Path) -> Path:
+    """``path`` created (its parent must exist) and, as root, handed to the user PostgreSQL runs as."""
+    path.mkdir(exist_ok=True)
+    user = _server_user()
+    if user is not None:
+        pw = pwd.getpwnam(user)
+        os.chown(path, pw.pw_uid, pw.pw_gid)
+    return path
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """A process's state letter and parent pid (``/proc/<pid>/stat``); ``None`` once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    state, ppid = stat[stat.rindex(")") + 2 :].split(maxsplit=2)[:2]
+    return state, int(ppid)
+
+
+def _alive(pid: int) -> bool:
+    """Running or exiting, not yet a zombie (a zombie only waits to be reaped)."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in "ZX"
+
+
+def _node_processes(data: Path, postmaster: int | None) -> list[int]:
+    """The live processes working in ``data`` (a postmaster and its children, orphaned or not) and, while
+    ``postmaster`` is one of them, its children that are exiting (a process lets go of its working
+    directory before it is a zombie)."""
+    target = os.path.realpath(data)
+    in_data, children = [], []
+    with contextlib.suppress(OSError), os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            with contextlib.suppress(OSError):  # gone meanwhile, exiting, or not ours to read
+                if os.readlink(f"/proc/{pid}/cwd") == target:
+                    in_data.append(pid)
+                    continue
+            stat = _stat(pid)
+            if stat is not None and stat[0] not in "ZX" and stat[1] == postmaster:
+                children.append(pid)
+    return in_data + children if postmaster in in_data else in_data
+
+
+def _base_settings(*, fsync: bool, max_prepared_transactions: int) -> dict[str, str]:
+    return {
+        "fsync": "on" if fsync else "off",
+        "max_prepared_transactions": str(max_prepared_transactions),
+        "max_connections": "100",
+    }
+
+
+class PostgresNode:
+    """One postmaster of a throwaway PostgreSQL: its data directory, log and Unix socket under ``root``.
+
+    :meth:`initdb` makes the data directory; :meth:`start` runs ``pg_ctl start``
+    on a free loopback port (another one if that port is taken meanwhile), each setting as ``-c
+    name=value`` on the command line, not in the data directory's files, so that a base backup does
+    not copy it. As root, PostgreSQL's programs run as ``nobody``. ``conninfo(dbname)`` connects as the superuser ``postgres``
+    (trust authentication, loopback only).
+
+    Its processes are those working in its data directory: the postmaster and every child it forked,
+    orphaned or not (each child of a postmaster runs in a session of its own, so no process group
+    holds them all). :meth:`kill` and :meth:`stop` return once none is left.
     """
 
-    def __init__(self, *, fsync: bool = True, max_prepared_transactions: int = 64) -> None:
-        self.bindir = postgres_bindir()
-        self.fsync = fsync
-        self.max_prepared_transactions = max_prepared_transactions
+    def __init__(self, name: str, root: Path, *, bindir: Path | None = None) -> None:
+        self.name = name
+        self.root = root
+        self.bindir = bindir if bindir is not None else postgres_bindir()
         self.port = 0
-        self.root: Path | None = None
-        self._user: str | None = "nobody" if os.geteuid() == 0 else None
+        self._user = _server_user()
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "postgres.log"
 
     def _run(self, argv: list[str], timeout: float = 120.0) -> None:
+        """One of PostgreSQL's programs, as the server's user; ``RuntimeError`` with its output if it fails."""
         kw: dict[str, object] = {}
         if self._user is not None:
             pw = pwd.getpwnam(self._user)
@@ -77,16 +161,12 @@ class PostgresServer:
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(argv[:2])} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
 
-    @property
-    def data(self) -> Path:
-        assert self.root is not None, "start() first"
-        return self.root / "data"
+    def _log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
 
-    def start(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="onceflow-pg-"))
-        if self._user is not None:
-            pw = pwd.getpwnam(self._user)
-            os.chown(self.root, pw.pw_uid, pw.pw_gid)
+    def initdb(self) -> None:
+        """A new data directory: ``initdb`` with the superuser ``postgres``, trust authentication, UTF8, C locale."""
+        _make_dir(self.root)
         self._run(
             [
                 str(self.bindir / "initdb"),
@@ -102,13 +182,13 @@ class PostgresServer:
                 "--no-sync",
             ]
         )
+
+    def start(self, settings: Mapping[str, str] | None = None) -> None:
+        """``pg_ctl start -w`` on a free loopback port; returns once it accepts connections (a standby: read-only)."""
+        opts = " ".join(f"-c {shlex.quote(f'{k}={v}')}" for k, v in (settings or {}).items())
         last: Exception | None = None
         for _ in range(3):  # a free port can be taken between the probe and the bind
             self.port = free_port()
-            opts = (
-                f"-p {self.port} -h 127.0.0.1 -k {self.root} -c fsync={'on' if self.fsync else 'off'} "
-                f"-c max_prepared_transactions={self.max_prepared_transactions} -c max_connections=100"
-            )
             try:
                 self._run(
                     [
@@ -116,34 +196,134 @@ class PostgresServer:
                         "-D",
                         str(self.data),
                         "-l",
-                        str(self.root / "postgres.log"),
+                        str(self.log),
                         "-w",
                         "-t",
                         "60",
                         "-o",
-                        opts,
+                        f"-p {self.port} -h 127.0.0.1 -k {shlex.quote(str(self.root))} {opts}",
                         "start",
                     ]
                 )
                 return
             except RuntimeError as exc:
                 last = exc
-        self.stop()
-        raise RuntimeError(f"PostgreSQL did not start: {last}")
+        raise RuntimeError(f"PostgreSQL {self.name} did not start: {last}\n{self._log_tail()}")
 
     def conninfo(self, dbname: str = "postgres") -> str:
         return f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname} connect_timeout=10"
 
+    def _pidfile_pid(self) -> int | None:
+        try:
+            return int((self.data / "postmaster.pid").read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
+
+    def processes(self) -> list[int]:
+        """The pids of this node's live processes: its postmaster and the postmaster's children."""
+        return _node_processes(self.data, self._pidfile_pid())
+
+    @property
+    def pid(self) -> int | None:
+        """The postmaster's pid while it runs (from ``postmaster.pid``, which a killed node leaves behind)."""
+        pid = self._pidfile_pid()
+        return pid if pid is not None and pid in _node_processes(self.data, None) else None
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster, then what is left of its children: a crash, not a shutdown.
+
+        No shutdown checkpoint, ``postmaster.pid`` stays; nothing restarts it. Returns once none of the
+        node's processes is left.
+        """
+        processes = self.processes()
+        pid = self.pid
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._kill_leftovers(processes)
+
     def stop(self) -> None:
-        if self.root is None:
-            return
-        if (self.data / "postmaster.pid").exists():
+        """``pg_ctl stop -m immediate`` if it runs, SIGKILL for any process left; a killed node's shared memory
+        segment is removed. The directory stays (its owner removes it)."""
+        processes = self.processes()
+        if self.pid is not None:
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
-                self._run(
-                    [str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"], timeout=60
-                )
-        shutil.rmtree(self.root, ignore_errors=True)
-        self.root = None
+                self._run([str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"], 60)
+        self._kill_leftovers(processes)
+        self._remove_orphaned_shared_memory()
+
+    def _kill_leftovers(self, known: list[int], timeout: float = 10.0) -> None:
+        """SIGKILL whatever is left of ``known`` and of the node's processes; return once none is alive."""
+        pending = set(known)
+        deadline = time.monotonic() + timeout
+        while pending := {pid for pid in pending.union(self.processes()) if _alive(pid)}:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"PostgreSQL {self.name}: processes {sorted(pending)} survive SIGKILL")
+            for pid in pending:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.01)
+
+    def _remove_orphaned_shared_memory(self) -> None:
+        # A postmaster removes its System V segment when it shuts down; a killed one leaves it (56 bytes,
+        # but one per kill, up to the system's limit on segments). postmaster.pid's 7th line is
+        # "key shmid"; the segment goes only if that postmaster created it and nothing is attached.
+        with contextlib.suppress(OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            lines = (self.data / "postmaster.pid").read_text().splitlines()
+            pid, shmid = int(lines[0]), int(lines[6].split()[1])
+            for row in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]:
+                _key, found, _perms, _size, cpid, _lpid, nattch, *_ = row.split()
+                if int(found) == shmid and int(cpid) == pid and int(nattch) == 0:
+                    subprocess.run(["ipcrm", "-m", str(shmid)], capture_output=True, timeout=10, check=False)
+
+
+class PostgresServer:
+    """``initdb`` into a temporary directory, then ``pg_ctl start`` on a free loopback port.
+
+    ``conninfo(dbname)`` connects as the superuser ``postgres`` (trust authentication, loopback
+    only). ``fsync=False`` trades crash safety of the database itself for speed (tests kill
+    clients, not this server). ``max_prepared_transactions`` > 0 enables two-phase commit.
+    """
+
+    def __init__(self, *, fsync: bool = True, max_prepared_transactions: int = 64) -> None:
+        self.bindir = postgres_bindir()
+        self.fsync = fsync
+        self.max_prepared_transactions = max_prepared_transactions
+        self.root: Path | None = None
+        self.node: PostgresNode | None = None
+
+    @property
+    def port(self) -> int:
+        return self.node.port if self.node is not None else 0
+
+    @property
+    def data(self) -> Path:
+        assert self.node is not None, "start() first"
+        return self.node.data
+
+    def start(self) -> None:
+        self.root = _make_dir(Path(tempfile.mkdtemp(prefix="onceflow-pg-")))
+        self.node = PostgresNode("postgres", self.root, bindir=self.bindir)
+        try:
+            self.node.initdb()
+            self.node.start(_base_settings(fsync=self.fsync, max_prepared_transactions=self.max_prepared_transactions))
+        except BaseException:
+            self.stop()
+            raise
+
+    def conninfo(self, dbname: str = "postgres") -> str:
+        assert self.node is not None, "start() first"
+        return self.node.conninfo(dbname)
+
+    def stop(self) -> None:
+        try:
+            if self.node is not None:
+                self.node.stop()
+        finally:
+            if self.root is not None:
+                shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
+            self.node = None
 
     def __enter__(self) -> PostgresServer:
         self.start()
