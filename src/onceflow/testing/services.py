@@ -5,7 +5,8 @@ Each lives in its own temporary directory and listens on free loopback ports (ne
 directory. PostgreSQL: ``initdb`` + ``pg_ctl`` from ``pg_config --bindir`` (or
 ``/usr/lib/postgresql/*/bin``), its Unix socket in the temporary directory; ``initdb`` refuses to
 run as root, so as root PostgreSQL runs as the unprivileged user ``nobody``. :class:`PostgresServer`
-is one instance, made of a :class:`PostgresNode`, one postmaster. Redis: ``redis-server`` without
+is one instance, :class:`PostgresCluster` a primary with a synchronous standby and the faults of a
+failover; both are made of :class:`PostgresNode`, one postmaster. Redis: ``redis-server`` without
 persistence unless asked (``appendonly``).
 """
 
@@ -24,17 +25,23 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from ..errors import OnceflowError
 from .processes import free_port
 
 __all__ = [
+    "PostgresCluster",
     "PostgresNode",
+    "PostgresRole",
     "PostgresServer",
     "RedisServer",
     "ServiceUnavailable",
     "postgres_bindir",
 ]
+
+PostgresRole = Literal["primary", "standby", "down"]
+"""What a :class:`PostgresNode` is now: ``primary`` (takes writes), ``standby`` (in recovery), ``down``."""
 
 
 class ServiceUnavailable(OnceflowError, RuntimeError):
@@ -125,10 +132,11 @@ def _base_settings(*, fsync: bool, max_prepared_transactions: int) -> dict[str, 
 class PostgresNode:
     """One postmaster of a throwaway PostgreSQL: its data directory, log and Unix socket under ``root``.
 
-    :meth:`initdb` makes the data directory; :meth:`start` runs ``pg_ctl start``
+    :meth:`initdb` or :meth:`basebackup` makes the data directory; :meth:`start` runs ``pg_ctl start``
     on a free loopback port (another one if that port is taken meanwhile), each setting as ``-c
     name=value`` on the command line, not in the data directory's files, so that a base backup does
-    not copy it. As root, PostgreSQL's programs run as ``nobody``. ``conninfo(dbname)`` connects as the superuser ``postgres``
+    not copy it. As root, PostgreSQL's programs run as ``nobody``. :meth:`sql` runs a query with
+    ``psql`` (no Python driver needed). ``conninfo(dbname)`` connects as the superuser ``postgres``
     (trust authentication, loopback only).
 
     Its processes are those working in its data directory: the postmaster and every child it forked,
@@ -183,6 +191,31 @@ class PostgresNode:
             ]
         )
 
+    def basebackup(self, source: PostgresNode, *, user: str, slot: str | None = None) -> None:
+        """The data directory as a streaming standby of ``source``: ``pg_basebackup -R`` as ``user``.
+
+        ``-R`` writes ``standby.signal`` and a ``primary_conninfo`` whose ``application_name`` is this
+        node's name (what the source's ``synchronous_standby_names`` and ``pg_stat_replication`` call
+        it); ``slot``, when given, is a physical replication slot created on the source for it.
+        """
+        _make_dir(self.root)
+        argv = [
+            str(self.bindir / "pg_basebackup"),
+            "-D",
+            str(self.data),
+            "-R",
+            "-X",
+            "stream",
+            "-c",
+            "fast",
+            "--no-sync",
+            "-d",
+            f"host=127.0.0.1 port={source.port} user={user} application_name={self.name}",
+        ]
+        if slot is not None:
+            argv += ["-C", "-S", slot]
+        self._run(argv)
+
     def start(self, settings: Mapping[str, str] | None = None) -> None:
         """``pg_ctl start -w`` on a free loopback port; returns once it accepts connections (a standby: read-only)."""
         opts = " ".join(f"-c {shlex.quote(f'{k}={v}')}" for k, v in (settings or {}).items())
@@ -213,6 +246,20 @@ class PostgresNode:
     def conninfo(self, dbname: str = "postgres") -> str:
         return f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname} connect_timeout=10"
 
+    def sql(self, query: str, dbname: str = "postgres") -> str:
+        """``query`` through ``psql`` as ``postgres``; its rows, one a line, columns separated by ``|``."""
+        proc = subprocess.run(
+            [str(self.bindir / "psql"), "-X", "-A", "-t", "-q", "-v", "ON_ERROR_STOP=1"]
+            + ["-d", self.conninfo(dbname), "-c", query],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"psql on {self.name} failed ({proc.returncode}): {proc.stderr.strip()}")
+        return proc.stdout.strip()
+
     def _pidfile_pid(self) -> int | None:
         try:
             return int((self.data / "postmaster.pid").read_text().split("\n", 1)[0])
@@ -228,6 +275,25 @@ class PostgresNode:
         """The postmaster's pid while it runs (from ``postmaster.pid``, which a killed node leaves behind)."""
         pid = self._pidfile_pid()
         return pid if pid is not None and pid in _node_processes(self.data, None) else None
+
+    def role(self) -> PostgresRole:
+        """``primary`` (not in recovery), ``standby`` (in recovery) or ``down`` (not running or not answering)."""
+        if self.pid is None:
+            return "down"
+        try:
+            in_recovery = self.sql("SELECT pg_is_in_recovery()")
+        except (RuntimeError, subprocess.TimeoutExpired):
+            return "down"
+        return "standby" if in_recovery == "t" else "primary"
+
+    def promote(self, timeout: float = 60.0) -> None:
+        """``pg_ctl promote -w``, then wait until the node says it is out of recovery (takes writes)."""
+        self._run([str(self.bindir / "pg_ctl"), "-D", str(self.data), "-w", "-t", str(int(timeout)), "promote"])
+        deadline = time.monotonic() + timeout
+        while (role := self.role()) != "primary":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"PostgreSQL {self.name} is still {role} {timeout:.0f} s after pg_ctl promote")
+            time.sleep(0.02)
 
     def kill(self) -> None:
         """SIGKILL the postmaster, then what is left of its children: a crash, not a shutdown.
@@ -326,6 +392,149 @@ class PostgresServer:
             self.node = None
 
     def __enter__(self) -> PostgresServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class PostgresCluster:
+    """A throwaway PostgreSQL primary and its synchronous standby on loopback, for failover tests and demos.
+
+    ``nodes[0]`` (``node0``) starts as the primary, ``nodes[1]`` (``node1``) as its standby, each on a
+    free loopback port, both in one temporary directory. :meth:`start`:
+
+    1. ``initdb`` node0 and start it with ``wal_level=replica``, ``max_wal_senders``,
+       ``hot_standby=on``, ``synchronous_commit=on`` and ``synchronous_standby_names=node1``; create
+       the role ``replicator`` (``REPLICATION``; ``initdb -A trust`` already trusts replication
+       connections from 127.0.0.1).
+    2. ``pg_basebackup -R`` node1 from node0 (``primary_conninfo`` with ``application_name=node1``, a
+       physical replication slot ``node1`` on node0) and start it as a hot standby.
+    3. Wait until node0's ``pg_stat_replication`` shows node1 ``streaming`` and ``sync``: from then on
+       a commit on node0 returns only once node1 has flushed its WAL (not yet replayed it: a read on
+       node1 right after the commit may not see it; ``synchronous_commit=remote_apply`` waits for that).
+
+    ``synchronous_standby_names`` is on node0's command line only, not in the files the base backup
+    copies, so a promoted node1, which has no standby, does not wait for one: its commits return.
+
+    :meth:`conninfo` names both nodes with ``target_session_attrs=read-write``: libpq (psycopg)
+    connects to whichever takes writes. Faults: :meth:`kill_primary` (its processes SIGKILLed; it
+    stays down) and :meth:`promote` (the standby, timed). :meth:`primary`, :meth:`standby` and
+    :meth:`roles` ask the nodes what they are now. Nothing fails over by itself, and a killed node
+    does not rejoin (no ``pg_rewind``); promoting while the primary still runs makes two primaries,
+    which :meth:`primary` refuses to choose between.
+    """
+
+    REPLICATION_USER = "replicator"
+
+    def __init__(self, *, fsync: bool = True, max_prepared_transactions: int = 64) -> None:
+        self.bindir = postgres_bindir()
+        for program in ("pg_basebackup", "psql"):
+            if not (self.bindir / program).exists():
+                raise ServiceUnavailable(
+                    f"PostgreSQL's {program} is not in {self.bindir} (Debian's postgresql package)"
+                )
+        self.fsync = fsync
+        self.max_prepared_transactions = max_prepared_transactions
+        self.root: Path | None = None
+        self.nodes: tuple[PostgresNode, ...] = ()
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.root = _make_dir(Path(tempfile.mkdtemp(prefix="onceflow-pgha-")))
+        primary = PostgresNode("node0", self.root / "node0", bindir=self.bindir)
+        standby = PostgresNode("node1", self.root / "node1", bindir=self.bindir)
+        self.nodes = (primary, standby)
+        settings = {
+            **_base_settings(fsync=self.fsync, max_prepared_transactions=self.max_prepared_transactions),
+            "wal_level": "replica",
+            "max_wal_senders": "10",
+            "hot_standby": "on",
+            "synchronous_commit": "on",
+        }
+        try:
+            # Step 1: the primary; its own commits do not wait while it has no standby yet
+            primary.initdb()
+            primary.start({**settings, "synchronous_standby_names": standby.name})
+            primary.sql(f"SET synchronous_commit = local; CREATE ROLE {self.REPLICATION_USER} WITH REPLICATION LOGIN")
+            # Step 2: the standby
+            standby.basebackup(primary, user=self.REPLICATION_USER, slot=standby.name)
+            standby.start(settings)
+            # Step 3: streaming, and synchronous
+            self._wait_synchronous(primary, standby, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    @staticmethod
+    def _wait_synchronous(primary: PostgresNode, standby: PostgresNode, timeout: float) -> None:
+        query = "SELECT application_name, state, sync_state FROM pg_stat_replication"
+        deadline = time.monotonic() + timeout
+        while f"{standby.name}|streaming|sync" not in (seen := primary.sql(query)).splitlines():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{standby.name} is no synchronous standby of {primary.name} after {timeout:.0f} s "
+                    f"(pg_stat_replication: {seen!r}); its log:\n{standby._log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def conninfo(self, dbname: str = "postgres") -> str:
+        """A libpq URL naming every node, ``target_session_attrs=read-write``: it reaches the primary."""
+        assert self.nodes, "start() first"
+        hosts = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+        return f"postgresql://postgres@{hosts}/{dbname}?target_session_attrs=read-write&connect_timeout=2"
+
+    def roles(self) -> dict[str, PostgresRole]:
+        """Each node's role now, by name (asked of the nodes, not remembered)."""
+        return {node.name: node.role() for node in self.nodes}
+
+    def primary(self) -> PostgresNode | None:
+        """The node that takes writes now; ``None`` if none does. Two that do are a ``RuntimeError``."""
+        found = [node for node in self.nodes if node.role() == "primary"]
+        if len(found) > 1:
+            raise RuntimeError(f"two primaries: {', '.join(node.name for node in found)}")
+        return found[0] if found else None
+
+    def standby(self) -> PostgresNode | None:
+        """A running node in recovery; ``None`` once there is none (after a promotion)."""
+        return next((node for node in self.nodes if node.role() == "standby"), None)
+
+    def kill_primary(self) -> PostgresNode:
+        """SIGKILL the primary's postmaster and its children (:meth:`PostgresNode.kill`); returns that node.
+
+        It stays down; the standby keeps trying to reach it, in recovery, until :meth:`promote`.
+        """
+        node = self.primary()
+        if node is None:
+            raise RuntimeError(f"no primary to kill: {self.roles()}")
+        node.kill()
+        return node
+
+    def promote(self, timeout: float = 60.0) -> float:
+        """``pg_ctl promote`` the standby and wait until it takes writes; returns the seconds that took."""
+        node = self.standby()
+        if node is None:
+            raise RuntimeError(f"no standby to promote: {self.roles()}")
+        began = time.perf_counter()
+        node.promote(timeout)
+        return time.perf_counter() - began
+
+    def stop(self) -> None:
+        """Stop every node (:meth:`PostgresNode.stop`: none of their processes is left) and remove the directory."""
+        failures: list[RuntimeError] = []
+        for node in self.nodes:  # each one, whatever the others do
+            try:
+                node.stop()
+            except RuntimeError as exc:
+                failures.append(exc)
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+        self.root = None
+        self.nodes = ()
+        if failures:
+            raise failures[0]
+
+    def __enter__(self) -> PostgresCluster:
         self.start()
         return self
 
