@@ -15,16 +15,30 @@ acknowledgements with it.
 - :class:`PostgresServer`, :class:`RedisServer`: throwaway PostgreSQL (``initdb`` + ``pg_ctl``) and
   ``redis-server`` instances on free loopback ports, never the standard ones;
   :class:`ServiceUnavailable` when their binaries are missing (``scripts/setup.sh dev`` installs them).
+- :class:`PostgresCluster`: a throwaway PostgreSQL primary with a synchronous standby
+  (``pg_basebackup``), a multi-host conninfo that finds the primary, and the faults of a failover
+  (kill the primary, promote the standby); :class:`PostgresNode` is one postmaster of either.
 - :class:`FaultProxy`: an HTTP/1.1 proxy that drops, delays and reorders (lost acknowledgements).
 """
 
 from .faultproxy import FaultProxy
 from .processes import OnceflowProcess, ServerFailure, ServerProcess, free_port, onceflow_server
-from .services import PostgresServer, RedisServer, ServiceUnavailable, postgres_bindir
+from .services import (
+    PostgresCluster,
+    PostgresNode,
+    PostgresRole,
+    PostgresServer,
+    RedisServer,
+    ServiceUnavailable,
+    postgres_bindir,
+)
 
 __all__ = [
     "FaultProxy",
     "OnceflowProcess",
+    "PostgresCluster",
+    "PostgresNode",
+    "PostgresRole",
     "PostgresServer",
     "RedisServer",
     "ServerFailure",

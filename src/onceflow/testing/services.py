@@ -1,11 +1,13 @@
 """Throwaway PostgreSQL and Redis servers for tests, benches and chaos runs (public through :mod:`onceflow.testing`).
 
-Each lives in its own temporary directory and listens on a free loopback port (never the standard
+Each lives in its own temporary directory and listens on free loopback ports (never the standard
 5432 / 6379, so an installed server is never touched); ``stop()`` ends it and removes the
 directory. PostgreSQL: ``initdb`` + ``pg_ctl`` from ``pg_config --bindir`` (or
 ``/usr/lib/postgresql/*/bin``), its Unix socket in the temporary directory; ``initdb`` refuses to
-run as root, so as root both run as the unprivileged user ``nobody``. Redis: ``redis-server``
-without persistence unless asked (``appendonly``).
+run as root, so as root PostgreSQL runs as the unprivileged user ``nobody``. :class:`PostgresServer`
+is one instance, :class:`PostgresCluster` a primary with a synchronous standby and the faults of a
+failover; both are made of :class:`PostgresNode`, one postmaster. Redis: ``redis-server`` without
+persistence unless asked (``appendonly``).
 """
 
 from __future__ import annotations
@@ -14,17 +16,32 @@ import contextlib
 import glob
 import os
 import pwd
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from ..errors import OnceflowError
 from .processes import free_port
 
-__all__ = ["PostgresServer", "RedisServer", "ServiceUnavailable", "postgres_bindir"]
+__all__ = [
+    "PostgresCluster",
+    "PostgresNode",
+    "PostgresRole",
+    "PostgresServer",
+    "RedisServer",
+    "ServiceUnavailable",
+    "postgres_bindir",
+]
+
+PostgresRole = Literal["primary", "standby", "down"]
+"""What a :class:`PostgresNode` is now: ``primary`` (takes writes), ``standby`` (in recovery), ``down``."""
 
 
 class ServiceUnavailable(OnceflowError, RuntimeError):
@@ -52,23 +69,98 @@ def postgres_bindir() -> Path:
     )
 
 
-class PostgresServer:
-    """``initdb`` into a temporary directory, then ``pg_ctl start`` on a free loopback port.
+def _server_user() -> str | None:
+    """Who runs PostgreSQL's programs: ``nobody`` when we are root (``initdb`` and ``postgres`` refuse root)."""
+    return "nobody" if os.geteuid() == 0 else None
 
-    ``conninfo(dbname)`` connects as the superuser ``postgres`` (trust authentication, loopback
-    only). ``fsync=False`` trades crash safety of the database itself for speed (tests kill
-    clients, not this server). ``max_prepared_transactions`` > 0 enables two-phase commit.
+
+def _make_dir(path: Path) -> Path:
+    """``path`` created (its parent must exist) and, as root, handed to the user PostgreSQL runs as."""
+    path.mkdir(exist_ok=True)
+    user = _server_user()
+    if user is not None:
+        pw = pwd.getpwnam(user)
+        os.chown(path, pw.pw_uid, pw.pw_gid)
+    return path
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """A process's state letter and parent pid (``/proc/<pid>/stat``); ``None`` once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    state, ppid = stat[stat.rindex(")") + 2 :].split(maxsplit=2)[:2]
+    return state, int(ppid)
+
+
+def _alive(pid: int) -> bool:
+    """Running or exiting, not yet a zombie (a zombie only waits to be reaped)."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in "ZX"
+
+
+def _node_processes(data: Path, postmaster: int | None) -> list[int]:
+    """The live processes working in ``data`` (a postmaster and its children, orphaned or not) and, while
+    ``postmaster`` is one of them, its children that are exiting (a process lets go of its working
+    directory before it is a zombie)."""
+    target = os.path.realpath(data)
+    in_data, children = [], []
+    with contextlib.suppress(OSError), os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            with contextlib.suppress(OSError):  # gone meanwhile, exiting, or not ours to read
+                if os.readlink(f"/proc/{pid}/cwd") == target:
+                    in_data.append(pid)
+                    continue
+            stat = _stat(pid)
+            if stat is not None and stat[0] not in "ZX" and stat[1] == postmaster:
+                children.append(pid)
+    return in_data + children if postmaster in in_data else in_data
+
+
+def _base_settings(*, fsync: bool, max_prepared_transactions: int) -> dict[str, str]:
+    return {
+        "fsync": "on" if fsync else "off",
+        "max_prepared_transactions": str(max_prepared_transactions),
+        "max_connections": "100",
+    }
+
+
+class PostgresNode:
+    """One postmaster of a throwaway PostgreSQL: its data directory, log and Unix socket under ``root``.
+
+    :meth:`initdb` or :meth:`basebackup` makes the data directory; :meth:`start` runs ``pg_ctl start``
+    on a free loopback port (another one if that port is taken meanwhile), each setting as ``-c
+    name=value`` on the command line, not in the data directory's files, so that a base backup does
+    not copy it. As root, PostgreSQL's programs run as ``nobody``. :meth:`sql` runs a query with
+    ``psql`` (no Python driver needed). ``conninfo(dbname)`` connects as the superuser ``postgres``
+    (trust authentication, loopback only).
+
+    Its processes are those working in its data directory: the postmaster and every child it forked,
+    orphaned or not (each child of a postmaster runs in a session of its own, so no process group
+    holds them all). :meth:`kill` and :meth:`stop` return once none is left.
     """
 
-    def __init__(self, *, fsync: bool = True, max_prepared_transactions: int = 64) -> None:
-        self.bindir = postgres_bindir()
-        self.fsync = fsync
-        self.max_prepared_transactions = max_prepared_transactions
+    def __init__(self, name: str, root: Path, *, bindir: Path | None = None) -> None:
+        self.name = name
+        self.root = root
+        self.bindir = bindir if bindir is not None else postgres_bindir()
         self.port = 0
-        self.root: Path | None = None
-        self._user: str | None = "nobody" if os.geteuid() == 0 else None
+        self._user = _server_user()
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "postgres.log"
 
     def _run(self, argv: list[str], timeout: float = 120.0) -> None:
+        """One of PostgreSQL's programs, as the server's user; ``RuntimeError`` with its output if it fails."""
         kw: dict[str, object] = {}
         if self._user is not None:
             pw = pwd.getpwnam(self._user)
@@ -77,16 +169,12 @@ class PostgresServer:
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(argv[:2])} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
 
-    @property
-    def data(self) -> Path:
-        assert self.root is not None, "start() first"
-        return self.root / "data"
+    def _log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
 
-    def start(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="onceflow-pg-"))
-        if self._user is not None:
-            pw = pwd.getpwnam(self._user)
-            os.chown(self.root, pw.pw_uid, pw.pw_gid)
+    def initdb(self) -> None:
+        """A new data directory: ``initdb`` with the superuser ``postgres``, trust authentication, UTF8, C locale."""
+        _make_dir(self.root)
         self._run(
             [
                 str(self.bindir / "initdb"),
@@ -102,13 +190,38 @@ class PostgresServer:
                 "--no-sync",
             ]
         )
+
+    def basebackup(self, source: PostgresNode, *, user: str, slot: str | None = None) -> None:
+        """The data directory as a streaming standby of ``source``: ``pg_basebackup -R`` as ``user``.
+
+        ``-R`` writes ``standby.signal`` and a ``primary_conninfo`` whose ``application_name`` is this
+        node's name (what the source's ``synchronous_standby_names`` and ``pg_stat_replication`` call
+        it); ``slot``, when given, is a physical replication slot created on the source for it.
+        """
+        _make_dir(self.root)
+        argv = [
+            str(self.bindir / "pg_basebackup"),
+            "-D",
+            str(self.data),
+            "-R",
+            "-X",
+            "stream",
+            "-c",
+            "fast",
+            "--no-sync",
+            "-d",
+            f"host=127.0.0.1 port={source.port} user={user} application_name={self.name}",
+        ]
+        if slot is not None:
+            argv += ["-C", "-S", slot]
+        self._run(argv)
+
+    def start(self, settings: Mapping[str, str] | None = None) -> None:
+        """``pg_ctl start -w`` on a free loopback port; returns once it accepts connections (a standby: read-only)."""
+        opts = " ".join(f"-c {shlex.quote(f'{k}={v}')}" for k, v in (settings or {}).items())
         last: Exception | None = None
         for _ in range(3):  # a free port can be taken between the probe and the bind
             self.port = free_port()
-            opts = (
-                f"-p {self.port} -h 127.0.0.1 -k {self.root} -c fsync={'on' if self.fsync else 'off'} "
-                f"-c max_prepared_transactions={self.max_prepared_transactions} -c max_connections=100"
-            )
             try:
                 self._run(
                     [
@@ -116,36 +229,312 @@ class PostgresServer:
                         "-D",
                         str(self.data),
                         "-l",
-                        str(self.root / "postgres.log"),
+                        str(self.log),
                         "-w",
                         "-t",
                         "60",
                         "-o",
-                        opts,
+                        f"-p {self.port} -h 127.0.0.1 -k {shlex.quote(str(self.root))} {opts}",
                         "start",
                     ]
                 )
                 return
             except RuntimeError as exc:
                 last = exc
-        self.stop()
-        raise RuntimeError(f"PostgreSQL did not start: {last}")
+        raise RuntimeError(f"PostgreSQL {self.name} did not start: {last}\n{self._log_tail()}")
 
     def conninfo(self, dbname: str = "postgres") -> str:
         return f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname} connect_timeout=10"
 
+    def sql(self, query: str, dbname: str = "postgres") -> str:
+        """``query`` through ``psql`` as ``postgres``; its rows, one a line, columns separated by ``|``."""
+        proc = subprocess.run(
+            [str(self.bindir / "psql"), "-X", "-A", "-t", "-q", "-v", "ON_ERROR_STOP=1"]
+            + ["-d", self.conninfo(dbname), "-c", query],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"psql on {self.name} failed ({proc.returncode}): {proc.stderr.strip()}")
+        return proc.stdout.strip()
+
+    def _pidfile_pid(self) -> int | None:
+        try:
+            return int((self.data / "postmaster.pid").read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
+
+    def processes(self) -> list[int]:
+        """The pids of this node's live processes: its postmaster and the postmaster's children."""
+        return _node_processes(self.data, self._pidfile_pid())
+
+    @property
+    def pid(self) -> int | None:
+        """The postmaster's pid while it runs (from ``postmaster.pid``, which a killed node leaves behind)."""
+        pid = self._pidfile_pid()
+        return pid if pid is not None and pid in _node_processes(self.data, None) else None
+
+    def role(self) -> PostgresRole:
+        """``primary`` (not in recovery), ``standby`` (in recovery) or ``down`` (not running or not answering)."""
+        if self.pid is None:
+            return "down"
+        try:
+            in_recovery = self.sql("SELECT pg_is_in_recovery()")
+        except (RuntimeError, subprocess.TimeoutExpired):
+            return "down"
+        return "standby" if in_recovery == "t" else "primary"
+
+    def promote(self, timeout: float = 60.0) -> None:
+        """``pg_ctl promote -w``, then wait until the node says it is out of recovery (takes writes)."""
+        self._run([str(self.bindir / "pg_ctl"), "-D", str(self.data), "-w", "-t", str(int(timeout)), "promote"])
+        deadline = time.monotonic() + timeout
+        while (role := self.role()) != "primary":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"PostgreSQL {self.name} is still {role} {timeout:.0f} s after pg_ctl promote")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster, then what is left of its children: a crash, not a shutdown.
+
+        No shutdown checkpoint, ``postmaster.pid`` stays; nothing restarts it. Returns once none of the
+        node's processes is left.
+        """
+        processes = self.processes()
+        pid = self.pid
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._kill_leftovers(processes)
+
     def stop(self) -> None:
-        if self.root is None:
-            return
-        if (self.data / "postmaster.pid").exists():
+        """``pg_ctl stop -m immediate`` if it runs, SIGKILL for any process left; a killed node's shared memory
+        segment is removed. The directory stays (its owner removes it)."""
+        processes = self.processes()
+        if self.pid is not None:
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
-                self._run(
-                    [str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"], timeout=60
-                )
-        shutil.rmtree(self.root, ignore_errors=True)
-        self.root = None
+                self._run([str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"], 60)
+        self._kill_leftovers(processes)
+        self._remove_orphaned_shared_memory()
+
+    def _kill_leftovers(self, known: list[int], timeout: float = 10.0) -> None:
+        """SIGKILL whatever is left of ``known`` and of the node's processes; return once none is alive."""
+        pending = set(known)
+        deadline = time.monotonic() + timeout
+        while pending := {pid for pid in pending.union(self.processes()) if _alive(pid)}:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"PostgreSQL {self.name}: processes {sorted(pending)} survive SIGKILL")
+            for pid in pending:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.01)
+
+    def _remove_orphaned_shared_memory(self) -> None:
+        # A postmaster removes its System V segment when it shuts down; a killed one leaves it (56 bytes,
+        # but one per kill, up to the system's limit on segments). postmaster.pid's 7th line is
+        # "key shmid"; the segment goes only if that postmaster created it and nothing is attached.
+        with contextlib.suppress(OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            lines = (self.data / "postmaster.pid").read_text().splitlines()
+            pid, shmid = int(lines[0]), int(lines[6].split()[1])
+            for row in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]:
+                _key, found, _perms, _size, cpid, _lpid, nattch, *_ = row.split()
+                if int(found) == shmid and int(cpid) == pid and int(nattch) == 0:
+                    subprocess.run(["ipcrm", "-m", str(shmid)], capture_output=True, timeout=10, check=False)
+
+
+class PostgresServer:
+    """``initdb`` into a temporary directory, then ``pg_ctl start`` on a free loopback port.
+
+    ``conninfo(dbname)`` connects as the superuser ``postgres`` (trust authentication, loopback
+    only). ``fsync=False`` trades crash safety of the database itself for speed (tests kill
+    clients, not this server). ``max_prepared_transactions`` > 0 enables two-phase commit.
+    """
+
+    def __init__(self, *, fsync: bool = True, max_prepared_transactions: int = 64) -> None:
+        self.bindir = postgres_bindir()
+        self.fsync = fsync
+        self.max_prepared_transactions = max_prepared_transactions
+        self.root: Path | None = None
+        self.node: PostgresNode | None = None
+
+    @property
+    def port(self) -> int:
+        return self.node.port if self.node is not None else 0
+
+    @property
+    def data(self) -> Path:
+        assert self.node is not None, "start() first"
+        return self.node.data
+
+    def start(self) -> None:
+        self.root = _make_dir(Path(tempfile.mkdtemp(prefix="onceflow-pg-")))
+        self.node = PostgresNode("postgres", self.root, bindir=self.bindir)
+        try:
+            self.node.initdb()
+            self.node.start(_base_settings(fsync=self.fsync, max_prepared_transactions=self.max_prepared_transactions))
+        except BaseException:
+            self.stop()
+            raise
+
+    def conninfo(self, dbname: str = "postgres") -> str:
+        assert self.node is not None, "start() first"
+        return self.node.conninfo(dbname)
+
+    def stop(self) -> None:
+        try:
+            if self.node is not None:
+                self.node.stop()
+        finally:
+            if self.root is not None:
+                shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
+            self.node = None
 
     def __enter__(self) -> PostgresServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class PostgresCluster:
+    """A throwaway PostgreSQL primary and its synchronous standby on loopback, for failover tests and demos.
+
+    ``nodes[0]`` (``node0``) starts as the primary, ``nodes[1]`` (``node1``) as its standby, each on a
+    free loopback port, both in one temporary directory. :meth:`start`:
+
+    1. ``initdb`` node0 and start it with ``wal_level=replica``, ``max_wal_senders``,
+       ``hot_standby=on``, ``synchronous_commit=on`` and ``synchronous_standby_names=node1``; create
+       the role ``replicator`` (``REPLICATION``; ``initdb -A trust`` already trusts replication
+       connections from 127.0.0.1).
+    2. ``pg_basebackup -R`` node1 from node0 (``primary_conninfo`` with ``application_name=node1``, a
+       physical replication slot ``node1`` on node0) and start it as a hot standby.
+    3. Wait until node0's ``pg_stat_replication`` shows node1 ``streaming`` and ``sync``: from then on
+       a commit on node0 returns only once node1 has flushed its WAL (not yet replayed it: a read on
+       node1 right after the commit may not see it; ``synchronous_commit=remote_apply`` waits for that).
+
+    ``synchronous_standby_names`` is on node0's command line only, not in the files the base backup
+    copies, so a promoted node1, which has no standby, does not wait for one: its commits return.
+
+    :meth:`conninfo` names both nodes with ``target_session_attrs=read-write``: libpq (psycopg)
+    connects to whichever takes writes. Faults: :meth:`kill_primary` (its processes SIGKILLed; it
+    stays down) and :meth:`promote` (the standby, timed). :meth:`primary`, :meth:`standby` and
+    :meth:`roles` ask the nodes what they are now. Nothing fails over by itself, and a killed node
+    does not rejoin (no ``pg_rewind``); promoting while the primary still runs makes two primaries,
+    which :meth:`primary` refuses to choose between.
+    """
+
+    REPLICATION_USER = "replicator"
+
+    def __init__(self, *, fsync: bool = True, max_prepared_transactions: int = 64) -> None:
+        self.bindir = postgres_bindir()
+        for program in ("pg_basebackup", "psql"):
+            if not (self.bindir / program).exists():
+                raise ServiceUnavailable(
+                    f"PostgreSQL's {program} is not in {self.bindir} (Debian's postgresql package)"
+                )
+        self.fsync = fsync
+        self.max_prepared_transactions = max_prepared_transactions
+        self.root: Path | None = None
+        self.nodes: tuple[PostgresNode, ...] = ()
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.root = _make_dir(Path(tempfile.mkdtemp(prefix="onceflow-pgha-")))
+        primary = PostgresNode("node0", self.root / "node0", bindir=self.bindir)
+        standby = PostgresNode("node1", self.root / "node1", bindir=self.bindir)
+        self.nodes = (primary, standby)
+        settings = {
+            **_base_settings(fsync=self.fsync, max_prepared_transactions=self.max_prepared_transactions),
+            "wal_level": "replica",
+            "max_wal_senders": "10",
+            "hot_standby": "on",
+            "synchronous_commit": "on",
+        }
+        try:
+            # Step 1: the primary; its own commits do not wait while it has no standby yet
+            primary.initdb()
+            primary.start({**settings, "synchronous_standby_names": standby.name})
+            primary.sql(f"SET synchronous_commit = local; CREATE ROLE {self.REPLICATION_USER} WITH REPLICATION LOGIN")
+            # Step 2: the standby
+            standby.basebackup(primary, user=self.REPLICATION_USER, slot=standby.name)
+            standby.start(settings)
+            # Step 3: streaming, and synchronous
+            self._wait_synchronous(primary, standby, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    @staticmethod
+    def _wait_synchronous(primary: PostgresNode, standby: PostgresNode, timeout: float) -> None:
+        query = "SELECT application_name, state, sync_state FROM pg_stat_replication"
+        deadline = time.monotonic() + timeout
+        while f"{standby.name}|streaming|sync" not in (seen := primary.sql(query)).splitlines():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{standby.name} is no synchronous standby of {primary.name} after {timeout:.0f} s "
+                    f"(pg_stat_replication: {seen!r}); its log:\n{standby._log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def conninfo(self, dbname: str = "postgres") -> str:
+        """A libpq URL naming every node, ``target_session_attrs=read-write``: it reaches the primary."""
+        assert self.nodes, "start() first"
+        hosts = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+        return f"postgresql://postgres@{hosts}/{dbname}?target_session_attrs=read-write&connect_timeout=2"
+
+    def roles(self) -> dict[str, PostgresRole]:
+        """Each node's role now, by name (asked of the nodes, not remembered)."""
+        return {node.name: node.role() for node in self.nodes}
+
+    def primary(self) -> PostgresNode | None:
+        """The node that takes writes now; ``None`` if none does. Two that do are a ``RuntimeError``."""
+        found = [node for node in self.nodes if node.role() == "primary"]
+        if len(found) > 1:
+            raise RuntimeError(f"two primaries: {', '.join(node.name for node in found)}")
+        return found[0] if found else None
+
+    def standby(self) -> PostgresNode | None:
+        """A running node in recovery; ``None`` once there is none (after a promotion)."""
+        return next((node for node in self.nodes if node.role() == "standby"), None)
+
+    def kill_primary(self) -> PostgresNode:
+        """SIGKILL the primary's postmaster and its children (:meth:`PostgresNode.kill`); returns that node.
+
+        It stays down; the standby keeps trying to reach it, in recovery, until :meth:`promote`.
+        """
+        node = self.primary()
+        if node is None:
+            raise RuntimeError(f"no primary to kill: {self.roles()}")
+        node.kill()
+        return node
+
+    def promote(self, timeout: float = 60.0) -> float:
+        """``pg_ctl promote`` the standby and wait until it takes writes; returns the seconds that took."""
+        node = self.standby()
+        if node is None:
+            raise RuntimeError(f"no standby to promote: {self.roles()}")
+        began = time.perf_counter()
+        node.promote(timeout)
+        return time.perf_counter() - began
+
+    def stop(self) -> None:
+        """Stop every node (:meth:`PostgresNode.stop`: none of their processes is left) and remove the directory."""
+        failures: list[RuntimeError] = []
+        for node in self.nodes:  # each one, whatever the others do
+            try:
+                node.stop()
+            except RuntimeError as exc:
+                failures.append(exc)
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+        self.root = None
+        self.nodes = ()
+        if failures:
+            raise failures[0]
+
+    def __enter__(self) -> PostgresCluster:
         self.start()
         return self
 
