@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every check onceflow has: lint (with a complexity bound), formatting, type check, the layers contract,
-# the Durable Streams conformance suite, then the tests.
+# the Durable Streams conformance suite on both stores (local disk, PostgreSQL), then the tests, and the
+# in-process server's semantic tests again on the PostgreSQL store.
 # Installs what is missing first. Extra arguments go to pytest (e.g. ./test.sh -k crash).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -13,7 +14,11 @@ echo "== type check (mypy --strict)"
 .venv/bin/mypy
 echo "== layers (lint-imports; contracts in pyproject.toml, map in docs/architecture.md)"
 .venv/bin/lint-imports
-echo "== conformance"
+echo "== conformance (local store)"
 .venv/bin/python scripts/conformance.py
+echo "== conformance (PostgreSQL store)"
+.venv/bin/python scripts/conformance.py --store postgresql
 echo "== tests (pytest)"
 .venv/bin/python -m pytest "$@"
+echo "== the in-process server's tests again, on the PostgreSQL store (ONCEFLOW_TEST_STORE=postgresql)"
+ONCEFLOW_TEST_STORE=postgresql .venv/bin/python -m pytest -q "$@"

@@ -104,12 +104,22 @@ if TEST_STORE not in ("local", "postgresql"):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ONCEFLOW_TEST_STORE=postgresql only the tests of the in-process server run (the others
+    ran with the local store already), those marked ``local_store`` skipped."""
     if TEST_STORE == "local":
         return
     skip = pytest.mark.skip(reason="works on the local store's files themselves (ONCEFLOW_TEST_STORE=postgresql)")
+    chosen, other = [], []
     for item in items:
+        if "onceflow" not in getattr(item, "fixturenames", ()):
+            other.append(item)
+            continue
         if item.get_closest_marker("local_store") is not None:
             item.add_marker(skip)
+        chosen.append(item)
+    if other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = chosen
 
 
 @pytest.fixture
