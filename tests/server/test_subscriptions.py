@@ -889,3 +889,61 @@ async def test_key_files_are_owner_only(tmp_path: Path) -> None:
     for name in ("webhook-ed25519.pem", "token.key"):
         assert stat.S_IMODE((directory / name).stat().st_mode) == 0o600, name
     assert [f.suffix for f in (directory / "subs").iterdir()] == [".json"]
+
+
+class _KeepNothing(random.Random):
+    """A power loss keeps no unsynced write and no unsynced name (tests/storage/test_power_loss.py)."""
+
+    def randint(self, a: int, b: int) -> int:
+        return a
+
+
+def test_acknowledged_state_and_keys_survive_a_power_loss() -> None:
+    """Under ``--fsync always`` a power loss takes nothing a response acknowledged: the subscription,
+    its claim, the signing key (receivers keep the JWKS they fetched) and the token key (the claim's
+    token stays valid). Every name is durable, the ``subscriptions`` directories' included."""
+    disk = SimDisk(_KeepNothing(0))
+    data = Path("/data")
+    fs = disk.mount()
+    fs.mkdir(data)
+    fs.sync_dir(Path("/"))
+    fs.sync_dir(data)
+    seen: dict[str, Any] = {}
+
+    def serve() -> tuple[Broker, App, httpx.AsyncClient]:
+        broker = Broker(data, fs=disk.mount())
+        broker.open()
+        app = App(broker, AppConfig(long_poll_timeout=0.3))
+        return broker, app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+
+    async def before() -> None:
+        _, _, c = serve()
+        seen["jwks"] = (await c.get(f"{ROOT}/__ds/jwks.json")).json()
+        await pull_sub(c, "p")
+        await put_stream(c, "events/a", {"n": 1})
+        await wait_for(lambda: _has_events(c, "wake/pool", "p", 1))
+        r = await c.post(f"{SUBS}/p/claim", json={"worker": "w1"})
+        assert r.status_code == 200, r.text
+        seen["claim"] = r.json()
+        disk.power_loss()  # no clean shutdown: the process and the page cache are gone
+
+    async def after() -> None:
+        broker, app, c = serve()
+        try:
+            assert (await c.get(f"{ROOT}/__ds/jwks.json")).json() == seen["jwks"], "the signing key changed"
+            r = await c.get(f"{SUBS}/p")
+            assert r.status_code == 200, "a subscription whose creation was acknowledged vanished"
+            claim = seen["claim"]
+            r = await c.post(
+                f"{SUBS}/p/ack",
+                headers=bearer(claim["token"]),
+                json={"wake_id": claim["wake_id"], "generation": claim["generation"]},
+            )
+            assert r.status_code == 200, r.text  # the claim and its token survived
+        finally:
+            await c.aclose()
+            await app.subscriptions.close()
+            await broker.close()
+
+    asyncio.run(before())
+    asyncio.run(after())

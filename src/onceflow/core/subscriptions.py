@@ -644,6 +644,7 @@ class Subscriptions:
         self._key: Ed25519PrivateKey | None = None
         self._jwk: dict[str, str] = {}
         self._token_key: bytes | None = None
+        self._dirs_durable = False  # subscriptions/ and subscriptions/subs exist and their names are synced
         self._started = False
         self._closing = False
 
@@ -737,10 +738,23 @@ class Subscriptions:
             return self.fs.read_bytes(path)
         except FileNotFoundError:
             pass
-        self.fs.mkdir(self.directory)
+        self._make_dirs(durable=True)
         data = make()
         self.fs.replace_file(path, data, mode=0o600)
         return data
+
+    def _make_dirs(self, *, durable: bool) -> None:
+        """Create ``subscriptions/subs`` (parents too); with ``durable``, also sync the directories
+        that hold the two new names, since a name is durable only once its directory is synced (the
+        files' own syncs cover the names inside them). May run in several executor threads at once:
+        every step is idempotent."""
+        if self._dirs_durable:
+            return
+        self.fs.mkdir(self.directory / "subs")
+        if durable:
+            self.fs.sync_dir(self.directory)  # the name subs
+            self.fs.sync_dir(self.broker.data_dir)  # the name subscriptions
+            self._dirs_durable = True
 
     def signing_key(self) -> Ed25519PrivateKey:
         """The webhook signing key, created (and kept in the data directory) on first use."""
@@ -896,7 +910,7 @@ class Subscriptions:
             if durable:
                 fs.sync_dir(path.parent)
             return
-        fs.mkdir(path.parent)
+        self._make_dirs(durable=durable)
         fs.replace_file(path, data, sync=durable)
 
     async def _commit(self, sub: Subscription) -> None:
