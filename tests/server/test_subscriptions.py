@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import random
 import re
+import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from helpers.servers import ServerProcess
 from onceflow.core.broker import Broker
 from onceflow.core.subscriptions import glob_match
 from onceflow.server.app import App, AppConfig
+from onceflow_tools.sim.disk import SimDisk
 
 pytestmark = pytest.mark.anyio
 
@@ -810,3 +813,137 @@ async def test_webhook_retry_state_survives_restart(tmp_path: Path, receiver: Re
         await c.aclose()
         await app.subscriptions.close()
         await broker.close()
+
+
+async def test_state_lives_on_the_brokers_file_system(tmp_path: Path) -> None:
+    """Subscriptions, cursors, leases and both keys are stored through the broker's file system
+    (here the simulator's disk), survive a restart on it, and nothing reaches the OS directory."""
+    disk = SimDisk(random.Random(0))
+    data = tmp_path / "data"  # a path on the simulated disk; on the OS it must never appear
+    disk.mount().mkdir(data)
+
+    async def serve() -> tuple[Broker, App, httpx.AsyncClient]:
+        broker = Broker(data, fs=disk.mount())
+        broker.open()
+        app = App(broker, AppConfig(long_poll_timeout=0.3))
+        return broker, app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+
+    async def stop(broker: Broker, app: App, c: httpx.AsyncClient) -> None:
+        await c.aclose()
+        await app.subscriptions.close()
+        await broker.close()
+
+    broker, app, c = await serve()
+    jwks = (await c.get(f"{ROOT}/__ds/jwks.json")).json()
+    await pull_sub(c, "p")
+    await put_stream(c, "events/a", {"n": 1})
+    await wait_for(lambda: _has_events(c, "wake/pool", "p", 1))
+    claim = (await c.post(f"{SUBS}/p/claim", json={"worker": "w1"})).json()
+    await pull_sub(c, "q")
+    assert (await c.delete(f"{SUBS}/q")).status_code == 204
+    await stop(broker, app, c)
+
+    fs = disk.mount()
+    assert sorted(fs.listdir(data / "subscriptions")) == ["subs", "token.key", "webhook-ed25519.pem"]
+    assert len(fs.listdir(data / "subscriptions" / "subs")) == 1  # p's file; q's is removed
+    assert not data.exists() and list(tmp_path.iterdir()) == []
+
+    broker, app, c = await serve()
+    try:
+        assert (await c.get(f"{ROOT}/__ds/jwks.json")).json() == jwks  # the signing key is kept
+        assert (await c.get(f"{SUBS}/q")).status_code == 404
+        r = await c.post(f"{SUBS}/p/claim", json={"worker": "w2"})
+        assert r.status_code == 409 and r.json()["error"]["current_holder"] == "w1"  # the lease is kept
+        t = stream_info(claim, "events/a")["tail_offset"]
+        r = await c.post(  # the token issued before the restart is still valid: the token key is kept
+            f"{SUBS}/p/ack",
+            headers=bearer(claim["token"]),
+            json={
+                "wake_id": claim["wake_id"],
+                "generation": claim["generation"],
+                "done": True,
+                "acks": [{"stream": "events/a", "offset": t}],
+            },
+        )
+        assert r.status_code == 200, r.text
+        assert stream_info((await c.get(f"{SUBS}/p")).json(), "events/a")["acked_offset"] == t
+    finally:
+        await stop(broker, app, c)
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_key_files_are_owner_only(tmp_path: Path) -> None:
+    """On the OS, the signing key and the token key are readable by the server's user alone."""
+    broker = Broker(tmp_path / "data")
+    broker.open()
+    app = App(broker, AppConfig())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as c:
+        assert (await c.get(f"{ROOT}/__ds/jwks.json")).status_code == 200
+        await pull_sub(c, "p")
+        await put_stream(c, "events/a", {"n": 1})
+        await wait_for(lambda: _has_events(c, "wake/pool", "p", 1))
+        assert (await c.post(f"{SUBS}/p/claim", json={"worker": "w1"})).status_code == 200  # issues a token
+    await app.subscriptions.close()
+    await broker.close()
+    directory = tmp_path / "data" / "subscriptions"
+    for name in ("webhook-ed25519.pem", "token.key"):
+        assert stat.S_IMODE((directory / name).stat().st_mode) == 0o600, name
+    assert [f.suffix for f in (directory / "subs").iterdir()] == [".json"]
+
+
+class _KeepNothing(random.Random):
+    """A power loss keeps no unsynced write and no unsynced name (tests/storage/test_power_loss.py)."""
+
+    def randint(self, a: int, b: int) -> int:
+        return a
+
+
+def test_acknowledged_state_and_keys_survive_a_power_loss() -> None:
+    """Under ``--fsync always`` a power loss takes nothing a response acknowledged: the subscription,
+    its claim, the signing key (receivers keep the JWKS they fetched) and the token key (the claim's
+    token stays valid). Every name is durable, the ``subscriptions`` directories' included."""
+    disk = SimDisk(_KeepNothing(0))
+    data = Path("/data")
+    fs = disk.mount()
+    fs.mkdir(data)
+    fs.sync_dir(Path("/"))
+    fs.sync_dir(data)
+    seen: dict[str, Any] = {}
+
+    def serve() -> tuple[Broker, App, httpx.AsyncClient]:
+        broker = Broker(data, fs=disk.mount())
+        broker.open()
+        app = App(broker, AppConfig(long_poll_timeout=0.3))
+        return broker, app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+
+    async def before() -> None:
+        _, _, c = serve()
+        seen["jwks"] = (await c.get(f"{ROOT}/__ds/jwks.json")).json()
+        await pull_sub(c, "p")
+        await put_stream(c, "events/a", {"n": 1})
+        await wait_for(lambda: _has_events(c, "wake/pool", "p", 1))
+        r = await c.post(f"{SUBS}/p/claim", json={"worker": "w1"})
+        assert r.status_code == 200, r.text
+        seen["claim"] = r.json()
+        disk.power_loss()  # no clean shutdown: the process and the page cache are gone
+
+    async def after() -> None:
+        broker, app, c = serve()
+        try:
+            assert (await c.get(f"{ROOT}/__ds/jwks.json")).json() == seen["jwks"], "the signing key changed"
+            r = await c.get(f"{SUBS}/p")
+            assert r.status_code == 200, "a subscription whose creation was acknowledged vanished"
+            claim = seen["claim"]
+            r = await c.post(
+                f"{SUBS}/p/ack",
+                headers=bearer(claim["token"]),
+                json={"wake_id": claim["wake_id"], "generation": claim["generation"]},
+            )
+            assert r.status_code == 200, r.text  # the claim and its token survived
+        finally:
+            await c.aclose()
+            await app.subscriptions.close()
+            await broker.close()
+
+    asyncio.run(before())
+    asyncio.run(after())

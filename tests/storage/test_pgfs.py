@@ -5,6 +5,7 @@ file system instance (a second server taking over)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 from collections.abc import AsyncIterator, Iterator
@@ -210,6 +211,7 @@ async def served(fs: PgFileSystem) -> AsyncIterator[httpx.AsyncClient]:
     app = App(broker, AppConfig(long_poll_timeout=0.2))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=URL) as client:
         yield client
+    await app.subscriptions.close()
     await broker.close()
 
 
@@ -244,6 +246,44 @@ async def test_the_broker_runs_on_it_and_a_second_server_takes_over_its_state(fs
     assert orders == [{"id": 1}, {"id": 2}]
     assert audit == [{"seen": 1}]
     assert shipped == [{"id": 1}]
+
+
+@pytest.mark.anyio
+async def test_a_second_server_takes_over_subscriptions_and_their_keys(fs: PgFileSystem) -> None:
+    """A subscription, its claim (lease and holder), the webhook signing key and the wake-token key
+    are in the database too (core/subscriptions.py writes through the broker's file system), so the
+    new leader keeps the JWKS receivers fetched and accepts the token the old one issued."""
+    subs = "/v1/stream/__ds/subscriptions"
+    async with served(fs) as c:
+        jwks = (await c.get("/v1/stream/__ds/jwks.json")).json()
+        assert (await c.put("/v1/stream/wake", headers=JSON)).status_code == 201
+        r = await c.put(f"{subs}/s", json={"type": "pull-wake", "pattern": "orders/*", "wake_stream": "wake"})
+        assert r.status_code == 201, r.text
+        assert (await c.put("/v1/stream/orders/1", content=b'{"id": 1}', headers=JSON)).status_code == 201
+        for _ in range(200):  # the wake is issued in the background
+            claim = await c.post(f"{subs}/s/claim", json={"worker": "w1"})
+            if claim.status_code == 200:
+                break
+            await asyncio.sleep(0.02)
+        assert claim.status_code == 200, claim.text
+        claimed = claim.json()
+    names = ["subs", "token.key", "webhook-ed25519.pem"]
+    assert sorted(fs.listdir(ROOT / "data" / "subscriptions")) == names  # in the database, not on this machine
+
+    other = again(fs)
+    try:
+        async with served(other) as c:
+            assert (await c.get("/v1/stream/__ds/jwks.json")).json() == jwks
+            r = await c.post(f"{subs}/s/claim", json={"worker": "w2"})
+            assert r.status_code == 409 and r.json()["error"]["current_holder"] == "w1"
+            r = await c.post(
+                f"{subs}/s/ack",
+                headers={"Authorization": f"Bearer {claimed['token']}"},
+                json={"wake_id": claimed["wake_id"], "generation": claimed["generation"], "done": True},
+            )
+            assert r.status_code == 200, r.text
+    finally:
+        other.close()
 
 
 def test_errors_are_oserrors_the_log_understands(pg: str) -> None:

@@ -15,7 +15,9 @@ This module knows no HTTP serving: ``onceflow.server.subscriptions`` parses requ
 State lives under ``<data>/subscriptions/``: one JSON file per subscription (replaced atomically,
 fsynced under the ``always`` policy), the Ed25519 signing key and the HMAC key of wake tokens, so a
 restart keeps subscriptions, cursors, generations, leases (as wall-clock deadlines) and the webhook
-retry schedule, and tokens issued before the restart stay valid.
+retry schedule, and tokens issued before the restart stay valid. Every file is read and written
+through the broker's :class:`~onceflow.storage.fs.FileSystem` (``broker.fs``), never the OS directly,
+so the state lives wherever the broker's streams do.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from urllib.parse import quote, urlsplit
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from .._files import fsync_dir, replace_file
 from ..errors import OnceflowError
 from ..storage.log import InvalidPosition, StreamLog
 from ..storage.position import ZERO, Position, parse_token
@@ -625,6 +626,7 @@ class Subscriptions:
     def __init__(self, broker: Broker, poster: Poster) -> None:
         self.broker = broker
         self.poster = poster
+        self.fs = broker.fs  # every file of the state goes through it (see the module docstring)
         self.directory = broker.data_dir / "subscriptions"
         self.subs: dict[str, Subscription] = {}
         self._by_stream: dict[str, set[str]] = {}  # stream -> ids linking it
@@ -642,6 +644,7 @@ class Subscriptions:
         self._key: Ed25519PrivateKey | None = None
         self._jwk: dict[str, str] = {}
         self._token_key: bytes | None = None
+        self._dirs_durable = False  # subscriptions/ and subscriptions/subs exist and their names are synced
         self._started = False
         self._closing = False
 
@@ -653,16 +656,20 @@ class Subscriptions:
             return
         self._started = True
         subs_dir = self.directory / "subs"
-        if subs_dir.is_dir():
-            for f in sorted(subs_dir.glob("*.json")):
-                try:
-                    sub = Subscription.from_file(json.loads(f.read_text()))
-                except (OSError, ValueError, KeyError, TypeError) as exc:
-                    log.error("skipping subscription file %s: %s", f, exc)
-                    continue
-                self.subs[sub.id] = sub
-                self._index(sub)
-                self._version[sub.id] = self._saved[sub.id] = 0
+        try:
+            names = self.fs.listdir(subs_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            names = []  # no subscription was ever stored
+        for name in sorted(n for n in names if n.endswith(".json")):  # not the ``.json.tmp`` of a cut write
+            f = subs_dir / name
+            try:
+                sub = Subscription.from_file(json.loads(self.fs.read_bytes(f)))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.error("skipping subscription file %s: %s", f, exc)
+                continue
+            self.subs[sub.id] = sub
+            self._index(sub)
+            self._version[sub.id] = self._saved[sub.id] = 0
         for sub in self.subs.values():
             for link in list(sub.links.values()):
                 self._refresh(sub, link)
@@ -724,19 +731,30 @@ class Subscriptions:
 
     # ------------------------------------------------------------------ keys and tokens
 
-    def _ensure_dir(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-
     def _load_or_create(self, name: str, make: Callable[[], bytes]) -> bytes:
+        """The key file ``name``, made by ``make`` and stored (synced, owner-only) if missing."""
         path = self.directory / name
         try:
-            return path.read_bytes()
+            return self.fs.read_bytes(path)
         except FileNotFoundError:
             pass
-        self._ensure_dir()
+        self._make_dirs(durable=True)
         data = make()
-        replace_file(path, data, mode=0o600)
+        self.fs.replace_file(path, data, mode=0o600)
         return data
+
+    def _make_dirs(self, *, durable: bool) -> None:
+        """Create ``subscriptions/subs`` (parents too); with ``durable``, also sync the directories
+        that hold the two new names, since a name is durable only once its directory is synced (the
+        files' own syncs cover the names inside them). May run in several executor threads at once:
+        every step is idempotent."""
+        if self._dirs_durable:
+            return
+        self.fs.mkdir(self.directory / "subs")
+        if durable:
+            self.fs.sync_dir(self.directory)  # the name subs
+            self.fs.sync_dir(self.broker.data_dir)  # the name subscriptions
+            self._dirs_durable = True
 
     def signing_key(self) -> Ed25519PrivateKey:
         """The webhook signing key, created (and kept in the data directory) on first use."""
@@ -792,7 +810,7 @@ class Subscriptions:
         parts = token.split(".")
         if len(parts) != 3 or parts[0] != "v1":
             return None
-        if self._token_key is None and not (self.directory / "token.key").exists():
+        if self._token_key is None and not self.fs.exists(self.directory / "token.key"):
             return None
         try:
             claims, mac = _b64url_decode(parts[1]), _b64url_decode(parts[2])
@@ -881,15 +899,19 @@ class Subscriptions:
             self._saved[sid] = version
 
     def _write_file(self, path: Path, data: bytes | None) -> None:
+        """Store a subscription's file, or remove it (``data`` None); synced, with its directory,
+        under the ``always`` policy. Runs in the broker's executor."""
+        fs = self.fs
         durable = self.broker.fsync == "always"
         if data is None:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                if durable:
-                    fsync_dir(path.parent)
+            if not fs.exists(path):
+                return  # never stored, or already removed
+            fs.unlink(path)
+            if durable:
+                fs.sync_dir(path.parent)
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        replace_file(path, data, sync=durable)
+        self._make_dirs(durable=durable)
+        fs.replace_file(path, data, sync=durable)
 
     async def _commit(self, sub: Subscription) -> None:
         """Write a request's change and wait for it; a 503 if the disk refused."""
