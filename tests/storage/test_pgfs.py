@@ -10,6 +10,7 @@ import contextlib
 import errno
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
@@ -19,7 +20,7 @@ pytest.importorskip("psycopg_pool", reason="the PostgreSQL store needs psycopg_p
 from onceflow.client.transactions import AsyncTransactionalProducer  # noqa: E402
 from onceflow.core.broker import Broker  # noqa: E402
 from onceflow.server.app import App, AppConfig  # noqa: E402
-from onceflow.storage.pgfs import TAIL_CACHE, LeaseLost, PgFileSystem  # noqa: E402
+from onceflow.storage.pgfs import TAIL_CACHE, LeaseLost, PgFile, PgFileSystem  # noqa: E402
 
 ROOT = Path("/onceflow")
 URL = "http://testserver"
@@ -298,7 +299,7 @@ def test_the_memory_cache_of_all_files_stays_within_its_budget(pg: str) -> None:
     fs = PgFileSystem(pg, cache_budget=300_000)
     try:
         fs.mkdir(ROOT)
-        files = [fs.open_file(ROOT / f"{i}.log", create=True) for i in range(10)]
+        files = [cast(PgFile, fs.open_file(ROOT / f"{i}.log", create=True)) for i in range(10)]
         for i, f in enumerate(files):
             f.pwrite(bytes([i]) * 100_000, 0)
             f.sync()
