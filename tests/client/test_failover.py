@@ -24,7 +24,7 @@ import pytest
 
 from helpers.servers import ServerProcess, free_port
 from onceflow.admin import AdminClient
-from onceflow.client import Consumer, IdempotentProducer, Stream, TransportError
+from onceflow.client import Consumer, IdempotentProducer, Stream, TransactionalProducer, TransportError
 from onceflow.client._failover import AsyncFailoverTransport, FailoverTransport, Servers, parse_servers
 from onceflow.client.lowlevel import (
     NoServerError,
@@ -422,6 +422,20 @@ def test_a_dead_server_first_in_the_list(server: ServerProcess) -> None:
         assert [m.value for m in consumer] == [{"i": i} for i in range(200)]
     with AdminClient(url) as admin:
         assert [s["name"] for s in admin.get("/v1/streams")["streams"]] == ["orders"]
+
+
+@pytest.mark.slow
+def test_a_transaction_through_a_dead_server_and_a_follower(server: ServerProcess) -> None:
+    with Stream.connect(server.url, "out") as s:
+        s.create("application/json")
+    with FollowerStandIn(server.url) as follower:
+        url = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{follower.port}", server.url]
+        with TransactionalProducer(url, "t") as producer:
+            with producer.transaction():
+                producer.extend("out", [{"i": i} for i in range(10)])
+                producer.send_offsets_to_transaction("g", {"in": "0000000000000000_0000000000000010"})
+        assert follower.requests >= 1
+    assert read_all(server.url, "out") == [{"i": i} for i in range(10)]
 
 
 @pytest.mark.slow
