@@ -22,7 +22,7 @@ from urllib.parse import quote
 import httpx
 
 from .client import OnceflowError
-from .client.lowlevel import auth_headers, error_from_response, tls_verify
+from .client.lowlevel import error_from_response, http_client, request_url
 
 __all__ = ["DEFAULT_URL", "AdminClient", "add_admin_parsers", "parse_time"]
 
@@ -36,9 +36,8 @@ class AdminClient:
 
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(
-            base_url=self.url, headers=auth_headers(token), timeout=timeout, verify=tls_verify(self.url)
-        )
+        self._api = request_url(self.url)  # what requests are addressed to (the same URL for one server)
+        self._http = http_client(self.url, timeout=timeout, token=token)
 
     def __enter__(self) -> AdminClient:
         return self
@@ -59,7 +58,7 @@ class AdminClient:
         self, method: str, path: str, *, params: dict[str, str] | None = None, body: dict[str, Any] | None = None
     ) -> Any:
         try:
-            resp = self._http.request(method, path, params=params, json=body)
+            resp = self._http.request(method, self._api + path, params=params, json=body)
         except httpx.HTTPError as exc:
             raise OnceflowError(f"cannot reach the server at {self.url}: {exc or type(exc).__name__}") from None
         if resp.status_code >= 300:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .client.consumer import AsyncConsumer, OffsetReset
+from .client.lowlevel import ServerURL
 from .client.transactions import AsyncTransactionalProducer
 from .errors import OnceflowError
 
@@ -38,7 +39,7 @@ def route(value: Any, outputs: int) -> int:
 
 
 async def copy_streams(
-    base_url: str,
+    base_url: ServerURL,
     inputs: Sequence[str],
     outputs: Sequence[str],
     *,

@@ -102,8 +102,11 @@ class _Driver:
 
 def sink_batch(url: str, sink: str) -> int:
     """The last batch the Spark sink ``sink`` committed (``GET /v1/sinks/<sink>``); -1 if none or unreachable."""
+    from .client.lowlevel import http_client, request_url
+
     try:
-        batch = httpx.get(f"{url}/v1/sinks/{sink}", timeout=5).json().get("batch")
+        with http_client(url, timeout=5) as client:
+            batch = client.get(f"{request_url(url)}/v1/sinks/{sink}").json().get("batch")
     except httpx.HTTPError:
         return -1
     return -1 if batch is None else int(batch)
@@ -155,6 +158,7 @@ def run_demo(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)  # noqa: S311
     _say(f"working in {work}")
+    from .client import Stream
     from .testing import onceflow_server
 
     server = onceflow_server(work / "data")
@@ -172,9 +176,8 @@ def run_demo(args: argparse.Namespace) -> int:
         "pipeline", args.events, unit="rows", text="{crashes} of {planned} crashes", crashes=0, planned=args.crashes
     )
     try:
-        httpx.put(
-            f"{server.url}/v1/stream/demo/events", headers={"content-type": "application/json"}
-        ).raise_for_status()
+        with Stream.connect(server.url, "demo/events") as events:
+            events.create("application/json")
         producer = threading.Thread(
             target=_produce,
             args=(server.url, args.events, args.drop_acks, args.seed, 20.0, stats, produced),

@@ -40,7 +40,7 @@ from .._files import replace_file
 from ._errors import OffsetGoneError, OnceflowError, TransportError, error_from_response
 from ._loop import run_sync
 from ._types import Chunk, Delivery, Message
-from .lowlevel import auth_headers, parse_chunk, read_params, stream_url, tls_verify
+from .lowlevel import ServerURL, async_http_client, parse_chunk, read_params, request_url, server_url, stream_url
 
 __all__ = [
     "AsyncConsumer",
@@ -133,7 +133,7 @@ class FileOffsetStore:
 async def list_streams(client: httpx.AsyncClient, base_url: str, prefix: str = "") -> list[str]:
     """Names of the streams whose names start with ``prefix`` (onceflow's ``/v1/streams``)."""
     try:
-        resp = await client.get(base_url.rstrip("/") + "/v1/streams", params={"prefix": prefix})
+        resp = await client.get(request_url(base_url.rstrip("/")) + "/v1/streams", params={"prefix": prefix})
     except httpx.TransportError as exc:
         raise TransportError(f"list streams: {exc!r}") from exc
     if resp.status_code != 200:
@@ -151,7 +151,7 @@ class AsyncConsumer:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         *,
         group: str,
         streams: Sequence[str] | None = None,
@@ -172,6 +172,7 @@ class AsyncConsumer:
             raise ValueError(f"delivery must be at-most-once, at-least-once or exactly-once, not {delivery!r}")
         if (streams is None) == (prefix is None):
             raise ValueError("give either streams=[...] or prefix=...")
+        base_url = server_url(base_url)
         self.base_url = base_url.rstrip("/")
         self.group = group
         self.streams = list(streams or [])
@@ -188,9 +189,7 @@ class AsyncConsumer:
         self.max_read_bytes = max_read_bytes  # onceflow only: bound each read (and so each poll)
         self.offset_reset: OffsetReset = offset_reset
         self._own_client = client is None
-        self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(30.0, read=90.0), verify=tls_verify(base_url), headers=auth_headers()
-        )
+        self._client = client or async_http_client(base_url, timeout=httpx.Timeout(30.0, read=90.0))
         self._queue: asyncio.Queue[Chunk | OnceflowError] = asyncio.Queue(maxsize=buffer)
         self._readers: dict[str, asyncio.Task[None]] = {}
         self._uncommitted: dict[str, str] = {}
@@ -270,7 +269,7 @@ class AsyncConsumer:
             self.store.commit(self.group, offsets)
 
     async def _read_stream(self, name: str) -> None:
-        url = stream_url(self.base_url, name)
+        url = request_url(stream_url(self.base_url, name))
         offset = await self._start_offset(name, url)
         self._positions[name] = offset
         cursor: str | None = None
@@ -431,7 +430,7 @@ class Consumer:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         *,
         group: str,
         streams: Sequence[str] | None = None,

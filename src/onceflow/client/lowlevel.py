@@ -18,24 +18,39 @@ from typing import Any
 import httpx
 
 from ._errors import OnceflowError, error_from_response
+from ._failover import (
+    AsyncFailoverTransport,
+    FailoverTransport,
+    NoServerError,
+    ServerURL,
+    parse_servers,
+    request_url,
+    server_url,
+)
 from ._loop import background_loop, run_sync
 from ._types import AppendResult, Chunk, Retention, StreamInfo
 
 __all__ = [
     "TOKEN_ENV",
+    "NoServerError",
     "SSEParser",
+    "ServerURL",
     "append_headers",
+    "async_http_client",
     "auth_headers",
     "background_loop",
     "create_headers",
     "encode_json_messages",
     "error_from_response",
+    "http_client",
     "is_json_type",
     "parse_append",
     "parse_chunk",
     "parse_info",
     "read_params",
+    "request_url",
     "run_sync",
+    "server_url",
     "stream_url",
     "tls_verify",
 ]
@@ -68,6 +83,39 @@ def tls_verify(url: str) -> bool:
     """httpx's ``verify`` for a client of ``url``: plain http needs no CA bundle (loading it costs
     tens of milliseconds per client); https verifies as usual."""
     return not url.startswith("http://")
+
+
+def http_client(
+    url: str, *, timeout: float | httpx.Timeout, token: str | None = None, limits: httpx.Limits | None = None
+) -> httpx.Client:
+    """The ``httpx.Client`` for the server(s) ``url`` names, as every part of onceflow makes it:
+    ``verify`` by the scheme (:func:`tls_verify`), the bearer token (:func:`auth_headers`), and,
+    when ``url`` names several servers (``http://a:4437,b:4437``), the failover transport (see
+    docs/client.md, "Several servers"). Address its requests to :func:`request_url` of ``url``.
+
+    With one server it is the plain client it always was. With several, it connects to them
+    directly: ``$HTTP_PROXY`` and the like do not apply (a proxy between would hide which server
+    is down), nor does ``.netrc``."""
+    verify = tls_verify(url)
+    more: dict[str, Any] = {} if limits is None else {"limits": limits}
+    servers = parse_servers(url)
+    if servers is None:
+        return httpx.Client(timeout=timeout, verify=verify, headers=auth_headers(token), **more)
+    transport = FailoverTransport(servers, httpx.HTTPTransport(verify=verify, **more))
+    return httpx.Client(timeout=timeout, headers=auth_headers(token), transport=transport, trust_env=False)
+
+
+def async_http_client(
+    url: str, *, timeout: float | httpx.Timeout, token: str | None = None, limits: httpx.Limits | None = None
+) -> httpx.AsyncClient:
+    """The asyncio twin of :func:`http_client`."""
+    verify = tls_verify(url)
+    more: dict[str, Any] = {} if limits is None else {"limits": limits}
+    servers = parse_servers(url)
+    if servers is None:
+        return httpx.AsyncClient(timeout=timeout, verify=verify, headers=auth_headers(token), **more)
+    transport = AsyncFailoverTransport(servers, httpx.AsyncHTTPTransport(verify=verify, **more))
+    return httpx.AsyncClient(timeout=timeout, headers=auth_headers(token), transport=transport, trust_env=False)
 
 
 def is_json_type(content_type: str) -> bool:

@@ -59,7 +59,7 @@ from ._errors import (
     error_from_response,
 )
 from ._loop import background_loop, run_sync
-from .lowlevel import auth_headers, is_json_type, stream_url, tls_verify
+from .lowlevel import ServerURL, async_http_client, is_json_type, request_url, server_url, stream_url
 
 __all__ = ["AsyncIdempotentProducer", "IdempotentProducer", "ProducerStats"]
 
@@ -110,7 +110,7 @@ class AsyncIdempotentProducer:
 
     def __init__(
         self,
-        url: str,
+        url: ServerURL,
         stream: str | None = None,
         *,
         producer_id: str | None = None,
@@ -130,7 +130,9 @@ class AsyncIdempotentProducer:
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
+        url = server_url(url)
         self.url = stream_url(url, stream) if stream is not None else url
+        self._target = request_url(self.url)  # what requests are addressed to (the same URL for one server)
         producer_id = producer_id or os.environ.get("ONCEFLOW_PRODUCER_ID") or None
         self.producer_id = producer_id or f"py-{uuid.uuid4()}"
         if epoch is not None:
@@ -152,11 +154,10 @@ class AsyncIdempotentProducer:
         self.on_error = on_error
         self.stats = ProducerStats()
         self._own_client = client is None
-        self._client = client or httpx.AsyncClient(
+        self._client = client or async_http_client(
+            self.url,
             timeout=request_timeout,
             limits=httpx.Limits(max_connections=max_in_flight + 2, max_keepalive_connections=max_in_flight + 2),
-            verify=tls_verify(self.url),
-            headers=auth_headers(),
         )
         self._lock = threading.Lock()
         self._current: list[bytes] = []
@@ -200,7 +201,7 @@ class AsyncIdempotentProducer:
         self._progress = asyncio.Event()
         if self.content_type is None:
             try:
-                resp = await self._client.head(self.url)
+                resp = await self._client.head(self._target)
             except httpx.TransportError as exc:
                 raise TransportError(f"head {self.url}: {exc!r}") from exc
             if resp.status_code != 200:
@@ -439,7 +440,7 @@ class AsyncIdempotentProducer:
             self.stats.requests += 1
             err: OnceflowError
             try:
-                resp = await self._client.post(self.url, content=batch.body, headers=headers)
+                resp = await self._client.post(self._target, content=batch.body, headers=headers)
             except httpx.TransportError as exc:
                 err = TransportError(f"append to {self.url}: {exc!r}")
                 if not isinstance(exc, _NOT_SENT):
@@ -557,7 +558,7 @@ class IdempotentProducer:
 
     def __init__(
         self,
-        url: str,
+        url: ServerURL,
         stream: str | None = None,
         *,
         producer_id: str | None = None,

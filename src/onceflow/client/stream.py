@@ -14,18 +14,21 @@ import httpx
 from ._errors import OnceflowError, TransportError, error_from_response
 from ._types import AppendResult, Chunk, LiveMode, Retention, StreamInfo
 from .lowlevel import (
+    ServerURL,
     SSEParser,
     append_headers,
-    auth_headers,
+    async_http_client,
     create_headers,
     encode_json_messages,
+    http_client,
     is_json_type,
     parse_append,
     parse_chunk,
     parse_info,
     read_params,
+    request_url,
+    server_url,
     stream_url,
-    tls_verify,
 )
 
 __all__ = ["AsyncStream", "Stream"]
@@ -59,10 +62,11 @@ def _sse_parser(name: str, offset: str, content_type: str, resp: httpx.Response)
 
 
 class _Base:
-    def __init__(self, url: str, content_type: str | None) -> None:
-        self.url = url
-        self.name = _name_of(url)
+    def __init__(self, url: ServerURL, content_type: str | None) -> None:
+        self.url = server_url(url)
+        self.name = _name_of(self.url)
         self._content_type = content_type
+        self._target = request_url(self.url)  # what requests are addressed to (the same URL for one server)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -76,18 +80,23 @@ class Stream(_Base):
 
     Use :meth:`connect` to build the URL from a server address and a name. The handle is cheap; it
     holds an ``httpx.Client`` (yours if you pass one, closed by :meth:`close` otherwise).
+
+    Several servers (``http://a:4437,b:4437/v1/stream/orders``, or a list of server URLs given to
+    :meth:`connect`): the handle's own client fails over between them, and ``url`` keeps them all,
+    so it can be handed to another handle or producer as it is. A client of yours fails over only
+    if it was made by :func:`onceflow.client.lowlevel.http_client` for the same servers.
     """
 
-    def __init__(self, url: str, *, client: httpx.Client | None = None, content_type: str | None = None) -> None:
+    def __init__(self, url: ServerURL, *, client: httpx.Client | None = None, content_type: str | None = None) -> None:
         super().__init__(url, content_type)
         self._own = client is None
-        self._client = client or httpx.Client(timeout=DEFAULT_TIMEOUT, verify=tls_verify(url), headers=auth_headers())
+        self._client = client or http_client(self.url, timeout=DEFAULT_TIMEOUT)
 
     @classmethod
     def connect(
-        cls, base_url: str, name: str, *, client: httpx.Client | None = None, content_type: str | None = None
+        cls, base_url: ServerURL, name: str, *, client: httpx.Client | None = None, content_type: str | None = None
     ) -> Stream:
-        return cls(stream_url(base_url, name), client=client, content_type=content_type)
+        return cls(stream_url(server_url(base_url), name), client=client, content_type=content_type)
 
     def __enter__(self) -> Stream:
         return self
@@ -102,7 +111,7 @@ class Stream(_Base):
 
     def _request(self, method: str, what: str, **kw: Any) -> httpx.Response:
         try:
-            return self._client.request(method, self.url, **kw)
+            return self._client.request(method, self._target, **kw)
         except httpx.TransportError as exc:
             raise TransportError(f"{what} {self.url}: {exc!r}") from exc
 
@@ -237,7 +246,7 @@ class Stream(_Base):
         while True:
             try:
                 with self._client.stream(
-                    "GET", self.url, params=read_params(offset, "sse", None), timeout=httpx.Timeout(30.0, read=None)
+                    "GET", self._target, params=read_params(offset, "sse", None), timeout=httpx.Timeout(30.0, read=None)
                 ) as resp:
                     if resp.status_code != 200:
                         resp.read()
@@ -258,18 +267,23 @@ class Stream(_Base):
 class AsyncStream(_Base):
     """The asyncio twin of :class:`Stream`: the same methods, awaited."""
 
-    def __init__(self, url: str, *, client: httpx.AsyncClient | None = None, content_type: str | None = None) -> None:
+    def __init__(
+        self, url: ServerURL, *, client: httpx.AsyncClient | None = None, content_type: str | None = None
+    ) -> None:
         super().__init__(url, content_type)
         self._own = client is None
-        self._client = client or httpx.AsyncClient(
-            timeout=DEFAULT_TIMEOUT, verify=tls_verify(url), headers=auth_headers()
-        )
+        self._client = client or async_http_client(self.url, timeout=DEFAULT_TIMEOUT)
 
     @classmethod
     def connect(
-        cls, base_url: str, name: str, *, client: httpx.AsyncClient | None = None, content_type: str | None = None
+        cls,
+        base_url: ServerURL,
+        name: str,
+        *,
+        client: httpx.AsyncClient | None = None,
+        content_type: str | None = None,
     ) -> AsyncStream:
-        return cls(stream_url(base_url, name), client=client, content_type=content_type)
+        return cls(stream_url(server_url(base_url), name), client=client, content_type=content_type)
 
     async def __aenter__(self) -> AsyncStream:
         return self
@@ -283,7 +297,7 @@ class AsyncStream(_Base):
 
     async def _request(self, method: str, what: str, **kw: Any) -> httpx.Response:
         try:
-            return await self._client.request(method, self.url, **kw)
+            return await self._client.request(method, self._target, **kw)
         except httpx.TransportError as exc:
             raise TransportError(f"{what} {self.url}: {exc!r}") from exc
 
@@ -403,7 +417,7 @@ class AsyncStream(_Base):
         while True:
             try:
                 async with self._client.stream(
-                    "GET", self.url, params=read_params(offset, "sse", None), timeout=httpx.Timeout(30.0, read=None)
+                    "GET", self._target, params=read_params(offset, "sse", None), timeout=httpx.Timeout(30.0, read=None)
                 ) as resp:
                     if resp.status_code != 200:
                         await resp.aread()

@@ -10,10 +10,8 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-import httpx
-
 from ._errors import ConflictError
-from .lowlevel import auth_headers, create_headers, parse_info, stream_url, tls_verify
+from .lowlevel import ServerURL, create_headers, http_client, parse_info, request_url, server_url, stream_url
 from .producer import IdempotentProducer, ProducerStats
 
 __all__ = ["TopicProducer", "partition_for", "partition_names"]
@@ -39,7 +37,7 @@ class TopicProducer:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         topic: str,
         *,
         partitions: int,
@@ -51,10 +49,11 @@ class TopicProducer:
             raise ValueError("a topic needs at least one partition")
         self.topic = topic
         self.partitions = partitions
-        with httpx.Client(timeout=30.0, verify=tls_verify(base_url), headers=auth_headers()) as client:
+        base_url = server_url(base_url)
+        with http_client(base_url, timeout=30.0) as client:
             for name in partition_names(topic, partitions):
                 resp = client.put(
-                    stream_url(base_url, name),
+                    request_url(stream_url(base_url, name)),
                     headers=create_headers(content_type, ttl=None, expires_at=None, closed=False),
                 )
                 try:

@@ -58,7 +58,7 @@ from ._errors import (
     error_from_response,
 )
 from ._loop import background_loop, run_sync
-from .lowlevel import auth_headers, is_json_type, stream_url, tls_verify
+from .lowlevel import ServerURL, async_http_client, http_client, is_json_type, request_url, server_url, stream_url
 
 __all__ = ["AsyncTransactionalProducer", "GroupOffsetStore", "TransactionalProducer"]
 
@@ -86,7 +86,7 @@ class AsyncTransactionalProducer:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         transactional_id: str,
         *,
         timeout_ms: int = 60_000,
@@ -96,16 +96,15 @@ class AsyncTransactionalProducer:
         client: httpx.AsyncClient | None = None,
         token: str | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = server_url(base_url).rstrip("/")
+        self._api = request_url(self.base_url)  # what requests are addressed to (the same URL for one server)
         self.transactional_id = transactional_id
         self.timeout_ms = timeout_ms
         self.max_batch_bytes = max_batch_bytes
         self.retry_backoff = retry_backoff
         self.delivery_timeout = delivery_timeout
         self._own = client is None
-        self._client = client or httpx.AsyncClient(
-            timeout=30.0, verify=tls_verify(self.base_url), headers=auth_headers(token)
-        )
+        self._client = client or async_http_client(self.base_url, timeout=30.0, token=token)
         self.producer_id = ""
         self.epoch = -1
         self.txn: int | None = None  # the server's number of the open transaction, once known
@@ -121,7 +120,7 @@ class AsyncTransactionalProducer:
         self._bump_id: str | None = None  # the request id of the epoch bump under way (the same on every try)
 
     def _url(self, path: str) -> str:
-        return f"{self.base_url}/v1/txn/{self.transactional_id}/{path}"
+        return f"{self._api}/v1/txn/{self.transactional_id}/{path}"
 
     async def _post_json(self, url: str, body: dict[str, Any], what: str) -> dict[str, Any]:
         resp = await self._request("POST", url, what, json=body)
@@ -263,7 +262,7 @@ class AsyncTransactionalProducer:
     async def _content_type(self, stream: str) -> str:
         ct = self._types.get(stream)
         if ct is None:
-            resp = await self._request("HEAD", stream_url(self.base_url, stream), f"head {stream}")
+            resp = await self._request("HEAD", stream_url(self._api, stream), f"head {stream}")
             if resp.status_code != 200:
                 raise error_from_response(resp, f"head {stream}")
             ct = self._types[stream] = resp.headers.get("content-type", "application/octet-stream")
@@ -314,7 +313,7 @@ class AsyncTransactionalProducer:
         }
         if commit is not None:
             headers["transaction-commit"] = str(commit)
-        return _Commit(-1 if commit is None else commit, stream_url(self.base_url, stream), body, headers, stream, seq)
+        return _Commit(-1 if commit is None else commit, stream_url(self._api, stream), body, headers, stream, seq)
 
     async def _send(self, stream: str) -> None:
         """POST the buffered messages of ``stream`` (inside the open transaction)."""
@@ -559,7 +558,7 @@ class TransactionalProducer:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         transactional_id: str,
         *,
         timeout_ms: int = 60_000,
@@ -657,12 +656,13 @@ class GroupOffsetStore:
     a :class:`TransactionalProducer` commits the offsets with its output.
     """
 
-    def __init__(self, base_url: str, *, member_epoch: int | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
+    def __init__(self, base_url: ServerURL, *, member_epoch: int | None = None) -> None:
+        self.base_url = server_url(base_url).rstrip("/")
+        self._api = request_url(self.base_url)
         self.member_epoch = member_epoch
 
     def _url(self, group: str) -> str:
-        return f"{self.base_url}/v1/groups/{group}/offsets"
+        return f"{self._api}/v1/groups/{group}/offsets"
 
     def _body(self, offsets: Mapping[str, str]) -> dict[str, Any]:
         body: dict[str, Any] = {"offsets": dict(offsets)}
@@ -683,7 +683,7 @@ class GroupOffsetStore:
             raise error_from_response(resp, f"commit offsets of {group}")
 
     def _blocking(self) -> httpx.Client:
-        return httpx.Client(timeout=30.0, verify=tls_verify(self.base_url), headers=auth_headers())
+        return http_client(self.base_url, timeout=30.0)
 
     def load(self, group: str, stream: str) -> str | None:
         with self._blocking() as c:

@@ -47,15 +47,17 @@ import httpx
 
 from ..client import AsyncStream, Chunk, OnceflowError, PreconditionFailedError, StreamNotFoundError, TransportError
 from ..client.lowlevel import (
-    auth_headers,
+    ServerURL,
+    async_http_client,
     background_loop,
     error_from_response,
     is_json_type,
     parse_chunk,
     read_params,
+    request_url,
     run_sync,
+    server_url,
     stream_url,
-    tls_verify,
 )
 from ._errors import ProcessorError, ProcessorFencedError
 
@@ -196,12 +198,11 @@ class _Http:
     hints are retried while the server is away (up to ``retry_timeout`` seconds); conditional
     writes are not: the caller recovers instead."""
 
-    def __init__(self, base_url: str, client: httpx.AsyncClient | None, retry_timeout: float) -> None:
-        self.base_url = base_url.rstrip("/")
+    def __init__(self, base_url: ServerURL, client: httpx.AsyncClient | None, retry_timeout: float) -> None:
+        self.base_url = server_url(base_url).rstrip("/")
+        self._api = request_url(self.base_url)  # what requests are addressed to (the same URL for one server)
         self.own = client is None
-        self.client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(30.0, read=60.0), verify=tls_verify(self.base_url), headers=auth_headers()
-        )
+        self.client = client or async_http_client(self.base_url, timeout=httpx.Timeout(30.0, read=60.0))
         self.retry_timeout = retry_timeout
         self._handles: dict[str, AsyncStream] = {}
 
@@ -246,7 +247,7 @@ class _Http:
         return await self.retry(op)
 
     async def read(self, name: str, offset: str, max_bytes: int | None = None) -> Chunk:
-        url = stream_url(self.base_url, name)
+        url = stream_url(self._api, name)
 
         async def op() -> Chunk:
             try:
@@ -260,7 +261,7 @@ class _Http:
     async def wait_for_data(self, name: str, offset: str) -> None:
         """A long-poll read at ``offset`` (returns when data arrives or the poll times out)."""
         with contextlib.suppress(OnceflowError, httpx.TransportError):
-            await self.client.get(stream_url(self.base_url, name), params=read_params(offset, "long-poll", None, 1))
+            await self.client.get(stream_url(self._api, name), params=read_params(offset, "long-poll", None, 1))
 
     async def append(self, name: str, body: bytes, if_match: str) -> str:
         """One conditional append; the new tail. Raises on any failure (not retried)."""
@@ -270,7 +271,7 @@ class _Http:
         return result.next_offset
 
     def _group_url(self, group: str) -> str:
-        return f"{self.base_url}/v1/groups/{group}/offsets"
+        return f"{self._api}/v1/groups/{group}/offsets"
 
     async def load_hint(self, group: str, stream: str) -> str:
         async def op() -> str:
@@ -323,7 +324,7 @@ class _Core:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         processor_id: str,
         *,
         inputs: Sequence[str],
@@ -632,7 +633,7 @@ class AsyncStreamProcessor(_Core):
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         processor_id: str,
         *,
         inputs: Sequence[str],
@@ -726,7 +727,7 @@ class AsyncSinkProcessor(_Core):
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         processor_id: str,
         *,
         inputs: Sequence[str],
@@ -779,7 +780,7 @@ class AsyncSource:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         source_id: str,
         output: str,
         *,
@@ -910,7 +911,7 @@ class StreamProcessor(_Blocking):
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         processor_id: str,
         *,
         inputs: Sequence[str],
@@ -947,7 +948,7 @@ class SinkProcessor(_Blocking):
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         processor_id: str,
         *,
         inputs: Sequence[str],
@@ -981,7 +982,7 @@ class Source:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         source_id: str,
         output: str,
         *,

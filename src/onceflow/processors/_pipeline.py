@@ -46,7 +46,7 @@ from ..client import (
     StreamNotFoundError,
     TransportError,
 )
-from ..client.lowlevel import auth_headers, error_from_response, stream_url, tls_verify
+from ..client.lowlevel import ServerURL, async_http_client, error_from_response, request_url, server_url, stream_url
 from ._errors import ProcessorError
 from ._watermark import Acker
 
@@ -355,7 +355,7 @@ class Pipeline:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         *,
         group: str,
         inputs: Sequence[str],
@@ -390,7 +390,7 @@ class Pipeline:
             raise ValueError("step names must be distinct")
         if commit_interval <= 0 or max_in_flight < 1 or inbox_size < 1:
             raise ValueError("commit_interval, max_in_flight and inbox_size must be positive")
-        self.base_url = base_url.rstrip("/")
+        self.base_url = server_url(base_url).rstrip("/")
         self.group = group
         self.inputs = list(inputs)
         self.steps = list(steps)
@@ -406,9 +406,7 @@ class Pipeline:
         self.txn_timeout_ms = txn_timeout_ms
         self.stats = PipelineStats()
         self._own_client = client is None
-        self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(30.0, read=90.0), verify=tls_verify(self.base_url), headers=auth_headers()
-        )
+        self._client = client or async_http_client(self.base_url, timeout=httpx.Timeout(30.0, read=90.0))
         self._stop = asyncio.Event()
         self._commit_lock = asyncio.Lock()
         self._ran = False
@@ -423,7 +421,7 @@ class Pipeline:
     # ------------------------------------------------------------------ offsets
 
     def _group_url(self) -> str:
-        return f"{self.base_url}/v1/groups/{self.group}/offsets"
+        return f"{request_url(self.base_url)}/v1/groups/{self.group}/offsets"
 
     async def _load_offsets(self) -> dict[str, str]:
         if self.store is not None:
@@ -605,7 +603,7 @@ class ParallelConsumer:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         *,
         group: str,
         streams: Sequence[str],

@@ -94,9 +94,14 @@ class NotLeader:
             else f"no onceflow server holds the store's lease now; one takes it within {self._lease_seconds:g} s"
         )
         body = json.dumps({"error": {"code": "not_leader", "message": message, "leader": leader}}).encode()
-        headers = [(b"content-type", b"application/json"), (b"retry-after", b"1"), (b"cache-control", b"no-store")]
-        if leader:
-            headers.append((b"onceflow-leader", leader.encode()))
+        # the header always, empty when no leader is known: a HEAD's answer has no body to tell a
+        # follower's 503 from another one (clients move to the next server on it)
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"retry-after", b"1"),
+            (b"cache-control", b"no-store"),
+            (b"onceflow-leader", (leader or "").encode()),
+        ]
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 

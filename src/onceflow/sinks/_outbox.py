@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from ..client import Message, OnceflowError, Stream, TransactionalProducer, TransportError
-from ..client.lowlevel import error_from_response
+from ..client.lowlevel import ServerURL, error_from_response, http_client, request_url, server_url
 from ._api import Checkpoint, CheckpointAwareSink, IdempotentSink, SinkError
 from ._runner import SinkRunner
 
@@ -61,7 +61,7 @@ class OutboxSink(CheckpointAwareSink):
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         outbox: str,
         *,
         group: str,
@@ -71,7 +71,7 @@ class OutboxSink(CheckpointAwareSink):
     ) -> None:
         if not transactional_id:
             raise ValueError("transactional_id must name this writer of the outbox (it fences older instances)")
-        self.base_url = base_url.rstrip("/")
+        self.base_url = server_url(base_url).rstrip("/")
         self.outbox = outbox
         self.group = group
         self.transactional_id = transactional_id
@@ -98,9 +98,10 @@ class OutboxSink(CheckpointAwareSink):
         return out
 
     def load_checkpoint(self) -> Checkpoint | None:
-        url = f"{self.base_url}/v1/groups/{self.group}/offsets"
+        url = f"{request_url(self.base_url)}/v1/groups/{self.group}/offsets"
         try:
-            resp = httpx.get(url, timeout=30.0)
+            with http_client(self.base_url, timeout=30.0) as client:
+                resp = client.get(url)
         except httpx.TransportError as exc:
             raise TransportError(f"load offsets of {self.group}: {exc!r}") from exc
         if resp.status_code != 200:
@@ -230,7 +231,7 @@ def _entry_id(msg: Message) -> str:
 
 
 def outbox_dispatcher(
-    base_url: str,
+    base_url: ServerURL,
     outbox: str,
     *,
     group: str,

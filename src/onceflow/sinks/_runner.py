@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..client import ConflictError, Consumer, GroupOffsetStore, Message, OffsetStore
+from ..client.lowlevel import ServerURL, server_url
 from ._api import Checkpoint, CheckpointAwareSink, CheckpointStore, SinkError, Step, TwoPhaseCommitSink
 
 __all__ = ["RunStats", "SinkRunner"]
@@ -77,7 +78,7 @@ class SinkRunner:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: ServerURL,
         sink: CheckpointAwareSink,
         *,
         job: str,
@@ -108,7 +109,7 @@ class SinkRunner:
                 f"{type(sink).__name__} is a two-phase commit sink: give checkpoints=<a CheckpointStore> "
                 "to keep its transaction handles"
             )
-        self.base_url = base_url.rstrip("/")
+        self.base_url = server_url(base_url).rstrip("/")
         self.sink = sink
         self.job = job
         self.group = group or job

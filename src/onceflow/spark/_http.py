@@ -18,7 +18,7 @@ from urllib.parse import quote
 import httpx
 
 from ..client import OffsetGoneError, OnceflowError, TransportError
-from ..client.lowlevel import auth_headers, error_from_response, stream_url, tls_verify
+from ..client.lowlevel import error_from_response, http_client, request_url, stream_url
 from ..wire import iter_frames
 
 __all__ = ["Conn", "Frame", "StreamTail", "record_offset"]
@@ -72,9 +72,10 @@ class Conn:
         offset_reset: str = "error",
     ) -> None:
         self.url = url.rstrip("/")
+        self._api = request_url(self.url)  # what requests are addressed to (the same URL for one server)
         self.deadline = deadline
         self.offset_reset = offset_reset  # "error" or "earliest": see _overtaken
-        self.client = httpx.Client(timeout=timeout, verify=tls_verify(self.url), headers=auth_headers(token))
+        self.client = http_client(self.url, timeout=timeout, token=token)
 
     def close(self) -> None:
         self.client.close()
@@ -107,7 +108,7 @@ class Conn:
 
     def list_streams(self, prefix: str) -> list[StreamTail]:
         resp = self.request(
-            "GET", f"{self.url}/v1/streams", f"list streams under {prefix!r}", params={"prefix": prefix}
+            "GET", f"{self._api}/v1/streams", f"list streams under {prefix!r}", params={"prefix": prefix}
         )
         return [
             StreamTail(s["name"], s["content_type"], s["next_offset"], s.get("stable_offset", s["next_offset"]))
@@ -115,7 +116,7 @@ class Conn:
         ]
 
     def head(self, stream: str) -> StreamTail | None:
-        resp = self.request("HEAD", stream_url(self.url, stream), f"head {stream}", ok=(200, 404))
+        resp = self.request("HEAD", stream_url(self._api, stream), f"head {stream}", ok=(200, 404))
         if resp.status_code == 404:
             return None
         nxt = resp.headers["stream-next-offset"]
@@ -149,7 +150,7 @@ class Conn:
             try:
                 resp = self.request(
                     "GET",
-                    stream_url(self.url, stream),
+                    stream_url(self._api, stream),
                     f"read {stream}",
                     params={"offset": at, "until": until, "format": "records", "isolation": isolation},
                 )
@@ -182,13 +183,13 @@ class Conn:
         if max_records is not None:
             params["max_records"] = max_records
         try:
-            body = self.request("GET", stream_url(self.url, stream), f"boundaries of {stream}", params=params).json()
+            body = self.request("GET", stream_url(self._api, stream), f"boundaries of {stream}", params=params).json()
         except OffsetGoneError as exc:
             on = self._overtaken(exc, stream, start, until)
             if on is None:
                 return [], until
             params["offset"] = on
-            body = self.request("GET", stream_url(self.url, stream), f"boundaries of {stream}", params=params).json()
+            body = self.request("GET", stream_url(self._api, stream), f"boundaries of {stream}", params=params).json()
         return list(body["boundaries"]), str(body["end"])
 
     def commit_group(self, group: str, offsets: dict[str, str]) -> None:
@@ -197,7 +198,7 @@ class Conn:
         if real:
             self.request(
                 "POST",
-                f"{self.url}/v1/groups/{quote(group, safe='')}/offsets",
+                f"{self._api}/v1/groups/{quote(group, safe='')}/offsets",
                 f"commit the offsets of group {group}",
                 json={"offsets": real},
             )

@@ -38,7 +38,7 @@ from urllib.parse import quote
 import httpx
 
 from ..client import OnceflowError, TransportError
-from ..client.lowlevel import error_from_response, stream_url
+from ..client.lowlevel import error_from_response, request_url, stream_url
 from ..client.transactions import AsyncTransactionalProducer
 
 __all__ = [
@@ -79,7 +79,7 @@ class WriterSettings:
         return f"spark/{self.sink}/"
 
     def path(self, action: str = "") -> str:
-        return f"{self.url}/v1/sinks/{quote(self.sink, safe='')}" + (f"/{action}" if action else "")
+        return f"{request_url(self.url)}/v1/sinks/{quote(self.sink, safe='')}" + (f"/{action}" if action else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +178,7 @@ async def _request(
 
 async def _ensure_stream(client: httpx.AsyncClient, settings: WriterSettings, stream: str) -> None:
     """Create ``stream`` with the sink's content type if it is missing (a PUT is idempotent)."""
-    url = stream_url(settings.url, stream)
+    url = request_url(stream_url(settings.url, stream))
     try:
         await _request(client, settings, "HEAD", url, f"head {stream}")
     except OnceflowError as exc:

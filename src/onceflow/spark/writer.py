@@ -38,7 +38,7 @@ from pyspark import TaskContext
 from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import BinaryType, StringType, StructType
 
-from ..client.lowlevel import auth_headers, run_sync, tls_verify
+from ..client.lowlevel import async_http_client, run_sync
 from .options import OptionError, Options
 from .protocol import SinkTask, TaskResult, TaskSpec, WriterSettings, abort_batch, commit_batch, task_name
 
@@ -108,7 +108,7 @@ def _rows(rb: pa.RecordBatch, opts: Options) -> dict[str, list[bytes]]:
 
 
 async def _client(opts: Options) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=30.0, verify=tls_verify(opts.url), headers=auth_headers(opts.token))
+    return async_http_client(opts.url, timeout=30.0, token=opts.token)
 
 
 def _context() -> TaskContext:
