@@ -18,10 +18,14 @@ acknowledgements with it.
 - :class:`PostgresCluster`: a throwaway PostgreSQL primary with a synchronous standby
   (``pg_basebackup``), a multi-host conninfo that finds the primary, and the faults of a failover
   (kill the primary, promote the standby); :class:`PostgresNode` is one postmaster of either.
+- :class:`HaCluster`: the highly available set-up of docs/ha.md on loopback, onceflow servers
+  (:class:`HaServer`) over a :class:`PostgresCluster`, with its faults (kill a server, fail the
+  database over).
 - :class:`FaultProxy`: an HTTP/1.1 proxy that drops, delays and reorders (lost acknowledgements).
 """
 
 from .faultproxy import FaultProxy
+from .ha import HaCluster, HaServer
 from .processes import OnceflowProcess, ServerFailure, ServerProcess, free_port, onceflow_server
 from .services import (
     PostgresCluster,
@@ -35,6 +39,8 @@ from .services import (
 
 __all__ = [
     "FaultProxy",
+    "HaCluster",
+    "HaServer",
     "OnceflowProcess",
     "PostgresCluster",
     "PostgresNode",

@@ -1,0 +1,163 @@
+"""The highly available set-up of docs/ha.md on loopback: onceflow servers over a PostgreSQL primary
+and its synchronous standby, with the faults a failover test needs (kill -9 of a server, of the
+primary, promotion of the standby). For ``onceflow chaos --store postgresql``, ``onceflow demo --ha``
+and the tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .processes import free_port
+from .services import PostgresCluster
+
+__all__ = ["HaCluster", "HaServer"]
+
+
+class HaServer:
+    """One ``onceflow serve --store`` process on a fixed port, its output in a log file; restartable."""
+
+    def __init__(self, name: str, store: str, log: Path, extra: tuple[str, ...]) -> None:
+        self.name, self.store, self.log, self.extra = name, store, log, extra
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "onceflow.cli", "serve", "--store", self.store, "--port", str(self.port)]
+        with open(self.log, "ab") as log:
+            log.write(f"\n=== {self.name} start {self.starts + 1} at {time.strftime('%H:%M:%S')}\n".encode())
+            self.proc = subprocess.Popen([*cmd, *self.extra], stdout=log, stderr=subprocess.STDOUT)  # noqa: S603
+        self.starts += 1
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def leads(self) -> bool:
+        """Whether it answers as the leader (not 503 ``not_leader``, not refusing connections)."""
+        if not self.alive():
+            return False
+        req = urllib.request.Request(f"{self.url}/v1/stream/ha-probe", method="HEAD")  # noqa: S310 - loopback
+        try:
+            with urllib.request.urlopen(req, timeout=2):  # noqa: S310
+                return True
+        except urllib.error.HTTPError as exc:
+            return exc.code != 503 or exc.headers.get("onceflow-leader") is None
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """``kill -9`` (continued first if stopped)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGCONT)
+                self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM (a clean stop hands the lease over), then ``kill -9`` if it lingers."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+        self.kill()
+
+
+class HaCluster:
+    """``servers`` onceflow servers sharing a :class:`PostgresCluster` (primary + synchronous standby).
+
+    :attr:`url` names every server (``http://127.0.0.1:P1,127.0.0.1:P2``): clients given it fail over
+    (docs/client.md). ``lease_seconds`` is short by default so that a killed leader is replaced
+    quickly. Faults: :meth:`kill` a server, :meth:`restart` it, :meth:`fail_over_database` (kill -9
+    of the primary, then promotion of the standby; the old primary stays down)."""
+
+    def __init__(
+        self, *, servers: int = 2, lease_seconds: float = 3.0, work: Path | None = None, extra: tuple[str, ...] = ()
+    ) -> None:
+        self.n = servers
+        self.lease_seconds = lease_seconds
+        self.extra = extra
+        self._own_work = work is None
+        self.work = Path(tempfile.mkdtemp(prefix="onceflow-ha-")) if work is None else work
+        self.pg = PostgresCluster()
+        self.servers: list[HaServer] = []
+
+    @property
+    def url(self) -> str:
+        return "http://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+
+    def start(self, timeout: float = 120.0) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.pg.start()
+        store = self.pg.conninfo()
+        extra = ("--lease-seconds", str(self.lease_seconds), *self.extra)
+        self.servers = [HaServer(f"server-{i}", store, self.work / f"server-{i}.log", extra) for i in range(self.n)]
+        for s in self.servers:
+            s.start()
+        self.leader(timeout)
+
+    def leader(self, timeout: float = 60.0) -> HaServer:
+        """The server that leads, waiting up to ``timeout`` s for one to."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for s in self.servers:
+                if s.leads():
+                    return s
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no onceflow server leads within {timeout:g} s; see {self.work}/server-*.log")
+            time.sleep(0.05)
+
+    def kill(self, server: HaServer) -> None:
+        server.kill()
+
+    def restart(self, server: HaServer) -> None:
+        server.kill()
+        server.start()
+
+    def fail_over_database(self) -> float:
+        """``kill -9`` of the PostgreSQL primary, then promotion of the standby; the seconds promotion took."""
+        self.pg.kill_primary()
+        return self.pg.promote()
+
+    def status(self) -> dict[str, object]:
+        return {
+            "servers": {s.name: {"url": s.url, "alive": s.alive(), "starts": s.starts} for s in self.servers},
+            "database": self.pg.roles(),
+        }
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.kill()
+        self.pg.stop()
+        if self._own_work:
+            import shutil
+
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def __enter__(self) -> HaCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"HaCluster({json.dumps(self.status())})"
