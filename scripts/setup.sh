@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what onceflow needs into ./.venv (idempotent; quick when everything is there).
 #   scripts/setup.sh        runtime: onceflow with PySpark, and Java if missing (for ./run.sh)
+#   scripts/setup.sh ha     runtime plus what `onceflow demo --ha` needs: psycopg (onceflow[postgresql])
+#                           and PostgreSQL's server binaries (Debian's postgresql package)
 #   scripts/setup.sh dev    plus the dev tools (tools/: onceflow bench|chaos|sim), the test, lint and
 #                           type-check tools, and Node.js for conformance
 set -euo pipefail
@@ -22,10 +24,11 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 extra="[spark]"  # the demo (the main job) runs a Spark pipeline
+[ "$want" = ha ] && extra="[spark,postgresql]"
 [ "$want" = dev ] && extra="[dev]"
 stamp=".venv/.installed-$want"
 # a dev install includes everything the runtime needs
-if [ "$want" = runtime ] && [ -f .venv/.installed-dev ] && [ ! pyproject.toml -nt .venv/.installed-dev ]; then
+if [ "$want" != dev ] && [ -f .venv/.installed-dev ] && [ ! pyproject.toml -nt .venv/.installed-dev ]; then
   stamp=.venv/.installed-dev
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || { [ "$want" = dev ] && [ tools/pyproject.toml -nt "$stamp" ]; }; then
@@ -70,8 +73,9 @@ if [ "$want" = dev ] && [ ! -f .ci/ts-client/node_modules/@durable-streams/clien
 fi
 
 # --- sinks: the sink tests and `onceflow bench sinks` start throwaway PostgreSQL and Redis servers
-# (onceflow.testing; never the ones on 5432/6379), so they need the server binaries
-if [ "$want" = dev ]; then
+# (onceflow.testing; never the ones on 5432/6379), so they need the server binaries; so does
+# `onceflow demo --ha` (PostgreSQL only)
+if [ "$want" = dev ] || [ "$want" = ha ]; then
   sink_pkgs=""
   have_initdb=0
   command -v initdb >/dev/null 2>&1 && have_initdb=1
@@ -79,9 +83,11 @@ if [ "$want" = dev ]; then
     [ -n "$bindir" ] && [ -x "$bindir/initdb" ] && have_initdb=1
   done
   [ "$have_initdb" = 1 ] || sink_pkgs="$sink_pkgs postgresql"
-  command -v redis-server >/dev/null 2>&1 || sink_pkgs="$sink_pkgs redis-server"
+  if [ "$want" = dev ] && ! command -v redis-server >/dev/null 2>&1; then
+    sink_pkgs="$sink_pkgs redis-server"
+  fi
   if [ -n "$sink_pkgs" ]; then
-    echo "setup: the sink tests run PostgreSQL and Redis; installing from Debian's packages:$sink_pkgs"
+    echo "setup: the sink tests and demo --ha run PostgreSQL (and the sinks Redis); installing from Debian's packages:$sink_pkgs"
     # shellcheck disable=SC2086 # one word per package
     apt_install $sink_pkgs
   fi

@@ -10,11 +10,18 @@
    rows written but not committed, then at random moments; restarts it from its checkpoint each time.
 5. Reads everything back and prints what was produced, read, written, duplicated and missing, and
    ``exactly-once: OK`` or ``exactly-once: FAILED`` (then exits non-zero).
+
+With ``--ha`` the server is two servers over a PostgreSQL primary and its synchronous standby
+(docs/ha.md, :class:`~onceflow.testing.HaCluster`), and everything (the producer through a proxy per
+server, Spark, the checks) names both: between the driver's crashes, the leading onceflow server is
+killed with ``kill -9`` (the other takes the store over), then the PostgreSQL primary (the standby is
+promoted); the summary says how long each took.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import random
 import shutil
@@ -121,17 +128,21 @@ def _read_all(url: str, stream: str) -> list[Any]:
 
 
 def _produce(
-    url: str, n: int, drop: float, seed: int, seconds: float, stats: dict[str, int], bar: Task | None = None
+    ports: list[int], n: int, drop: float, seed: int, seconds: float, stats: dict[str, int], bar: Task | None = None
 ) -> None:
+    """Produce ``n`` events through a proxy per server (``ports``) that drops acknowledgements."""
     from .client import IdempotentProducer
     from .testing import FaultProxy
 
     rng = random.Random(seed)  # noqa: S311 (demo data)
-    port = int(url.rsplit(":", 1)[1])
-    with FaultProxy(port, drop_probability=drop, seed=seed) as proxy:
+    with ExitStack() as stack:
+        proxies = [
+            stack.enter_context(FaultProxy(port, drop_probability=drop, seed=seed + i)) for i, port in enumerate(ports)
+        ]
+        url = "http://" + ",".join(p.url.removeprefix("http://") for p in proxies)  # several: the client fails over
         # small batches, so that many requests (and many dropped acknowledgements) carry the events
         with IdempotentProducer(
-            proxy.url, "demo/events", producer_id="demo-producer", linger_ms=2, max_batch_bytes=4 << 10
+            url, "demo/events", producer_id="demo-producer", linger_ms=2, max_batch_bytes=4 << 10
         ) as producer:
             pause = seconds / max(1, n // 200)
             for i in range(n):
@@ -146,11 +157,13 @@ def _produce(
             producer.flush()
             if bar is not None:
                 bar.update(n, acked=producer.stats.acked)
-        stats["acks_dropped"] = proxy.responses_dropped
+        stats["acks_dropped"] = sum(p.responses_dropped for p in proxies)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     missing = spark_missing()
+    if missing is None and args.ha and importlib.util.find_spec("psycopg_pool") is None:
+        missing = "psycopg for the PostgreSQL store: pip install 'onceflow[postgresql]' (./run.sh --ha does this)"
     if missing is not None:
         print(f"onceflow demo needs {missing}", file=sys.stderr)
         return 2
@@ -161,10 +174,29 @@ def run_demo(args: argparse.Namespace) -> int:
     from .client import Stream
     from .testing import onceflow_server
 
-    server = onceflow_server(work / "data")
-    server.start()
-    _say(f"onceflow server on {server.url} (fsync on every append)")
-    driver = _Driver(server.url, work / "checkpoint", work / "driver.log", work / "stop", args.max_records_per_trigger)
+    ha: Any = None
+    if args.ha:
+        from .testing import HaCluster, ServiceUnavailable
+
+        try:
+            ha = HaCluster(work=work / "ha", lease_seconds=3.0)
+        except ServiceUnavailable as exc:
+            print(f"onceflow demo --ha needs PostgreSQL's server binaries: {exc} (./run.sh --ha installs them)")
+            return 2
+        _say("starting a PostgreSQL primary and its synchronous standby, and two onceflow servers on them")
+        ha.start()
+        url, ports = ha.url, [s.port for s in ha.servers]
+        _say(f"onceflow servers {url}; {ha.leader().name} leads (the store's lease: 3 s)")
+        stop_servers = ha.stop
+    else:
+        server = onceflow_server(work / "data")
+        server.start()
+        url, stop_servers = server.url, server.stop
+        ports = [int(url.rsplit(":", 1)[1])]
+        _say(f"onceflow server on {url} (fsync on every append)")
+    failovers: list[str] = []
+    ha_faults = [partial(_kill_leader, ha), partial(_fail_over_database, ha, url)] if ha is not None else []
+    driver = _Driver(url, work / "checkpoint", work / "driver.log", work / "stop", args.max_records_per_trigger)
     stats: dict[str, int] = {"produced": 0, "acks_dropped": 0}
     bars = ExitStack()
     # bars on stderr when both stdout and stderr are a terminal; when stdout goes to a log (CI, a pipe)
@@ -176,11 +208,11 @@ def run_demo(args: argparse.Namespace) -> int:
         "pipeline", args.events, unit="rows", text="{crashes} of {planned} crashes", crashes=0, planned=args.crashes
     )
     try:
-        with Stream.connect(server.url, "demo/events") as events:
+        with Stream.connect(url, "demo/events") as events:
             events.create("application/json")
         producer = threading.Thread(
             target=_produce,
-            args=(server.url, args.events, args.drop_acks, args.seed, 20.0, stats, produced),
+            args=(ports, args.events, args.drop_acks, args.seed, 20.0, stats, produced),
             daemon=True,
         )
         producer.start()
@@ -198,7 +230,7 @@ def run_demo(args: argparse.Namespace) -> int:
         retries = 3  # planned crashes tried again after the driver failed by itself
         while plan:
             kind = plan.pop(0)
-            done = sink_batch(server.url, "demo-enrich")
+            done = sink_batch(url, "demo-enrich")
             target = done + 2
             noted = crash_log.read_text() if crash_log.exists() else ""
             if kind == "after-commit":
@@ -214,7 +246,7 @@ def run_demo(args: argparse.Namespace) -> int:
             if kind == "random":
                 deadline = time.monotonic() + 45  # with no data left, it is killed idle: a crash too
                 while (
-                    sink_batch(server.url, "demo-enrich") < done + 1
+                    sink_batch(url, "demo-enrich") < done + 1
                     and time.monotonic() < deadline
                     and driver.wait(0.5) is None
                 ):
@@ -225,7 +257,7 @@ def run_demo(args: argparse.Namespace) -> int:
             else:
                 code, give_up = None, time.monotonic() + 240
                 # wait for the planned crash; it cannot come once the sink has moved past its batch
-                while code is None and time.monotonic() < give_up and sink_batch(server.url, "demo-enrich") <= target:
+                while code is None and time.monotonic() < give_up and sink_batch(url, "demo-enrich") <= target:
                     code = driver.wait(1.0)
                 if code is None:
                     driver.kill()
@@ -256,11 +288,17 @@ def run_demo(args: argparse.Namespace) -> int:
                         )
                     )
             say(
-                f"spark driver #{driver.starts} killed: {driver.kills[-1]} (sink at batch {sink_batch(server.url, 'demo-enrich')})"
+                f"spark driver #{driver.starts} killed: {driver.kills[-1]} (sink at batch {sink_batch(url, 'demo-enrich')})"
             )
             if display.active:
-                pipeline.update(len(_read_all(server.url, "demo/enriched")), crashes=len(driver.kills))
+                pipeline.update(len(_read_all(url, "demo/enriched")), crashes=len(driver.kills))
+            if ha_faults:  # --ha: between the driver's crashes, a onceflow server dies, then the database's primary
+                failovers.append(ha_faults.pop(0)())
+                say(failovers[-1])
 
+        while ha_faults:  # fewer crashes than failovers
+            failovers.append(ha_faults.pop(0)())
+            say(failovers[-1])
         driver.start()
         say(f"spark driver #{driver.starts} started; it runs until every event is processed")
         producer.join()
@@ -268,8 +306,8 @@ def run_demo(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + args.timeout
         last_report = 0.0
         while time.monotonic() < deadline:
-            n = len(_read_all(server.url, "demo/enriched"))
-            counted = sum(c["events"] for c in {c["user"]: c for c in _read_all(server.url, "demo/counts")}.values())
+            n = len(_read_all(url, "demo/enriched"))
+            counted = sum(c["events"] for c in {c["user"]: c for c in _read_all(url, "demo/counts")}.values())
             pipeline.update(n, crashes=len(driver.kills))
             if n >= args.events and counted >= args.events:
                 break
@@ -283,13 +321,51 @@ def run_demo(args: argparse.Namespace) -> int:
         if driver.proc is not None and driver.wait(60) is None:
             driver.kill()
         bars.close()  # the summary goes to stdout below the bars
-        return _verify(server.url, args.events, stats, driver)
+        return _verify(url, args.events, stats, driver, failovers)
     finally:
         bars.close()
         driver.kill()
-        server.stop()
+        stop_servers()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _kill_leader(ha: Any) -> str:
+    """``kill -9`` of the leading onceflow server; the other takes over; the killed one comes back as a follower."""
+    old = ha.leader()
+    began = time.monotonic()
+    ha.kill(old)
+    new = ha.leader(timeout=120)
+    took = time.monotonic() - began
+    ha.restart(old)
+    return (
+        f"onceflow {old.name} (the leader) killed with kill -9: {new.name} took the store over after "
+        f"{took:.1f} s; {old.name} restarted as a follower"
+    )
+
+
+def _fail_over_database(ha: Any, url: str) -> str:
+    """``kill -9`` of the PostgreSQL primary, promotion of the standby, then the time until an append
+    is acknowledged again (through every server: the client fails over)."""
+    from .client import Stream
+    from .errors import OnceflowError
+
+    with Stream.connect(url, "demo/probe") as probe:
+        probe.create("application/json")
+        promoted = ha.fail_over_database()
+        began = time.monotonic()
+        while True:
+            try:
+                probe.append({"probe": 1})
+                break
+            except OnceflowError:
+                if time.monotonic() - began > 120:
+                    raise
+                time.sleep(0.05)
+    return (
+        f"PostgreSQL primary killed with kill -9: the standby was promoted in {promoted:.1f} s, and the first "
+        f"append was acknowledged {time.monotonic() - began:.1f} s after the promotion"
+    )
 
 
 def spark_missing() -> str | None:
@@ -349,7 +425,7 @@ def check_pipeline(events: list[Any], enriched: list[Any], counts: list[Any]) ->
     )
 
 
-def _verify(url: str, expected: int, stats: dict[str, int], driver: _Driver) -> int:
+def _verify(url: str, expected: int, stats: dict[str, int], driver: _Driver, failovers: list[str]) -> int:
     result = check_pipeline(
         _read_all(url, "demo/events"), _read_all(url, "demo/enriched"), _read_all(url, "demo/counts")
     )
@@ -374,6 +450,8 @@ def _verify(url: str, expected: int, stats: dict[str, int], driver: _Driver) -> 
     print()
     for i, k in enumerate(driver.kills, 1):
         print(f"  crash {i}: {k}")
+    for k in failovers:
+        print(f"  failover: {k}")
     planned = driver.checkpoint / "crashes.log"
     if planned.exists():
         print("  the driver's own notes on its planned crashes:")
@@ -383,7 +461,8 @@ def _verify(url: str, expected: int, stats: dict[str, int], driver: _Driver) -> 
     if ok:
         print(
             f"\nexactly-once: OK ({expected:,} events, {len(driver.kills)} driver crashes, "
-            f"{stats['acks_dropped']} dropped acks: 0 duplicates, 0 missing)"
+            + (f"{len(failovers)} failovers, " if failovers else "")
+            + f"{stats['acks_dropped']} dropped acks: 0 duplicates, 0 missing)"
         )
         return 0
     print(
@@ -418,6 +497,13 @@ def add_demo_parser(sub: Any) -> None:
         default=600,
         metavar="SECONDS",
         help="give up waiting for the pipeline after this (default: 600)",
+    )
+    d.add_argument(
+        "--ha",
+        action="store_true",
+        help="highly available: two onceflow servers over a PostgreSQL primary and its synchronous standby "
+        "(docs/ha.md); between the driver's crashes the leading server is killed, then the database's primary "
+        "(the standby promoted). Needs PostgreSQL's binaries and psycopg: ./run.sh --ha installs them",
     )
     d.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (server data, Spark checkpoints, driver log)")
     d.set_defaults(func=lambda a: run_demo(a))
