@@ -18,6 +18,8 @@ echo "== conformance (local store)"
 .venv/bin/python scripts/conformance.py
 echo "== conformance (PostgreSQL store)"
 .venv/bin/python scripts/conformance.py --store postgresql
+echo "== conformance (PostgreSQL store, through a follower that passes requests on to the leader)"
+.venv/bin/python scripts/conformance.py --store postgresql --via-follower
 echo "== tests (pytest)"
 .venv/bin/python -m pytest "$@"
 echo "== the in-process server's tests again, on the PostgreSQL store (ONCEFLOW_TEST_STORE=postgresql)"

@@ -116,6 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 store=args.store,
                 advertise=args.advertise,
                 lease_seconds=args.lease_seconds,
+                forward=not args.no_forward,
             )
         )
     except KeyboardInterrupt:
@@ -161,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="with --store: the term of the store's lease; a follower takes over this long after the "
         "leader died (default: 10)",
+    )
+    s.add_argument(
+        "--no-forward",
+        action="store_true",
+        help="with --store: a server that does not lead answers 503 not_leader (naming the leader) instead "
+        "of passing requests on to the leader",
     )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument(

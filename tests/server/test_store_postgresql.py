@@ -6,6 +6,7 @@ exits."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,10 +30,9 @@ def pg_url(conninfo: str) -> str:
 
 def leads(server: ServerProcess) -> bool:
     try:
-        r = httpx.get(f"{server.url}/v1/stream/no-such-stream", timeout=2.0)
+        return bool(httpx.get(f"{server.url}/v1/leader", timeout=2.0).json()["leads"])
     except httpx.TransportError:
         return False
-    return not (r.status_code == 503 and r.json()["error"]["code"] == "not_leader")
 
 
 def wait_for_leader(*servers: ServerProcess, within: float = 30.0) -> ServerProcess:
@@ -58,16 +58,48 @@ def pair(pg: str, tmp_path: Path) -> Iterator[tuple[ServerProcess, ServerProcess
             s.kill()
 
 
-def test_one_server_leads_and_the_other_names_it(pair: tuple[ServerProcess, ServerProcess]) -> None:
+def test_one_server_leads_and_the_other_passes_requests_on_to_it(pair: tuple[ServerProcess, ServerProcess]) -> None:
     leader = wait_for_leader(*pair)
     follower = pair[1] if leader is pair[0] else pair[0]
-    assert httpx.put(f"{leader.url}/v1/stream/orders", headers=JSON).status_code == 201
-    r = httpx.post(f"{follower.url}/v1/stream/orders", content=b"[1]", headers=JSON)
-    assert r.status_code == 503
-    assert r.json()["error"]["code"] == "not_leader"
-    assert r.headers["onceflow-leader"] == leader.url
-    assert r.json()["error"]["leader"] == leader.url
-    assert httpx.get(f"{leader.url}/v1/stream/orders", params={"offset": "-1"}).json() == []
+    assert httpx.get(f"{follower.url}/v1/leader").json() == {"leads": False, "me": follower.url, "leader": leader.url}
+    assert httpx.get(f"{leader.url}/v1/leader").json() == {"leads": True, "me": leader.url, "leader": leader.url}
+    assert httpx.put(f"{follower.url}/v1/stream/orders", headers=JSON).status_code == 201
+    r = httpx.post(f"{follower.url}/v1/stream/orders", content=b"[1, 2]", headers=JSON)
+    assert r.status_code == 204 and r.headers["stream-next-offset"]  # the leader's answer
+    assert httpx.get(f"{leader.url}/v1/stream/orders", params={"offset": "-1"}).json() == [1, 2]
+    # a long-poll through the follower wakes when an append lands on the leader (the servers'
+    # long-poll timeout is 0.5 s: the poll is tried until one sees the append)
+    tail = r.headers["stream-next-offset"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for _ in range(20):
+            poll = pool.submit(
+                httpx.get, f"{follower.url}/v1/stream/orders", params={"offset": tail, "live": "long-poll"}, timeout=10
+            )
+            time.sleep(0.1)
+            if not poll.done():
+                break
+        assert httpx.post(f"{leader.url}/v1/stream/orders", content=b"[3]", headers=JSON).status_code == 204
+        live = poll.result()
+    assert live.status_code == 200 and live.json() == [3]
+
+
+def test_with_no_forward_a_follower_names_the_leader(pg: str, tmp_path: Path) -> None:
+    store = pg_url(pg)
+    a = ServerProcess(tmp_path / "a", "--store", store, "--no-forward")
+    b = ServerProcess(tmp_path / "b", "--store", store, "--no-forward")
+    try:
+        a.start()
+        assert wait_for_leader(a) is a
+        b.start()
+        assert httpx.put(f"{a.url}/v1/stream/orders", headers=JSON).status_code == 201
+        r = httpx.post(f"{b.url}/v1/stream/orders", content=b"[1]", headers=JSON)
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "not_leader"
+        assert r.headers["onceflow-leader"] == a.url == r.json()["error"]["leader"]
+        assert httpx.get(f"{a.url}/v1/stream/orders", params={"offset": "-1"}).json() == []
+    finally:
+        a.kill()
+        b.kill()
 
 
 def test_after_the_leader_is_killed_the_other_serves_everything_it_acknowledged(

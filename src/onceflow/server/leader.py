@@ -4,7 +4,9 @@ Every server is stateless: all a stream holds (its batches, producer state, tran
 offsets, subscriptions) lives in the database (storage/pgfs.py), so any server can serve it. One
 serves at a time: the holder of the store's *lease*, a row of the database with a term and a token.
 
-- A server starts as a follower: it listens at once and answers every request 503 ``not_leader``
+- A server starts as a follower: it listens at once and passes every request on to the leader, and
+  the leader's answer back (:class:`NotLeader`), so any server answers any request (behind a load
+  balancer too). With ``--no-forward``, or while no leader is known, it answers 503 ``not_leader``
   naming the leader's URL (``Onceflow-Leader``), so clients given several URLs move there.
 - When nobody holds the lease (at first start, or when the holder's term ran out by the database's
   clock) a follower takes it with a new token, recovers every stream from the database (the same
@@ -35,6 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
+
 from ..core.broker import Broker
 from ..storage.fs import FileSystem
 from ..storage.pgfs import PgFileSystem
@@ -55,25 +59,65 @@ T = TypeVar("T")
 
 
 class Switch:
-    """The ASGI app a server listens with; what it serves changes when the server leads or stops."""
+    """The ASGI app a server listens with; what it serves changes when the server leads or stops.
+
+    It answers ``GET /v1/leader`` itself, never passed on: ``{"leads": bool, "me": url, "leader":
+    url or null}``, this server's own view (for probes, load balancers' health checks and tests)."""
 
     def __init__(self, target: ASGIApp) -> None:
         self.target = target
+        self.leads = False
+        self.me: str | None = None
+        self.leader: Callable[[], Any] | None = None  # async: the leader's URL as last read
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/leader" and scope["method"] in ("GET", "HEAD"):
+            leader = self.me if self.leads else (await self.leader() if self.leader is not None else None)
+            body = json.dumps({"leads": self.leads, "me": self.me, "leader": leader}).encode()
+            headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+            return
         await self.target(scope, receive, send)
 
 
-class NotLeader:
-    """What a server that does not hold the lease answers: 503 ``not_leader`` with the leader's URL."""
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",
+    }
+)  # Host is kept: the leader answers for the name the client used (URLs it builds in bodies)
+FORWARDED = b"onceflow-forwarded"  # set on a request a follower passes on: it is never passed on twice
 
-    def __init__(self, fs: PgFileSystem, lease_seconds: float) -> None:
+
+class NotLeader:
+    """What a server that does not hold the lease does with a request: pass it on to the leader and
+    its answer back (streamed: long-polls and SSE too), so that any server answers any request; or,
+    when no leader is known, when the request was passed on already, or when ``forward`` is off,
+    answer 503 ``not_leader`` naming the leader (clients given several servers move on at once).
+
+    A request that cannot reach the leader (connection refused: it sent nothing) is a 503
+    ``not_leader``; one whose answer broke off after it was sent is a 502 ``leader_unreachable``,
+    whose outcome is unknown to the client, as a timeout's is (producers retry it and are deduplicated)."""
+
+    def __init__(self, fs: PgFileSystem, lease_seconds: float, *, me: str, forward: bool, max_body: int) -> None:
         self._fs = fs
         self._lease_seconds = lease_seconds
+        self._me = me
+        self._forward = forward
+        self._max_body = max_body
         self._leader: str | None = None
         self._read_at = -1e9
+        self._client: httpx.AsyncClient | None = None
 
-    async def _leader_url(self) -> str | None:
+    async def leader_url(self) -> str | None:
         now = time.monotonic()
         if now - self._read_at >= 1.0:  # the lease is read at most once a second
             self._read_at = now
@@ -87,7 +131,14 @@ class NotLeader:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        leader = await self._leader_url()
+        leader = await self.leader_url()
+        forwarded = any(k == FORWARDED for k, _ in scope["headers"])
+        if self._forward and leader and leader != self._me and not forwarded:
+            await self._pass_on(leader, scope, receive, send)
+            return
+        await self._not_leader(leader, send)
+
+    async def _not_leader(self, leader: str | None, send: Any) -> None:
         message = (
             f"this onceflow server does not hold the store's lease: the leader is {leader}"
             if leader
@@ -104,6 +155,67 @@ class NotLeader:
         ]
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    async def _pass_on(self, leader: str, scope: Any, receive: Any, send: Any) -> None:
+        body = bytearray()
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            if len(body) > self._max_body:
+                await _error(send, 413, "body_too_large", f"the request body is larger than {self._max_body} bytes")
+                return
+            if not msg.get("more_body", False):
+                break
+        if self._client is None:
+            # no read timeout: long-polls and SSE last as long as the leader keeps them
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0), trust_env=False)
+        target = leader.rstrip("/") + scope.get("raw_path", scope["path"].encode()).decode("latin-1")
+        if scope.get("query_string"):
+            target += "?" + scope["query_string"].decode("latin-1")
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
+        headers.append((FORWARDED, b"1"))
+        request = self._client.build_request(scope["method"], target, headers=headers, content=bytes(body))
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.ConnectError:  # nothing reached the leader: as if this server had answered
+            self._read_at = -1e9  # read the lease again: the leader may have changed
+            await self._not_leader(self._leader, send)
+            return
+        except httpx.HTTPError as exc:
+            await _error(send, 502, "leader_unreachable", f"the leader {leader} did not answer: {exc!r}")
+            return
+        started = False
+        try:
+            out = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
+            await send({"type": "http.response.start", "status": response.status_code, "headers": out})
+            started = True
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except httpx.HTTPError as exc:
+            if not started:
+                await _error(send, 502, "leader_unreachable", f"the leader {leader} broke off: {exc!r}")
+            # else: the client sees the answer end early, as if the leader had gone
+        finally:
+            await response.aclose()
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+async def _error(send: Any, status: int, code: str, message: str) -> None:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _starting(scope: Any, receive: Any, send: Any) -> None:
+    """Before the server knows its own URL (a moment at start)."""
+    if scope["type"] == "http":
+        await _error(send, 503, "starting", "this onceflow server is starting")
 
 
 async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
@@ -147,17 +259,20 @@ async def serve_store(
     stop: asyncio.Event,
     advertise: str | None = None,
     lease_seconds: float = 10.0,
+    forward: bool = True,
+    max_body: int = 64 << 20,
 ) -> None:
     """Serve the streams of the PostgreSQL database ``store`` (module docstring) until ``stop``."""
     if lease_seconds < 1.0:
         raise ValueError("the lease's term must be at least 1 s")
     fs = await _off_loop(PgFileSystem, store)
-    follower = NotLeader(fs, lease_seconds)
-    switch = Switch(follower)
+    switch = Switch(_starting)
     connections: set[HttpServerProtocol] = set()
     server = await start_server(switch, host, port, limits, connections)
     bound = server.sockets[0].getsockname()[1]
     me = advertise or f"http://{host}:{bound}"
+    follower = NotLeader(fs, lease_seconds, me=me, forward=forward, max_body=max_body)
+    switch.target, switch.me, switch.leader = follower, me, follower.leader_url
     holder = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
     print(f"onceflow listening on http://{host}:{bound} (store: PostgreSQL, {me})", flush=True)
     token: int | None = None
@@ -168,6 +283,7 @@ async def serve_store(
             log.warning("could not reach the store: %s", exc)
         if token is None and await _wait(stop, min(1.0, lease_seconds / 4)):
             server.close()
+            await follower.close()
             fs.close()
             return
     fs.token = token
@@ -176,18 +292,19 @@ async def serve_store(
     app, handler = build(broker)
     await broker.start()
     app.subscriptions.start()
-    switch.target = handler
+    switch.target, switch.leads = handler, True
     print(f"onceflow leads the store (lease token {token})", flush=True)
     lost = asyncio.ensure_future(_hold(fs, token, lease_seconds))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if lost.done():
         why = lost.result()
-        switch.target = follower
+        switch.target, switch.leads = follower, False
         log.error("%s: stopping (a supervisor restarts this server as a follower)", why)
         print(f"onceflow: {why}; exiting", flush=True)
         os._exit(LEASE_LOST_EXIT)  # its memory may be ahead of the store: serve nothing more of it
     lost.cancel()
+    await follower.close()
     await shut_down(server, connections, app, broker)
     try:
         await _off_loop(fs.release, token)

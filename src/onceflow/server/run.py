@@ -50,12 +50,14 @@ async def serve(
     store: str | None = None,
     advertise: str | None = None,
     lease_seconds: float = 10.0,
+    forward: bool = True,
 ) -> None:
     """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
 
     ``store``: a PostgreSQL URL instead of ``data``: the streams live in that database, and of the
     servers sharing it the one holding its lease serves (server/leader.py, docs/ha.md);
-    ``advertise`` is this server's URL as the others tell clients, ``lease_seconds`` the lease's term.
+    ``advertise`` is this server's URL as the others tell clients, ``lease_seconds`` the lease's term;
+    ``forward``: a follower passes requests on to the leader (else it answers 503 ``not_leader``).
 
     Shutdown: stop accepting, end live reads (long-poll / SSE), let in-flight appends become durable
     (up to a few seconds), close connections, then flush and snapshot every stream.
@@ -106,6 +108,8 @@ async def serve(
             stop=stop,
             advertise=advertise,
             lease_seconds=lease_seconds,
+            forward=forward,
+            max_body=max_body_bytes,
         )
         return
     broker = make_broker(OsFileSystem(max_open_files), data)

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -46,16 +45,13 @@ class HaServer:
         return self.proc is not None and self.proc.poll() is None
 
     def leads(self) -> bool:
-        """Whether it answers as the leader (not 503 ``not_leader``, not refusing connections)."""
+        """Whether it leads (``GET /v1/leader``: each server's own view, never passed on)."""
         if not self.alive():
             return False
-        req = urllib.request.Request(f"{self.url}/v1/stream/ha-probe", method="HEAD")  # noqa: S310 - loopback
         try:
-            with urllib.request.urlopen(req, timeout=2):  # noqa: S310
-                return True
-        except urllib.error.HTTPError as exc:
-            return exc.code != 503 or exc.headers.get("onceflow-leader") is None
-        except OSError:
+            with urllib.request.urlopen(f"{self.url}/v1/leader", timeout=2) as r:  # noqa: S310 - loopback
+                return bool(json.load(r)["leads"])
+        except (OSError, ValueError, KeyError):
             return False
 
     def kill(self) -> None:
