@@ -170,7 +170,13 @@ class NotLeader:
                 break
         if self._client is None:
             # no read timeout: long-polls and SSE last as long as the leader keeps them
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0), trust_env=False)
+            # and a connection per request in flight (live reads hold theirs), bounded by the server's
+            # own --max-connections, not by a pool
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(None, connect=2.0),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                trust_env=False,
+            )
         target = leader.rstrip("/") + scope.get("raw_path", scope["path"].encode()).decode("latin-1")
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
