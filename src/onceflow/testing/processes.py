@@ -32,7 +32,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A server child process: started in its own session, its output drained, stopped by pid."""
+    """A server child process: started in its own session, its output drained, stopped by pid.
+
+    ``ready`` matches the line that makes it ready, its first group the server's URL. ``serving``, when
+    given, matches a later line that must follow before it is: a server on a shared store listens
+    (and prints its URL) at once, but serves only once it leads (``onceflow serve --store``).
+    """
 
     def __init__(
         self,
@@ -42,10 +47,12 @@ class ServerProcess:
         *,
         cwd: Path | None = None,
         env: dict[str, str] | None = None,
+        serving: re.Pattern[str] | None = None,
     ) -> None:
         self.name = name
         self.argv = argv
         self.ready = ready
+        self.serving = serving
         self.cwd = cwd
         self.env = env
         self.url = ""
@@ -88,16 +95,22 @@ class ServerProcess:
         proc = self.proc
         if proc is None or proc.stdout is None:
             return
+        serving = self.serving is None  # no later line to wait for
         for raw in proc.stdout:
             now = time.perf_counter()
             line = raw.decode("utf-8", "replace").rstrip()
             self._lines.append(line)
-            if not self._ready_event.is_set():
+            if self._ready_event.is_set():
+                continue
+            if not self.url:
                 m = self.ready.search(line)
                 if m:
                     self.url = m.group(1).rstrip("/")
-                    self._ready_at = now
-                    self._ready_event.set()
+            elif self.serving is not None and self.serving.search(line):
+                serving = True
+            if self.url and serving:
+                self._ready_at = now
+                self._ready_event.set()
 
     def output_tail(self) -> str:
         return "\n".join(f"    | {line}" for line in self._lines) or "    | (no output)"
@@ -133,22 +146,16 @@ class ServerProcess:
         self.proc = None
 
 
-def onceflow_server(data: Path, fsync: str = "always") -> ServerProcess:
-    argv = [
-        sys.executable,
-        "-m",
-        "onceflow.cli",
-        "serve",
-        "--data",
-        str(data),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--fsync",
-        fsync,
-    ]
-    return ServerProcess("onceflow serve", argv, re.compile(r"onceflow listening on (http://\S+)"))
+def onceflow_server(data: Path, fsync: str = "always", *, store: str | None = None) -> ServerProcess:
+    """``onceflow serve`` on a free loopback port with its data in ``data``, or, given ``store`` (a
+    PostgreSQL conninfo or URL), in that database: then it is ready once it leads the store."""
+    where = ["--data", str(data)] if store is None else ["--store", store]
+    argv = [sys.executable, "-m", "onceflow.cli", "serve", *where, "--host", "127.0.0.1", "--port", "0"]
+    argv += ["--fsync", fsync]
+    listening = re.compile(r"onceflow listening on (http://\S+)")
+    if store is None:
+        return ServerProcess("onceflow serve", argv, listening)
+    return ServerProcess("onceflow serve --store", argv, listening, serving=re.compile(r"onceflow leads the store"))
 
 
 class OnceflowProcess:
