@@ -1,5 +1,6 @@
 """``onceflow bench compare --quick`` end to end, bounded: onceflow and a throwaway Redis (and NATS
-JetStream when ``nats-server`` is installed). Checks that the command completes, measures each
+JetStream when ``nats-server`` is installed), and onceflow on a throwaway PostgreSQL store beside the
+local store (``--store postgresql``). Checks that the command completes, measures each
 system, that every measured stream held exactly what its system acknowledged, and that the plots
 are written. No timing assertions: the figures depend on the machine.
 """
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 pytest.importorskip("matplotlib", reason="matplotlib is in the bench extra: pip install -e '.[bench]'")
 
 
-def _compare(tmp_path: Path, systems: str, only: str) -> dict[str, Any]:
+def _compare(tmp_path: Path, systems: str, only: str, *extra: str) -> dict[str, Any]:
     out = tmp_path / "compare.json"
     argv = [
         sys.executable,
@@ -39,6 +40,7 @@ def _compare(tmp_path: Path, systems: str, only: str) -> dict[str, Any]:
         str(tmp_path / "img"),
         "--out",
         str(out),
+        *extra,
     ]
     if shutil.which("wrk"):
         argv += ["--generator", "wrk"]
@@ -87,3 +89,36 @@ def test_compare_quick_jetstream(tmp_path: Path) -> None:
     pytest.importorskip("nats", reason="nats-py is in the bench extra: pip install -e '.[bench]'")
     doc = _compare(tmp_path, "nats", "produce")
     assert {m["workload"] for m in doc["measurements"] if m["system"] == "JetStream"} >= {"produce-100", "produce-1024"}
+
+
+def _postgres_missing() -> str | None:
+    """Why the PostgreSQL store cannot be measured here, or None."""
+    try:
+        import psycopg_pool  # noqa: F401
+    except ImportError:
+        return "the PostgreSQL store needs psycopg_pool (onceflow[postgresql])"
+    from onceflow.testing import ServiceUnavailable, postgres_bindir
+
+    try:
+        postgres_bindir()
+    except ServiceUnavailable as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.skipif(_postgres_missing() is not None, reason=str(_postgres_missing()))
+def test_compare_quick_onceflow_on_a_postgresql_store_beside_the_local_store(tmp_path: Path) -> None:
+    only = "produce,append,latency" if shutil.which("wrk") else "produce,latency"
+    doc = _compare(tmp_path, "onceflow", only, "--store", "postgresql")
+    pg = "onceflow (PostgreSQL store)"
+    workloads = {(m["workload"], m["system"]) for m in doc["measurements"]}
+    for system in ("onceflow", pg):
+        assert {("produce-100", system), ("produce-1024", system), ("catch-up-100", system)} <= workloads
+    for m in doc["measurements"]:
+        if m["system"] == pg and m["workload"].startswith("produce"):
+            assert m["db"]["transactions"] > 0, m  # the acknowledged appends were committed to the database
+    assert {lat["system"] for lat in doc["latencies"]} == {"onceflow", pg}
+    ratios = {t["comparison"] for t in doc["targets"] if t["value"] is not None}
+    assert f"{pg} / onceflow" in ratios
+    assert f"{pg} p99 (ms)" in ratios
+    assert "onceflow's stores side by side" in (tmp_path / "img" / "compare.md").read_text()

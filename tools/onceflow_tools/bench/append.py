@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 from onceflow.testing import ServerFailure, ServerProcess, onceflow_server
 
 from .progress import say
+from .store import DbUse, PostgresStore
 
 __all__ = ["run"]
 
@@ -108,6 +109,7 @@ class LoadResult:
     stored: int | None = None  # messages read back from the stream afterwards
     acknowledged: int = 0  # 2xx responses over warm-up + measurement
     in_flight_bound: int = 0  # appends that may have been stored without their response counted
+    db: DbUse | None = None  # on a PostgreSQL store: what the database did in the measured window
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -480,17 +482,26 @@ def stream_tail(base_url: str) -> str:
 
 
 def measure_server(
-    server: ServerProcess, system: str, mode: str, gen: LoadGenerator, concurrency: int, seconds: int
+    server: ServerProcess,
+    system: str,
+    mode: str,
+    gen: LoadGenerator,
+    concurrency: int,
+    seconds: int,
+    db: PostgresStore | None = None,
 ) -> LoadResult:
-    """Warm up, measure, then read the stream back and check it against the acknowledgements."""
+    """Warm up, measure, then read the stream back and check it against the acknowledgements
+    (``db``: the server's PostgreSQL store, whose use in the measured window is measured too)."""
     body = make_message()
     url = server.url + STREAM_PATH
     create_stream(server.url)
     _say(f"{system} ({mode}): {WARMUP_SECONDS} s warm-up, then {seconds} s at concurrency {concurrency}")
     warm = gen.run(url, body, concurrency, WARMUP_SECONDS)
+    db0 = db.sample() if db is not None else None
     cpu0 = server.cpu_seconds()
     raw = gen.run(url, body, concurrency, seconds)
     cpu1 = server.cpu_seconds()
+    used = db.since(db0) if db is not None and db0 is not None else None
     res = LoadResult(
         system=system,
         mode=mode,
@@ -507,6 +518,7 @@ def measure_server(
         if cpu0 is not None and cpu1 is not None and raw.elapsed
         else None,
         client_cpu_pct=100 * raw.client_cpu / raw.elapsed if raw.client_cpu is not None and raw.elapsed else None,
+        db=used,
     )
     for label, r in (("warm-up", warm), ("measurement", raw)):
         if r.non_2xx:

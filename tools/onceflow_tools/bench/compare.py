@@ -30,6 +30,13 @@ Workloads, most important first (``--only`` picks some):
    each, JetStream ordered push consumers) while one producer appends 20 messages/s: every reader
    must get every message once; append-to-reader latency over all deliveries.
 
+``--store postgresql`` (and/or ``postgresql-ha``) measures onceflow on a PostgreSQL store too, in the
+same run: a throwaway PostgreSQL (``fsync`` and ``synchronous_commit`` on; ``-ha``: a primary and a
+synchronous standby) and ``onceflow serve --store`` on it, measured once it leads, with the same
+onceflow workloads; its rows ("onceflow (PostgreSQL store)") come with their ratio to the local
+store and a table of where the time goes (each side's CPU per message, the database's commits and
+WAL; ``bench/store.py``).
+
 Correctness: after every load the stream is read back from its start and compared with what the
 system acknowledged: exactly (a count equal to the acknowledgements and every message as sent)
 where the client knows its acknowledgements, and within [acknowledged, acknowledged + in flight]
@@ -78,6 +85,7 @@ from .append import (
     reference_server,
     report,
 )
+from .store import STORE_KINDS, DbUse, PostgresStore, StoreKind
 
 __all__ = ["run"]
 
@@ -102,14 +110,23 @@ APPEND_NATS_TARGET = 1.0
 APPEND_REFERENCE_TARGET = 10.0
 LATENCY_P99_TARGET_MS = 10.0
 
+# targets of onceflow on a PostgreSQL store against the local store, same run (issue 17)
+STORE_RATIO_TARGET = 0.5
+STORE_LATENCY_P99_TARGET_MS = 20.0
+
 ONCEFLOW = "onceflow"
+ONCEFLOW_PG = "onceflow (PostgreSQL store)"
+ONCEFLOW_PG_HA = "onceflow (PostgreSQL store, sync standby)"
+STORE_SYSTEMS: dict[StoreKind, str] = {"postgresql": ONCEFLOW_PG, "postgresql-ha": ONCEFLOW_PG_HA}
 REFERENCE = "reference (file)"
 REDIS_ALWAYS = "Redis (fsync always)"
 REDIS_EVERYSEC = "Redis (fsync everysec)"
 JETSTREAM = "JetStream"
-SYSTEM_ORDER = (ONCEFLOW, REFERENCE, REDIS_ALWAYS, REDIS_EVERYSEC, JETSTREAM)
+SYSTEM_ORDER = (ONCEFLOW, ONCEFLOW_PG, ONCEFLOW_PG_HA, REFERENCE, REDIS_ALWAYS, REDIS_EVERYSEC, JETSTREAM)
 COLORS = {
     ONCEFLOW: "tab:blue",
+    ONCEFLOW_PG: "tab:purple",
+    ONCEFLOW_PG_HA: "plum",
     REFERENCE: "tab:orange",
     REDIS_ALWAYS: "tab:red",
     REDIS_EVERYSEC: "salmon",
@@ -134,6 +151,7 @@ class Measurement:
     stored: int | None = None  # read back afterwards
     exact: bool = True  # False: the client stops with requests in flight (wrk)
     server_cpu_pct: float | None = None
+    db: DbUse | None = None  # on a PostgreSQL store: what the database did in the measured window
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -220,9 +238,10 @@ def payload(size: int) -> bytes:
 
 
 async def _onceflow_produce(
-    server: ServerProcess, name: str, size: int, seconds: float
+    server: ServerProcess, name: str, size: int, seconds: float, system: str = ONCEFLOW, db: PostgresStore | None = None
 ) -> tuple[Measurement, Measurement]:
-    """Idempotent producer throughput on a byte stream, then the timed catch-up read of it."""
+    """Idempotent producer throughput on a byte stream, then the timed catch-up read of it (``db``: the
+    server's PostgreSQL store, whose use in both windows is measured too)."""
     from onceflow.client import AsyncIdempotentProducer, AsyncStream, OnceflowError
 
     from .produce import _drive
@@ -244,19 +263,21 @@ async def _onceflow_produce(
     )
     max_pending = (MAX_IN_FLIGHT + 2) * (BATCH_BYTES // size)
     path = f"AsyncIdempotentProducer, byte stream, 1 MiB batches, {MAX_IN_FLIGHT} in flight"
-    res = Measurement(f"produce-{size}", ONCEFLOW, path, 0.0, 0.0, 0)
+    res = Measurement(f"produce-{size}", system, path, 0.0, 0.0, 0)
     elapsed = 0.0
     try:
         await producer.start()
         await _drive(producer, msg, time.perf_counter() + WARMUP_SECONDS, max_pending)
         await producer.flush()
         acked0 = producer.stats.acked
+        db0 = db.sample() if db is not None else None
         cpu0, client0 = server.cpu_seconds(), time.process_time()
         t0 = time.perf_counter()
         await _drive(producer, msg, t0 + seconds, max_pending)
         await producer.flush()
         elapsed = time.perf_counter() - t0
         res.server_cpu_pct = _cpu_pct(cpu0, server.cpu_seconds(), elapsed)
+        res.db = db.since(db0) if db is not None and db0 is not None else None
         res.path += f" (client CPU {_cpu_pct(client0, time.process_time(), elapsed) or 0:.0f} %)"
     except OnceflowError as exc:
         res.failures.append(f"producer failed: {exc}")
@@ -273,6 +294,8 @@ async def _onceflow_produce(
         res.failures.append(f"{st.failed} messages failed")
     # catch-up: read the whole stream from its start, checking every byte
     count, wrong = 0, 0
+    db1 = db.sample() if db is not None else None
+    cpu1 = server.cpu_seconds()
     t1 = time.perf_counter()
     async with AsyncStream.connect(url, name) as stream:
         async for chunk in stream.chunks("-1"):
@@ -284,17 +307,21 @@ async def _onceflow_produce(
                 wrong += 1
             count += n
         read_s = time.perf_counter() - t1
+        cpu2 = server.cpu_seconds()
+        read_db = db.since(db1) if db is not None and db1 is not None else None
         await stream.delete()
     _check_count(res, count, wrong)
     catch = Measurement(
         f"catch-up-{size}",
-        ONCEFLOW,
+        system,
         "AsyncStream.chunks from the start (HTTP GETs)",
         count / read_s if read_s else 0.0,
         read_s,
         count,
         acknowledged=res.acknowledged,
         stored=count,
+        server_cpu_pct=_cpu_pct(cpu1, cpu2, read_s),
+        db=read_db,
     )
     catch.failures = list(res.failures)
     return res, catch
@@ -1032,6 +1059,7 @@ PROFILE_LAYERS = (
     ("ASGI app (onceflow/server/app.py), incl. what it calls", "onceflow/server/app.py"),
     ("core (onceflow/core/), incl. storage calls", "onceflow/core/"),
     ("storage (onceflow/storage/)", "onceflow/storage/"),
+    ("of which the PostgreSQL store (onceflow/storage/pgfs.py)", "onceflow/storage/pgfs.py"),
     ("dataclass constructors", "__create_fn__"),
     ("hand-offs to the writer thread (ThreadPoolExecutor.submit)", "ThreadPoolExecutor.submit"),
 )
@@ -1078,8 +1106,8 @@ def targets(run: Run) -> list[tuple[str, str, float | None, str, str]]:
     """(workload, comparison, ratio, target, verdict)."""
     out: list[tuple[str, str, float | None, str, str]] = []
 
-    def ratio(workload: str, peer: str, target: float) -> None:
-        a, b = run.find(workload, ONCEFLOW), run.find(workload, peer)
+    def ratio(workload: str, peer: str, target: float, system: str = ONCEFLOW) -> None:
+        a, b = run.find(workload, system), run.find(workload, peer)
         r = a.msg_per_s / b.msg_per_s if a and b and b.msg_per_s else None
         verdict = (
             "not measured" if r is None else ("met" if r >= target else f"missed by {(1 - r / target) * 100:.0f} %")
@@ -1091,7 +1119,7 @@ def targets(run: Run) -> list[tuple[str, str, float | None, str, str]]:
             return
         if peer == JETSTREAM and not run.jetstream_durable and r is not None:
             verdict += " (JetStream not fsync'd before ack)"
-        out.append((WORKLOAD_TITLES[workload], f"onceflow / {peer}", r, f">= {target:g}x", verdict))
+        out.append((WORKLOAD_TITLES[workload], f"{system} / {peer}", r, f">= {target:g}x", verdict))
 
     for size in SIZES:
         for peer in (REDIS_ALWAYS, REDIS_EVERYSEC, JETSTREAM):
@@ -1100,20 +1128,57 @@ def targets(run: Run) -> list[tuple[str, str, float | None, str, str]]:
     ratio("append", REDIS_EVERYSEC, APPEND_REDIS_TARGET)
     ratio("append", JETSTREAM, APPEND_NATS_TARGET)
     ratio("append", REFERENCE, APPEND_REFERENCE_TARGET)
+    stores = [s for s in STORE_SYSTEMS.values() if any(m.system == s for m in run.measurements)]
+    for system in stores:  # a PostgreSQL store beside the local store
+        for workload in ("produce-100", "produce-1024", "append", "catch-up-100"):
+            ratio(workload, ONCEFLOW, STORE_RATIO_TARGET, system)
     for lat in run.latencies:
-        if lat.system == ONCEFLOW:
-            ok = not lat.failures and lat.p99_ms <= LATENCY_P99_TARGET_MS
-            verdict = "met" if ok else f"missed by {lat.p99_ms - LATENCY_P99_TARGET_MS:.1f} ms"
+        limit = LATENCY_P99_TARGET_MS if lat.system == ONCEFLOW else STORE_LATENCY_P99_TARGET_MS
+        if lat.system == ONCEFLOW or lat.system in STORE_SYSTEMS.values():
+            ok = not lat.failures and lat.p99_ms <= limit
+            verdict = "met" if ok else f"missed by {lat.p99_ms - limit:.1f} ms"
             out.append(
-                (
-                    "append-to-consumer latency",
-                    "onceflow p99 (ms)",
-                    lat.p99_ms,
-                    f"<= {LATENCY_P99_TARGET_MS:g} ms",
-                    verdict,
-                )
+                ("append-to-consumer latency", f"{lat.system} p99 (ms)", lat.p99_ms, f"<= {limit:g} ms", verdict)
             )
     return out
+
+
+def _per_msg_us(cpu_pct: float | None, msg_per_s: float) -> float | None:
+    return None if cpu_pct is None or msg_per_s <= 0 else cpu_pct / 100 / msg_per_s * 1e6
+
+
+def _store_table(run: Run) -> list[str]:
+    """Where the time goes on the PostgreSQL stores, beside the local store: each side's CPU per message,
+    the database's commits (one per sync of a file) and its WAL."""
+    if not any(m.db is not None for m in run.measurements):
+        return []
+    lines = [
+        "",
+        "onceflow's stores side by side: CPU per message (of the onceflow server process; of every PostgreSQL "
+        "process), the database's write transactions (a sync of a file is one; an acknowledged group commit) "
+        "and its WAL, in the measured window:",
+        "",
+        "| workload | system | msg/s | server CPU | server µs/msg | PostgreSQL CPU | PostgreSQL µs/msg | commits/s "
+        "| messages per commit | WAL bytes per message |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    order = {s: i for i, s in enumerate(SYSTEM_ORDER)}
+    wl = list(WORKLOAD_TITLES)
+    rows = [m for m in run.measurements if m.system == ONCEFLOW or m.system in STORE_SYSTEMS.values()]
+    for m in sorted(rows, key=lambda m: (wl.index(m.workload), order.get(m.system, 99))):
+        db = m.db
+        commits = None if db is None else db.transactions / db.seconds if db.seconds else None
+        writes = db is not None and not m.workload.startswith("catch-up")  # a read commits only lease renewals
+        per_commit = m.messages / db.transactions if writes and db is not None and db.transactions > 0 else None
+        wal = db.wal_bytes / m.messages if writes and db is not None and m.messages else None
+        lines.append(
+            f"| {WORKLOAD_TITLES[m.workload]} | {m.system} | {m.msg_per_s:,.0f} | {_fmt(m.server_cpu_pct, 0)} % | "
+            f"{_fmt(_per_msg_us(m.server_cpu_pct, m.msg_per_s), 2)} | "
+            f"{'n/a' if db is None else f'{db.cpu_pct:.0f} %'} | "
+            f"{_fmt(_per_msg_us(None if db is None else db.cpu_pct, m.msg_per_s), 2)} | {_fmt(commits, 0)} | "
+            f"{_fmt(per_commit, 1)} | {_fmt(wal, 1)} |"
+        )
+    return lines
 
 
 def render_markdown(run: Run, images: list[str]) -> str:
@@ -1131,6 +1196,7 @@ def render_markdown(run: Run, images: list[str]) -> str:
             f"| {WORKLOAD_TITLES[m.workload]} | {m.system} | {m.path} | {m.msg_per_s:,.0f} | {_fmt(m.p50_ms, 2)} | "
             f"{_fmt(m.p99_ms, 2)} | {_fmt(m.server_cpu_pct, 0)}{' %' if m.server_cpu_pct is not None else ''} | {m.check} |"
         )
+    lines += _store_table(run)
     if run.latencies:
         lines += [
             "",
@@ -1254,6 +1320,14 @@ def plot(run: Run, out_dir: Path) -> list[str]:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def _stores(args: argparse.Namespace) -> list[StoreKind]:
+    chosen = [s.strip() for s in (args.store or "").split(",") if s.strip() and s.strip() != "local"]
+    bad = [s for s in chosen if s not in STORE_KINDS]
+    if bad:
+        raise SystemExit(f"unknown store(s) {bad}; choose from local, {', '.join(STORE_KINDS)}")
+    return [kind for kind in STORE_KINDS if kind in chosen]
+
+
 def _systems(args: argparse.Namespace) -> list[str]:
     chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
     known = {"onceflow", "reference", "redis", "nats"}
@@ -1263,23 +1337,130 @@ def _systems(args: argparse.Namespace) -> list[str]:
     return chosen
 
 
+@dataclass
+class _Plan:
+    """What one run measures, with what, and where its results go (made by :func:`run`)."""
+
+    args: argparse.Namespace
+    res: Run
+    root: Path
+    only: set[str]
+    seconds: float
+    lat_count: int
+    readers: int
+    fan_count: int
+    _gen: LoadGenerator | None = None
+
+    @property
+    def wsec(self) -> int:
+        return max(1, round(self.seconds))  # wrk takes whole seconds
+
+    def gen(self) -> LoadGenerator:
+        """The HTTP load generator for single-message appends, made (wrk installed) when first needed."""
+        if self._gen is None:
+            self._gen = LoadGenerator(self.args.generator, self.root)
+            self._gen.name = self._gen.name.replace("<concurrency>", str(CONCURRENCY))
+            self.res.notes.append(f"HTTP single-message load: {self._gen.name}")
+        return self._gen
+
+
+def _measure_onceflow(plan: _Plan, server: ServerProcess, system: str, db: PostgresStore | None = None) -> None:
+    """The onceflow workloads of the plan against ``server`` (on a local or, with ``db``, a PostgreSQL
+    store), as rows of ``system``."""
+    res, only, seconds = plan.res, plan.only, plan.seconds
+
+    def spied(label: str, work: Callable[[], None]) -> None:
+        out = plan.root / f"onceflow-{len(res.profiles)}.pyspy"
+        spy = PySpy(server.pid or 0, out, f"{label} ({system})") if plan.args.profile else None
+        try:
+            work()
+        finally:
+            prof = spy.stop() if spy is not None else None
+            if prof is not None:
+                res.profiles.append(prof)
+
+    def produce() -> None:
+        for size in SIZES:
+            _say(f"{system}: producer throughput, {size} B, {seconds:g} s")
+            m, c = _run_loop(_onceflow_produce(server, f"produce-{size}", size, seconds, system, db))
+            res.measurements.append(m)
+            if size == 100:
+                res.measurements.append(c)
+            _say(f"  {m.msg_per_s:,.0f} msg/s; catch-up {c.msg_per_s:,.0f} msg/s; {m.check}")
+
+    def append() -> None:
+        lr = measure_server(server, system, db.kind if db else "file", plan.gen(), CONCURRENCY, plan.wsec, db)
+        res.measurements.append(_from_load(lr, system, plan.gen()))
+
+    if "produce" in only:
+        spied("the producer throughput runs (and their read-back)", produce)
+    if "append" in only:
+        spied(f"the single-message appends at concurrency {CONCURRENCY} (wrk, with warm-up and read-back)", append)
+    if "latency" in only:
+        _say(f"{system}: latency, {plan.lat_count} messages at {LATENCY_RATE:g}/s")
+        lat = _run_loop(_http_latency(server.url, "latency", system, plan.lat_count, LATENCY_RATE))
+        res.latencies.append(lat)
+        _say(f"  p50 {lat.p50_ms:.2f} p99 {lat.p99_ms:.2f} p99.9 {lat.p999_ms:.2f} ms")
+    if "readers" in only:
+        _say(f"{system}: {plan.readers:,} live SSE readers, {plan.fan_count} messages at {READER_RATE:g}/s")
+        fo = _run_loop(_http_fanout(server.url, system, plan.readers, plan.fan_count, READER_RATE))
+        res.fanouts.append(fo)
+        _say_fanout(fo)
+
+
+def _measure_store(plan: _Plan, kind: StoreKind) -> None:
+    """A throwaway PostgreSQL of ``kind``, ``onceflow serve --store`` on it once it leads, the onceflow
+    workloads against it; both stopped after."""
+    system = STORE_SYSTEMS[kind]
+    try:
+        store = PostgresStore(kind)
+    except ServiceUnavailable as exc:
+        plan.res.skipped.append(f"{system}: {exc}")
+        return
+    _say(f"{system}: starting PostgreSQL ({kind})")
+    store.start()
+    try:
+        plan.res.notes.append(
+            f"{system}: `onceflow serve --store <conninfo> --fsync always` (an append is acknowledged once its "
+            f"sync committed); {store.describe()}"
+        )
+        server = onceflow_server(plan.root / f"unused-{kind}", store=store.conninfo)
+        took = server.start(timeout=120)
+        _say(f"{system}: leads the store {took:.1f} s after its start")
+        try:
+            _measure_onceflow(plan, server, system, store)
+        finally:
+            server.stop()
+    finally:
+        store.stop()
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``onceflow bench compare``; the exit code (1 on any failed check)."""
     quick = bool(args.quick)
     seconds = float(args.seconds) if args.seconds is not None else (2.0 if quick else 10.0)
     lat_seconds = 2.0 if quick else 10.0
     systems = _systems(args)
+    stores = _stores(args)
     only = {w.strip() for w in args.only.split(",")} if args.only else {"produce", "append", "latency", "readers"}
     readers = int(args.readers)
-    fan_count = int(READER_RATE * (2.0 if quick else 5.0))
     _raise_fd_limit(readers)
     out_dir = Path(args.out_dir)
     res = Run(seconds=seconds, quick=quick)
     failures: list[str] = []
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     root = Path(tempfile.mkdtemp(prefix="onceflow-compare-"))
-    wsec = max(1, round(seconds))
-    lat_count = int(LATENCY_RATE * lat_seconds)
+    plan = _Plan(
+        args,
+        res,
+        root,
+        only,
+        seconds,
+        lat_count=int(LATENCY_RATE * lat_seconds),
+        readers=readers,
+        fan_count=int(READER_RATE * (2.0 if quick else 5.0)),
+    )
+    wsec, lat_count, fan_count, gen_ = plan.wsec, plan.lat_count, plan.fan_count, plan.gen
     load = os.getloadavg()
     res.notes.append(
         f"machine: {os.cpu_count()} cores shared by every server and client of the run; load average at start "
@@ -1288,70 +1469,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         fs = measure_fsync_rate(root, 1.0)
         res.notes.append(f"machine fsync rate {fs.per_second:,.0f}/s (100 B write + fdatasync)")
-        gen: LoadGenerator | None = None
 
-        def gen_() -> LoadGenerator:
-            nonlocal gen
-            if gen is None:
-                gen = LoadGenerator(args.generator, root)
-                gen.name = gen.name.replace("<concurrency>", str(CONCURRENCY))
-                res.notes.append(f"HTTP single-message load: {gen.name}")
-            return gen
-
-        # ------------------------------------------------------------------ onceflow
+        # ------------------------------------------------------------------ onceflow, on each store
         if "onceflow" in systems:
             server = onceflow_server(root / "onceflow-data")
             server.start()
             res.notes.append(
                 "onceflow: `onceflow serve --fsync always` (fdatasync before every acknowledgement, group commit)"
             )
-
-            def spied(label: str, work: Callable[[], None]) -> None:
-                spy = (
-                    PySpy(server.pid or 0, root / f"onceflow-{len(res.profiles)}.pyspy", label)
-                    if args.profile
-                    else None
-                )
-                try:
-                    work()
-                finally:
-                    prof = spy.stop() if spy is not None else None
-                    if prof is not None:
-                        res.profiles.append(prof)
-
-            def produce() -> None:
-                for size in SIZES:
-                    _say(f"onceflow: producer throughput, {size} B, {seconds:g} s")
-                    m, c = _run_loop(_onceflow_produce(server, f"produce-{size}", size, seconds))
-                    res.measurements.append(m)
-                    if size == 100:
-                        res.measurements.append(c)
-                    _say(f"  {m.msg_per_s:,.0f} msg/s; catch-up {c.msg_per_s:,.0f} msg/s; {m.check}")
-
-            def append() -> None:
-                lr = measure_server(server, "onceflow", "file", gen_(), CONCURRENCY, wsec)
-                res.measurements.append(_from_load(lr, ONCEFLOW, gen_()))
-
             try:
-                if "produce" in only:
-                    spied("the producer throughput runs (and their read-back)", produce)
-                if "append" in only:
-                    spied(
-                        f"the single-message appends at concurrency {CONCURRENCY} (wrk, with warm-up and read-back)",
-                        append,
-                    )
-                if "latency" in only:
-                    _say(f"onceflow: latency, {lat_count} messages at {LATENCY_RATE:g}/s")
-                    lat = _run_loop(_http_latency(server.url, "latency", ONCEFLOW, lat_count, LATENCY_RATE))
-                    res.latencies.append(lat)
-                    _say(f"  p50 {lat.p50_ms:.2f} p99 {lat.p99_ms:.2f} p99.9 {lat.p999_ms:.2f} ms")
-                if "readers" in only:
-                    _say(f"onceflow: {readers:,} live SSE readers, {fan_count} messages at {READER_RATE:g}/s")
-                    fo = _run_loop(_http_fanout(server.url, ONCEFLOW, readers, fan_count, READER_RATE))
-                    res.fanouts.append(fo)
-                    _say_fanout(fo)
+                _measure_onceflow(plan, server, ONCEFLOW)
             finally:
                 server.stop()
+        for kind in stores:
+            _measure_store(plan, kind)
 
         # ------------------------------------------------------------------ reference
         if "reference" in systems and ({"append", "latency"} & only):
@@ -1517,6 +1648,7 @@ def _from_load(lr: Any, system: str, gen: LoadGenerator) -> Measurement:
         stored=lr.stored,
         exact=gen.is_python,
         server_cpu_pct=lr.server_cpu_pct,
+        db=lr.db,
         failures=list(lr.failures),
     )
     return m
@@ -1543,6 +1675,14 @@ def add_parser(bsub: Any) -> None:
     )
     c.add_argument(
         "--only", default=None, help="comma-separated subset of produce,append,latency,readers (default: all)"
+    )
+    c.add_argument(
+        "--store",
+        default="local",
+        help="the stores onceflow is measured on, comma-separated: local (always, with onceflow in --systems), "
+        "postgresql (a throwaway PostgreSQL started here, fsync and synchronous_commit on: `onceflow serve "
+        "--store`), postgresql-ha (a primary and a synchronous standby); each beside the local store, same "
+        "workloads, same run, with its ratio to it (default: local)",
     )
     c.add_argument(
         "--readers", type=int, default=READERS, help=f"live readers in the readers workload (default: {READERS:,})"
