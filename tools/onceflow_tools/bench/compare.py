@@ -1303,6 +1303,13 @@ def plot(run: Run, out_dir: Path) -> list[str]:
                 color=COLORS.get(lat.system),
             )
     ax.axvline(LATENCY_P99_TARGET_MS, color="grey", linestyle=":", label=f"target p99 {LATENCY_P99_TARGET_MS:g} ms")
+    if any(lat.system in STORE_SYSTEMS.values() for lat in run.latencies):
+        ax.axvline(
+            STORE_LATENCY_P99_TARGET_MS,
+            color="grey",
+            linestyle="--",
+            label=f"target p99 on a PostgreSQL store {STORE_LATENCY_P99_TARGET_MS:g} ms",
+        )
     ax.set_xscale("log")
     ax.set_xlabel("append-to-consumer latency, ms (log scale)")
     ax.set_ylabel("fraction of messages")
