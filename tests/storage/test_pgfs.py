@@ -310,3 +310,17 @@ def test_the_memory_cache_of_all_files_stays_within_its_budget(pg: str) -> None:
         assert fs._cache_total == 0
     finally:
         fs.close()
+
+
+def test_chunks_are_compressed_with_lz4_where_the_database_has_it(fs: PgFileSystem) -> None:
+    import psycopg
+
+    with psycopg.connect(fs.conninfo) as conn:
+        row = conn.execute(
+            "SELECT attcompression FROM pg_attribute WHERE attrelid = 'onceflow_chunks'::regclass AND attname = 'data'"
+        ).fetchone()
+        lz4 = conn.execute(
+            "SELECT count(*) FROM pg_settings WHERE name = 'default_toast_compression' AND 'lz4' = ANY(enumvals)"
+        ).fetchone()
+    assert row is not None and lz4 is not None
+    assert row[0] == ("l" if lz4[0] else "")

@@ -68,6 +68,15 @@ CREATE TABLE IF NOT EXISTS onceflow_chunks (
     data bytea  NOT NULL,
     PRIMARY KEY (file, at)
 );
+-- lz4 where the server has it (PostgreSQL 14+ built with it): a sync's chunk is compressed several
+-- times faster than with the default pglz, which bounded the producer's throughput
+DO $$ BEGIN
+    IF (SELECT attcompression FROM pg_attribute
+        WHERE attrelid = 'onceflow_chunks'::regclass AND attname = 'data') IS DISTINCT FROM 'l' THEN
+        EXECUTE 'ALTER TABLE onceflow_chunks ALTER COLUMN data SET COMPRESSION lz4';
+    END IF;
+EXCEPTION WHEN OTHERS THEN NULL;  -- an older server, or one without lz4: the default stays
+END $$;
 CREATE TABLE IF NOT EXISTS onceflow_lease (
     id      int PRIMARY KEY CHECK (id = 1),
     token   bigint NOT NULL,
@@ -379,24 +388,21 @@ class PgFileSystem:
         """Bytes [at, at + n) of file ``ident`` as the database holds them (short at its end)."""
         end = at + n
         with self._tx("read", fence=False) as cur:
+            # only the part of each chunk in the range, in binary (bytea as text is twice the bytes)
             cur.execute(
-                "SELECT at, data FROM onceflow_chunks WHERE file = %s AND at < %s AND at >= "
-                "coalesce((SELECT max(at) FROM onceflow_chunks WHERE file = %s AND at <= %s), 0) ORDER BY at",
-                (ident, end, ident, at),
+                "SELECT greatest(at, %(lo)s) AS pos, substring(data FROM (greatest(at, %(lo)s) - at + 1)::int "
+                "FOR (least(at + length(data), %(hi)s) - greatest(at, %(lo)s))::int) "
+                "FROM onceflow_chunks WHERE file = %(f)s AND at < %(hi)s AND at + length(data) > %(lo)s AND at >= "
+                "coalesce((SELECT max(at) FROM onceflow_chunks WHERE file = %(f)s AND at <= %(lo)s), 0) ORDER BY at",
+                {"f": ident, "lo": at, "hi": end},
+                binary=True,
             )
             rows = cur.fetchall()
         out = bytearray()
-        pos = at
-        for chunk_at, data in rows:
-            data = bytes(data)
-            if chunk_at > pos:
-                out += bytes(chunk_at - pos)  # a hole
-                pos = chunk_at
-            lo = pos - chunk_at
-            hi = min(len(data), end - chunk_at)
-            if hi > lo:
-                out += data[lo:hi]
-                pos = chunk_at + hi
+        for pos, data in rows:
+            if pos > at + len(out):
+                out += bytes(pos - at - len(out))  # a hole
+            out += data
         return bytes(out)
 
     # ------------------------------------------------------------------ the FileSystem protocol
