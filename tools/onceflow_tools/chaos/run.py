@@ -96,7 +96,6 @@ import httpx
 from onceflow._progress import Display, progress_display
 from onceflow.client.lowlevel import http_client, request_url
 from onceflow.demo import check_pipeline, sink_batch, spark_missing
-from onceflow.server.leader import LEASE_LOST_EXIT
 from onceflow.testing import FaultProxy, HaCluster, HaServer, ServiceUnavailable, free_port
 
 from .history import Anomaly, HistoryWriter, check, load_history
@@ -628,6 +627,8 @@ class Chaos:
                 server.proc = None
                 server.start()
             return
+        from onceflow.server.leader import LEASE_LOST_EXIT  # here: it needs psycopg, the local mode does not
+
         for srv in self.ha.servers:
             if srv.proc is None or srv.proc.poll() is None:
                 continue
