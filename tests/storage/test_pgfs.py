@@ -324,3 +324,90 @@ def test_chunks_are_compressed_with_lz4_where_the_database_has_it(fs: PgFileSyst
         ).fetchone()
     assert row is not None and lz4 is not None
     assert row[0] == ("l" if lz4[0] else "")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="finding of onceflow chaos --store postgresql (docs/reliability.md): PgFile.sync holds the file's "
+    "lock for its whole database transaction and pread takes that lock, so a read (the broker reads on its "
+    "event loop) waits for a sync stuck in the database; after a database failover a leader's event loop "
+    "stalled ~7.6 s that way and it lost the store's lease",
+)
+def test_a_read_of_durable_bytes_does_not_wait_for_a_sync_stuck_in_the_database(fs: PgFileSystem) -> None:
+    import threading
+    import time
+
+    import psycopg
+
+    f = cast(PgFile, fs.open_file(ROOT / "r.log", create=True))
+    f.pwrite(b"durable", 0)
+    f.sync()
+    f.pwrite(b" pending", 7)
+    read: list[bytes] = []
+    done = threading.Event()
+    with psycopg.connect(fs.conninfo) as blocker, psycopg.connect(fs.conninfo, autocommit=True) as watch:
+        # the file's row locked by another transaction: the next sync waits in the database, as a
+        # sync does while the primary is gone or the standby is being promoted
+        blocker.execute("SELECT 1 FROM onceflow_files WHERE id = %s FOR UPDATE", (f.id,))
+        syncing = threading.Thread(target=f.sync)
+        syncing.start()
+        try:
+            while watch.execute(  # until the sync waits for the row lock
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            ).fetchone() != (1,):
+                time.sleep(0.01)
+
+            def read_it() -> None:
+                read.append(f.pread(7, 0))
+                done.set()
+
+            reader = threading.Thread(target=read_it)
+            reader.start()
+            answered = done.wait(10)  # a bound, not a goal: the bytes are in memory
+        finally:
+            blocker.rollback()
+            syncing.join()
+    reader.join()
+    assert answered and read == [b"durable"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="finding of onceflow chaos --store postgresql (docs/reliability.md): acquire() waits behind the row "
+    "lock a paused leader's write holds on the lease (FOR SHARE) and then judges the term by now(), the start of "
+    "its own transaction, from before the term ran out; so the follower does not take the lease, and the leader "
+    "renews it when it resumes: a leader paused inside a write is never replaced",
+)
+def test_a_follower_blocked_behind_a_paused_leaders_write_takes_the_lease_once_its_term_ran_out(
+    fs: PgFileSystem,
+) -> None:
+    import threading
+    import time
+
+    import psycopg
+
+    assert fs.acquire("leader", "http://a", 2.0) == 1
+    follower = again(fs)
+    got: list[int | None] = []
+
+    def take() -> None:
+        got.append(follower.acquire("follower", "http://b", 2.0))
+
+    try:
+        with psycopg.connect(fs.conninfo) as paused, psycopg.connect(fs.conninfo, autocommit=True) as watch:
+            # the leader paused (SIGSTOP) inside a write: every write of a fenced PgFileSystem holds the
+            # lease's row FOR SHARE until it commits
+            paused.execute("SELECT token FROM onceflow_lease WHERE id = 1 FOR SHARE")
+            taking = threading.Thread(target=take)
+            taking.start()  # within the term: it waits for the row
+            while watch.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            ).fetchone() != (1,):
+                time.sleep(0.01)
+            while watch.execute("SELECT expires < clock_timestamp() FROM onceflow_lease").fetchone() != (True,):
+                time.sleep(0.05)  # the leader's term runs out while it is paused
+            paused.rollback()  # it resumes, and its write ends
+            taking.join()
+    finally:
+        follower.close()
+    assert got == [2]

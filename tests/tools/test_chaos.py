@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from onceflow.demo import spark_missing
-from onceflow_tools.chaos.run import FAULT_KINDS
+from onceflow.testing import ServiceUnavailable, postgres_bindir
+from onceflow_tools.chaos.run import FAULT_KINDS, HA_FAULT_KINDS, LOCAL_ONLY_FAULTS
 
 
 @pytest.mark.slow
@@ -60,6 +61,109 @@ def test_chaos_run_is_clean_and_injects_every_fault(tmp_path: Path) -> None:
         assert spark["killed"] >= 1 and spark["starts"] >= 2 and spark["last batch enrich"] >= 1
         assert spark["anomalies"] == 0 and spark["enriched"] == spark["events"] > 100
         assert effects.get("clients behind at the end", 0) == 0
+
+
+def _postgresql_missing() -> str | None:
+    """Why the PostgreSQL store cannot run here (None when it can)."""
+    try:
+        import psycopg_pool  # noqa: F401
+    except ImportError:
+        return "the PostgreSQL store needs psycopg_pool (onceflow[postgresql])"
+    try:
+        bindir = postgres_bindir()
+    except ServiceUnavailable as exc:
+        return f"no PostgreSQL to start: {exc}"
+    if not (bindir / "pg_basebackup").exists():
+        return f"no pg_basebackup in {bindir} (Debian's postgresql package)"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(_postgresql_missing() is not None, reason=str(_postgresql_missing()))
+def test_chaos_on_the_postgresql_store_is_clean_through_every_ha_fault(tmp_path: Path) -> None:
+    """Two servers over a PostgreSQL primary and its synchronous standby, every client naming both:
+    the leader killed and paused past its term, the primary killed and the standby promoted, clients
+    killed and paused, answers dropped and delayed; nothing lost, doubled or read uncommitted (~60 s
+    without Spark, which adds nothing to the failover but ~40 s of waiting for its first batch)."""
+    out = tmp_path / "chaos"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "onceflow.cli",
+            "chaos",
+            "--store",
+            "postgresql",
+            "--duration",
+            "25",
+            "--seed",
+            "1",
+            "--no-spark",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "history check: OK" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is True and summary["store"] == "postgresql"
+    assert all(n == 0 for n in summary["anomalies"].values())
+    assert set(summary["faults"]) == set(HA_FAULT_KINDS)
+    missing = [k for k in HA_FAULT_KINDS if summary["faults"][k] < 1]
+    assert not missing, f"faults never injected: {missing}"
+    assert summary["faults"]["fail-over-database"] == 1  # the old primary stays down: once per run
+    assert set(summary["faults_not_applicable"]) == set(LOCAL_ONLY_FAULTS)
+    effects = summary["fault_effects"]
+    # the faults bit: the leader died, a leader was paused past its term, answers were lost, and
+    # appends were acknowledged again after each failover. That the paused leader is then replaced
+    # (a lease loss, exit 3) is not asserted here: when the pause catches it inside a write, the
+    # follower never takes over (docs/reliability.md, Finding 4), about one run in three; the
+    # strict xfail in tests/storage/test_pgfs.py reproduces that deterministically
+    assert effects.get("leaders killed", 0) >= 1 and summary["leader_kills"]["first_ack_after_kill_s"]
+    assert effects.get("leaders stopped past the lease's term", 0) >= 1
+    assert effects.get("unexpected server exits", 0) == 0
+    assert effects.get("acks dropped", 0) > 0
+    failover = summary["database_failover"]
+    assert failover["first_ack_after_promotion_s"] is not None  # its figure goes to docs/reliability.md
+    assert sum(summary["servers"]["starts"].values()) >= 4  # two, one killed, one fenced
+    ops = summary["operations"]
+    assert ops["ack"] > 100 and ops["txn"] > 10 and ops["commit-offset"] > 5 and ops["read"] > 50
+    if shutil.which("redis-server") is not None:  # the sink failed over too, and Redis holds its input once
+        sink = summary["sink"]
+        assert sink["killed"] >= 1 and sink["checkpoints committed"] > 0
+        assert sink["anomalies"] == 0 and sink["values in redis"] == sink["input values"] > 0
+
+
+def test_chaos_store_option_and_its_bad_combinations(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", "chaos", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "--store {local,postgresql}" in text and "--lease-seconds" in text
+    assert "fail-over-database" in text and "left out" in text
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "onceflow.cli",
+            "chaos",
+            "--store",
+            "postgresql",
+            "--sabotage",
+            "truncate-acked",
+            "--out",
+            str(tmp_path / "a"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "local data directory" in r.stderr
 
 
 @pytest.mark.slow

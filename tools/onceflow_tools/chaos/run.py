@@ -35,6 +35,35 @@ read-only       the data directories made read-only for 1-2 s while a probe crea
                 runner is root the server is started without CAP_DAC_OVERRIDE, so this bites)
 ==============  =====================================================================================
 
+With ``--store postgresql`` the same clients and checks run against two ``onceflow serve --store``
+servers sharing a PostgreSQL primary and its synchronous standby (:class:`~onceflow.testing.HaCluster`,
+docs/ha.md): every client, and every request of the harness itself, is given both servers
+(``http://127.0.0.1:P1,127.0.0.1:P2``) and fails over between them; the proxied clients are given
+a fault proxy in front of each server (``http://127.0.0.1:PROXY1,127.0.0.1:PROXY2``), so whichever
+server leads, their answers go through a proxy. The faults are then:
+
+==================  =================================================================================
+kill-server         ``kill -9`` of a random onceflow server (the leader the first time), restarted at
+                    once (it comes back as a follower); after a leader's kill a probe append through
+                    both servers is retried until acknowledged, and the seconds that took are reported
+stop-server         SIGSTOP of the leader, the first time for longer than the lease's term (a follower
+                    takes the lease; on SIGCONT the fenced leader exits with status 3, which the
+                    harness expects here: it restarts it and counts an expected lease loss), later for
+                    0.5 s up to the term + 2 s
+fail-over-database  once per run: ``kill -9`` of the PostgreSQL primary and promotion of the standby
+                    (the old primary stays down); then a probe append, retried until acknowledged,
+                    measures the seconds from the promotion to the first acknowledged append (goal:
+                    at most 5 s), reported in the summary
+kill-client         as above
+stop-client         as above
+drop-acks           as above (through both proxies)
+delay-acks          as above (through both proxies)
+==================  =================================================================================
+
+garble-tail, disk-full and read-only act on a local data directory: there is none in this mode, so
+they are left out (the summary says so). A server that exits with any status but 3 is an
+unexpected exit, as in the local mode.
+
 At the end every client is stopped, every transactional id is initialised once more (which aborts
 whatever was left open), the copier, the sink and the Spark pipeline are given time to catch up,
 every stream and the sink's Redis list are read back (read_committed) into the history, and the
@@ -65,13 +94,14 @@ from typing import Any
 import httpx
 
 from onceflow._progress import Display, progress_display
+from onceflow.client.lowlevel import http_client, request_url
 from onceflow.demo import check_pipeline, sink_batch, spark_missing
-from onceflow.testing import FaultProxy, free_port
+from onceflow.testing import FaultProxy, HaCluster, HaServer, ServiceUnavailable, free_port
 
 from .history import Anomaly, HistoryWriter, check, load_history
 from .worker import parse_records
 
-__all__ = ["FAULT_KINDS", "add_chaos_parser", "run_chaos"]
+__all__ = ["FAULT_KINDS", "HA_FAULT_KINDS", "LOCAL_ONLY_FAULTS", "add_chaos_parser", "run_chaos"]
 
 FAULT_KINDS = (
     "kill-server",
@@ -84,6 +114,21 @@ FAULT_KINDS = (
     "disk-full",
     "read-only",
 )
+# --store postgresql: no local data directory, so no garble-tail, disk-full or read-only; the failover
+# of the database instead, once per run (the old primary stays down: there is no standby left after it)
+HA_FAULT_KINDS = (
+    "kill-server",
+    "stop-server",
+    "kill-client",
+    "stop-client",
+    "drop-acks",
+    "delay-acks",
+    "fail-over-database",
+)
+LOCAL_ONLY_FAULTS = tuple(k for k in FAULT_KINDS if k not in HA_FAULT_KINDS)
+ONCE_PER_RUN = ("fail-over-database",)
+FAILOVER_GOAL = 5.0  # seconds from a promotion to the first acknowledged append (docs/ha.md)
+PROBE_STREAM = "probe/ha"  # --store postgresql: the probe appends that time a failover
 INPUTS = ["in/0", "in/1"]
 TXN_STREAMS = ["tx/0", "tx/1"]
 OUTPUTS = ["out/0", "out/1"]
@@ -304,14 +349,13 @@ def _tail_segments(data: Path) -> list[Path]:
 
 
 def _read_all(c: httpx.Client, url: str, stream: str) -> tuple[list[list[Any]], str]:
-    """Every committed record of ``stream`` as ``[[offset, value], ...]`` and the end token."""
+    """Every committed record of ``stream`` as ``[[offset, value], ...]`` and the end token (each
+    read retried for up to a minute: with --store postgresql a leader may be changing)."""
     records: list[list[Any]] = []
     offset = "-1"
     while True:
-        r = c.get(
-            f"{url}/v1/stream/{stream}", params={"offset": offset, "format": "records", "isolation": "read_committed"}
-        )
-        r.raise_for_status()
+        params = {"offset": offset, "format": "records", "isolation": "read_committed"}
+        r = _retry(f"read {stream}", lambda params=params: c.get(f"{url}/v1/stream/{stream}", params=params))  # type: ignore[misc]
         records += parse_records(r.content)
         nxt = r.headers["stream-next-offset"]
         if r.headers.get("stream-up-to-date") == "true" or nxt == offset:
@@ -325,6 +369,14 @@ def _sink_batch(url: str, sink: str) -> int:
         return sink_batch(url, sink)
     except ValueError:  # not JSON
         return -1
+
+
+def _acked_after(took: float | None, what: str) -> str:
+    return (
+        "no append acknowledged within 120 s"
+        if took is None
+        else f"first append acknowledged {took:.2f} s after {what}"
+    )
 
 
 def _retry(
@@ -349,13 +401,22 @@ class Chaos:
         self.args = args
         self.rng = random.Random(args.seed)  # noqa: S311 - a fault schedule, not security
         self.root = root
-        self.data = root / "data"
+        self.data = root / "data"  # the local store's (--store postgresql: none, the streams are in the database)
         self.hist = root / "history"
         self.logs = root / "logs"
-        for d in (self.data, self.hist, self.logs):
+        for d in (self.hist, self.logs) if args.store == "postgresql" else (self.data, self.hist, self.logs):
             d.mkdir(parents=True, exist_ok=True)
-        self.server = Server(self.data, self.logs / "server.log", txn_timeout=args.txn_timeout)
-        self.proxy: FaultProxy | None = None
+        # one local-disk server, or (--store postgresql) two servers over a PostgreSQL primary and standby
+        self.server: Server | None = None
+        self.ha: HaCluster | None = None
+        if args.store == "postgresql":
+            extra = ("--long-poll-timeout", "1", "--txn-timeout", str(args.txn_timeout), "--log-level", "warning")
+            self.ha = HaCluster(lease_seconds=args.lease_seconds, work=self.logs, extra=extra)
+            self.kinds: tuple[str, ...] = HA_FAULT_KINDS
+        else:
+            self.server = Server(self.data, self.logs / "server.log", txn_timeout=args.txn_timeout)
+            self.kinds = FAULT_KINDS
+        self.proxies: list[FaultProxy] = []  # one per server
         self.clients: list[Client] = []
         self.faults: Counter[str] = Counter()
         self.effects: Counter[str] = Counter()  # evidence that a fault bit (refused writes, dropped bytes)
@@ -366,6 +427,36 @@ class Chaos:
         self.redis: Any = None  # the sink's throwaway RedisServer
         self.redis_client: Any = None
         self.must_kill: list[str] = []  # clients killed once as soon as they have done something
+        # --store postgresql: what the HA faults did and how long appends stopped
+        self.leader_killed = False  # kill-server has hit the leader (the first one aims at it)
+        self.stopped_past_term = False  # stop-server has paused the leader beyond the lease's term
+        self.probes = 0  # probe appends made
+        self.probe_producer, self.probe_seq = "chaos-probe", 0
+        self.after_leader_kill: list[float] = []  # seconds from a leader's kill -9 to the first ack
+        self.failover: dict[str, Any] = {}  # the database failover's figures
+
+    @property
+    def url(self) -> str:
+        """The URL every client of the harness is given: the server, or both servers (failover)."""
+        if self.ha is not None:
+            return self.ha.url
+        assert self.server is not None
+        return self.server.url
+
+    @property
+    def base(self) -> str:
+        """What the harness's own requests are addressed to (the failover transport routes them)."""
+        return request_url(self.url)
+
+    def http(self, timeout: float) -> httpx.Client:
+        """A client of the server(s), failing over between them in --store postgresql (every request
+        of the harness goes through one)."""
+        return http_client(self.url, timeout=timeout)
+
+    def local(self) -> Server:
+        """The local store's server (the local-only faults)."""
+        assert self.server is not None, "a local-store fault in --store postgresql"
+        return self.server
 
     # ------------------------------------------------------------------ set-up
 
@@ -395,7 +486,7 @@ class Chaos:
         if self.args.sink is False:
             self.skipped["sink-0"] = "--no-sink"
             return False
-        from onceflow.testing import RedisServer, ServiceUnavailable
+        from onceflow.testing import RedisServer
 
         try:
             import redis  # noqa: F401
@@ -422,21 +513,29 @@ class Chaos:
         sink, spark = self._want_sink(), self._want_spark()
         if spark:
             self.streams += SPARK_STREAMS
-        self.server.start()
-        self.proxy = FaultProxy(self.server.port, drop_probability=0.05, seed=self.args.seed)
-        self.proxy.start()
-        with httpx.Client(timeout=10) as c:
+        if self.ha is not None:
+            self.streams.append(PROBE_STREAM)
+            self.ha.start()
+            ports = [srv.port for srv in self.ha.servers]
+        else:
+            self.local().start()
+            ports = [self.local().port]
+        for i, port in enumerate(ports):
+            self.proxies.append(FaultProxy(port, drop_probability=0.05, seed=self.args.seed + i))
+            self.proxies[-1].start()
+        with self.http(10) as c:
             for s in self.streams:
                 _retry(
                     f"create {s}",
                     lambda s=s: c.put(
-                        f"{self.server.url}/v1/stream/{s}",  # type: ignore[misc]
+                        f"{self.base}/v1/stream/{s}",  # type: ignore[misc]
                         headers={"content-type": "application/json"},
                     ),
                     (200, 201),
                 )
         self.history.record("copy", inputs=INPUTS, outputs=OUTPUTS)
-        url, purl = self.server.url, self.proxy.url
+        # the proxied clients: through a proxy in front of each server, whichever leads
+        url, purl = self.url, "http://" + ",".join(p.url.removeprefix("http://") for p in self.proxies)
         self.clients = [
             self.worker("producer", "p0", url, INPUTS),
             self.worker("producer", "p1", purl, INPUTS),
@@ -506,18 +605,42 @@ class Chaos:
 
     def supervise(self) -> None:
         """Restart a server that exited by itself (counted: a bug) and clients that died (a copier
-        exits when it is fenced, e.g. after the server aborted its transaction on timeout)."""
-        proc = self.server.proc
-        if proc is not None and proc.poll() is not None:
-            _say(f"the server exited by itself with status {proc.returncode}; restarting it (see {self.server.log})")
-            self.effects["unexpected server exits"] += 1
-            self.server.proc = None
-            self.server.start()
+        exits when it is fenced, e.g. after the server aborted its transaction on timeout).
+
+        With --store postgresql a server that exits with status 3 lost the store's lease (a leader
+        paused past its term, or cut off from the database for most of it): expected there, as a
+        supervisor would, it is restarted (as a follower) and counted as a lease loss."""
+        self.supervise_servers()
         for cl in self.clients:
             if not cl.alive():
                 cl.exits += 1
                 cl.kill()  # what is left of its process group
                 cl.start()
+
+    def supervise_servers(self) -> None:
+        if self.ha is None:
+            server = self.local()
+            proc = server.proc
+            if proc is not None and proc.poll() is not None:
+                _say(f"the server exited by itself with status {proc.returncode}; restarting it (see {server.log})")
+                self.effects["unexpected server exits"] += 1
+                server.proc = None
+                server.start()
+            return
+        from onceflow.server.leader import LEASE_LOST_EXIT  # here: it needs psycopg, the local mode does not
+
+        for srv in self.ha.servers:
+            if srv.proc is None or srv.proc.poll() is None:
+                continue
+            code = srv.proc.returncode
+            if code == LEASE_LOST_EXIT:
+                _say(f"{srv.name} lost the store's lease and exited (status {code}, expected); restarting it")
+                self.effects["lease losses (exit 3, restarted)"] += 1
+            else:
+                _say(f"{srv.name} exited by itself with status {code}; restarting it (see {srv.log})")
+                self.effects["unexpected server exits"] += 1
+            srv.kill()  # reaps it
+            srv.start()
 
     def _redis(self) -> Any:
         import redis
@@ -538,7 +661,7 @@ class Chaos:
             if name == "sink-0":
                 done = self._redis().hget(f"onceflow:{{{SINK_JOB}}}:checkpoint", "checkpoint") is not None
             else:
-                done = _sink_batch(self.server.url, f"{SPARK_SINK_PREFIX}enrich") >= 0
+                done = _sink_batch(self.url, f"{SPARK_SINK_PREFIX}enrich") >= 0
             if done:
                 return cl
         return None
@@ -546,15 +669,20 @@ class Chaos:
     def fault(self, kind: str, victim: Client | None = None) -> None:
         rng = self.rng
         self.faults[kind] += 1
-        assert self.proxy is not None
-        if kind == "kill-server":
-            self.server.kill()
+        if kind == "kill-server" and self.ha is not None:
+            self._kill_ha_server()
+        elif kind == "stop-server" and self.ha is not None:
+            self._stop_ha_server()
+        elif kind == "fail-over-database":
+            self._fail_over_database()
+        elif kind == "kill-server":
+            self.local().kill()
             time.sleep(rng.uniform(0.0, 0.5))
-            self.server.start()
+            self.local().start()
         elif kind == "stop-server":
-            self.server.signal(signal.SIGSTOP)
+            self.local().signal(signal.SIGSTOP)
             time.sleep(rng.uniform(0.5, 2.0))
-            self.server.signal(signal.SIGCONT)
+            self.local().signal(signal.SIGCONT)
         elif kind in ("kill-client", "stop-client"):
             victim = victim or rng.choice(self.clients)
             if kind == "kill-client":
@@ -570,19 +698,23 @@ class Chaos:
                 victim.signal(signal.SIGCONT)
             _say(f"  ... {kind} {victim.name}")
         elif kind == "drop-acks":
-            dropped = self.proxy.responses_dropped
-            self.proxy.drop_probability = 0.4
+            dropped = sum(p.responses_dropped for p in self.proxies)
+            for p in self.proxies:
+                p.drop_probability = 0.4
             time.sleep(rng.uniform(2.0, 3.0))
-            self.proxy.drop_probability = 0.05
-            self.effects["acks dropped"] += self.proxy.responses_dropped - dropped
+            for p in self.proxies:
+                p.drop_probability = 0.05
+            self.effects["acks dropped"] += sum(p.responses_dropped for p in self.proxies) - dropped
         elif kind == "delay-acks":
-            delayed = self.proxy.responses_delayed
-            self.proxy.delay_jitter = 1.5
+            delayed = sum(p.responses_delayed for p in self.proxies)
+            for p in self.proxies:
+                p.delay_jitter = 1.5
             time.sleep(rng.uniform(2.0, 3.0))
-            self.proxy.delay_jitter = 0.0
-            self.effects["acks delayed"] += self.proxy.responses_delayed - delayed
+            for p in self.proxies:
+                p.delay_jitter = 0.0
+            self.effects["acks delayed"] += sum(p.responses_delayed for p in self.proxies) - delayed
         elif kind == "garble-tail":
-            self.server.kill()
+            self.local().kill()
             garbage: list[tuple[Path, int, bytes]] = []
             for seg in _tail_segments(self.data):
                 junk = rng.randbytes(rng.randint(1, 300))
@@ -591,26 +723,27 @@ class Chaos:
                 with open(seg, "ab") as f:
                     garbage.append((seg, f.tell(), junk))
                     f.write(junk)
-            self.server.start()
+            self.local().start()
             for seg, at, junk in garbage:  # recovery must have cut the junk off (new batches may follow)
                 with open(seg, "rb") as f:
                     f.seek(at)
                     kept = f.read(len(junk)) == junk
                 self.effects["garbled tails kept after recovery" if kept else "garbled tails dropped by recovery"] += 1
         elif kind == "disk-full":
-            self.server.kill()
+            server = self.local()
+            server.kill()
             biggest = max((p.stat().st_size for p in self.data.rglob("*") if p.is_file()), default=0)
             limit = biggest + rng.randint(2_000, 20_000)
             try:
-                self.server.start(fsize_limit=limit)
+                server.start(fsize_limit=limit)
             except RuntimeError as exc:  # could not even recover within the limit: a finding, not a crash of the run
                 _say(f"the server did not start under the file size limit: {exc}")
                 self.effects["failed starts while disk full"] += 1
-                self.server.kill()
+                server.kill()
             time.sleep(rng.uniform(2.0, 3.0))
             self.effects["refusals while disk full"] += self._probe_create("full", limit)
-            self.server.kill()
-            self.server.start()
+            server.kill()
+            server.start()
         elif kind == "read-only":
             dirs = list(_walk_dirs(self.data))
             modes = {d: stat.S_IMODE(d.stat().st_mode) for d in dirs}
@@ -625,11 +758,154 @@ class Chaos:
         else:
             raise ValueError(f"unknown fault {kind!r}")
 
+    # ------------------------------------------------------------------ faults of --store postgresql
+
+    def _leader(self) -> HaServer | None:
+        """The onceflow server that leads now (waiting up to 30 s for one); None if none does."""
+        assert self.ha is not None
+        try:
+            return self.ha.leader(timeout=30.0)
+        except RuntimeError:
+            _say("  ... no onceflow server leads within 30 s")
+            self.effects["no leader within 30 s"] += 1
+            return None
+
+    def _kill_ha_server(self) -> None:
+        """``kill -9`` of a server (the leader the first time), restarted at once; after a leader's
+        kill, the seconds until an append is acknowledged again (a probe)."""
+        assert self.ha is not None
+        rng = self.rng
+        leader = self._leader()
+        victim = leader if leader is not None and not self.leader_killed else rng.choice(self.ha.servers)
+        killed_at = time.monotonic()
+        victim.kill()
+        time.sleep(rng.uniform(0.0, 0.5))
+        victim.start()  # a follower now
+        if victim is not leader:
+            _say(f"  ... kill-server {victim.name} (a follower)")
+            return
+        self.leader_killed = True
+        self.effects["leaders killed"] += 1
+        took = self._probe_append("leader-kill", since=killed_at)
+        if took is None:
+            self.effects["no append acknowledged after a leader's kill"] += 1
+        else:
+            self.after_leader_kill.append(took)
+        _say(f"  ... kill-server {victim.name} (the leader); " + _acked_after(took, "the kill"))
+
+    def _stop_ha_server(self) -> None:
+        """SIGSTOP of the leader, the first time past the lease's term (then it is fenced, and exits
+        with status 3 on SIGCONT: :meth:`supervise_servers` restarts it), later for 0.5 s up to the
+        term + 2 s; then SIGCONT."""
+        assert self.ha is not None
+        rng = self.rng
+        term = self.args.lease_seconds
+        leader = self._leader()
+        victim = leader if leader is not None else rng.choice(self.ha.servers)
+        if leader is not None and not self.stopped_past_term:
+            self._wait_for_followers(leader)  # someone to take the lease over meanwhile
+            pause = term + rng.uniform(1.5, 2.5)
+        else:
+            pause = rng.uniform(0.5, term + 2.0)
+        victim.signal(signal.SIGSTOP)
+        time.sleep(pause)
+        victim.signal(signal.SIGCONT)
+        past = victim is leader and pause > term
+        if past:
+            self.stopped_past_term = True
+            self.effects["leaders stopped past the lease's term"] += 1
+            # fenced by its successor, it finds the lease taken at its next renewal (a third of the
+            # term) and exits with status 3; wait for that, so that the run sees it
+            give_up = time.monotonic() + term + 5.0
+            while victim.alive() and time.monotonic() < give_up:
+                time.sleep(0.1)
+            if victim.alive():
+                self.effects["leaders stopped past the term still running"] += 1
+            self.supervise_servers()
+        role = "the leader" if victim is leader else "no leader known"
+        _say(f"  ... stop-server {victim.name} ({role}) for {pause:.1f} s" + (" (past the term)" if past else ""))
+
+    def _wait_for_followers(self, leader: HaServer, limit: float = 30.0) -> None:
+        """Wait until every other server answers (a restarted one listens within a second or two)."""
+        assert self.ha is not None
+        give_up = time.monotonic() + limit
+        for srv in self.ha.servers:
+            while srv is not leader and time.monotonic() < give_up:
+                self.supervise_servers()
+                try:
+                    httpx.head(f"{srv.url}/v1/stream/{PROBE_STREAM}", timeout=2.0)
+                    break
+                except httpx.TransportError:
+                    time.sleep(0.1)
+
+    def _fail_over_database(self) -> None:
+        """Once per run: the PostgreSQL primary killed, the standby promoted; then how long appends
+        stopped after the promotion."""
+        assert self.ha is not None
+        # Step 1: kill -9 of the primary (it stays down) and promotion of the standby
+        killed_at = time.monotonic()
+        promotion = self.ha.fail_over_database()
+        promoted_at = time.monotonic()
+        # Step 2: the first acknowledged append after the promotion, through both servers
+        took = self._probe_append("database-failover", since=promoted_at)
+        self.failover = {
+            "promotion_s": round(promotion, 3),
+            "primary_killed_to_promoted_s": round(promoted_at - killed_at, 3),
+            "first_ack_after_promotion_s": None if took is None else round(took, 3),
+            "goal_s": FAILOVER_GOAL,
+            "goal_met": took is not None and took <= FAILOVER_GOAL,
+        }
+        if took is None:
+            self.effects["no append acknowledged after the promotion"] += 1
+        _say(f"  ... fail-over-database: standby promoted in {promotion:.2f} s; " + _acked_after(took, "promotion"))
+
+    def _probe_append(self, why: str, since: float, limit: float = 120.0) -> float | None:
+        """Append one value to :data:`PROBE_STREAM` through both servers, resent with the same
+        ``Producer-Seq`` until acknowledged: the seconds from ``since`` to the acknowledgement, None
+        if none came within ``limit``. Recorded in the runner's history as a producer's append is,
+        so the history check covers it."""
+        self.probes += 1
+        value = {"c": "probe", "n": self.probes, "why": why}
+        op_id = self.history.next_id()
+        producer, seq = self.probe_producer, self.probe_seq
+        self.history.record("append", id=op_id, stream=PROBE_STREAM, values=[value], producer=producer, seq=seq)
+        headers = {
+            "content-type": "application/json",
+            "producer-id": producer,
+            "producer-epoch": "0",
+            "producer-seq": str(seq),
+        }
+        body = json.dumps([value]).encode()
+        give_up = time.monotonic() + limit
+        with self.http(2.0) as c:
+            while time.monotonic() < give_up:
+                try:
+                    r = c.post(f"{self.base}/v1/stream/{PROBE_STREAM}", content=body, headers=headers)
+                except httpx.TransportError:
+                    time.sleep(0.05)
+                    continue
+                if r.status_code in (200, 204):
+                    took = time.monotonic() - since
+                    if r.status_code == 200:
+                        offset = int(r.headers["stream-next-offset"].split("_", 1)[0]) - 1
+                        self.history.record("ack", id=op_id, outcome="ok", offset=offset)
+                    else:  # a resend of one that was stored
+                        self.history.record("ack", id=op_id, outcome="ok", duplicate=True)
+                    self.probe_seq += 1
+                    return took
+                if r.status_code < 500 and r.status_code != 429:
+                    self.history.record("note", id=op_id, status=r.status_code, text=r.text[:200])
+                    break
+                time.sleep(0.05)
+        # left indeterminate: the next probe comes from a new producer, whose Producer-Seq 0 is its own
+        self.probe_producer, self.probe_seq = f"chaos-probe.{self.probes}", 0
+        return None
+
     def _warm_up_spark(self, limit: float = 120.0) -> None:
         """Wait until the Spark pipeline committed its first batch, so that it is at work during the faults."""
         t0 = time.monotonic()
         while time.monotonic() < t0 + limit:
-            if _sink_batch(self.server.url, f"{SPARK_SINK_PREFIX}enrich") >= 0:
+            if _sink_batch(self.url, f"{SPARK_SINK_PREFIX}enrich") >= 0:
                 _say(f"spark-0 committed its first batch after {time.monotonic() - t0:.0f} s; the faults begin")
                 return
             self.supervise()
@@ -641,7 +917,7 @@ class Chaos:
         open holds back the last stable offset of the pipeline's outputs."""
         give_up = time.monotonic() + self.args.txn_timeout + 10
         while time.monotonic() < give_up:
-            heads = [_retry(f"head {s}", lambda s=s: c.head(f"{self.server.url}/v1/stream/{s}")) for s in SPARK_STREAMS]  # type: ignore[misc]
+            heads = [_retry(f"head {s}", lambda s=s: c.head(f"{self.base}/v1/stream/{s}")) for s in SPARK_STREAMS]  # type: ignore[misc]
             if all(
                 h.headers.get("stream-last-stable-offset") in (None, h.headers["stream-next-offset"]) for h in heads
             ):
@@ -654,12 +930,12 @@ class Chaos:
         name = f"probe/{tag}{self.created}"
         try:
             with httpx.Client(timeout=5) as c:
-                r = c.put(f"{self.server.url}/v1/stream/{name}", headers={"content-type": "application/json"})
+                r = c.put(f"{self.local().url}/v1/stream/{name}", headers={"content-type": "application/json"})
                 if r.status_code >= 400:
                     return 1
                 body = json.dumps({"probe": name, "pad": "x" * size}).encode()
                 r = c.post(
-                    f"{self.server.url}/v1/stream/{name}", content=body, headers={"content-type": "application/json"}
+                    f"{self.local().url}/v1/stream/{name}", content=body, headers={"content-type": "application/json"}
                 )
                 return 1 if r.status_code >= 500 else 0
         except httpx.TransportError:
@@ -670,16 +946,24 @@ class Chaos:
     def run(self) -> int:
         started = time.monotonic()
         self.set_up()
+        if self.ha is not None:
+            where = (
+                f"servers {self.url} over PostgreSQL (a primary and its synchronous standby; logs in {self.logs}), "
+                f"lease {self.args.lease_seconds:g} s, proxies {', '.join(p.url for p in self.proxies)}, "
+                f"no {', '.join(LOCAL_ONLY_FAULTS)} (no local data directory)"
+            )
+        else:
+            where = f"server {self.url} (data {self.data}), proxy {self.proxies[0].url}"
         _say(
-            f"server {self.server.url} (data {self.data}), proxy {self.proxy.url if self.proxy else '-'}, "
-            f"{len(self.clients)} clients ({', '.join(c.name for c in self.clients)}), {self.args.duration:.0f} s, "
+            f"{where}, {len(self.clients)} clients ({', '.join(c.name for c in self.clients)}), {self.args.duration:.0f} s, "
             f"seed {self.args.seed}" + "".join(f"; no {k}: {v}" for k, v in self.skipped.items())
         )
         if self.client("spark-0"):
             self._warm_up_spark()
             started = time.monotonic()  # the faults' duration starts now
-        schedule = list(FAULT_KINDS)
+        schedule = list(self.kinds)
         self.rng.shuffle(schedule)
+        again = tuple(k for k in self.kinds if k not in ONCE_PER_RUN)  # drawn after the first round
         end = started + self.args.duration
         # a bar of the duration on stderr when both stdout and stderr are a terminal (the fault lines go
         # above it); in logs, only the lines, as before
@@ -692,7 +976,7 @@ class Chaos:
                 if victim is not None:  # the sink and the Spark driver are killed once while at work
                     kind = "kill-client"
                 else:
-                    kind = schedule.pop(0) if schedule else self.rng.choice(FAULT_KINDS)
+                    kind = schedule.pop(0) if schedule else self.rng.choice(again)
                 _say(f"fault: {kind}", display)
                 self.fault(kind, victim)
                 self.supervise()
@@ -702,7 +986,7 @@ class Chaos:
 
     def _behind(self, c: httpx.Client, name: str) -> bool:
         """Whether the copier, the sink or the Spark pipeline has not yet processed all of its input."""
-        url = self.server.url
+        url = self.base
 
         def count(streams: list[str]) -> int:
             return sum(len(_read_all(c, url, s)[0]) for s in streams)
@@ -723,8 +1007,8 @@ class Chaos:
         for cl in self.clients:
             if cl not in catching_up:
                 cl.terminate()
-        url = self.server.url
-        with httpx.Client(timeout=10) as c:
+        url = self.base
+        with self.http(10) as c:
             for tid in ("t0", "t1"):
                 _retry(f"init {tid}", lambda tid=tid: c.post(f"{url}/v1/txn/{tid}/init", json={}))  # type: ignore[misc]
             # Spark restarts slowly (15-30 s on 2 cores): it gets longer
@@ -741,6 +1025,7 @@ class Chaos:
                         cl.exits += 1
                         cl.kill()
                         cl.start()
+                self.supervise_servers()
                 time.sleep(1.0)
             for cl in behind:
                 cl.terminate()
@@ -763,14 +1048,12 @@ class Chaos:
             target = [json.loads(x) for x in self._redis().lrange(f"onceflow:{{{SINK_JOB}}}:out", 0, -1)]
             self.history.record("target", name=SINK_TARGET, values=target)
         spark_batches = (
-            {q: _sink_batch(url, f"{SPARK_SINK_PREFIX}{q}") for q in ("enrich", "counts")}
+            {q: _sink_batch(self.url, f"{SPARK_SINK_PREFIX}{q}") for q in ("enrich", "counts")}
             if self.client("spark-0")
             else {}
         )
         self.history.close()
-        if self.proxy is not None:
-            self.proxy.stop()
-        self.server.kill()
+        self.stop_servers()
         skipped: list[str] = []
         ops = load_history([self.hist], skipped)
         result = check(ops)
@@ -780,19 +1063,28 @@ class Chaos:
         print()
         result.report(sys.stdout)
         starts = {c.name: c.starts for c in self.clients}
-        # a server that exited by itself, or kept garbage after recovery, fails the run too
-        healthy = not self.effects["garbled tails kept after recovery"] and not self.effects["unexpected server exits"]
+        # a server that exited by itself, kept garbage after recovery, or (--store postgresql) never
+        # acknowledged an append again after a failover fails the run too
+        unhealthy = (
+            "garbled tails kept after recovery",
+            "unexpected server exits",
+            "no append acknowledged after the promotion",
+            "no append acknowledged after a leader's kill",
+        )
+        healthy = not any(self.effects[k] for k in unhealthy)
         extra = self._evidence(ops, result.anomalies, final, target, spark_batches)
         summary = {
             "seed": self.args.seed,
             "duration_s": self.args.duration,
+            "store": self.args.store,
             "operations": dict(result.ops),
             "values_checked": result.values_checked,
-            "faults": {k: self.faults[k] for k in FAULT_KINDS},
+            "faults": {k: self.faults[k] for k in self.kinds},
             "fault_effects": dict(self.effects),
             "client_starts": starts,
             "clients": {"ran": [c.name for c in self.clients], "skipped": self.skipped},
             **extra,
+            **self._ha_figures(),
             "anomalies": result.by_kind(),
             "ok": result.ok and healthy,
         }
@@ -806,6 +1098,8 @@ class Chaos:
         )
         for name, ev in extra.items():
             print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in ev.items()))
+        if self.ha is not None:
+            self._print_ha_figures(summary)
         verdict = "OK" if result.ok and healthy else "FAILED"
         print(f"chaos: {verdict} (history, logs and summary.json in {self.root})")
         return 0 if verdict == "OK" else 1
@@ -850,12 +1144,64 @@ class Chaos:
             }
         return out
 
+    def _ha_figures(self) -> dict[str, Any]:
+        """--store postgresql: the servers' starts, the failovers and how long appends stopped."""
+        if self.ha is None:
+            return {}
+        return {
+            "faults_not_applicable": {
+                k: "acts on a local data directory; the streams are in PostgreSQL" for k in LOCAL_ONLY_FAULTS
+            },
+            "servers": {
+                "lease_seconds": self.args.lease_seconds,
+                "starts": {srv.name: srv.starts for srv in self.ha.servers},
+            },
+            "database_failover": self.failover,
+            "leader_kills": {
+                "count": self.effects["leaders killed"],
+                "first_ack_after_kill_s": [round(t, 3) for t in self.after_leader_kill],
+            },
+        }
+
+    def _print_ha_figures(self, summary: dict[str, Any]) -> None:
+        print("not applicable here: " + ", ".join(LOCAL_ONLY_FAULTS) + " (no local data directory)")
+        print("servers: " + ", ".join(f"{k} x{v}" for k, v in summary["servers"]["starts"].items()))
+        fo = self.failover
+        if not fo:
+            print("database failover: none (the run ended before it)")
+        else:
+            after = fo["first_ack_after_promotion_s"]
+            print(
+                f"database failover: primary killed, standby promoted in {fo['promotion_s']:.2f} s; "
+                + (
+                    "no append acknowledged after it"
+                    if after is None
+                    else f"first append acknowledged {after:.2f} s after the promotion "
+                    f"(goal <= {FAILOVER_GOAL:g} s: {'met' if fo['goal_met'] else 'MISSED'})"
+                )
+            )
+        kills = summary["leader_kills"]["first_ack_after_kill_s"]
+        if kills:
+            print("leader kills: first append acknowledged " + ", ".join(f"{t:.2f}" for t in kills) + " s after")
+
+    def stop_servers(self) -> None:
+        for p in self.proxies:
+            p.stop()
+        if self.ha is not None:
+            for srv in self.ha.servers:
+                srv.kill()
+        elif self.server is not None:
+            self.server.kill()
+
     def cleanup(self) -> None:
         for cl in self.clients:
             cl.kill()
-        if self.proxy is not None:
-            self.proxy.stop()
-        self.server.kill()
+        self.stop_servers()
+        if self.ha is not None:
+            try:
+                self.ha.stop()  # and the database (its files are in a temporary directory of their own)
+            except RuntimeError as exc:  # a PostgreSQL process that survived: said, not raised over the verdict
+                _say(f"warning: stopping PostgreSQL: {exc}")
         if self.redis is not None:
             self.redis.stop()
         with contextlib.suppress(OSError):
@@ -869,6 +1215,12 @@ def run_chaos(args: argparse.Namespace) -> int:
     if args.duration <= 0:
         print("error: --duration must be positive", file=sys.stderr)
         return 2
+    if args.store == "postgresql" and args.sabotage is not None:
+        print("error: --sabotage acts on a local data directory: leave out --store postgresql", file=sys.stderr)
+        return 2
+    if args.lease_seconds < 1.0:
+        print("error: --lease-seconds must be at least 1", file=sys.stderr)
+        return 2
     if args.out is not None:
         root = Path(args.out)
         if root.exists() and any(root.iterdir()):
@@ -877,7 +1229,11 @@ def run_chaos(args: argparse.Namespace) -> int:
         root.mkdir(parents=True, exist_ok=True)
     else:
         root = Path(tempfile.mkdtemp(prefix="onceflow-chaos-"))
-    chaos = Chaos(args, root)
+    try:
+        chaos = Chaos(args, root)
+    except ServiceUnavailable as exc:
+        print(f"error: --store postgresql needs PostgreSQL: {exc}", file=sys.stderr)
+        return 2
     try:
         return chaos.run()
     except KeyboardInterrupt:
@@ -894,7 +1250,9 @@ def add_chaos_parser(sub: Any) -> None:
         "group, a read_committed reader, a Redis sink and a Spark pipeline; kill -9 / SIGSTOP the server and clients, drop and delay "
         "answers, garble log tails, fill the disk and make the data directory read-only on a seeded "
         "schedule; then read everything back and check the history for lost writes, duplicates, "
-        "aborted reads, offset anomalies. Exits 1 on any anomaly.",
+        "aborted reads, offset anomalies. Exits 1 on any anomaly. With --store postgresql the same "
+        "workload and check run against two servers sharing a PostgreSQL primary and its synchronous "
+        "standby, with the faults of high availability (docs/ha.md, docs/reliability.md).",
     )
     c.add_argument("--duration", type=float, default=60.0, metavar="S", help="seconds of faults (default: 60)")
     c.add_argument(
@@ -934,10 +1292,33 @@ def add_chaos_parser(sub: Any) -> None:
         "and Java are there)",
     )
     c.add_argument(
+        "--store",
+        choices=["local", "postgresql"],
+        default="local",
+        help="local (default): one server on a local data directory. postgresql: two 'onceflow serve "
+        "--store' servers over a throwaway PostgreSQL primary and its synchronous standby (needs "
+        "PostgreSQL and psycopg), every client and request of the harness given both servers and failing "
+        "over; the faults are then kill-server (kill -9 of a random server, the leader at least once, "
+        "restarted at once), stop-server (SIGSTOP of the leader, at least once past the lease's term: "
+        "fenced, it exits with status 3 on SIGCONT and is restarted), fail-over-database (once: kill -9 "
+        "of the primary, promotion of the standby; the summary gives the seconds from the promotion to "
+        "the first acknowledged append, goal <= 5), kill-client, stop-client, drop-acks and delay-acks; "
+        "garble-tail, disk-full and read-only act on a local data directory and are left out",
+    )
+    c.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="with --store postgresql: the term of the store's lease (default: 3; a follower takes over "
+        "this long after the leader stops renewing it)",
+    )
+    c.add_argument(
         "--sabotage",
         choices=["truncate-acked"],
         default=None,
         help="break the experiment on purpose to see the checker catch it: truncate-acked cuts 400 "
-        "acknowledged bytes off every tail segment at each garble-tail fault (the run must fail)",
+        "acknowledged bytes off every tail segment at each garble-tail fault (the run must fail; "
+        "local store only)",
     )
     c.set_defaults(func=run_chaos)

@@ -16,6 +16,11 @@
   each committed checkpoint. After an error it starts a new runner, which restores from Redis.
   SIGTERM ends it at once, like a crash (the sink is built to survive one).
 
+``--url`` names one server or several (``http://127.0.0.1:P1,127.0.0.1:P2``, ``onceflow chaos
+--store postgresql``): every client is made by :func:`onceflow.client.lowlevel.http_client`, so it
+fails over between them as any onceflow client does; requests are addressed to
+:func:`~onceflow.client.lowlevel.request_url` of it (``args.base``).
+
 Each worker runs until SIGTERM or SIGKILL. Killed with ``kill -9`` it loses at most the last line of
 its history; a restarted worker writes to the same file under a new producer id, so its values stay
 unique.
@@ -37,6 +42,7 @@ from urllib.parse import quote
 
 import httpx
 
+from onceflow.client.lowlevel import http_client, request_url
 from onceflow.wire import iter_frames
 
 from .history import HistoryWriter
@@ -80,7 +86,7 @@ def run_producer(args: argparse.Namespace, h: HistoryWriter, rng: random.Random)
     n = 0
     # event ids: this process's start in ms, times a million, plus a counter (unique across restarts)
     id_base = time.time_ns() // 1_000_000 * 1_000_000
-    with httpx.Client(timeout=args.timeout) as c:
+    with http_client(args.url, timeout=args.timeout) as c:
         while _running:
             stream = rng.choice(args.stream)
             values: list[dict[str, Any]]
@@ -104,7 +110,7 @@ def run_producer(args: argparse.Namespace, h: HistoryWriter, rng: random.Random)
             body = json.dumps(values).encode()
             while _running:  # the same sequence number until answered: retries are deduplicated
                 try:
-                    r = c.post(_surl(args.url, stream), content=body, headers=headers)
+                    r = c.post(_surl(args.base, stream), content=body, headers=headers)
                 except httpx.TransportError:
                     _nap(rng, 0.05, 0.2)
                     continue
@@ -141,7 +147,7 @@ class _Txn:
         """POST until answered with anything but 5xx; None if the worker is stopping."""
         while _running:
             try:
-                r = self.c.post(f"{self.args.url}/v1/txn/{self.tid}/{path}", json=body)
+                r = self.c.post(f"{self.args.base}/v1/txn/{self.tid}/{path}", json=body)
             except httpx.TransportError:
                 _nap(self.rng, 0.05, 0.2)
                 continue
@@ -180,7 +186,7 @@ class _Txn:
             if not _running:
                 return None
             try:
-                r = self.c.post(_surl(self.args.url, stream), content=body, headers=headers)
+                r = self.c.post(_surl(self.args.base, stream), content=body, headers=headers)
             except httpx.TransportError:
                 _nap(self.rng, 0.05, 0.2)
                 continue
@@ -245,7 +251,7 @@ def _read_committed(
     records), or None when it got no answer (after a short nap) or not a 200."""
     try:
         r = c.get(
-            _surl(args.url, stream),
+            _surl(args.base, stream),
             params={"offset": start, "format": "records", "isolation": "read_committed", "max_bytes": str(max_bytes)},
         )
     except httpx.TransportError:
@@ -259,12 +265,12 @@ def _read_committed(
 def run_group(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -> None:
     group = args.group
     member_epoch = time.time_ns() // 1_000_000  # a restarted member is newer than its predecessor
-    with httpx.Client(timeout=args.timeout) as c:
+    with http_client(args.url, timeout=args.timeout) as c:
         offsets: dict[str, str] = {}
         while _running and not offsets:
             t0 = time.time()
             try:
-                r = c.get(f"{args.url}/v1/groups/{group}/offsets")
+                r = c.get(f"{args.base}/v1/groups/{group}/offsets")
             except httpx.TransportError:
                 _nap(rng, 0.1, 0.3)
                 continue
@@ -284,7 +290,7 @@ def run_group(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) ->
                     continue
                 body = {"offsets": {stream: nxt}, "member_epoch": member_epoch}
                 try:
-                    r = c.post(f"{args.url}/v1/groups/{group}/offsets", json=body)
+                    r = c.post(f"{args.base}/v1/groups/{group}/offsets", json=body)
                 except httpx.TransportError:
                     h.record("commit-offset", group=group, stream=stream, offset=nxt, outcome="unknown")
                     continue
@@ -297,7 +303,7 @@ def run_group(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) ->
                     )
             t0 = time.time()
             try:
-                r = c.get(f"{args.url}/v1/groups/{group}/offsets")
+                r = c.get(f"{args.base}/v1/groups/{group}/offsets")
                 if r.status_code == 200:
                     h.record("fetch-offsets", group=group, offsets=dict(r.json()["offsets"]), t0=t0)
             except httpx.TransportError:
@@ -307,7 +313,7 @@ def run_group(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) ->
 
 def run_reader(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -> None:
     offsets = dict.fromkeys(args.stream, "-1")
-    with httpx.Client(timeout=args.timeout) as c:
+    with http_client(args.url, timeout=args.timeout) as c:
         while _running:
             for stream in args.stream:
                 answer = _read_committed(c, args, rng, stream, offsets[stream], 16384)
@@ -357,7 +363,11 @@ def run_sink(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -> 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m onceflow_tools.chaos.worker", description="One client of a chaos run.")
     p.add_argument("kind", choices=["producer", "txn", "group", "reader", "sink"])
-    p.add_argument("--url", required=True, help="server (or fault proxy) base URL")
+    p.add_argument(
+        "--url",
+        required=True,
+        help="server (or fault proxy) base URL; several as http://a:P1,b:P2 (the client fails over between them)",
+    )
     p.add_argument("--history", required=True, help="JSON-lines file to append this client's history to")
     p.add_argument("--client", required=True, help="client name (the transactional id for txn)")
     p.add_argument("--stream", action="append", required=True, help="a stream to use (repeatable)")
@@ -373,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.base = request_url(args.url)  # what requests are addressed to (the failover transport routes them)
     if args.kind == "sink" and not args.redis:
         build_parser().error("sink needs --redis")
     if args.kind != "sink":  # a sink is ended by SIGTERM at once, as by a crash
@@ -383,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.kind == "producer":
             run_producer(args, h, rng)
         elif args.kind == "txn":
-            with httpx.Client(timeout=args.timeout) as c:
+            with http_client(args.url, timeout=args.timeout) as c:
                 _Txn(args, h, rng, c).run()
         elif args.kind == "group":
             run_group(args, h, rng)
