@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import cast
@@ -326,13 +327,6 @@ def test_chunks_are_compressed_with_lz4_where_the_database_has_it(fs: PgFileSyst
     assert row[0] == ("l" if lz4[0] else "")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding of onceflow chaos --store postgresql (docs/reliability.md): PgFile.sync holds the file's "
-    "lock for its whole database transaction and pread takes that lock, so a read (the broker reads on its "
-    "event loop) waits for a sync stuck in the database; after a database failover a leader's event loop "
-    "stalled ~7.6 s that way and it lost the store's lease",
-)
 def test_a_read_of_durable_bytes_does_not_wait_for_a_sync_stuck_in_the_database(fs: PgFileSystem) -> None:
     import threading
     import time
@@ -371,13 +365,6 @@ def test_a_read_of_durable_bytes_does_not_wait_for_a_sync_stuck_in_the_database(
     assert answered and read == [b"durable"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding of onceflow chaos --store postgresql (docs/reliability.md): acquire() waits behind the row "
-    "lock a paused leader's write holds on the lease (FOR SHARE) and then judges the term by now(), the start of "
-    "its own transaction, from before the term ran out; so the follower does not take the lease, and the leader "
-    "renews it when it resumes: a leader paused inside a write is never replaced",
-)
 def test_a_follower_blocked_behind_a_paused_leaders_write_takes_the_lease_once_its_term_ran_out(
     fs: PgFileSystem,
 ) -> None:
@@ -411,3 +398,65 @@ def test_a_follower_blocked_behind_a_paused_leaders_write_takes_the_lease_once_i
     finally:
         follower.close()
     assert got == [2]
+
+
+def test_a_transaction_left_open_by_a_paused_leader_does_not_keep_the_next_one_out(pg: str) -> None:
+    """The leader's sessions end a transaction idle longer than ``idle_timeout`` (SIGSTOP in the
+    middle of a write): its row lock on the lease goes with it, and a follower takes the lease."""
+    import threading
+
+    leader = PgFileSystem(pg, idle_timeout=0.5)
+    follower = PgFileSystem(pg)
+    try:
+        assert leader.acquire("leader", "http://a", 1.0) == 1
+        leader.token = 1
+        paused = threading.Event()
+        with contextlib.suppress(Exception), leader._pool.connection() as conn:
+            conn.execute("SELECT token FROM onceflow_lease WHERE id = 1 FOR SHARE")  # a write, paused here
+            paused.set()
+            got = None
+            for _ in range(100):  # the term (1 s) runs out; the idle transaction is ended after 0.5 s
+                got = follower.acquire("follower", "http://b", 1.0)
+                if got is not None:
+                    break
+                time.sleep(0.1)
+            assert got == 2
+        # the paused leader resumes: its writes are refused
+        with pytest.raises(LeaseLost):
+            leader.mkdir(ROOT / "late")
+    finally:
+        leader.close()
+        follower.close()
+
+
+def test_a_sync_that_bytes_below_it_overtook_leaves_them_pending_for_the_next(fs: PgFileSystem) -> None:
+    """A truncation (recovery cutting a torn tail) while a sync is in the database: what the sync
+    wrote is replaced by the next sync, and appends made meanwhile are kept."""
+    import threading
+
+    import psycopg
+
+    f = cast(PgFile, fs.open_file(ROOT / "o.log", create=True))
+    f.pwrite(b"0123456789", 0)
+    f.sync()
+    f.pwrite(b"abcdef", 10)
+    with psycopg.connect(fs.conninfo) as blocker, psycopg.connect(fs.conninfo, autocommit=True) as watch:
+        blocker.execute("SELECT 1 FROM onceflow_files WHERE id = %s FOR UPDATE", (f.id,))
+        syncing = threading.Thread(target=f.sync)
+        syncing.start()
+        while watch.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        ).fetchone() != (1,):
+            time.sleep(0.01)
+        assert f.pread(100, 0) == b"0123456789abcdef"  # reads go on while the sync waits
+        f.truncate(12)  # below what the sync is writing
+        f.pwrite(b"XY", 12)
+        blocker.rollback()
+        syncing.join()
+    assert f.pread(100, 0) == b"0123456789abXY"
+    f.sync()
+    other = again(fs)
+    try:
+        assert other.read_bytes(ROOT / "o.log") == b"0123456789abXY"
+    finally:
+        other.close()

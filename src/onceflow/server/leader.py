@@ -271,7 +271,9 @@ async def serve_store(
     """Serve the streams of the PostgreSQL database ``store`` (module docstring) until ``stop``."""
     if lease_seconds < 1.0:
         raise ValueError("the lease's term must be at least 1 s")
-    fs = await _off_loop(PgFileSystem, store)
+    # a transaction this process left open (paused, SIGSTOP) ends after half a term: the lease's row
+    # lock it holds does not keep the next leader out
+    fs = await _off_loop(functools.partial(PgFileSystem, store, idle_timeout=lease_seconds / 2))
     switch = Switch(_starting)
     connections: set[HttpServerProtocol] = set()
     server = await start_server(switch, host, port, limits, connections)

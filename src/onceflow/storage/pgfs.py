@@ -30,6 +30,7 @@ older ranges are read from the database.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -102,6 +103,14 @@ def _io_error(exc: Exception, what: str) -> OSError:
     return OSError(errno.EIO, f"PostgreSQL store: {what} failed: {exc}")
 
 
+def _configure(conn: Any, *, idle_ms: int) -> None:
+    """Each connection's session: a transaction left open by a process that stopped (SIGSTOP, a
+    pause) is ended by the database after ``idle_ms``, so that the lease's row lock it holds does
+    not keep the next leader out for as long as the pause lasts."""
+    conn.execute(f"SET idle_in_transaction_session_timeout = {idle_ms}")
+    conn.commit()
+
+
 class _Gone(Exception):
     """Rolls back a sync of a file removed meanwhile."""
 
@@ -125,6 +134,9 @@ class PgFile:
         self._cache_from = size  # bytes [_cache_from, _from) are cached (durable and recent)
         self._cache = bytearray()
         self.closed = False
+        self._sync_lock = threading.Lock()
+        self._syncing = -1  # while a sync runs: the end of what it writes
+        self._overtaken = False  # bytes below _syncing changed while it ran
 
     def __repr__(self) -> str:
         return f"<pg file {self.path} id={self.id} size={self._size}>"
@@ -138,6 +150,8 @@ class PgFile:
         with self._lock:
             self._check()
             end = at + len(data)
+            if at < self._syncing:
+                self._overtaken = True
             if at < self._from:  # rewrites durable bytes: the pending range starts at ``at`` now
                 keep = self._durable_bytes(end, self._from - end) if end < self._from else b""
                 self._pending[0:0] = bytes(min(end, self._from) - at) + keep
@@ -153,6 +167,8 @@ class PgFile:
     def truncate(self, size: int) -> None:
         with self._lock:
             self._check()
+            if size < self._syncing:
+                self._overtaken = True
             if size < self._from:
                 self._drop_cache_from(size)
                 self._from = size
@@ -169,34 +185,57 @@ class PgFile:
             end = min(at + n, self._size)
             if at >= end:
                 return b""
-            parts: list[bytes] = []
-            if at < self._from:
-                upto = min(end, self._from)
-                parts.append(self._durable_bytes(at, upto - at))
-                at = upto
-            if at < end:
-                parts.append(bytes(self._pending[at - self._from : end - self._from]))
-            return b"".join(parts)
+            upto = max(at, min(end, self._cache_from))
+            tail = self._in_memory(upto, end)
+        if upto == at:
+            return tail
+        # older bytes come from the database, without the file's lock: they are durable, and a sync
+        # running meanwhile writes only above them
+        return self._from_database(at, upto - at) + tail
+
+    def _in_memory(self, lo: int, hi: int) -> bytes:
+        """Bytes [lo, hi) from the cache and the pending bytes (which follow it); lo >= _cache_from."""
+        if lo >= hi:
+            return b""
+        if lo >= self._from:
+            return bytes(self._pending[lo - self._from : hi - self._from])
+        cached = bytes(self._cache[lo - self._cache_from : min(hi, self._from) - self._cache_from])
+        return cached + bytes(self._pending[: hi - self._from]) if hi > self._from else cached
 
     def sync(self) -> None:
-        with self._lock:
-            self._check()
-            if self._from == self._durable == self._size:
-                return
-            start, data, size = self._from, bytes(self._pending), self._size
-            self._fs.write_range(self, start, data, size)
-            # durable now: the pending bytes join the cache of the file's end
-            if self._cache_from + len(self._cache) != start:
-                self._cache_from, self._cache = start, bytearray()
-            before = len(self._cache)
-            self._cache += data
-            if len(self._cache) > TAIL_CACHE:
-                cut = len(self._cache) - TAIL_CACHE
-                del self._cache[:cut]
-                self._cache_from += cut
-            self._durable = self._from = size
-            self._pending.clear()
-            grew = len(self._cache) - before
+        """Make the pending changes durable. The database transaction runs without the file's lock:
+        reads (and writes past what is being synced) go on meanwhile, so a sync stuck in the database
+        (a failover) stalls no reader."""
+        with self._sync_lock:  # one sync of the file at a time
+            with self._lock:
+                self._check()
+                if self._from == self._durable == self._size:
+                    return
+                start, data, size = self._from, bytes(self._pending), self._size
+                self._syncing, self._overtaken = size, False
+            try:
+                self._fs.write_range(self, start, data, size)
+            finally:
+                with self._lock:
+                    self._syncing = -1
+            with self._lock:
+                self._durable = size  # what the database holds now
+                if self._overtaken:
+                    # bytes below what was synced changed meanwhile (a truncation, a rewrite): they stay
+                    # pending, and the next sync writes them over what this one wrote
+                    return
+                # the synced bytes are the head of the pending ones: they join the cache of the file's end
+                if self._cache_from + len(self._cache) != start:
+                    self._cache_from, self._cache = start, bytearray()
+                before = len(self._cache)
+                self._cache += data
+                if len(self._cache) > TAIL_CACHE:
+                    cut = len(self._cache) - TAIL_CACHE
+                    del self._cache[:cut]
+                    self._cache_from += cut
+                self._from = size
+                del self._pending[: len(data)]
+                grew = len(self._cache) - before
         self._fs.cached(self, grew)
 
     def drop_cache(self) -> bool:
@@ -229,6 +268,9 @@ class PgFile:
         """Bytes [at, at + n) below the pending range: from the cache, else the database."""
         if at >= self._cache_from:
             return bytes(self._cache[at - self._cache_from : at - self._cache_from + n])
+        return self._from_database(at, n)
+
+    def _from_database(self, at: int, n: int) -> bytes:
         got = self._fs.read_range(self.id, at, n)
         if len(got) < n:  # a hole (or a file another server shortened): zeros, as a sparse file reads
             got += bytes(n - len(got))
@@ -242,7 +284,13 @@ class PgFileSystem:
     bounds the connections: the storage layer's worker threads each take one per operation."""
 
     def __init__(
-        self, conninfo: str, *, pool_size: int = 8, connect_timeout: float = 10.0, cache_budget: int = 256 << 20
+        self,
+        conninfo: str,
+        *,
+        pool_size: int = 8,
+        connect_timeout: float = 10.0,
+        cache_budget: int = 256 << 20,
+        idle_timeout: float = 5.0,
     ) -> None:
         self.conninfo = conninfo
         self.token: int | None = None  # the lease this server holds; None: no fencing (tests, tools)
@@ -254,6 +302,7 @@ class PgFileSystem:
             timeout=connect_timeout,
             kwargs={"autocommit": False},
             check=ConnectionPool.check_connection,
+            configure=functools.partial(_configure, idle_ms=max(1, int(idle_timeout * 1000))),
             name="onceflow-store",
         )
         self._pool.open(wait=True, timeout=connect_timeout)
@@ -295,13 +344,18 @@ class PgFileSystem:
 
     def acquire(self, holder: str, address: str | None, ttl: float) -> int | None:
         """Take the store's lease if nobody holds it (or its holder let it expire, by the database's
-        clock): the new token, which fences every earlier holder's writes; None if it is held."""
+        clock): the new token, which fences every earlier holder's writes; None if it is held.
+
+        The term is judged by ``clock_timestamp()``, the time when the row is reached, not ``now()``
+        (when the transaction began): the update may have waited behind a write of the holder, which
+        holds the row ``FOR SHARE``, past the end of the term."""
         with self._tx("take the lease", fence=False) as cur:
             cur.execute(
                 "INSERT INTO onceflow_lease AS l (id, token, holder, address, expires) "
-                "VALUES (1, 1, %(h)s, %(a)s, now() + make_interval(secs => %(t)s)) "
+                "VALUES (1, 1, %(h)s, %(a)s, clock_timestamp() + make_interval(secs => %(t)s)) "
                 "ON CONFLICT (id) DO UPDATE SET token = l.token + 1, holder = %(h)s, address = %(a)s, "
-                "expires = now() + make_interval(secs => %(t)s) WHERE l.expires < now() RETURNING token",
+                "expires = clock_timestamp() + make_interval(secs => %(t)s) "
+                "WHERE l.expires < clock_timestamp() RETURNING token",
                 {"h": holder, "a": address, "t": ttl},
             )
             row = cur.fetchone()
@@ -311,7 +365,8 @@ class PgFileSystem:
         """Extend the lease ``token`` holds; False if another server holds it now."""
         with self._tx("renew the lease", fence=False) as cur:
             cur.execute(
-                "UPDATE onceflow_lease SET expires = now() + make_interval(secs => %s) WHERE id = 1 AND token = %s",
+                "UPDATE onceflow_lease SET expires = clock_timestamp() + make_interval(secs => %s) "
+                "WHERE id = 1 AND token = %s",
                 (ttl, token),
             )
             return bool(cur.rowcount)
@@ -320,13 +375,16 @@ class PgFileSystem:
         """Give the lease up at once (a clean shutdown): another server need not wait for it to expire."""
         with self._tx("release the lease", fence=False) as cur:
             cur.execute(
-                "UPDATE onceflow_lease SET expires = now() - interval '1 s' WHERE id = 1 AND token = %s", (token,)
+                "UPDATE onceflow_lease SET expires = clock_timestamp() - interval '1 s' WHERE id = 1 AND token = %s",
+                (token,),
             )
 
     def holder(self) -> tuple[str, str | None, int] | None:
         """Who holds the lease (holder, address, token), if anyone does."""
         with self._tx("read the lease", fence=False) as cur:
-            cur.execute("SELECT holder, address, token FROM onceflow_lease WHERE id = 1 AND expires >= now()")
+            cur.execute(
+                "SELECT holder, address, token FROM onceflow_lease WHERE id = 1 AND expires >= clock_timestamp()"
+            )
             row = cur.fetchone()
         return None if row is None else (str(row[0]), row[1], int(row[2]))
 
