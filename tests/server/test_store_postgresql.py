@@ -196,3 +196,38 @@ def test_a_producer_given_both_servers_carries_on_through_a_leader_kill_exactly_
     assert new is not leader
     got = httpx.get(f"{new.url}/v1/stream/events", params={"offset": "-1"}).json()
     assert [m["n"] for m in got] == list(range(300))
+
+
+def test_a_leader_cut_off_from_the_database_stops_answering_before_another_takes_over(pg: str, tmp_path: Path) -> None:
+    """A leader whose database calls hang (a partition: no error, no answer) cannot renew its lease.
+    Once the term ran out by the database's clock another server takes over and acknowledges appends;
+    the cut-off leader must not go on answering reads from its memory as if it still led (a stale
+    answer: the stream ending before an append the new leader acknowledged)."""
+    from helpers.relay import FreezableRelay
+
+    kv = dict(part.split("=", 1) for part in pg.split())
+    relay = FreezableRelay((kv["host"], int(kv["port"])))
+    through_relay = pg_url(pg).replace(f":{kv['port']}/", f":{relay.port}/")
+    cut_off = ServerProcess(tmp_path / "a", "--store", through_relay, "--lease-seconds", "2")
+    other = ServerProcess(tmp_path / "b", "--store", pg_url(pg), "--lease-seconds", "2")
+    try:
+        cut_off.start()
+        assert wait_for_leader(cut_off) is cut_off
+        assert httpx.put(f"{cut_off.url}/v1/stream/orders", headers=JSON).status_code == 201
+        assert httpx.post(f"{cut_off.url}/v1/stream/orders", content=b'[{"n": 1}]', headers=JSON).is_success
+        relay.freeze()  # its renewals hang from now on
+        other.start()
+        assert wait_for_leader(other) is other  # the term ran out by the database's clock
+        assert httpx.post(f"{other.url}/v1/stream/orders", content=b'[{"n": 2}]', headers=JSON).is_success
+        try:
+            r = httpx.get(f"{cut_off.url}/v1/stream/orders", params={"offset": "-1"}, timeout=5.0)
+        except httpx.TransportError:
+            return  # gone: fine
+        if r.status_code == 200:  # passed on to the new leader: its answer, not this server's memory
+            assert r.json() == [{"n": 1}, {"n": 2}], f"a server whose lease ran out answered from memory: {r.text}"
+        else:
+            assert (r.status_code, r.json()["error"]["code"]) == (503, "not_leader"), r.text
+    finally:
+        relay.stop()
+        cut_off.kill()
+        other.kill()

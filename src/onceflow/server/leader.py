@@ -11,10 +11,15 @@ serves at a time: the holder of the store's *lease*, a row of the database with 
 - When nobody holds the lease (at first start, or when the holder's term ran out by the database's
   clock) a follower takes it with a new token, recovers every stream from the database (the same
   recovery as after a crash on a local disk) and serves.
-- The leader renews the lease every third of its term. Every write it makes reads the token in
-  the same database transaction, so once another server took the lease, the old leader can write
-  nothing more (fencing by token, not by clocks). A leader that cannot renew within its term, or
-  finds the lease taken, stops serving and exits (status 3): a supervisor restarts it as a follower.
+- The leader renews the lease every third of its term, from the moment it takes it (recovery
+  included: with many streams it outlasts a term). Every write it makes reads the token in the same
+  database transaction, so once another server took the lease, the old leader can write nothing
+  more (fencing by token, not by clocks). Reads are not fenced so: the leader answers a request only
+  while its lease is valid by its own clock (0.8 of a term after the last renewal began, which the
+  database's term outlasts), else it answers as a follower. A leader that cannot renew for that
+  long (a renewal that hangs is not waited for), or finds the lease taken, exits (status 3): a
+  supervisor restarts it as a follower. So a paused, partitioned or blocked leader never answers
+  from its memory once another server may have taken over.
 - A clean shutdown gives the lease up at once, so a follower takes over without waiting the term.
 
 High availability comes from PostgreSQL's own replication: with a synchronous standby, an append
@@ -26,6 +31,7 @@ as that takes less than the lease's term.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -35,7 +41,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import httpx
 
@@ -47,7 +53,7 @@ from .http import HttpLimits, HttpServerProtocol, start_server
 from .instrument import Instrumented
 from .run import shut_down
 
-__all__ = ["LEASE_LOST_EXIT", "ROOT", "NotLeader", "Switch", "serve_store"]
+__all__ = ["LEASE_LOST_EXIT", "ROOT", "Lease", "Leading", "NotLeader", "Switch", "serve_store"]
 
 log = logging.getLogger("onceflow")
 
@@ -67,18 +73,71 @@ class Switch:
     def __init__(self, target: ASGIApp) -> None:
         self.target = target
         self.leads = False
+        self.lease: Lease | None = None  # while it leads: answers only while this is valid
         self.me: str | None = None
         self.leader: Callable[[], Any] | None = None  # async: the leader's URL as last read
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/leader" and scope["method"] in ("GET", "HEAD"):
-            leader = self.me if self.leads else (await self.leader() if self.leader is not None else None)
-            body = json.dumps({"leads": self.leads, "me": self.me, "leader": leader}).encode()
+            leads = self.leads and (self.lease is None or self.lease.valid())
+            leader = self.me if leads else (await self.leader() if self.leader is not None else None)
+            body = json.dumps({"leads": leads, "me": self.me, "leader": leader}).encode()
             headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
             return
         await self.target(scope, receive, send)
+
+
+def _clock() -> float:
+    """Seconds on a clock that goes on while this process is stopped and while its machine is
+    suspended (``CLOCK_BOOTTIME``; the monotonic clock where there is none)."""
+    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+
+
+_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+class Lease:
+    """The store's lease as this server holds it: :attr:`until` is when it may have run out, by
+    :func:`_clock`.
+
+    The database extends the term by ``term`` from a moment *after* a renewal began here, so the
+    lease is surely this server's until ``MARGIN`` of a term after that beginning (clocks may drift
+    apart by less than the margin, nothing more)."""
+
+    MARGIN = 0.8
+
+    def __init__(self, token: int, term: float, began: float) -> None:
+        self.token = token
+        self.term = term
+        self.began = began  # the last renewal (or the taking) that succeeded began then
+        self.until = began + self.MARGIN * term
+
+    def renewed(self, began: float) -> None:
+        """A renewal that began at ``began`` (:func:`_clock`) succeeded."""
+        self.began = began
+        self.until = began + self.MARGIN * self.term
+
+    def valid(self) -> bool:
+        return _clock() < self.until
+
+
+class Leading:
+    """The leader's app behind its lease: a request that arrives when the lease may have run out
+    (the process was paused, its event loop blocked, its renewals hang) is handled as a follower
+    handles it, never answered from this server's memory, which another leader may have overtaken."""
+
+    def __init__(self, handler: ASGIApp, follower: ASGIApp, lease: Lease) -> None:
+        self.handler = handler
+        self.follower = follower
+        self.lease = lease
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.lease.valid():
+            await self.handler(scope, receive, send)
+        else:
+            await self.follower(scope, receive, send)
 
 
 HOP_BY_HOP = frozenset(
@@ -115,18 +174,25 @@ class NotLeader:
         self._max_body = max_body
         self._leader: str | None = None
         self._read_at = -1e9
+        self._reading: asyncio.Future[tuple[str, str | None, int] | None] | None = None
         self._client: httpx.AsyncClient | None = None
 
     async def leader_url(self) -> str | None:
         now = time.monotonic()
-        if now - self._read_at >= 1.0:  # the lease is read at most once a second
+        if now - self._read_at >= 1.0 and self._reading is None:  # read at most once a second, one read at a time
             self._read_at = now
-            try:
-                held = await _off_loop(self._fs.holder)
-            except OSError:
-                held = None
-            self._leader = held[1] if held is not None else None
+            self._reading = asyncio.ensure_future(_off_loop(self._fs.holder))
+            self._reading.add_done_callback(self._read)
+        if self._reading is not None:
+            # not waiting long (a database that does not answer): the answer sends clients on at once
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._reading), 1.0)
         return self._leader
+
+    def _read(self, reading: asyncio.Future[tuple[str, str | None, int] | None]) -> None:
+        self._reading = None
+        held = None if reading.cancelled() or reading.exception() is not None else reading.result()
+        self._leader = held[1] if held is not None else None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -228,21 +294,33 @@ async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
 
-async def _hold(fs: PgFileSystem, token: int, term: float) -> str:
-    """Renew the lease every third of its term; returns why it was lost."""
-    renewed = time.monotonic()
-    while True:
-        await asyncio.sleep(term / 3)
-        started = time.monotonic()
+async def _hold(fs: PgFileSystem, lease: Lease) -> str:
+    """Renew the lease every third of its term; returns why it was lost: another server holds it,
+    or no renewal succeeded while it was valid (:class:`Lease`). A renewal that hangs (a database
+    that does not answer) is not waited for past that."""
+    tried = lease.began
+    while True:  # an attempt a third of a term after the last one began, the last one at the deadline
+        await asyncio.sleep(max(0.0, min(tried + lease.term / 3, lease.until) - _clock()))
+        tried = _clock()
+        if tried >= lease.until:
+            return f"could not renew the store's lease for {Lease.MARGIN * lease.term:.1f} s"
         try:
-            if not await _off_loop(fs.renew, token, term):
-                return "another server took the store's lease over"
-            renewed = started
+            renewed = await asyncio.wait_for(_off_loop(fs.renew, lease.token, lease.term), lease.until - tried)
+        except TimeoutError:
+            return f"could not renew the store's lease for {Lease.MARGIN * lease.term:.1f} s (no answer)"
         except OSError as exc:
             log.warning("could not renew the store's lease: %s", exc)
-        # the database extended the term from a moment after `renewed`: stop before it can run out
-        if time.monotonic() - renewed > term * 0.8:
-            return f"could not renew the store's lease for {time.monotonic() - renewed:.1f} s"
+            continue
+        if not renewed:
+            return "another server took the store's lease over"
+        lease.renewed(tried)
+
+
+def _step_down(why: str, switch: Switch, follower: NotLeader) -> NoReturn:
+    switch.target, switch.leads = follower, False
+    log.error("%s: stopping (a supervisor restarts this server as a follower)", why)
+    print(f"onceflow: {why}; exiting", flush=True)
+    os._exit(LEASE_LOST_EXIT)  # its memory may be behind the store: serve nothing more of it
 
 
 async def _wait(stop: asyncio.Event, seconds: float) -> bool:
@@ -285,6 +363,7 @@ async def serve_store(
     print(f"onceflow listening on http://{host}:{bound} (store: PostgreSQL, {me})", flush=True)
     token: int | None = None
     while token is None:
+        began = _clock()
         try:
             token = await _off_loop(fs.acquire, holder, me, lease_seconds)
         except OSError as exc:
@@ -295,25 +374,35 @@ async def serve_store(
             fs.close()
             return
     fs.token = token
-    broker = make_broker(fs, ROOT)
-    await _off_loop(broker.open)  # recovery: every stream, from the database
-    app, handler = build(broker)
-    await broker.start()
-    app.subscriptions.start()
-    switch.target, switch.leads = handler, True
+    lease = Lease(token, lease_seconds, began)
+    lost = asyncio.ensure_future(_hold(fs, lease))  # renewed from now on: recovery may outlast a term
+
+    async def lead() -> tuple[App, Broker]:
+        broker = make_broker(fs, ROOT)
+        await _off_loop(broker.open)  # recovery: every stream, from the database
+        app, handler = build(broker)
+        await broker.start()
+        app.subscriptions.start()
+        switch.target, switch.lease, switch.leads = Leading(handler, follower, lease), lease, True
+        return app, broker
+
+    leading = asyncio.ensure_future(lead())
+    await asyncio.wait({lost, leading}, return_when=asyncio.FIRST_COMPLETED)
+    if lost.done():
+        _step_down(lost.result(), switch, follower)
+    try:
+        app, broker = leading.result()
+    except BaseException:
+        lost.cancel()
+        raise
     print(f"onceflow leads the store (lease token {token})", flush=True)
-    lost = asyncio.ensure_future(_hold(fs, token, lease_seconds))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if lost.done():
-        why = lost.result()
-        switch.target, switch.leads = follower, False
-        log.error("%s: stopping (a supervisor restarts this server as a follower)", why)
-        print(f"onceflow: {why}; exiting", flush=True)
-        os._exit(LEASE_LOST_EXIT)  # its memory may be ahead of the store: serve nothing more of it
-    lost.cancel()
+        _step_down(lost.result(), switch, follower)
     await follower.close()
-    await shut_down(server, connections, app, broker)
+    await shut_down(server, connections, app, broker)  # still renewing: the last snapshots are written
+    lost.cancel()
     try:
         await _off_loop(fs.release, token)
     except OSError as exc:

@@ -1,0 +1,139 @@
+"""server/leader.py in-process: the lease while a new leader recovers the store (docs/ha.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("psycopg_pool", reason="the PostgreSQL store needs psycopg_pool (onceflow[postgresql])")
+
+from onceflow.core.broker import Broker  # noqa: E402
+from onceflow.server import leader  # noqa: E402
+from onceflow.server.app import AppConfig  # noqa: E402
+from onceflow.server.http import HttpLimits  # noqa: E402
+from onceflow.server.leader import serve_store  # noqa: E402
+from onceflow.server.run import build_handler  # noqa: E402
+from onceflow.storage.fs import FileSystem  # noqa: E402
+from onceflow.storage.pgfs import PgFileSystem  # noqa: E402
+
+
+@pytest.mark.anyio
+async def test_a_recovery_longer_than_the_term_keeps_the_lease(pg: str) -> None:
+    """Recovery reads every stream from the database (about a dozen round trips each): with
+    thousands of streams it outlasts a term of seconds. The lease must be renewed meanwhile, else
+    it runs out before the new leader serves, another server takes it and starts its own
+    recovery, and so on: no server ever serves."""
+    term = 1.0
+    probe = PgFileSystem(pg)
+    held_after_recovery: list[tuple[str, str | None, int] | None] = []
+
+    class SlowToRecover(Broker):
+        def open(self) -> None:
+            time.sleep(3 * term)  # as long as thousands of streams take
+            held_after_recovery.append(probe.holder())
+            super().open()
+
+    def make_broker(fs: FileSystem, root: Path) -> Broker:
+        return SlowToRecover(root, fs=fs)
+
+    stop = asyncio.Event()
+    serving = asyncio.ensure_future(
+        serve_store(
+            pg,
+            host="127.0.0.1",
+            port=0,
+            limits=HttpLimits(),
+            make_broker=make_broker,
+            build=lambda broker: build_handler(broker, AppConfig(), None),
+            stop=stop,
+            lease_seconds=term,
+        )
+    )
+    try:
+        while not held_after_recovery and not serving.done():
+            await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await serving
+        probe.close()
+    assert held_after_recovery[0] is not None, "the lease ran out while the new leader recovered"
+
+
+class Renewals:
+    """A store whose renewals answer as told: ``ok``, ``taken`` or ``down`` (an error)."""
+
+    def __init__(self, *answers: str) -> None:
+        self.answers = list(answers)
+        self.at: list[float] = []
+
+    def renew(self, token: int, term: float) -> bool:
+        self.at.append(leader._clock())
+        answer = self.answers.pop(0) if self.answers else "down"
+        if answer == "down":
+            raise OSError("the database does not answer")
+        return answer == "ok"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("answers", "attempts", "why", "ends"),
+    [
+        ((), [1 / 3, 2 / 3], "could not renew", 0.8),  # never renewed: down at 0.8 of the term, not 1
+        (("ok", "down", "down", "down"), [1 / 3, 2 / 3, 1.0], "could not renew", 1 / 3 + 0.8),
+        (("ok", "taken"), [1 / 3, 2 / 3], "another server", 2 / 3),
+    ],
+)
+async def test_the_leader_renews_every_third_of_its_term_and_steps_down_at_the_deadline(
+    monkeypatch: pytest.MonkeyPatch, answers: tuple[str, ...], attempts: list[float], why: str, ends: float
+) -> None:
+    """On a clock of its own: renewals a third of a term apart, and the lease given up 0.8 of a term
+    after the last renewal that succeeded began (the database's term outlasts that), whatever the
+    renewals answer meanwhile."""
+    now = [0.0]
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float) -> None:
+        now[0] += seconds
+        await real_sleep(0)
+
+    monkeypatch.setattr(leader, "_clock", lambda: now[0])
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    store = Renewals(*answers)
+    lease = leader.Lease(token=1, term=1.0, began=0.0)
+    got = await leader._hold(store, lease)  # type: ignore[arg-type]
+    assert why in got
+    assert store.at == pytest.approx(attempts)
+    assert now[0] == pytest.approx(ends)
+
+
+@pytest.mark.anyio
+async def test_a_follower_answers_without_the_database_and_reads_the_lease_one_read_at_a_time() -> None:
+    """A database that does not answer: each follower's answer comes within about a second (no
+    leader known), and the reads of the lease do not pile up, one hung thread per answer, in the
+    pool that the lease's renewals need too."""
+    answer = threading.Event()
+    reads: list[int] = []
+
+    class Hung:
+        def holder(self) -> tuple[str, str | None, int] | None:
+            reads.append(1)
+            answer.wait()
+            return ("a", "http://a:4437", 7)
+
+    follower = leader.NotLeader(Hung(), 10.0, me="http://b:4437", forward=True, max_body=1 << 20)  # type: ignore[arg-type]
+    try:
+        for _ in range(3):
+            follower._read_at = -1e9  # a second went by
+            assert await follower.leader_url() is None
+        assert len(reads) == 1
+    finally:
+        answer.set()
+    for _ in range(100):  # the read ends; the next answer knows the leader
+        if follower._reading is None:
+            break
+        await asyncio.sleep(0.01)
+    assert await follower.leader_url() == "http://a:4437"
