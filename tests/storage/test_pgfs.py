@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import itertools
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,6 +17,8 @@ from typing import cast
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("psycopg_pool", reason="the PostgreSQL store needs psycopg_pool (onceflow[postgresql])")
 
@@ -26,6 +30,7 @@ from onceflow.storage.pgfs import TAIL_CACHE, LeaseLost, PgFile, PgFileSystem  #
 ROOT = Path("/onceflow")
 URL = "http://testserver"
 JSON = {"Content-Type": "application/json"}
+_files = itertools.count()
 
 
 @pytest.fixture
@@ -136,6 +141,7 @@ def test_a_server_that_lost_the_lease_can_write_nothing(fs: PgFileSystem) -> Non
     f = fs.open_file(ROOT / "l.log", create=True)
     f.pwrite(b"mine", 0)
     f.sync()
+    fs.mkdir(ROOT / "kept")
     with psycopg.connect(fs.conninfo, autocommit=True) as conn:  # another server takes over
         conn.execute("UPDATE onceflow_lease SET token = 2, holder = 'two'")
     f.pwrite(b" zombie", 4)
@@ -149,8 +155,10 @@ def test_a_server_that_lost_the_lease_can_write_nothing(fs: PgFileSystem) -> Non
     ):
         with pytest.raises(LeaseLost, match="took over"):
             write()
+    fs.rmtree(ROOT / "kept")  # best effort: refused quietly
     fs.token = None
     assert fs.read_bytes(ROOT / "l.log") == b"mine"
+    assert fs.exists(ROOT / "kept")
     assert not fs.exists(ROOT / "snap") and not fs.exists(ROOT / "d") and not fs.exists(ROOT / "new.log")
 
 
@@ -205,8 +213,9 @@ def test_a_write_to_a_removed_file_goes_nowhere(fs: PgFileSystem) -> None:
 
 
 @contextlib.asynccontextmanager
-async def served(fs: PgFileSystem) -> AsyncIterator[httpx.AsyncClient]:
-    """A server (broker and app, in-process) on ``fs``: recovery, serving, a clean close."""
+async def served(fs: PgFileSystem, *, crash: bool = False) -> AsyncIterator[httpx.AsyncClient]:
+    """A server (broker and app, in-process) on ``fs``: recovery, serving, a clean close (or, with
+    ``crash``, none: what it did not sync is lost, as in a kill -9)."""
     broker = Broker(ROOT / "data", fs=fs, txn_timeout=30)
     broker.open()
     await broker.start()
@@ -214,7 +223,7 @@ async def served(fs: PgFileSystem) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=URL) as client:
         yield client
     await app.subscriptions.close()
-    await broker.close()
+    await (broker.crash() if crash else broker.close())
 
 
 @pytest.mark.anyio
@@ -460,3 +469,203 @@ def test_a_sync_that_bytes_below_it_overtook_leaves_them_pending_for_the_next(fs
         assert other.read_bytes(ROOT / "o.log") == b"0123456789abXY"
     finally:
         other.close()
+
+
+def test_a_server_starting_neither_waits_for_nor_stalls_the_leaders_writes(fs: PgFileSystem) -> None:
+    """A follower (re)starting on a store whose schema exists must not take a table lock: the
+    schema's ``CREATE ... IF NOT EXISTS`` took one that waited for every write transaction in
+    progress, and every write behind it waited too (a leader stopped inside a sync, or one slow
+    commit, stalled the store for all)."""
+    import psycopg
+
+    f = fs.open_file(ROOT / "w.log", create=True)
+    fs.open_file(ROOT / "slow.log", create=True)
+    with psycopg.connect(fs.conninfo) as in_progress:  # a sync of another file, not yet committed
+        in_progress.execute("UPDATE onceflow_files SET size = 1 WHERE path = '/onceflow/slow.log'")
+        in_progress.execute("DELETE FROM onceflow_chunks WHERE file = -1")  # a sync touches both tables
+        started: list[PgFileSystem] = []
+        starting = threading.Thread(target=lambda: started.append(PgFileSystem(fs.conninfo)))
+        starting.start()
+        starting.join(30)  # a liveness bound: not a measurement
+        try:
+            assert started, "a server's start waited for a write transaction in progress"
+            f.pwrite(b"more", 0)
+            f.sync()  # and the leader's other writes go on meanwhile
+        finally:
+            in_progress.rollback()
+            starting.join()
+            for other in started:
+                other.close()
+
+
+class CommitsThenFails:
+    """``write_range`` whose COMMIT reaches the database but whose answer is lost (the connection
+    broke during COMMIT): the caller sees an error, the database holds the bytes."""
+
+    def __init__(self, fs: PgFileSystem) -> None:
+        self.fs = fs
+        self.real = fs.write_range
+        self.armed = False
+
+    def __call__(self, f: PgFile, start: int, data: bytes, size: int) -> None:
+        self.real(f, start, data, size)
+        if self.armed and "streams" in f.path.parts and data:
+            self.armed = False
+            raise OSError(errno.EIO, "PostgreSQL store: sync failed: connection lost during COMMIT")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("then", ["retry", "other append", "a crash"])
+async def test_a_sync_whose_commit_outcome_is_unknown_lands_once_whatever_follows(
+    fs: PgFileSystem, then: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The append is refused although its bytes are in the database. Whatever the old leader does
+    next (the producer's retry, another producer's append, nothing until a clean stop or a crash), a
+    new leader recovering from the database holds each message exactly once: the producer's retry
+    through it is a duplicate when the bytes are still there (the old leader died before it synced
+    that file again), else it lands afresh."""
+    p = {"Content-Type": "application/json", "Producer-Id": "p", "Producer-Epoch": "0"}
+    unknown = CommitsThenFails(fs)
+    monkeypatch.setattr(fs, "write_range", unknown)
+    async with served(fs, crash=then == "a crash") as c:
+        assert (await c.put("/v1/stream/s", headers=JSON)).status_code == 201
+        assert (await c.post("/v1/stream/s", content=b'[{"m": 0}]', headers={**p, "Producer-Seq": "0"})).is_success
+        unknown.armed = True
+        refused = await c.post("/v1/stream/s", content=b'[{"m": 1}]', headers={**p, "Producer-Seq": "1"})
+        assert refused.status_code >= 500 and not unknown.armed
+        assert (await c.get("/v1/stream/s", params={"offset": "-1"})).json() == [{"m": 0}]
+        if then == "retry":
+            r = await c.post("/v1/stream/s", content=b'[{"m": 1}]', headers={**p, "Producer-Seq": "1"})
+            assert r.status_code == 200
+        elif then == "other append":
+            assert (await c.post("/v1/stream/s", content=b'[{"q": 1}]', headers=JSON)).is_success
+    other = again(fs)
+    try:
+        async with served(other) as c:
+            r = await c.post("/v1/stream/s", content=b'[{"m": 1}]', headers={**p, "Producer-Seq": "1"})
+            got = (await c.get("/v1/stream/s", params={"offset": "-1"})).json()
+    finally:
+        other.close()
+    if then == "other append":  # the refused bytes were overwritten: the retry lands afresh
+        assert (r.status_code, got) == (200, [{"m": 0}, {"q": 1}, {"m": 1}])
+    else:
+        assert (r.status_code, got) == (204, [{"m": 0}, {"m": 1}])
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("pwrite"), st.integers(0, 48), st.binary(min_size=1, max_size=24)),
+        st.tuples(st.just("truncate"), st.integers(0, 48)),
+        st.tuples(st.just("sync"), st.sampled_from(["ok", "ok", "ok", "lost answer", "refused"])),
+        st.tuples(st.just("pread"), st.integers(0, 40), st.integers(0, 60)),
+        st.tuples(st.just("evict")),
+    ),
+    max_size=14,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+def test_a_file_reads_as_a_bytearray_would_and_a_sync_makes_the_database_hold_it(
+    fs: PgFileSystem, ops: list[tuple[object, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any sequence of writes (inside durable bytes too, past the end), truncations, syncs (some
+    failing, with the COMMIT's outcome unknown or not), reads and cache evictions: the file reads as
+    a plain bytearray given the same writes, and after each sync that succeeds another server reads
+    exactly that from the database. A tail cache of 16 bytes, so that every read mixes the cache, the
+    database and the pending bytes."""
+    import onceflow.storage.pgfs as pgfs
+
+    monkeypatch.setattr(pgfs, "TAIL_CACHE", 16)
+    path = ROOT / f"prop-{next(_files)}.log"
+    f = cast(PgFile, fs.open_file(path, create=True))
+    real = fs.write_range
+    model = bytearray()
+    for op in ops:
+        if op[0] == "pwrite":
+            at, data = cast(int, op[1]), cast(bytes, op[2])
+            f.pwrite(data, at)
+            if at > len(model):
+                model += bytes(at - len(model))
+            model[at : at + len(data)] = data
+        elif op[0] == "truncate":
+            size = cast(int, op[1])
+            f.truncate(size)
+            del model[size:]
+            model += bytes(size - len(model))
+        elif op[0] == "sync":
+            how = op[1]
+
+            def failing(g: PgFile, start: int, data: bytes, size: int, how: object = how) -> None:
+                if how == "lost answer":
+                    real(g, start, data, size)
+                raise OSError(errno.EIO, f"sync failed ({how})")
+
+            if how == "ok":
+                f.sync()
+                assert fs.read_bytes(path) == bytes(model)  # what another server would recover
+            else:
+                monkeypatch.setattr(fs, "write_range", failing)
+                try:
+                    with contextlib.suppress(OSError):
+                        f.sync()
+                finally:
+                    monkeypatch.setattr(fs, "write_range", real)
+        elif op[0] == "pread":
+            n, at = cast(int, op[1]), cast(int, op[2])
+            assert f.pread(n, at) == bytes(model[at : at + n])
+        else:
+            f.drop_cache()
+        assert f.size() == len(model)
+        assert f.pread(100, 0) == bytes(model)
+    f.sync()
+    assert fs.read_bytes(path) == bytes(model)
+    f.close()
+
+
+def test_rename_and_rmtree_leave_a_sibling_whose_name_extends_theirs_alone(fs: PgFileSystem) -> None:
+    for d in ("b", "bc", "b_", "b%"):
+        fs.mkdir(ROOT / "x" / d)
+        fs.replace_file(ROOT / "x" / d / "f", d.encode())
+    fs.mkdir(ROOT / "t")
+    fs.rename(ROOT / "x" / "b", ROOT / "t" / "b")
+    assert sorted(fs.listdir(ROOT / "x")) == ["b%", "b_", "bc"]
+    fs.rmtree(ROOT / "t" / "b")
+    fs.rmtree(ROOT / "x" / "b_")
+    assert sorted(fs.listdir(ROOT / "x")) == ["b%", "bc"]
+    assert [fs.read_bytes(ROOT / "x" / d / "f") for d in ("bc", "b%")] == [b"bc", b"b%"]
+    assert fs.listdir(ROOT / "t") == []
+    assert "onceflow" in fs.listdir(Path("/"))
+
+
+def test_a_sync_waiting_for_a_takeover_in_progress_is_refused_once_it_commits(fs: PgFileSystem) -> None:
+    """The old leader's sync reads the token FOR SHARE while the new leader's UPDATE of the lease
+    holds the row: it waits, then reads the new token and is refused; nothing of it lands."""
+    import psycopg
+
+    token = fs.acquire("a", None, 60.0)
+    assert token is not None
+    fs.token = token
+    f = fs.open_file(ROOT / "race.log", create=True)
+    f.pwrite(b"late", 0)
+    errors: list[BaseException] = []
+
+    def sync() -> None:
+        try:
+            f.sync()
+        except OSError as exc:
+            errors.append(exc)
+
+    with psycopg.connect(fs.conninfo) as takeover:
+        takeover.execute("UPDATE onceflow_lease SET token = token + 1, holder = 'b'")  # not committed yet
+        syncing = threading.Thread(target=sync)
+        syncing.start()
+        with psycopg.connect(fs.conninfo, autocommit=True) as watch:  # the sync waits for the row
+            waiting = "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            while watch.execute(waiting).fetchone() is None:
+                time.sleep(0.01)
+        takeover.commit()
+        syncing.join()
+    assert len(errors) == 1 and isinstance(errors[0], LeaseLost)
+    fs.token = None
+    assert fs.read_bytes(ROOT / "race.log") == b""

@@ -54,7 +54,7 @@ log = logging.getLogger("onceflow.storage")
 
 TAIL_CACHE = 1 << 20  # bytes of a file's end kept in memory for reads
 
-SCHEMA = """
+_TABLES = """
 CREATE TABLE IF NOT EXISTS onceflow_files (
     path   text PRIMARY KEY,
     parent text NOT NULL,
@@ -69,6 +69,8 @@ CREATE TABLE IF NOT EXISTS onceflow_chunks (
     data bytea  NOT NULL,
     PRIMARY KEY (file, at)
 );
+"""
+_COMPRESSION = """
 -- lz4 where the server has it (PostgreSQL 14+ built with it): a sync's chunk is compressed several
 -- times faster than with the default pglz, which bounded the producer's throughput
 DO $$ BEGIN
@@ -78,6 +80,8 @@ DO $$ BEGIN
     END IF;
 EXCEPTION WHEN OTHERS THEN NULL;  -- an older server, or one without lz4: the default stays
 END $$;
+"""
+_LEASE = """
 CREATE TABLE IF NOT EXISTS onceflow_lease (
     id      int PRIMARY KEY CHECK (id = 1),
     token   bigint NOT NULL,
@@ -86,6 +90,8 @@ CREATE TABLE IF NOT EXISTS onceflow_lease (
     expires timestamptz NOT NULL
 );
 """
+SCHEMA = _TABLES + _COMPRESSION + _LEASE
+_SCHEMA_OBJECTS = ("onceflow_files", "onceflow_files_parent", "onceflow_file_ids", "onceflow_chunks", "onceflow_lease")
 
 
 class LeaseLost(OnceflowError, OSError):
@@ -311,8 +317,16 @@ class PgFileSystem:
         self._cache_total = 0
         self._cache_lock = threading.Lock()
         with self._tx("create the schema", fence=False) as cur:
-            cur.execute("SELECT pg_advisory_xact_lock(4437001)")  # concurrent first starts: one creates
-            cur.execute(SCHEMA)
+            cur.execute(f"SELECT {' AND '.join(f'to_regclass({n!r}) IS NOT NULL' for n in _SCHEMA_OBJECTS)}")
+            if not cur.fetchone()[0]:
+                cur.execute("SELECT pg_advisory_xact_lock(4437001)")  # concurrent first starts: one creates
+                cur.execute(SCHEMA)
+            else:
+                # the store exists: nothing that may wait for a table's lock, for such a wait holds up
+                # every write after it (CREATE ... IF NOT EXISTS locks a table even when it exists);
+                # lz4 for a store made before it is tried, and given up at once if the table is busy
+                cur.execute("SET LOCAL lock_timeout = '100ms'")
+                cur.execute(_COMPRESSION)
 
     def close(self) -> None:
         self._pool.close()
