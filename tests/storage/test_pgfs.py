@@ -515,7 +515,7 @@ class CommitsThenFails:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("then", ["retry", "other append", "a crash"])
+@pytest.mark.parametrize("then", ["retry", "other append", "a clean stop", "a crash"])
 async def test_a_sync_whose_commit_outcome_is_unknown_lands_once_whatever_follows(
     fs: PgFileSystem, then: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -548,6 +548,8 @@ async def test_a_sync_whose_commit_outcome_is_unknown_lands_once_whatever_follow
         other.close()
     if then == "other append":  # the refused bytes were overwritten: the retry lands afresh
         assert (r.status_code, got) == (200, [{"m": 0}, {"q": 1}, {"m": 1}])
+    elif then == "a clean stop":  # its last sync of the file took them out again
+        assert (r.status_code, got) == (200, [{"m": 0}, {"m": 1}])
     else:
         assert (r.status_code, got) == (204, [{"m": 0}, {"m": 1}])
 

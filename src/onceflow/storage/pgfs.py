@@ -13,7 +13,8 @@ Semantics, against the :class:`~onceflow.storage.fs.FileSystem` contract:
   database transaction (pipelined: one round trip). Until then a crash of the process loses them,
   as a power loss loses unsynced pages. A sync that fails keeps them pending: its outcome may be
   unknown (the connection broke during ``COMMIT``), so the next sync rewrites the whole pending
-  range, replacing whatever of it did reach the database.
+  range, replacing whatever of it did reach the database; it runs even when a truncation left
+  nothing pending (the log's rollback of a refused append), taking such bytes out again.
 - Directory operations (create, rename, remove) and ``replace_file`` are durable when they return;
   ``sync_dir`` has nothing left to do.
 - Fencing: once :attr:`PgFileSystem.token` is set (the holder of the store's lease,
@@ -48,11 +49,12 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from ..errors import OnceflowError
 from .fs import File
 
-__all__ = ["SCHEMA", "TAIL_CACHE", "LeaseLost", "PgFile", "PgFileSystem"]
+__all__ = ["SCHEMA", "TAIL_CACHE", "UNKNOWN", "LeaseLost", "PgFile", "PgFileSystem"]
 
 log = logging.getLogger("onceflow.storage")
 
 TAIL_CACHE = 1 << 20  # bytes of a file's end kept in memory for reads
+UNKNOWN = -1  # what a file's size in the database is after a sync that failed
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS onceflow_files (
@@ -134,7 +136,7 @@ class PgFile:
         self.id = ident
         self._lock = threading.Lock()
         self._size = size  # what the file holds now, pending changes included
-        self._durable = size  # what the database holds
+        self._durable = size  # what the database holds (UNKNOWN after a sync that failed)
         self._from = size  # the pending range starts here: bytes [_from, _size) are in _pending
         self._pending = bytearray()
         self._cache_from = size  # bytes [_cache_from, _from) are cached (durable and recent)
@@ -221,6 +223,10 @@ class PgFile:
                 self._syncing, self._overtaken = size, False
             try:
                 self._fs.write_range(self, start, data, size)
+            except BaseException:
+                with self._lock:  # its COMMIT may have landed: the next sync runs, even with nothing pending
+                    self._durable = UNKNOWN
+                raise
             finally:
                 with self._lock:
                     self._syncing = -1
