@@ -671,3 +671,23 @@ def test_a_sync_waiting_for_a_takeover_in_progress_is_refused_once_it_commits(fs
     assert len(errors) == 1 and isinstance(errors[0], LeaseLost)
     fs.token = None
     assert fs.read_bytes(ROOT / "race.log") == b""
+
+
+def test_a_file_closed_while_it_syncs_leaves_nothing_in_the_cache_budget(
+    fs: PgFileSystem, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream deleted while its log syncs closes the segment under the sync (the delete runs on
+    the event loop, the sync in a worker thread): its bytes must not be counted in the budget, and
+    the closed file not kept, afterwards."""
+    f = cast(PgFile, fs.open_file(ROOT / "closing.log", create=True))
+    real = fs.write_range
+
+    def closed_meanwhile(g: PgFile, start: int, data: bytes, size: int) -> None:
+        real(g, start, data, size)
+        g.close()
+
+    monkeypatch.setattr(fs, "write_range", closed_meanwhile)
+    f.pwrite(b"x" * 1000, 0)
+    f.sync()
+    assert fs._cache_total == 0
+    assert f not in fs._cached

@@ -262,7 +262,7 @@ class PgFile:
             self._lock.release()
 
     def close(self) -> None:
-        self.closed = True
+        self.closed = True  # first: a sync finishing meanwhile then leaves the budget alone
         self._cache_from, self._cache = self._from, bytearray()
         self._fs.forget(self)
 
@@ -342,6 +342,8 @@ class PgFileSystem:
         it unaccounted); over the budget, the least recently written files' caches are dropped
         (their reads go to the database)."""
         with self._cache_lock:
+            if f.closed:  # closed while it synced (a stream deleted meanwhile): forgotten already
+                return
             self._cached[f] = self._cached.pop(f, 0) + grew
             self._cache_total += grew
             over = self._cache_total - self.cache_budget
