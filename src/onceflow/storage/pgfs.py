@@ -34,6 +34,7 @@ import errno
 import functools
 import logging
 import threading
+import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -89,7 +90,8 @@ CREATE TABLE IF NOT EXISTS onceflow_lease (
     token   bigint NOT NULL,
     holder  text NOT NULL,
     address text,
-    expires timestamptz NOT NULL
+    expires timestamptz NOT NULL,
+    session text                       -- the holder's connections' application_name: onceflow/<session>
 );
 """
 SCHEMA = _TABLES + _COMPRESSION + _LEASE
@@ -111,11 +113,14 @@ def _io_error(exc: Exception, what: str) -> OSError:
     return OSError(errno.EIO, f"PostgreSQL store: {what} failed: {exc}")
 
 
-def _configure(conn: Any, *, idle_ms: int) -> None:
+def _configure(conn: Any, *, idle_ms: int, session: str) -> None:
     """Each connection's session: a transaction left open by a process that stopped (SIGSTOP, a
     pause) is ended by the database after ``idle_ms``, so that the lease's row lock it holds does
-    not keep the next leader out for as long as the pause lasts."""
+    not keep the next leader out for as long as the pause lasts; and the connection is named
+    ``onceflow/<session>``, so that the next leader can end those of a holder stopped in the middle
+    of a statement (:meth:`PgFileSystem.acquire`)."""
     conn.execute(f"SET idle_in_transaction_session_timeout = {idle_ms}")
+    conn.execute(f"SET application_name = 'onceflow/{session}'")
     conn.commit()
 
 
@@ -306,6 +311,7 @@ class PgFileSystem:
     ) -> None:
         self.conninfo = conninfo
         self.token: int | None = None  # the lease this server holds; None: no fencing (tests, tools)
+        self.session = uuid.uuid4().hex[:16]  # names this process's connections (application_name)
         self._pool = ConnectionPool(
             conninfo,
             min_size=1,
@@ -314,7 +320,7 @@ class PgFileSystem:
             timeout=connect_timeout,
             kwargs={"autocommit": False},
             check=ConnectionPool.check_connection,
-            configure=functools.partial(_configure, idle_ms=max(1, int(idle_timeout * 1000))),
+            configure=functools.partial(_configure, idle_ms=max(1, int(idle_timeout * 1000)), session=self.session),
             name="onceflow-store",
         )
         self._pool.open(wait=True, timeout=connect_timeout)
@@ -371,17 +377,42 @@ class PgFileSystem:
         The term is judged by ``clock_timestamp()``, the time when the row is reached, not ``now()``
         (when the transaction began): the update may have waited behind a write of the holder, which
         holds the row ``FOR SHARE``, past the end of the term."""
-        with self._tx("take the lease", fence=False) as cur:
+        try:
+            with self._tx("take the lease", fence=False) as cur:
+                # the holder's writes hold the row FOR SHARE for milliseconds; waiting longer means
+                # it is stopped inside one, and that is dealt with below
+                cur.execute(f"SET LOCAL lock_timeout = {max(50, min(1000, int(ttl * 250)))}")
+                cur.execute(
+                    "INSERT INTO onceflow_lease AS l (id, token, holder, address, expires, session) "
+                    "VALUES (1, 1, %(h)s, %(a)s, clock_timestamp() + make_interval(secs => %(t)s), %(s)s) "
+                    "ON CONFLICT (id) DO UPDATE SET token = l.token + 1, holder = %(h)s, address = %(a)s, "
+                    "expires = clock_timestamp() + make_interval(secs => %(t)s), session = %(s)s "
+                    "WHERE l.expires < clock_timestamp() RETURNING token",
+                    {"h": holder, "a": address, "t": ttl, "s": self.session},
+                )
+                row = cur.fetchone()
+            return None if row is None else int(row[0])
+        except OSError as exc:
+            if not isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
+                raise
+        self._end_stopped_holder()
+        return None
+
+    def _end_stopped_holder(self) -> None:
+        """The lease's row stays locked by its holder's transaction. If the holder's term has run out
+        by the database's clock, it is stopped inside a statement (SIGSTOP, a frozen VM: its session
+        is 'active', which ``idle_in_transaction_session_timeout`` does not end): end its sessions,
+        and the lock goes with them. It leads no more (its own clock tells it so when it resumes), and
+        what it was writing was never acknowledged."""
+        with self._tx("end the sessions of the lease's stopped holder", fence=False) as cur:
             cur.execute(
-                "INSERT INTO onceflow_lease AS l (id, token, holder, address, expires) "
-                "VALUES (1, 1, %(h)s, %(a)s, clock_timestamp() + make_interval(secs => %(t)s)) "
-                "ON CONFLICT (id) DO UPDATE SET token = l.token + 1, holder = %(h)s, address = %(a)s, "
-                "expires = clock_timestamp() + make_interval(secs => %(t)s) "
-                "WHERE l.expires < clock_timestamp() RETURNING token",
-                {"h": holder, "a": address, "t": ttl},
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(a.pid)) FROM pg_stat_activity a "
+                "JOIN onceflow_lease l ON l.id = 1 AND l.expires < clock_timestamp() "
+                "AND a.application_name = 'onceflow/' || l.session WHERE a.pid <> pg_backend_pid()"
             )
             row = cur.fetchone()
-        return None if row is None else int(row[0])
+        if row and row[0]:
+            log.warning("ended %d database sessions of the store's previous leader: its term ran out", row[0])
 
     def renew(self, token: int, ttl: float) -> bool:
         """Extend the lease ``token`` holds; False if another server holds it now."""
