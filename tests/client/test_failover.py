@@ -16,7 +16,6 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -389,16 +388,6 @@ class FollowerStandIn:
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(5)
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path / "data")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.kill()
 
 
 def read_all(url: str, name: str) -> list[Any]:

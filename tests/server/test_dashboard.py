@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -95,16 +94,6 @@ def chromium(
         timeout=120,
         check=False,
     )
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path / "data")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.kill()
 
 
 def scene(url: str) -> None:
