@@ -14,7 +14,7 @@ WAIT = 30.0  # upper bound for anything a test waits on; never a timing assertio
 class SSERead:
     """An SSE read driven straight through the ASGI app, so its events can be awaited one by one."""
 
-    def __init__(self, app: App, name: str, offset: str) -> None:
+    def __init__(self, app: App, name: str, offset: str, query: str = "") -> None:
         self.events: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
         self.status = 0
         self._gone = asyncio.Event()
@@ -23,7 +23,7 @@ class SSERead:
             "type": "http",
             "method": "GET",
             "path": S + name,
-            "query_string": f"offset={offset}&live=sse".encode(),
+            "query_string": f"offset={offset}&live=sse{'&' + query if query else ''}".encode(),
             "headers": [],
             "scheme": "http",
             "server": ("testserver", 80),

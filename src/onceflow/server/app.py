@@ -239,6 +239,7 @@ class App:
         # the reserved __ds control APIs
         self.subscriptions = SubscriptionAPI(broker, webhook_targets=self.config.webhook_targets)
         self.metrics = Metrics(broker, self.config.metrics_allow)  # its own registry, fed by server/instrument.py
+        self._sse_events = SseEvents()  # live readers of a stream share its reads and events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -1151,64 +1152,139 @@ class App:
         if not text:
             h.append((b"stream-sse-data-encoding", b"base64"))
         await send({"type": "http.response.start", "status": 200, "headers": COMMON + h})
-        disconnected = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        gone = False
+        waiting: list[asyncio.Future[None]] = []  # the wake this reader waits for, if any
 
         async def watch() -> None:
+            nonlocal gone
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
-                    if not disconnected.done():
-                        disconnected.set_result(None)
+                    gone = True
+                    for fut in waiting:
+                        if not fut.done():
+                            fut.set_result(None)
                     return
 
-        watcher = asyncio.get_running_loop().create_task(watch())
+        watcher = loop.create_task(watch())
         deadline = time.monotonic() + self.config.sse_max_seconds
+        events = self._sse_events
         at = start
         first = True
         try:
-            while not disconnected.done() and not s.deleted and not self.broker.closing:
-                try:
-                    result = self.broker.read(s, at, committed=committed)
-                except InvalidPosition:
-                    break
+            while not gone and not s.deleted and not s.meta.soft_deleted and not self.broker.closing:
+                read = events.read(self.broker, s, at, committed, text)
+                if read is None:
+                    break  # not a record boundary
+                nxt, up_to_date, closed, data = read
                 out: list[bytes] = []
-                if result.batches:
-                    out.append(_sse_event("data", _sse_payload(s, result, text)))
-                if result.batches or first or result.closed:  # a close moves no offset: no data tells it
-                    out.append(_sse_event("control", _control(result, cursor)))
+                if data:
+                    out.append(data)
+                if data or first or closed:  # a close moves no offset: no data tells it
+                    out.append(events.control(nxt, up_to_date, closed, make_cursor(cursor)))
                     first = False
                 if out:
                     await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
-                at = result.next
-                if result.closed:
+                at = nxt
+                if closed:
                     break
-                if not result.up_to_date:
+                if not up_to_date:
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                waiter = asyncio.ensure_future(
-                    self.broker.wait(s, s.tail, min(self.config.long_poll_timeout, remaining))
-                )
-                done, _ = await asyncio.wait({waiter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-                if waiter not in done:
-                    waiter.cancel()
+                if gone or self.broker.visible_end(s, committed) != at:
+                    continue  # more became visible while the events were sent
+                # one future in the stream's waiters and one timer: the stream's notify (data, an
+                # LSO that moved, a close or delete), the timer or a disconnect resolves it (a task
+                # per wait cost more than the delivery itself)
+                fut: asyncio.Future[None] = loop.create_future()
+                s.waiters[fut] = None
+                waiting.append(fut)
+                timer = loop.call_later(min(self.config.long_poll_timeout, remaining), _expire, fut)
+                try:
+                    await fut
+                finally:
+                    timer.cancel()
+                    waiting.clear()
+                    s.waiters.pop(fut, None)
+                if gone:
                     break
+                timed_out = fut.result() is False
                 s.touch()
-                if not waiter.result() and self.broker.visible_end(s, committed) == at and not s.closed:
+                if timed_out and self.broker.visible_end(s, committed) == at and not s.closed:
                     # keep-alive: a control event so proxies and clients see the connection live
-                    keep = ReadResult([], at, True, False)
                     await send(
                         {
                             "type": "http.response.body",
-                            "body": _sse_event("control", _control(keep, cursor)),
+                            "body": events.control(at, True, False, make_cursor(cursor)),
                             "more_body": True,
                         }
                     )
         finally:
             watcher.cancel()
-        if not disconnected.done():
+        if not gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_result(False)
+
+
+class SseEvents:
+    """The SSE events of recent reads, encoded once and shared by every live reader at the same
+    place: with a thousand readers following one stream, each new message was read, split and
+    encoded a thousand times.
+
+    A read is cached under (stream, start, where reads end, tail, read_committed, text, closed). Data
+    below the end of what is visible no longer changes (it is durable, and with read_committed every
+    transaction below the last stable offset is decided), so two reads with that key are the same
+    read. A read below the earliest offset kept is not cached: the broker answers it (410). Both
+    caches are emptied whenever they pass their bounds (entries and bytes)."""
+
+    MAX_ENTRIES = 4096
+    MAX_BYTES = 64 << 20
+
+    def __init__(self) -> None:
+        self._reads: dict[tuple[object, ...], tuple[Position, bool, bool, bytes]] = {}
+        self._bytes = 0
+        self._controls: dict[tuple[object, ...], bytes] = {}
+
+    def read(
+        self, broker: Broker, s: StreamState, at: Position, committed: bool, text: bool
+    ) -> tuple[Position, bool, bool, bytes] | None:
+        """(next, up to date, closed, the data event or b"") of a read at ``at``; None when ``at``
+        is not a record boundary."""
+        end = broker.visible_end(s, committed)
+        key = (s, at.pos, end.pos, s.tail.pos, committed, text, s.closed)
+        hit = self._reads.get(key)
+        if hit is not None and at.pos >= s.earliest.pos:
+            return hit
+        try:
+            result = broker.read(s, at, committed=committed)
+        except InvalidPosition:
+            return None
+        data = _sse_event("data", _sse_payload(s, result, text)) if result.batches else b""
+        value = (result.next, result.up_to_date, result.closed, data)
+        if len(self._reads) >= self.MAX_ENTRIES or self._bytes + len(data) > self.MAX_BYTES:
+            self._reads.clear()
+            self._bytes = 0
+        self._reads[key] = value
+        self._bytes += len(data)
+        return value
+
+    def control(self, nxt: Position, up_to_date: bool, closed: bool, cursor: str) -> bytes:
+        """The control event after a read (its cursor made by :func:`make_cursor`)."""
+        key = (nxt.pos, up_to_date, closed, cursor)
+        event = self._controls.get(key)
+        if event is None:
+            event = _sse_event("control", _control(ReadResult([], nxt, up_to_date, closed), cursor))
+            if len(self._controls) >= self.MAX_ENTRIES:
+                self._controls.clear()
+            self._controls[key] = event
+        return event
 
 
 # ---------------------------------------------------------------------- helpers
@@ -1359,13 +1435,14 @@ def _sse_event(kind: str, data: str) -> bytes:
     ).encode()
 
 
-def _control(result: ReadResult, cursor: str | None) -> str:
+def _control(result: ReadResult, cursor: str) -> str:
+    """The control event's JSON; ``cursor`` is the one :func:`make_cursor` gave."""
     ctl: dict[str, object] = {"streamNextOffset": result.next.token()}
     if result.closed:
         ctl["streamClosed"] = True
         ctl["upToDate"] = True
     else:
-        ctl["streamCursor"] = make_cursor(cursor)
+        ctl["streamCursor"] = cursor
         if result.up_to_date:
             ctl["upToDate"] = True
     return json.dumps(ctl, separators=(",", ":"))

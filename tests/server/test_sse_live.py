@@ -1,0 +1,85 @@
+"""SSE live reads: many readers of one stream share one read and one encoding of each event, and a
+live read ends when its stream goes away, even when the stream is only soft-deleted (it has forks).
+In-process (ASGI), no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from helpers.servers import InProcess
+from helpers.sse import SSERead
+from helpers.txn import JSON, S, Txn
+
+pytestmark = pytest.mark.anyio
+WAIT = 30.0  # upper bound for anything a test waits on; never a timing assertion
+
+
+async def test_an_sse_read_ends_when_its_stream_is_deleted_while_it_has_forks(onceflow: InProcess) -> None:
+    """Deleting a stream that has forks keeps its data for the forks (a soft delete). A live reader of
+    it used to wake, find nothing, and go round again without ever yielding: the server's event loop
+    spun on that one read and answered nothing else."""
+    c = onceflow.client
+    assert (await c.put(S + "src", headers=JSON)).status_code == 201
+    assert (await c.post(S + "src", content=b'{"n":1}', headers=JSON)).status_code == 204
+    assert (await c.put(S + "child", headers={**JSON, "stream-forked-from": S + "src"})).status_code == 201
+    reader = SSERead(onceflow.app, "src", "-1")
+    assert json.loads(await reader.next("data")) == [{"n": 1}]
+    await reader.next("control")
+
+    async def delete_then_ask() -> int:
+        assert (await c.delete(S + "src")).status_code == 204
+        return (await c.get(S + "child?offset=-1")).status_code
+
+    # the loop must stay free: another request is answered and the live read finishes
+    assert await asyncio.wait_for(delete_then_ask(), WAIT) == 200
+    await asyncio.wait_for(reader.task, WAIT)
+
+
+async def test_readers_of_one_stream_each_get_every_event_of_their_own_isolation(onceflow: InProcess) -> None:
+    """Readers at the same place share one read and one encoding of each event: read_committed and
+    read_uncommitted readers of a stream with an open transaction must still each see their own view,
+    and a reader that starts later from the beginning gets what it missed."""
+    c = onceflow.client
+    assert (await c.put(S + "fan", headers=JSON)).status_code == 201
+    committed = [SSERead(onceflow.app, "fan", "-1") for _ in range(10)]
+    dirty = [SSERead(onceflow.app, "fan", "-1", "isolation=read_uncommitted") for _ in range(10)]
+    for r in committed + dirty:
+        await r.next("control")
+
+    async def each(readers: list[SSERead]) -> list[list[object]]:
+        """Each reader's next data event that holds messages (a read_uncommitted reader also gets
+        the transaction's marker, as an empty array)."""
+        out: list[list[object]] = []
+        for r in readers:
+            got: list[object] = []
+            while not got:
+                got = json.loads(await r.next("data"))
+            out.append(got)
+        return out
+
+    assert (await c.post(S + "fan", content=b'{"m":1}', headers=JSON)).status_code == 204
+    assert await each(committed + dirty) == [[{"m": 1}]] * 20
+    t = Txn(c, "fan-t")
+    await t.init()
+    assert (await t.send("fan", {"t": 1})).status_code == 200
+    assert await each(dirty) == [[{"t": 1}]] * 10
+    assert (await t.end(True)).status_code == 200
+    assert await each(committed) == [[{"t": 1}]] * 10  # the commit moved the LSO: they wake for it
+    assert (await c.post(S + "fan", content=b'{"m":2}', headers=JSON)).status_code == 204
+    assert await each(committed + dirty) == [[{"m": 2}]] * 20
+    late = SSERead(onceflow.app, "fan", "-1")
+    assert json.loads(await late.next("data")) == [{"m": 1}, {"t": 1}, {"m": 2}]
+    for r in [*committed, *dirty, late]:
+        await r.close()
+    for r in committed + dirty:  # and nothing else came: no message twice, none of the other view
+        assert all(kind == "control" or json.loads(data) == [] for kind, data in _drain(r))
+
+
+def _drain(r: SSERead) -> list[tuple[str, str]]:
+    out = []
+    while not r.events.empty():
+        out.append(r.events.get_nowait())
+    return out
