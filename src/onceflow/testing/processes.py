@@ -146,12 +146,13 @@ class ServerProcess:
         self.proc = None
 
 
-def onceflow_server(data: Path, fsync: str = "always", *, store: str | None = None) -> ServerProcess:
+def onceflow_server(data: Path, fsync: str = "always", *extra: str, store: str | None = None) -> ServerProcess:
     """``onceflow serve`` on a free loopback port with its data in ``data``, or, given ``store`` (a
-    PostgreSQL conninfo or URL), in that database: then it is ready once it leads the store."""
+    PostgreSQL conninfo or URL), in that database: then it is ready once it leads the store.
+    ``extra``: more ``serve`` arguments."""
     where = ["--data", str(data)] if store is None else ["--store", store]
     argv = [sys.executable, "-m", "onceflow.cli", "serve", *where, "--host", "127.0.0.1", "--port", "0"]
-    argv += ["--fsync", fsync]
+    argv += ["--fsync", fsync, *extra]
     listening = re.compile(r"onceflow listening on (http://\S+)")
     if store is None:
         return ServerProcess("onceflow serve", argv, listening)

@@ -1344,6 +1344,15 @@ def _systems(args: argparse.Namespace) -> list[str]:
     return chosen
 
 
+def _serve_args(plan: _Plan) -> list[str]:
+    """More ``onceflow serve`` arguments: room for the live readers beside the default cap of 1,000
+    connections (each reader holds one; a refused one retries, which once made "all following"
+    take 97 s instead of 2)."""
+    if "readers" not in plan.only or plan.readers + 100 <= 1000:
+        return []
+    return ["--max-connections", str(plan.readers + 100)]
+
+
 @dataclass
 class _Plan:
     """What one run measures, with what, and where its results go (made by :func:`run`)."""
@@ -1431,7 +1440,7 @@ def _measure_store(plan: _Plan, kind: StoreKind) -> None:
             f"{system}: `onceflow serve --store <conninfo> --fsync always` (an append is acknowledged once its "
             f"sync committed); {store.describe()}"
         )
-        server = onceflow_server(plan.root / f"unused-{kind}", store=store.conninfo)
+        server = onceflow_server(plan.root / f"unused-{kind}", "always", *_serve_args(plan), store=store.conninfo)
         took = server.start(timeout=120)
         _say(f"{system}: leads the store {took:.1f} s after its start")
         try:
@@ -1479,10 +1488,11 @@ def run(args: argparse.Namespace) -> int:
 
         # ------------------------------------------------------------------ onceflow, on each store
         if "onceflow" in systems:
-            server = onceflow_server(root / "onceflow-data")
+            server = onceflow_server(root / "onceflow-data", "always", *_serve_args(plan))
             server.start()
             res.notes.append(
                 "onceflow: `onceflow serve --fsync always` (fdatasync before every acknowledgement, group commit)"
+                + (f", `{' '.join(_serve_args(plan))}`" if _serve_args(plan) else "")
             )
             try:
                 _measure_onceflow(plan, server, ONCEFLOW)
