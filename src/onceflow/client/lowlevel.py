@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -28,6 +28,7 @@ from ._failover import (
     server_url,
 )
 from ._loop import background_loop, run_sync
+from ._transport import LeanAsyncTransport
 from ._types import AppendResult, Chunk, Retention, StreamInfo
 
 __all__ = [
@@ -85,6 +86,25 @@ def tls_verify(url: str) -> bool:
     return not url.startswith("http://")
 
 
+class _Cookies(httpx.Cookies):
+    """httpx's cookie jar without its cost on answers that set no cookie. httpx looks for cookies in
+    every response by building two urllib compatibility objects, ~12 us per request here (of a
+    producer request's ~100 us of client CPU); onceflow's servers set none. An answer that does
+    carry ``Set-Cookie`` (a proxy's, say) is kept as httpx always kept it."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        if "set-cookie" in response.headers:
+            super().extract_cookies(response)
+
+
+_C = TypeVar("_C", httpx.Client, httpx.AsyncClient)
+
+
+def _skip_cookie_parsing(client: _C) -> _C:
+    client._cookies = _Cookies(client.cookies)  # noqa: SLF001 - the cookies setter would wrap it back in httpx.Cookies
+    return client
+
+
 def http_client(
     url: str, *, timeout: float | httpx.Timeout, token: str | None = None, limits: httpx.Limits | None = None
 ) -> httpx.Client:
@@ -100,9 +120,11 @@ def http_client(
     more: dict[str, Any] = {} if limits is None else {"limits": limits}
     servers = parse_servers(url)
     if servers is None:
-        return httpx.Client(timeout=timeout, verify=verify, headers=auth_headers(token), **more)
+        return _skip_cookie_parsing(httpx.Client(timeout=timeout, verify=verify, headers=auth_headers(token), **more))
     transport = FailoverTransport(servers, httpx.HTTPTransport(verify=verify, **more))
-    return httpx.Client(timeout=timeout, headers=auth_headers(token), transport=transport, trust_env=False)
+    return _skip_cookie_parsing(
+        httpx.Client(timeout=timeout, headers=auth_headers(token), transport=transport, trust_env=False)
+    )
 
 
 def async_http_client(
@@ -112,10 +134,18 @@ def async_http_client(
     verify = tls_verify(url)
     more: dict[str, Any] = {} if limits is None else {"limits": limits}
     servers = parse_servers(url)
+    plain = url.strip().lower().startswith("http://")  # one scheme, also for several servers
     if servers is None:
-        return httpx.AsyncClient(timeout=timeout, verify=verify, headers=auth_headers(token), **more)
-    transport = AsyncFailoverTransport(servers, httpx.AsyncHTTPTransport(verify=verify, **more))
-    return httpx.AsyncClient(timeout=timeout, headers=auth_headers(token), transport=transport, trust_env=False)
+        if plain:  # the lean transport (client/_transport.py); https stays with httpx's own
+            more = {"transport": LeanAsyncTransport(limits)}
+        return _skip_cookie_parsing(
+            httpx.AsyncClient(timeout=timeout, verify=verify, headers=auth_headers(token), **more)
+        )
+    inner = LeanAsyncTransport(limits) if plain else httpx.AsyncHTTPTransport(verify=verify, **more)
+    transport = AsyncFailoverTransport(servers, inner)
+    return _skip_cookie_parsing(
+        httpx.AsyncClient(timeout=timeout, headers=auth_headers(token), transport=transport, trust_env=False)
+    )
 
 
 def is_json_type(content_type: str) -> bool:
