@@ -85,6 +85,8 @@ from .append import (
     reference_server,
     report,
 )
+from .append import WARMUP_SECONDS as LOAD_WARMUP_SECONDS
+from .floor import app_cost, serve_noop
 from .store import STORE_KINDS, DbUse, PostgresStore, StoreKind
 
 __all__ = ["run"]
@@ -122,9 +124,11 @@ REFERENCE = "reference (file)"
 REDIS_ALWAYS = "Redis (fsync always)"
 REDIS_EVERYSEC = "Redis (fsync everysec)"
 JETSTREAM = "JetStream"
-SYSTEM_ORDER = (ONCEFLOW, ONCEFLOW_PG, ONCEFLOW_PG_HA, REFERENCE, REDIS_ALWAYS, REDIS_EVERYSEC, JETSTREAM)
+FLOOR = "onceflow's HTTP server, no-op app"
+SYSTEM_ORDER = (ONCEFLOW, FLOOR, ONCEFLOW_PG, ONCEFLOW_PG_HA, REFERENCE, REDIS_ALWAYS, REDIS_EVERYSEC, JETSTREAM)
 COLORS = {
     ONCEFLOW: "tab:blue",
+    FLOOR: "lightsteelblue",
     ONCEFLOW_PG: "tab:purple",
     ONCEFLOW_PG_HA: "plum",
     REFERENCE: "tab:orange",
@@ -215,6 +219,7 @@ class Run:
     fanouts: list[Fanout] = field(default_factory=list)
     jetstream_durable: bool = True  # False: the server took no sync_interval, acks precede fsync
     skipped: list[str] = field(default_factory=list)
+    app_us: float | None = None  # CPU per append of onceflow's app alone, no HTTP (bench/floor.py)
 
     def find(self, workload: str, system: str) -> Measurement | None:
         for m in self.measurements:
@@ -1196,6 +1201,7 @@ def render_markdown(run: Run, images: list[str]) -> str:
             f"| {WORKLOAD_TITLES[m.workload]} | {m.system} | {m.path} | {m.msg_per_s:,.0f} | {_fmt(m.p50_ms, 2)} | "
             f"{_fmt(m.p99_ms, 2)} | {_fmt(m.server_cpu_pct, 0)}{' %' if m.server_cpu_pct is not None else ''} | {m.check} |"
         )
+    lines += _append_cpu_table(run)
     lines += _store_table(run)
     if run.latencies:
         lines += [
@@ -1380,6 +1386,56 @@ class _Plan:
         return self._gen
 
 
+def _measure_floors(plan: _Plan) -> None:
+    """The floors under onceflow's single-message append (bench/floor.py): the same load against its
+    HTTP server with a no-op app, and the app's CPU per append with no HTTP."""
+    gen, res = plan.gen(), plan.res
+    server = serve_noop()
+    server.start()
+    try:
+        body = b'{"floor":true}'
+        _say(f"{FLOOR}: {LOAD_WARMUP_SECONDS} s warm-up, then {plan.wsec} s at concurrency {CONCURRENCY}")
+        gen.run(server.url + "/v1/stream/floor", body, CONCURRENCY, LOAD_WARMUP_SECONDS)
+        cpu0 = server.cpu_seconds()
+        raw = gen.run(server.url + "/v1/stream/floor", body, CONCURRENCY, plan.wsec)
+        cpu1 = server.cpu_seconds()
+    finally:
+        server.stop()
+    m = Measurement("append", FLOOR, gen.name, raw.ok / raw.elapsed if raw.elapsed else 0.0, raw.elapsed, raw.ok)
+    m.p50_ms, m.p99_ms = raw.p50_ms, raw.p99_ms
+    m.server_cpu_pct = _cpu_pct(cpu0, cpu1, raw.elapsed)
+    if raw.non_2xx or raw.socket_errors:
+        m.failures.append(f"{raw.non_2xx} non-2xx responses, {raw.socket_errors} socket errors")
+    res.measurements.append(m)
+    _say(f"  {m.msg_per_s:,.0f} req/s at {_fmt(m.server_cpu_pct, 0)} % CPU")
+    res.app_us = app_cost()
+    _say(f"onceflow's app alone (no HTTP, fsync always, {CONCURRENCY} appenders): {res.app_us:.1f} us CPU per append")
+
+
+def _append_cpu_table(run: Run) -> list[str]:
+    """Server CPU per single-message append, every system measured, and the floors under onceflow's."""
+    rows = [m for m in run.measurements if m.workload == "append" and m.server_cpu_pct is not None]
+    if not rows:
+        return []
+    order = {s: i for i, s in enumerate(SYSTEM_ORDER)}
+    lines = [
+        "",
+        f"Server CPU per single-message append (concurrency {CONCURRENCY}; all threads of the server process, "
+        "100 % = one core):",
+        "",
+        "| system | msg/s | server CPU | server µs per append |",
+        "|---|---:|---:|---:|",
+    ]
+    for m in sorted(rows, key=lambda m: order.get(m.system, 99)):
+        lines.append(
+            f"| {m.system} | {m.msg_per_s:,.0f} | {m.server_cpu_pct:.0f} % | "
+            f"{_fmt(_per_msg_us(m.server_cpu_pct, m.msg_per_s), 1)} |"
+        )
+    if run.app_us is not None:
+        lines.append(f"| onceflow's app alone: broker, fsync always, no HTTP (in one process) | | | {run.app_us:.1f} |")
+    return lines
+
+
 def _measure_onceflow(plan: _Plan, server: ServerProcess, system: str, db: PostgresStore | None = None) -> None:
     """The onceflow workloads of the plan against ``server`` (on a local or, with ``db``, a PostgreSQL
     store), as rows of ``system``."""
@@ -1407,6 +1463,8 @@ def _measure_onceflow(plan: _Plan, server: ServerProcess, system: str, db: Postg
     def append() -> None:
         lr = measure_server(server, system, db.kind if db else "file", plan.gen(), CONCURRENCY, plan.wsec, db)
         res.measurements.append(_from_load(lr, system, plan.gen()))
+        if db is None:
+            _measure_floors(plan)
 
     if "produce" in only:
         spied("the producer throughput runs (and their read-back)", produce)
