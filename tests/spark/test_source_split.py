@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pyarrow as pa
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from onceflow.core.jsonmode import encode_messages
-from onceflow.spark.source import split_json, split_json_bytes
+from onceflow.spark.source import Frame, frames_to_arrow, split_json, split_json_bytes
 
 values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
@@ -33,3 +35,45 @@ def test_a_payload_msgspec_refuses_is_split_by_the_json_module() -> None:
     assert split_json(payload) == ['"\\ud800"', '{"a":1}']
     assert split_json_bytes(payload) == [b'"\\ud800"', b'{"a":1}']
     assert split_json(b"") == [] and split_json_bytes(b"") == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(values, min_size=1, max_size=5), min_size=1, max_size=4))
+def test_a_record_batch_holds_each_message_as_a_row(appends: list[list[Any]]) -> None:
+    """The rows Spark gets: text values as the stored texts (non-ASCII, escapes), binary values as their
+    UTF-8, offsets counting messages, the stream and content type on every row."""
+    frames, offset, expected = [], 7, []
+    for i, messages in enumerate(appends):
+        payload, count = encode_messages(json.dumps(messages, ensure_ascii=False).encode(), allow_empty=False)
+        frames.append(Frame(base_offset=offset, count=count, timestamp_ms=1_000 + i, payload=payload))
+        expected += [(offset + k, (1_000 + i) * 1000, t) for k, t in enumerate(split_json(payload))]
+        offset += count
+    batch = frames_to_arrow("s/é", "application/json", frames, True)
+    text = batch.to_pydict()
+    binary = frames_to_arrow("s/é", "application/json", frames, False).to_pydict()
+    assert text["value"] == [t for _, _, t in expected]
+    assert binary["value"] == [t.encode() for _, _, t in expected]
+    assert text["offset"] == binary["offset"] == [o for o, _, _ in expected]
+    assert batch.column("timestamp").cast(pa.int64()).to_pylist() == [us for _, us, _ in expected]
+    assert set(text["stream"]) == {"s/é"} and set(text["content_type"]) == {"application/json"}
+    assert len(text["stream"]) == len(text["content_type"]) == len(expected)
+
+
+def test_the_sink_takes_each_row_value_as_its_utf8_bytes() -> None:
+    """The sink's rows from an Arrow batch (no Spark needed): string, large string and binary values
+    give the same bytes, per target stream; a null value or target is refused."""
+    from onceflow.spark.options import Options
+    from onceflow.spark.writer import _rows
+
+    texts = ['{"a":"é"}', '"\\ud800"', "[1,2]"]
+    one = Options.parse({"url": "http://127.0.0.1:1", "stream": "out"})
+    for column in (pa.array(texts), pa.array(texts, pa.large_string()), pa.array([t.encode() for t in texts])):
+        assert _rows(pa.RecordBatch.from_arrays([column], names=["value"]), one) == {"out": [t.encode() for t in texts]}
+    per_row = pa.RecordBatch.from_arrays([pa.array(texts), pa.array(["x", "y", "x"])], names=["value", "stream"])
+    assert _rows(per_row, one) == {"x": [texts[0].encode(), texts[2].encode()], "y": [texts[1].encode()]}
+    for bad in (
+        pa.RecordBatch.from_arrays([pa.array(["1", None])], names=["value"]),
+        pa.RecordBatch.from_arrays([pa.array(["1", "2"]), pa.array(["x", None])], names=["value", "stream"]),
+    ):
+        with pytest.raises(ValueError, match="null"):
+            _rows(bad, one)

