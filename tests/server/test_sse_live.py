@@ -83,3 +83,22 @@ def _drain(r: SSERead) -> list[tuple[str, str]]:
     while not r.events.empty():
         out.append(r.events.get_nowait())
     return out
+
+
+async def test_control_events_name_each_streams_own_offset_at_the_same_byte_position(onceflow: InProcess) -> None:
+    """Control events are shared between readers, also of different streams. Two streams can end
+    at the same byte position with different record offsets (``[1,2]`` and ``[123]``): each
+    reader's ``streamNextOffset`` must be its own stream's (a reader resumes from it)."""
+    c = onceflow.client
+    tails = {}
+    for name, body in (("two", b"[1,2]"), ("one", b"[123]")):
+        assert (await c.put(S + name, headers=JSON)).status_code == 201
+        r = await c.post(S + name, content=body, headers=JSON)
+        assert r.status_code == 204
+        tails[name] = r.headers["stream-next-offset"]
+    assert tails["two"] != tails["one"] and tails["two"].split("_")[1] == tails["one"].split("_")[1]
+    for name in ("two", "one"):
+        reader = SSERead(onceflow.app, name, "-1")
+        await reader.next("data")
+        assert json.loads(await reader.next("control"))["streamNextOffset"] == tails[name]
+        await reader.close()

@@ -1276,8 +1276,10 @@ class SseEvents:
         return value
 
     def control(self, nxt: Position, up_to_date: bool, closed: bool, cursor: str) -> bytes:
-        """The control event after a read (its cursor made by :func:`make_cursor`)."""
-        key = (nxt.pos, up_to_date, closed, cursor)
+        """The control event after a read (its cursor made by :func:`make_cursor`). Shared by the
+        readers of every stream: keyed by the whole position, as streams that end at one byte
+        position may have different record offsets there."""
+        key = (nxt.offset, nxt.pos, up_to_date, closed, cursor)
         event = self._controls.get(key)
         if event is None:
             event = _sse_event("control", _control(ReadResult([], nxt, up_to_date, closed), cursor))
