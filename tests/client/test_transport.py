@@ -208,3 +208,76 @@ async def test_the_pool_bounds_connections_and_times_out_waiting(client: Callabl
         async with slow.stream("GET", url + "/held"):  # holds the only connection
             with pytest.raises(httpx.PoolTimeout):
                 await slow.get(url + "/waits")
+
+
+async def test_idle_connections_to_one_server_do_not_keep_another_out_of_a_full_pool(
+    client: Callable[..., httpx.AsyncClient],
+) -> None:
+    """One pool serves every server of a failover client. A pool full of idle keep-alive
+    connections to one server (the old leader, a follower that answered 503, a dead one) must
+    close one of them for a request to another server, as httpx's own pool does, not time out."""
+    async with RawServer(echo_forever) as a, RawServer(echo_forever) as b:
+        c = client(httpx.Limits(max_connections=2, max_keepalive_connections=2), timeout=httpx.Timeout(WAIT, pool=1.0))
+        held = [await c.send(c.build_request("GET", a + f"/{i}"), stream=True) for i in range(2)]
+        for r in held:
+            await r.aread()  # read to the end: two idle connections to a, the pool is full
+        assert (await c.get(b + "/b")).content == b"GET /b HTTP/1.1|"
+        assert (await c.get(a + "/a")).content == b"GET /a HTTP/1.1|"
+
+
+async def test_a_failover_client_whose_pool_a_follower_filled_reaches_the_leader() -> None:
+    """Requests that a follower answered with 503 not_leader leave their connections to it idle;
+    sent on to the leader, they must get connections there (a producer's pool is max_in_flight + 2
+    for both, idle and open)."""
+
+    async def follower(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            body = b'{"error":{"code":"not_leader","message":"a follower"}}'
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    gate = asyncio.Event()
+
+    async def leader(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head, body = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            await gate.wait()  # every request is in flight at once
+            writer.write(answer(head.split(b"\r\n")[0]))
+            await writer.drain()
+
+    async with RawServer(follower) as f, RawServer(leader) as lead:
+        url = f + "," + lead.removeprefix("http://")
+        limits = httpx.Limits(max_connections=3, max_keepalive_connections=3)
+        async with async_http_client(url, timeout=httpx.Timeout(WAIT, pool=2.0), limits=limits) as c:
+            target = f + "/v1/stream/s"
+            sends = [asyncio.ensure_future(c.post(target, content=b"[1]")) for _ in range(3)]
+            await asyncio.sleep(0.2)
+            gate.set()
+            got = await asyncio.wait_for(asyncio.gather(*sends), WAIT)
+            assert [r.status_code for r in got] == [200] * 3
+
+
+async def test_a_request_cancelled_as_its_pool_slot_came_passes_the_slot_on(
+    client: Callable[..., httpx.AsyncClient],
+) -> None:
+    """Waiters for a full pool are woken one per connection freed. One cancelled (a reader's task,
+    a wait_for around a request) just as it was woken must hand the wake on: the next waiter would
+    otherwise wait for a connection that is free (forever without a pool timeout)."""
+    async with RawServer(echo_forever) as url:
+        c = client(httpx.Limits(max_connections=1), timeout=httpx.Timeout(WAIT, pool=None))
+        held = await c.send(c.build_request("GET", url + "/held"), stream=True)
+        first = asyncio.ensure_future(c.get(url + "/first"))
+        second = asyncio.ensure_future(c.get(url + "/second"))
+        await asyncio.sleep(0.1)  # both wait for the pool
+        await held.aclose()  # wakes the first ...
+        first.cancel()  # ... which is cancelled before it runs
+        assert (await asyncio.wait_for(second, WAIT)).content == b"GET /second HTTP/1.1|"
+        with pytest.raises(asyncio.CancelledError):
+            await first

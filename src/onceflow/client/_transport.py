@@ -155,6 +155,11 @@ def _time_out(waiter: asyncio.Future[None]) -> None:
         waiter.set_exception(httpx.ReadTimeout("timed out waiting for the server's response"))
 
 
+def _pool_time_out(slot: asyncio.Future[None]) -> None:
+    if not slot.done():
+        slot.set_exception(httpx.PoolTimeout("timed out waiting for a connection from the pool"))
+
+
 class _Body(httpx.AsyncByteStream):
     """A response's body as it arrives; closing it returns a finished connection to the pool."""
 
@@ -262,14 +267,21 @@ class LeanAsyncTransport(httpx.AsyncBaseTransport):
             self.open -= 1
             conn.abort()
         loop = asyncio.get_running_loop()
+        if self.open >= self.max_connections and self.idle_count:
+            self._close_oldest_idle()  # another server's (ours were taken above): make room
         if self.open >= self.max_connections:
-            slot = loop.create_future()
+            slot: asyncio.Future[None] = loop.create_future()
             self.queue.append(slot)
+            timer = None if pool_timeout is None else loop.call_later(pool_timeout, _pool_time_out, slot)
             try:
-                await asyncio.wait_for(slot, pool_timeout)
-            except TimeoutError:
-                raise httpx.PoolTimeout("timed out waiting for a connection from the pool") from None
+                await slot
+            except BaseException:
+                if slot.done() and not slot.cancelled() and slot.exception() is None:
+                    self._wake_one()  # woken, then cancelled: the free connection goes to the next
+                raise
             finally:
+                if timer is not None:
+                    timer.cancel()
                 if slot in self.queue:
                     self.queue.remove(slot)
             return await self._acquire(key, pool_timeout, connect_timeout)
@@ -288,6 +300,18 @@ class LeanAsyncTransport(httpx.AsyncBaseTransport):
             self._gone()
             raise
         return conn
+
+    def _close_oldest_idle(self) -> None:
+        """Close the connection idle the longest, whichever server it is to (one pool serves every
+        server of a failover client: idle connections to one must not keep the others out)."""
+        oldest: deque[_Connection] | None = None
+        for idle in self.idle.values():
+            if idle and (oldest is None or idle[0].idle_since < oldest[0].idle_since):
+                oldest = idle
+        if oldest is not None:
+            oldest.popleft().abort()
+            self.idle_count -= 1
+            self.open -= 1
 
     def _release(self, key: tuple[str, int], conn: _Connection) -> None:
         """Back to the pool when its response was read to the end and may be followed by another."""
