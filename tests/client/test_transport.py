@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -281,3 +282,27 @@ async def test_a_request_cancelled_as_its_pool_slot_came_passes_the_slot_on(
         assert (await asyncio.wait_for(second, WAIT)).content == b"GET /second HTTP/1.1|"
         with pytest.raises(asyncio.CancelledError):
             await first
+
+
+async def test_a_body_without_length_cut_off_by_a_reset_is_an_error(client: Callable[..., httpx.AsyncClient]) -> None:
+    """A body that ends with the connection (no Content-Length, not chunked) is whole only when the
+    server closed the connection; a reset cuts it off, and the reader must not take it as whole."""
+
+    async def reset_midway(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\npartial")
+        await writer.drain()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        writer.transport.abort()
+
+    async def close_at_end(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nwhole")
+        await writer.drain()
+
+    async with RawServer(close_at_end) as url:
+        assert (await client().get(url + "/")).content == b"whole"
+    async with RawServer(reset_midway) as url:
+        with pytest.raises(httpx.ReadError):
+            await client().get(url + "/")

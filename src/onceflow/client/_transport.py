@@ -76,7 +76,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if (
-            self.head_done
+            exc is None  # closed, not reset: a reset cuts such a body off
+            and self.head_done
             and not self.complete
             and not any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in self.headers)
         ):
