@@ -306,3 +306,25 @@ async def test_a_body_without_length_cut_off_by_a_reset_is_an_error(client: Call
     async with RawServer(reset_midway) as url:
         with pytest.raises(httpx.ReadError):
             await client().get(url + "/")
+
+
+async def test_a_connection_the_server_closed_right_after_its_answer_is_not_used_again(
+    client: Callable[..., httpx.AsyncClient],
+) -> None:
+    """A server that closes a keep-alive connection just after answering (shutting down, a proxy's
+    limit): the close may sit in the socket, not yet seen by the event loop, when the next request
+    takes the connection. Sent there it is lost and reported as "maybe sent" (a producer then
+    counts it as maybe stored; a failover client gives up on a server that would have refused at
+    once). httpx's own pool looks at the socket first; so must this one."""
+
+    async def one_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer(b"ok"))  # keep-alive as far as the headers say, then closed at once
+        await writer.drain()
+
+    raw = RawServer(one_then_close)
+    async with raw as url:
+        c = client()
+        for _ in range(20):
+            assert (await c.get(url + "/")).content == b"ok"
+    assert raw.connections == 20

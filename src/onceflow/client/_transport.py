@@ -19,6 +19,7 @@ Not here (:func:`onceflow.client.lowlevel.async_http_client` keeps httpx's trans
 from __future__ import annotations
 
 import asyncio
+import select
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -29,6 +30,7 @@ import httpx
 __all__ = ["LeanAsyncTransport"]
 
 _BUFFER = 1 << 20  # response bytes held before the connection stops reading
+_poll = getattr(select, "poll", None)  # select.select is limited to fds below FD_SETSIZE; poll is not
 
 
 class _Connection(asyncio.Protocol):
@@ -132,6 +134,18 @@ class _Connection(asyncio.Protocol):
             self.paused = False
             self.transport.resume_reading()
         return data
+
+    def readable(self) -> bool:
+        """Whether the socket holds something the event loop has not seen yet: on an idle
+        connection, the server's close (or bytes no request asked for), so it is not to be used."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return True
+        if _poll is None:
+            return bool(select.select([sock], [], [], 0)[0])
+        poller = _poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def broken(self) -> Exception:
         if self.error is not None:
@@ -263,8 +277,14 @@ class LeanAsyncTransport(httpx.AsyncBaseTransport):
         while idle:
             conn = idle.pop()
             self.idle_count -= 1
-            if not conn.closed and not conn.head_done and not conn.chunks and now - conn.idle_since < self.expiry:
-                return conn  # (an idle connection that received anything is not reused)
+            if (
+                not conn.closed
+                and not conn.head_done
+                and not conn.chunks
+                and now - conn.idle_since < self.expiry
+                and not conn.readable()
+            ):
+                return conn  # (an idle connection that received anything, a close too, is not reused)
             self.open -= 1
             conn.abort()
         loop = asyncio.get_running_loop()
