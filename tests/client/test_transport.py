@@ -328,3 +328,21 @@ async def test_a_connection_the_server_closed_right_after_its_answer_is_not_used
         for _ in range(20):
             assert (await c.get(url + "/")).content == b"ok"
     assert raw.connections == 20
+
+
+async def test_a_streamed_body_read_before_it_is_sent_is_still_sent_chunked(
+    client: Callable[..., httpx.AsyncClient],
+) -> None:
+    """A request made from an iterator says ``Transfer-Encoding: chunked``; once read (an auth flow
+    or a retry reads it), its content is there as bytes, and must still go in chunks."""
+
+    async def parts() -> AsyncIterator[bytes]:
+        yield b"ab"
+        yield b"c"
+
+    async with RawServer(echo_forever) as url:
+        c = client()
+        request = c.build_request("POST", url + "/read-first", content=parts())
+        await request.aread()
+        assert (await c.send(request)).content == b"POST /read-first HTTP/1.1|abc"
+        assert (await c.get(url + "/next")).content == b"GET /next HTTP/1.1|"

@@ -240,10 +240,14 @@ class LeanAsyncTransport(httpx.AsyncBaseTransport):
             except httpx.RequestNotRead:
                 body = None
             assert conn.transport is not None
+            chunked = (
+                "transfer-encoding" in request.headers and request.headers["transfer-encoding"].lower() == "chunked"
+            )
+            if body is not None and chunked:  # a streamed body read before (an auth flow, a retry)
+                body = (b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
             if body is not None:
                 conn.transport.write(b"".join(head) + body)
             else:  # a streamed body: httpx has set Content-Length or Transfer-Encoding: chunked
-                chunked = request.headers.get("transfer-encoding", "").lower() == "chunked"
                 conn.transport.write(b"".join(head))
                 assert isinstance(request.stream, httpx.AsyncByteStream)
                 async for chunk in request.stream:
