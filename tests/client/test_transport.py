@@ -346,3 +346,51 @@ async def test_a_streamed_body_read_before_it_is_sent_is_still_sent_chunked(
         await request.aread()
         assert (await c.send(request)).content == b"POST /read-first HTTP/1.1|abc"
         assert (await c.get(url + "/next")).content == b"GET /next HTTP/1.1|"
+
+
+async def test_bytes_after_a_response_are_not_part_of_it_nor_of_the_next(
+    client: Callable[..., httpx.AsyncClient],
+) -> None:
+    """A server that sends more than the response asked for (a second response, in the same
+    packet): the response read is the first one, whole and only it, and the connection is not
+    used again (its next response would be that stray one)."""
+    sent = 0
+
+    async def two_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        while True:
+            try:
+                head, _ = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            sent += 1
+            writer.write(answer(b"first") + answer(b"STRAY") if sent == 1 else answer(head.split(b"\r\n")[0]))
+            await writer.drain()
+
+    async with RawServer(two_answers) as url:
+        c = client()
+        assert (await c.get(url + "/one")).content == b"first"
+        assert (await c.get(url + "/two")).content == b"GET /two HTTP/1.1"
+
+
+async def test_interim_responses_are_skipped(client: Callable[..., httpx.AsyncClient]) -> None:
+    """1xx responses (100 Continue, 103 Early Hints) come before the response; the connection
+    stays usable after them."""
+
+    async def interim_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head, _ = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n")
+            writer.write(answer(head.split(b"\r\n")[0]))
+            await writer.drain()
+
+    raw = RawServer(interim_first)
+    async with raw as url:
+        c = client()
+        for i in range(3):
+            r = await c.get(url + f"/{i}")
+            assert (r.status_code, r.content, "link" in r.headers) == (200, f"GET /{i} HTTP/1.1".encode(), False)
+    assert raw.connections == 1

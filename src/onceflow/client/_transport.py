@@ -88,6 +88,10 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks
 
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second response where one was asked for: stop at the first
+            raise httpx.RemoteProtocolError("the server sent more than the response")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
