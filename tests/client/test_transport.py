@@ -394,3 +394,30 @@ async def test_interim_responses_are_skipped(client: Callable[..., httpx.AsyncCl
             r = await c.get(url + f"/{i}")
             assert (r.status_code, r.content, "link" in r.headers) == (200, f"GET /{i} HTTP/1.1".encode(), False)
     assert raw.connections == 1
+
+
+async def test_a_line_break_in_a_header_is_refused_before_anything_is_sent(
+    client: Callable[..., httpx.AsyncClient],
+) -> None:
+    """httpx does not check header values; h11 (its own transport) refuses a line break in one. So
+    must this transport: written as it is, it would make a header, or a second request, of its own
+    (whose answer would then be taken for the next request's)."""
+    heads: list[bytes] = []
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head, _ = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            heads.append(head)
+            writer.write(answer(b"ok"))
+            await writer.drain()
+
+    async with RawServer(record) as url:
+        c = client()
+        for bad in ("a\r\nx-injected: 1", "a\nx-injected: 1", "a\r\n\r\nGET /smuggled HTTP/1.1\r\nhost: x\r\n"):
+            with pytest.raises(httpx.LocalProtocolError):
+                await c.post(url + "/v1/stream/s", content=b"{}", headers={"producer-id": bad})
+        assert (await c.get(url + "/fine")).content == b"ok"
+    assert [h.split(b"\r\n")[0] for h in heads] == [b"GET /fine HTTP/1.1"]

@@ -233,12 +233,15 @@ class LeanAsyncTransport(httpx.AsyncBaseTransport):
             raise httpx.UnsupportedProtocol(f"the lean transport speaks plain http, not {url.scheme!r}")
         key = (url.host, url.port or 80)
         timeouts = request.extensions.get("timeout", {})
+        lines = [b"%s %s HTTP/1.1\r\n" % (request.method.encode("ascii"), url.raw_path)]
+        lines.extend(b"%s: %s\r\n" % pair for pair in request.headers.raw)
+        lines.append(b"\r\n")
+        head = b"".join(lines)
+        if head.count(b"\n") != len(lines) or head.count(b"\r") != len(lines):
+            # httpx leaves header values unchecked (h11 checks them in its own transport)
+            raise httpx.LocalProtocolError("a line break in a header name or value (nothing was sent)")
         conn = await self._acquire(key, timeouts.get("pool"), timeouts.get("connect"))
         try:
-            target = url.raw_path
-            head = [b"%s %s HTTP/1.1\r\n" % (request.method.encode("ascii"), target)]
-            head.extend(b"%s: %s\r\n" % pair for pair in request.headers.raw)
-            head.append(b"\r\n")
             try:
                 body = request.content
             except httpx.RequestNotRead:
@@ -250,9 +253,9 @@ class LeanAsyncTransport(httpx.AsyncBaseTransport):
             if body is not None and chunked:  # a streamed body read before (an auth flow, a retry)
                 body = (b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
             if body is not None:
-                conn.transport.write(b"".join(head) + body)
+                conn.transport.write(head + body)
             else:  # a streamed body: httpx has set Content-Length or Transfer-Encoding: chunked
-                conn.transport.write(b"".join(head))
+                conn.transport.write(head)
                 assert isinstance(request.stream, httpx.AsyncByteStream)
                 async for chunk in request.stream:
                     if chunk:
