@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -208,3 +209,215 @@ async def test_the_pool_bounds_connections_and_times_out_waiting(client: Callabl
         async with slow.stream("GET", url + "/held"):  # holds the only connection
             with pytest.raises(httpx.PoolTimeout):
                 await slow.get(url + "/waits")
+
+
+async def test_idle_connections_to_one_server_do_not_keep_another_out_of_a_full_pool(
+    client: Callable[..., httpx.AsyncClient],
+) -> None:
+    """One pool serves every server of a failover client. A pool full of idle keep-alive
+    connections to one server (the old leader, a follower that answered 503, a dead one) must
+    close one of them for a request to another server, as httpx's own pool does, not time out."""
+    async with RawServer(echo_forever) as a, RawServer(echo_forever) as b:
+        c = client(httpx.Limits(max_connections=2, max_keepalive_connections=2), timeout=httpx.Timeout(WAIT, pool=1.0))
+        held = [await c.send(c.build_request("GET", a + f"/{i}"), stream=True) for i in range(2)]
+        for r in held:
+            await r.aread()  # read to the end: two idle connections to a, the pool is full
+        assert (await c.get(b + "/b")).content == b"GET /b HTTP/1.1|"
+        assert (await c.get(a + "/a")).content == b"GET /a HTTP/1.1|"
+
+
+async def test_a_failover_client_whose_pool_a_follower_filled_reaches_the_leader() -> None:
+    """Requests that a follower answered with 503 not_leader leave their connections to it idle;
+    sent on to the leader, they must get connections there (a producer's pool is max_in_flight + 2
+    for both, idle and open)."""
+
+    async def follower(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            body = b'{"error":{"code":"not_leader","message":"a follower"}}'
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    gate = asyncio.Event()
+
+    async def leader(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head, body = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            await gate.wait()  # every request is in flight at once
+            writer.write(answer(head.split(b"\r\n")[0]))
+            await writer.drain()
+
+    async with RawServer(follower) as f, RawServer(leader) as lead:
+        url = f + "," + lead.removeprefix("http://")
+        limits = httpx.Limits(max_connections=3, max_keepalive_connections=3)
+        async with async_http_client(url, timeout=httpx.Timeout(WAIT, pool=2.0), limits=limits) as c:
+            target = f + "/v1/stream/s"
+            sends = [asyncio.ensure_future(c.post(target, content=b"[1]")) for _ in range(3)]
+            await asyncio.sleep(0.2)
+            gate.set()
+            got = await asyncio.wait_for(asyncio.gather(*sends), WAIT)
+            assert [r.status_code for r in got] == [200] * 3
+
+
+async def test_a_request_cancelled_as_its_pool_slot_came_passes_the_slot_on(
+    client: Callable[..., httpx.AsyncClient],
+) -> None:
+    """Waiters for a full pool are woken one per connection freed. One cancelled (a reader's task,
+    a wait_for around a request) just as it was woken must hand the wake on: the next waiter would
+    otherwise wait for a connection that is free (forever without a pool timeout)."""
+    async with RawServer(echo_forever) as url:
+        c = client(httpx.Limits(max_connections=1), timeout=httpx.Timeout(WAIT, pool=None))
+        held = await c.send(c.build_request("GET", url + "/held"), stream=True)
+        first = asyncio.ensure_future(c.get(url + "/first"))
+        second = asyncio.ensure_future(c.get(url + "/second"))
+        await asyncio.sleep(0.1)  # both wait for the pool
+        await held.aclose()  # wakes the first ...
+        first.cancel()  # ... which is cancelled before it runs
+        assert (await asyncio.wait_for(second, WAIT)).content == b"GET /second HTTP/1.1|"
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+
+async def test_a_body_without_length_cut_off_by_a_reset_is_an_error(client: Callable[..., httpx.AsyncClient]) -> None:
+    """A body that ends with the connection (no Content-Length, not chunked) is whole only when the
+    server closed the connection; a reset cuts it off, and the reader must not take it as whole."""
+
+    async def reset_midway(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\npartial")
+        await writer.drain()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        writer.transport.abort()
+
+    async def close_at_end(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nwhole")
+        await writer.drain()
+
+    async with RawServer(close_at_end) as url:
+        assert (await client().get(url + "/")).content == b"whole"
+    async with RawServer(reset_midway) as url:
+        with pytest.raises(httpx.ReadError):
+            await client().get(url + "/")
+
+
+async def test_a_connection_the_server_closed_right_after_its_answer_is_not_used_again(
+    client: Callable[..., httpx.AsyncClient],
+) -> None:
+    """A server that closes a keep-alive connection just after answering (shutting down, a proxy's
+    limit): the close may sit in the socket, not yet seen by the event loop, when the next request
+    takes the connection. Sent there it is lost and reported as "maybe sent" (a producer then
+    counts it as maybe stored; a failover client gives up on a server that would have refused at
+    once). httpx's own pool looks at the socket first; so must this one."""
+
+    async def one_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer(b"ok"))  # keep-alive as far as the headers say, then closed at once
+        await writer.drain()
+
+    raw = RawServer(one_then_close)
+    async with raw as url:
+        c = client()
+        for _ in range(20):
+            assert (await c.get(url + "/")).content == b"ok"
+    assert raw.connections == 20
+
+
+async def test_a_streamed_body_read_before_it_is_sent_is_still_sent_chunked(
+    client: Callable[..., httpx.AsyncClient],
+) -> None:
+    """A request made from an iterator says ``Transfer-Encoding: chunked``; once read (an auth flow
+    or a retry reads it), its content is there as bytes, and must still go in chunks."""
+
+    async def parts() -> AsyncIterator[bytes]:
+        yield b"ab"
+        yield b"c"
+
+    async with RawServer(echo_forever) as url:
+        c = client()
+        request = c.build_request("POST", url + "/read-first", content=parts())
+        await request.aread()
+        assert (await c.send(request)).content == b"POST /read-first HTTP/1.1|abc"
+        assert (await c.get(url + "/next")).content == b"GET /next HTTP/1.1|"
+
+
+async def test_bytes_after_a_response_are_not_part_of_it_nor_of_the_next(
+    client: Callable[..., httpx.AsyncClient],
+) -> None:
+    """A server that sends more than the response asked for (a second response, in the same
+    packet): the response read is the first one, whole and only it, and the connection is not
+    used again (its next response would be that stray one)."""
+    sent = 0
+
+    async def two_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        while True:
+            try:
+                head, _ = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            sent += 1
+            writer.write(answer(b"first") + answer(b"STRAY") if sent == 1 else answer(head.split(b"\r\n")[0]))
+            await writer.drain()
+
+    async with RawServer(two_answers) as url:
+        c = client()
+        assert (await c.get(url + "/one")).content == b"first"
+        assert (await c.get(url + "/two")).content == b"GET /two HTTP/1.1"
+
+
+async def test_interim_responses_are_skipped(client: Callable[..., httpx.AsyncClient]) -> None:
+    """1xx responses (100 Continue, 103 Early Hints) come before the response; the connection
+    stays usable after them."""
+
+    async def interim_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head, _ = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n")
+            writer.write(answer(head.split(b"\r\n")[0]))
+            await writer.drain()
+
+    raw = RawServer(interim_first)
+    async with raw as url:
+        c = client()
+        for i in range(3):
+            r = await c.get(url + f"/{i}")
+            assert (r.status_code, r.content, "link" in r.headers) == (200, f"GET /{i} HTTP/1.1".encode(), False)
+    assert raw.connections == 1
+
+
+async def test_a_line_break_in_a_header_is_refused_before_anything_is_sent(
+    client: Callable[..., httpx.AsyncClient],
+) -> None:
+    """httpx does not check header values; h11 (its own transport) refuses a line break in one. So
+    must this transport: written as it is, it would make a header, or a second request, of its own
+    (whose answer would then be taken for the next request's)."""
+    heads: list[bytes] = []
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head, _ = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            heads.append(head)
+            writer.write(answer(b"ok"))
+            await writer.drain()
+
+    async with RawServer(record) as url:
+        c = client()
+        for bad in ("a\r\nx-injected: 1", "a\nx-injected: 1", "a\r\n\r\nGET /smuggled HTTP/1.1\r\nhost: x\r\n"):
+            with pytest.raises(httpx.LocalProtocolError):
+                await c.post(url + "/v1/stream/s", content=b"{}", headers={"producer-id": bad})
+        assert (await c.get(url + "/fine")).content == b"ok"
+    assert [h.split(b"\r\n")[0] for h in heads] == [b"GET /fine HTTP/1.1"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import pytest
 
@@ -83,3 +84,75 @@ def _drain(r: SSERead) -> list[tuple[str, str]]:
     while not r.events.empty():
         out.append(r.events.get_nowait())
     return out
+
+
+async def test_control_events_name_each_streams_own_offset_at_the_same_byte_position(onceflow: InProcess) -> None:
+    """Control events are shared between readers, also of different streams. Two streams can end
+    at the same byte position with different record offsets (``[1,2]`` and ``[123]``): each
+    reader's ``streamNextOffset`` must be its own stream's (a reader resumes from it)."""
+    c = onceflow.client
+    tails = {}
+    for name, body in (("two", b"[1,2]"), ("one", b"[123]")):
+        assert (await c.put(S + name, headers=JSON)).status_code == 201
+        r = await c.post(S + name, content=body, headers=JSON)
+        assert r.status_code == 204
+        tails[name] = r.headers["stream-next-offset"]
+    assert tails["two"] != tails["one"] and tails["two"].split("_")[1] == tails["one"].split("_")[1]
+    for name in ("two", "one"):
+        reader = SSERead(onceflow.app, name, "-1")
+        await reader.next("data")
+        assert json.loads(await reader.next("control"))["streamNextOffset"] == tails[name]
+        await reader.close()
+
+
+class _HeldSSERead(SSERead):
+    """An SSE read whose next send can be held: ``hold()``, then ``held`` is set while the server
+    is inside that send, until ``release()``."""
+
+    def __init__(self, *args: str, **kw: str) -> None:
+        self.gate: asyncio.Event | None = None
+        self.holding = False
+        self.held = asyncio.Event()
+        super().__init__(*args, **kw)
+
+    def hold(self) -> None:
+        self.gate, self.holding = asyncio.Event(), True
+
+    def release(self) -> None:
+        assert self.gate is not None
+        self.gate.set()
+
+    async def _send(self, msg: Any) -> None:
+        if self.holding and self.gate is not None and msg["type"] == "http.response.body":
+            self.holding = False
+            self.held.set()
+            await self.gate.wait()
+        await super()._send(msg)
+
+
+@pytest.mark.parametrize("what", ["close", "delete", "shutdown"])
+async def test_an_sse_read_sees_what_happened_while_it_was_sending(onceflow: InProcess, what: str) -> None:
+    """A close (which moves no offset), a delete or a shutdown that happens while a live reader is
+    in the middle of sending events wakes no one: the reader must still see it before it waits,
+    not a long-poll timeout later."""
+    onceflow.app.config.long_poll_timeout = 3600.0
+    onceflow.app.config.sse_max_seconds = 3600.0
+    c = onceflow.client
+    assert (await c.put(S + "held", headers=JSON)).status_code == 201
+    reader = _HeldSSERead(onceflow.app, "held", "-1")
+    await reader.next("control")
+    reader.hold()
+    assert (await c.post(S + "held", content=b"[1]", headers=JSON)).status_code == 204
+    await asyncio.wait_for(reader.held.wait(), WAIT)  # the reader is sending that message's events
+    if what == "close":
+        r = await c.post(S + "held", headers={**JSON, "stream-closed": "true"})
+        assert r.status_code == 204, r.text
+    elif what == "delete":
+        assert (await c.delete(S + "held")).status_code == 204
+    else:
+        onceflow.broker.begin_shutdown()
+    reader.release()
+    await asyncio.wait_for(reader.task, WAIT)  # the live read ended
+    if what == "close":
+        events = _drain(reader)
+        assert json.loads(events[-1][1]).get("streamClosed") is True, events

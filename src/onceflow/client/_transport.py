@@ -19,6 +19,7 @@ Not here (:func:`onceflow.client.lowlevel.async_http_client` keeps httpx's trans
 from __future__ import annotations
 
 import asyncio
+import select
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -29,6 +30,7 @@ import httpx
 __all__ = ["LeanAsyncTransport"]
 
 _BUFFER = 1 << 20  # response bytes held before the connection stops reading
+_poll = getattr(select, "poll", None)  # select.select is limited to fds below FD_SETSIZE; poll is not
 
 
 class _Connection(asyncio.Protocol):
@@ -76,7 +78,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if (
-            self.head_done
+            exc is None  # closed, not reset: a reset cuts such a body off
+            and self.head_done
             and not self.complete
             and not any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in self.headers)
         ):
@@ -84,6 +87,10 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     # -- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second response where one was asked for: stop at the first
+            raise httpx.RemoteProtocolError("the server sent more than the response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
@@ -132,6 +139,18 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
+    def readable(self) -> bool:
+        """Whether the socket holds something the event loop has not seen yet: on an idle
+        connection, the server's close (or bytes no request asked for), so it is not to be used."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return True
+        if _poll is None:
+            return bool(select.select([sock], [], [], 0)[0])
+        poller = _poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+
     def broken(self) -> Exception:
         if self.error is not None:
             return self.error
@@ -153,6 +172,11 @@ class _Connection(asyncio.Protocol):
 def _time_out(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_exception(httpx.ReadTimeout("timed out waiting for the server's response"))
+
+
+def _pool_time_out(slot: asyncio.Future[None]) -> None:
+    if not slot.done():
+        slot.set_exception(httpx.PoolTimeout("timed out waiting for a connection from the pool"))
 
 
 class _Body(httpx.AsyncByteStream):
@@ -209,22 +233,29 @@ class LeanAsyncTransport(httpx.AsyncBaseTransport):
             raise httpx.UnsupportedProtocol(f"the lean transport speaks plain http, not {url.scheme!r}")
         key = (url.host, url.port or 80)
         timeouts = request.extensions.get("timeout", {})
+        lines = [b"%s %s HTTP/1.1\r\n" % (request.method.encode("ascii"), url.raw_path)]
+        lines.extend(b"%s: %s\r\n" % pair for pair in request.headers.raw)
+        lines.append(b"\r\n")
+        head = b"".join(lines)
+        if head.count(b"\n") != len(lines) or head.count(b"\r") != len(lines):
+            # httpx leaves header values unchecked (h11 checks them in its own transport)
+            raise httpx.LocalProtocolError("a line break in a header name or value (nothing was sent)")
         conn = await self._acquire(key, timeouts.get("pool"), timeouts.get("connect"))
         try:
-            target = url.raw_path
-            head = [b"%s %s HTTP/1.1\r\n" % (request.method.encode("ascii"), target)]
-            head.extend(b"%s: %s\r\n" % pair for pair in request.headers.raw)
-            head.append(b"\r\n")
             try:
                 body = request.content
             except httpx.RequestNotRead:
                 body = None
             assert conn.transport is not None
+            chunked = (
+                "transfer-encoding" in request.headers and request.headers["transfer-encoding"].lower() == "chunked"
+            )
+            if body is not None and chunked:  # a streamed body read before (an auth flow, a retry)
+                body = (b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
             if body is not None:
-                conn.transport.write(b"".join(head) + body)
+                conn.transport.write(head + body)
             else:  # a streamed body: httpx has set Content-Length or Transfer-Encoding: chunked
-                chunked = request.headers.get("transfer-encoding", "").lower() == "chunked"
-                conn.transport.write(b"".join(head))
+                conn.transport.write(head)
                 assert isinstance(request.stream, httpx.AsyncByteStream)
                 async for chunk in request.stream:
                     if chunk:
@@ -257,19 +288,32 @@ class LeanAsyncTransport(httpx.AsyncBaseTransport):
         while idle:
             conn = idle.pop()
             self.idle_count -= 1
-            if not conn.closed and not conn.head_done and not conn.chunks and now - conn.idle_since < self.expiry:
-                return conn  # (an idle connection that received anything is not reused)
+            if (
+                not conn.closed
+                and not conn.head_done
+                and not conn.chunks
+                and now - conn.idle_since < self.expiry
+                and not conn.readable()
+            ):
+                return conn  # (an idle connection that received anything, a close too, is not reused)
             self.open -= 1
             conn.abort()
         loop = asyncio.get_running_loop()
+        if self.open >= self.max_connections and self.idle_count:
+            self._close_oldest_idle()  # another server's (ours were taken above): make room
         if self.open >= self.max_connections:
-            slot = loop.create_future()
+            slot: asyncio.Future[None] = loop.create_future()
             self.queue.append(slot)
+            timer = None if pool_timeout is None else loop.call_later(pool_timeout, _pool_time_out, slot)
             try:
-                await asyncio.wait_for(slot, pool_timeout)
-            except TimeoutError:
-                raise httpx.PoolTimeout("timed out waiting for a connection from the pool") from None
+                await slot
+            except BaseException:
+                if slot.done() and not slot.cancelled() and slot.exception() is None:
+                    self._wake_one()  # woken, then cancelled: the free connection goes to the next
+                raise
             finally:
+                if timer is not None:
+                    timer.cancel()
                 if slot in self.queue:
                     self.queue.remove(slot)
             return await self._acquire(key, pool_timeout, connect_timeout)
@@ -288,6 +332,18 @@ class LeanAsyncTransport(httpx.AsyncBaseTransport):
             self._gone()
             raise
         return conn
+
+    def _close_oldest_idle(self) -> None:
+        """Close the connection idle the longest, whichever server it is to (one pool serves every
+        server of a failover client: idle connections to one must not keep the others out)."""
+        oldest: deque[_Connection] | None = None
+        for idle in self.idle.values():
+            if idle and (oldest is None or idle[0].idle_since < oldest[0].idle_since):
+                oldest = idle
+        if oldest is not None:
+            oldest.popleft().abort()
+            self.idle_count -= 1
+            self.open -= 1
 
     def _release(self, key: tuple[str, int], conn: _Connection) -> None:
         """Back to the pool when its response was read to the end and may be followed by another."""

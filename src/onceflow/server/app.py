@@ -1174,6 +1174,7 @@ class App:
         first = True
         try:
             while not gone and not s.deleted and not s.meta.soft_deleted and not self.broker.closing:
+                was_closed = s.closed
                 read = events.read(self.broker, s, at, committed, text)
                 if read is None:
                     break  # not a record boundary
@@ -1194,8 +1195,18 @@ class App:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                if gone or self.broker.visible_end(s, committed) != at:
-                    continue  # more became visible while the events were sent
+                if (
+                    gone
+                    or self.broker.visible_end(s, committed) != at
+                    or s.closed != was_closed
+                    or s.deleted
+                    or s.meta.soft_deleted
+                    or self.broker.closing
+                ):
+                    # more became visible, or the stream closed (which moves no offset) or went
+                    # away, or the server began to shut down, while the events were sent: their
+                    # wake came before this reader's future was there to get it
+                    continue
                 # one future in the stream's waiters and one timer: the stream's notify (data, an
                 # LSO that moved, a close or delete), the timer or a disconnect resolves it (a task
                 # per wait cost more than the delivery itself)
@@ -1276,8 +1287,10 @@ class SseEvents:
         return value
 
     def control(self, nxt: Position, up_to_date: bool, closed: bool, cursor: str) -> bytes:
-        """The control event after a read (its cursor made by :func:`make_cursor`)."""
-        key = (nxt.pos, up_to_date, closed, cursor)
+        """The control event after a read (its cursor made by :func:`make_cursor`). Shared by the
+        readers of every stream: keyed by the whole position, as streams that end at one byte
+        position may have different record offsets there."""
+        key = (nxt.offset, nxt.pos, up_to_date, closed, cursor)
         event = self._controls.get(key)
         if event is None:
             event = _sse_event("control", _control(ReadResult([], nxt, up_to_date, closed), cursor))
