@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from onceflow_tools.bench.compare import FLOOR
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 pytest.importorskip("matplotlib", reason="matplotlib is in the bench extra: pip install -e '.[bench]'")
@@ -50,6 +52,9 @@ def _compare(tmp_path: Path, systems: str, only: str, *extra: str) -> dict[str, 
     assert doc["failures"] == []
     for m in doc["measurements"]:
         assert m["failures"] == [], m
+        if m["system"] == FLOOR:  # the no-op app stores nothing: no read-back
+            assert m["stored"] is None and m["msg_per_s"] > 0 and m["server_cpu_pct"] > 0, m
+            continue
         assert m["stored"] is not None, m
         if m["exact"]:
             assert m["stored"] == m["acknowledged"], m
@@ -80,6 +85,9 @@ def test_compare_quick_onceflow_and_redis(tmp_path: Path) -> None:
         assert ("produce-100", system) in workloads and ("produce-1024", system) in workloads
         assert ("catch-up-100", system) in workloads
     assert {lat["system"] for lat in doc["latencies"]} == {"onceflow", "Redis (fsync always)"}
+    if "append" in only:  # the floors under onceflow's single-message append, same run
+        assert ("append", FLOOR) in workloads
+        assert doc["app_us"] > 0
 
 
 @pytest.mark.skipif(
