@@ -282,7 +282,7 @@ def test_one_stream_transactions_committed_by_their_last_append_survive_kill9(sr
     only ever saw a prefix of the final output."""
     rng = random.Random(11)
     create(srv.url, "one/out")
-    total = SOAK_N // 50 or 600
+    total = SOAK_N // 50 or 3000
     acked: list[int] = []
     redone = [0]
     failure: list[BaseException] = []
