@@ -29,6 +29,7 @@ from pyspark.sql.datasource import (
     InputPartition,
     WriterCommitMessage,
 )
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
 from pyspark.sql.types import StructType
 
 from onceflow.spark.source import source_schema
@@ -52,18 +53,25 @@ class _Slice(InputPartition):
         self.start, self.end = start, end
 
 
-class MemoryReader(DataSourceStreamReader):
-    """``total`` rows shaped like the onceflow source's, made in memory, as Arrow batches."""
+class MemoryReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """``total`` rows shaped like the onceflow source's, made in memory, as Arrow batches; at most
+    ``max_rows`` per micro-batch, as the onceflow source with ``maxRecordsPerTrigger``."""
 
-    def __init__(self, total: int, per_partition: int) -> None:
-        self.total, self.per_partition = total, per_partition
+    def __init__(self, total: int, per_partition: int, max_rows: int | None = None) -> None:
+        self.total, self.per_partition, self.max_rows = total, per_partition, max_rows
 
     def initialOffset(self) -> dict[str, int]:
         return {"n": 0}
 
-    def latestOffset(self, start: dict[str, int], limit: Any = None) -> dict[str, int]:
-        from pyspark.sql.streaming.datasource import ReadMaxRows
+    def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802 (Spark's name)
+        # as the onceflow source: without this and SupportsTriggerAvailableNow Spark passes
+        # ReadAllAvailable, and the whole input is one micro-batch (one fixed cost, not one per batch)
+        return ReadMaxRows(self.max_rows) if self.max_rows else ReadAllAvailable()
 
+    def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802 (Spark's name)
+        pass  # the input is fixed: ``total`` rows
+
+    def latestOffset(self, start: dict[str, int], limit: Any = None) -> dict[str, int]:
         end = self.total
         if isinstance(limit, ReadMaxRows):
             end = min(end, start["n"] + limit.max_rows)
@@ -113,7 +121,8 @@ class MemoryDataSource(DataSource):
         return source_schema(True)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802
-        return MemoryReader(int(self.options["rows"]), int(self.options["perPartition"]))
+        limit = self.options.get("maxRecordsPerTrigger")
+        return MemoryReader(int(self.options["rows"]), int(self.options["perPartition"]), int(limit) if limit else None)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802
         return NoopWriter()
@@ -124,6 +133,88 @@ def _rate(query: Any) -> tuple[int, float, list[float]]:
     rows = sum(int(p["numInputRows"]) for p in progress)
     ms = [float(p["durationMs"]["triggerExecution"]) for p in progress]
     return rows, sum(ms) / 1000, ms
+
+
+# Spark's phases of a micro-batch (its progress reports' durationMs), in the order they run
+PHASES = ("latestOffset", "walCommit", "queryPlanning", "getBatch", "addBatch", "commitOffsets", "triggerExecution")
+
+
+def phases(query: Any) -> dict[str, float]:
+    """The median of each phase over the query's micro-batches that had rows, in ms."""
+    progress = [p for p in query.recentProgress if p["numInputRows"]]
+    if not progress:
+        return {}
+    return {k: statistics.median(float(p["durationMs"].get(k, 0)) for p in progress) for k in PHASES}
+
+
+def run_pipeline(
+    spark: Any,
+    side: str,
+    *,
+    url: str,
+    stream: str,
+    rows: int,
+    out: str,
+    checkpoint: Path,
+    max_records: int,
+    per_partition: int,
+) -> Any:
+    """Run one pipeline to the end of its input (``Trigger.AvailableNow``); the ended query.
+
+    ``onceflow``: ``stream`` on the server at ``url`` → the exactly-once sink into ``out``.
+    ``memory``: ``rows`` made in memory → the no-op sink. Both select the value column only and
+    take at most ``max_records`` rows per micro-batch, ``per_partition`` per Spark partition.
+    """
+    if side == "onceflow":
+        src = (
+            spark.readStream.format("onceflow")
+            .option("url", url)
+            .option("streams", stream)
+            .option("maxRecordsPerTrigger", str(max_records))
+            .option("maxRecordsPerPartition", str(per_partition))
+            .load()
+        )
+        writer = (
+            src.selectExpr("value")
+            .writeStream.format("onceflow")
+            .option("url", url)
+            .option("stream", out)
+            .option("sinkId", out.replace("/", "-"))
+        )
+    elif side == "memory":
+        src = (
+            spark.readStream.format("onceflow-bench-memory")
+            .option("rows", str(rows))
+            .option("perPartition", str(per_partition))
+            .option("maxRecordsPerTrigger", str(max_records))
+            .load()
+        )
+        writer = src.selectExpr("value").writeStream.format("onceflow-bench-memory")
+    else:
+        raise ValueError(f"no pipeline {side!r}: onceflow or memory")
+    q = writer.option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start()
+    q.awaitTermination()
+    return q
+
+
+def machine_cpu() -> float:
+    """CPU seconds the machine has spent busy (all cores, all processes) since boot: /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds process ``pid`` has used (user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _phase_table(title: str, rows: dict[str, dict[str, float]]) -> list[str]:
+    sides = list(rows)
+    lines = [title, "", "| phase (Spark's durationMs) | " + " | ".join(sides) + " |", "|---|" + "---:|" * len(sides)]
+    for k in PHASES:
+        lines.append(f"| {k} | " + " | ".join(f"{rows[s].get(k, float('nan')):,.0f}" for s in sides) + " |")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -156,74 +247,60 @@ def run(args: argparse.Namespace) -> int:
             "max_records_per_trigger": args.max_records_per_trigger,
         }
         best: dict[str, float] = {}
+        big: dict[str, dict[str, float]] = {}
+        cpu: dict[str, tuple[float, float]] = {}  # per side, of its best run: machine and server CPU us per row
+        assert server.proc is not None
         for attempt in range(args.repeat):
             for side in ("memory", "onceflow"):
-                ckpt = work / f"ckpt-{side}-{attempt}"
-                if side == "onceflow":
-                    src = (
-                        spark.readStream.format("onceflow")
-                        .option("url", server.url)
-                        .option("streams", "bench/in")
-                        .option("maxRecordsPerTrigger", str(args.max_records_per_trigger))
-                        .option("maxRecordsPerPartition", str(args.per_partition))
-                        .load()
-                    )
-                    q = (
-                        src.selectExpr("value")
-                        .writeStream.format("onceflow")
-                        .option("url", server.url)
-                        .option("stream", f"bench/out-{attempt}")
-                        .option("sinkId", f"bench-{attempt}")
-                        .option("checkpointLocation", str(ckpt))
-                        .trigger(availableNow=True)
-                        .start()
-                    )
-                else:
-                    src = (
-                        spark.readStream.format("onceflow-bench-memory")
-                        .option("rows", str(args.rows))
-                        .option("perPartition", str(args.per_partition))
-                        .option("maxRecordsPerTrigger", str(args.max_records_per_trigger))
-                        .load()
-                    )
-                    q = (
-                        src.selectExpr("value")
-                        .writeStream.format("onceflow-bench-memory")
-                        .option("checkpointLocation", str(ckpt))
-                        .trigger(availableNow=True)
-                        .start()
-                    )
-                q.awaitTermination()
-                rows, seconds, _ = _rate(q)
+                machine0, server0 = machine_cpu(), process_cpu(server.proc.pid)
+                q = run_pipeline(
+                    spark,
+                    side,
+                    url=server.url,
+                    stream="bench/in",
+                    rows=args.rows,
+                    out=f"bench/out-{attempt}",
+                    checkpoint=work / f"ckpt-{side}-{attempt}",
+                    max_records=args.max_records_per_trigger,
+                    per_partition=args.per_partition,
+                )
+                rows, seconds, ms = _rate(q)
                 rate = rows / seconds if seconds else 0.0
+                per_row = (
+                    (machine_cpu() - machine0) / max(rows, 1) * 1e6,
+                    (process_cpu(server.proc.pid) - server0) / max(rows, 1) * 1e6,
+                )
                 _say(
-                    f"  run {attempt + 1}: {side:8s} {rows:,} rows in {seconds:.2f} s of micro-batches: {rate:,.0f} rows/s"
+                    f"  run {attempt + 1}: {side:8s} {rows:,} rows in {len(ms)} micro-batches, "
+                    f"{seconds:.2f} s: {rate:,.0f} rows/s"
                 )
                 if rows != args.rows:
                     _say(f"  warning: {side} saw {rows:,} rows, expected {args.rows:,}")
-                best[side] = max(best.get(side, 0.0), rate)
+                if rate > best.get(side, 0.0):
+                    best[side], big[side], cpu[side] = rate, phases(q), per_row
 
-        # fixed cost of a micro-batch: one-row batches through onceflow
+        # the fixed cost of a micro-batch: one-row batches through each pipeline
         httpx.put(f"{server.url}/v1/stream/bench/tiny", headers={"content-type": "application/json"}).raise_for_status()
         for i in range(args.tiny_batches):
             httpx.post(f"{server.url}/v1/stream/bench/tiny", json=[{"i": i}]).raise_for_status()
-        q = (
-            spark.readStream.format("onceflow")
-            .option("url", server.url)
-            .option("streams", "bench/tiny")
-            .option("maxRecordsPerTrigger", "1")
-            .load()
-            .selectExpr("value")
-            .writeStream.format("onceflow")
-            .option("url", server.url)
-            .option("stream", "bench/tiny-out")
-            .option("sinkId", "bench-tiny")
-            .option("checkpointLocation", str(work / "ckpt-tiny"))
-            .trigger(availableNow=True)
-            .start()
-        )
-        q.awaitTermination()
-        _, _, tiny_ms = _rate(q)
+        tiny: dict[str, dict[str, float]] = {}
+        tiny_ms: list[float] = []
+        for side in ("memory", "onceflow"):
+            q = run_pipeline(
+                spark,
+                side,
+                url=server.url,
+                stream="bench/tiny",
+                rows=args.tiny_batches,
+                out="bench/tiny-out",
+                checkpoint=work / f"ckpt-tiny-{side}",
+                max_records=1,
+                per_partition=1,
+            )
+            tiny[side] = phases(q)
+            if side == "onceflow":
+                tiny_ms = _rate(q)[2]
+            _say(f"  one-row micro-batches, {side}: p50 {tiny[side].get('triggerExecution', float('nan')):,.0f} ms")
         spark.stop()
     finally:
         server.stop()
@@ -237,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
             "ratio": ratio,
             "micro_batch_fixed_ms_p50": batch_ms,
             "micro_batch_fixed_ms": tiny_ms,
+            "phases_ms_p50": {"batches": big, "one_row": tiny},
+            "cpu_us_per_row": {side: {"machine": m, "server": v} for side, (m, v) in cpu.items()},
         }
     )
     text = "\n".join(
@@ -250,6 +329,15 @@ def run(args: argparse.Namespace) -> int:
             f"| ratio | {ratio:.2f}x |",
             "",
             f"fixed cost of a micro-batch (one row, onceflow → onceflow): p50 {batch_ms:.0f} ms over {len(tiny_ms)} batches",
+            "",
+            "CPU per row over each best run, query start and stop included (every process on the machine:"
+            f" Spark's JVM, its Python workers, the onceflow server): onceflow {cpu['onceflow'][0]:.2f} us,"
+            f" in-memory {cpu['memory'][0]:.2f} us; {cpu['onceflow'][0] - cpu['memory'][0]:.2f} us more, of"
+            f" which the server (receiving, checking, storing durably and serving each row) {cpu['onceflow'][1]:.2f} us.",
+            "",
+            *_phase_table(f"Where a micro-batch of {args.max_records_per_trigger:,} rows goes (p50 ms, best run)", big),
+            "",
+            *_phase_table("Where a one-row micro-batch goes (p50 ms)", tiny),
         ]
     )
     failures = []
