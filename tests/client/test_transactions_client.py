@@ -26,6 +26,7 @@ from onceflow.client import (
     TransactionalProducer,
 )
 from onceflow.copy import copy_streams
+from onceflow.wire import iter_frames
 
 
 @pytest.fixture
@@ -72,6 +73,31 @@ def test_transaction_block_commits_on_success_and_aborts_on_error(srv: ServerPro
     assert read(srv.url, "tx/a") == [{"n": 1}, {"n": 2}]
     assert read(srv.url, "tx/b") == [{"n": 1}]
     assert {"n": "doomed"} in read(srv.url, "tx/a", "read_uncommitted")
+
+
+def test_one_extend_larger_than_the_servers_body_limit_goes_in_requests_it_accepts(tmp_path: Path) -> None:
+    """``extend`` with more than ``max_batch_bytes`` of messages (a Spark task hands over 10,000
+    rows at once, however wide) sends them in requests of about ``max_batch_bytes``: none of them
+    is refused as too large by a server whose body limit is above that, and all commit together.
+    A list of bytes (the Spark sink's) is taken as encoded messages; a list that mixes in other
+    values is encoded value by value."""
+    srv = ServerProcess(tmp_path / "data", "--log-level", "error", "--max-body", "4096")
+    srv.start()
+    try:
+        create(srv.url, "enc/out")
+        wide = [b'{"n":%d,"pad":"%s"}' % (i, b"x" * 90) for i in range(100)]  # ~10 KB in one call
+        mixed: list[Any] = [b'{"n":100}', {"n": 101}, '{"n":102}', bytearray(b'{"n":103}')]
+        with TransactionalProducer(srv.url, "enc-w", max_batch_bytes=1024) as producer, producer.transaction():
+            producer.extend("enc/out", wide)
+            producer.extend("enc/out", mixed * 30)
+        got = read(srv.url, "enc/out")
+        assert [m["n"] for m in got[:100]] == list(range(100))
+        assert got[100:104] == [{"n": 100}, {"n": 101}, '{"n":102}', {"n": 103}] and len(got) == 220
+        r = httpx.get(f"{srv.url}/v1/stream/enc/out", params={"offset": "-1", "format": "records"})
+        sizes = [len(payload) for *_, payload in iter_frames(r.content)]
+        assert len(sizes) >= 10 and max(sizes) < 1024 + 110  # each request stops at the first message past 1 KiB
+    finally:
+        srv.kill()
 
 
 def test_a_second_instance_fences_the_first(srv: ServerProcess) -> None:
