@@ -77,3 +77,25 @@ def test_the_sink_takes_each_row_value_as_its_utf8_bytes() -> None:
     ):
         with pytest.raises(ValueError, match="null"):
             _rows(bad, one)
+
+
+def test_a_payload_not_laid_out_as_stored_is_still_split_text_by_text() -> None:
+    """Whitespace after a comma (no server writes it, but a payload is data from disk) and a text
+    msgspec refuses: the rows are the texts all the same, each at its offset."""
+    frames = [
+        Frame(base_offset=3, count=2, timestamp_ms=5, payload=b'{"a":1}, {"b":[2, 3]},'),
+        Frame(base_offset=5, count=2, timestamp_ms=6, payload=b'"\\ud800",{"c":"\xc3\xa9"},'),
+    ]
+    batch = frames_to_arrow("s", "application/json", frames, True).to_pydict()
+    assert batch["value"] == ['{"a":1}', '{"b":[2, 3]}', '"\\ud800"', '{"c":"é"}']
+    assert batch["offset"] == [3, 4, 5, 6]
+    with pytest.raises(ValueError, match="holds 2 messages, header says 3"):
+        frames_to_arrow("s", "application/json", [Frame(0, 3, 0, b"1,2,")], True)
+
+
+def test_byte_streams_give_a_row_per_append() -> None:
+    frames = [Frame(base_offset=10, count=1, timestamp_ms=1, payload=b"\x00\xff"), Frame(11, 1, 2, b"ok")]
+    assert frames_to_arrow("b", "application/octet-stream", frames, False).to_pydict()["value"] == [b"\x00\xff", b"ok"]
+    text = frames_to_arrow("t", "text/plain", frames, True).to_pydict()
+    assert text["value"] == ["\x00\ufffd", "ok"] and text["offset"] == [10, 11]
+    assert frames_to_arrow("t", "application/json", [], True).num_rows == 0

@@ -14,7 +14,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
 from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType, TimestampType
@@ -81,32 +83,54 @@ def split_json(payload: bytes) -> list[str]:
     return [t.decode("utf-8") for t in split_json_bytes(payload)]
 
 
+def _json_values(stream: str, frames: list[Frame]) -> pa.Array:
+    """The message texts of JSON frames as one binary column, built from the payloads' bytes and
+    the texts' lengths (~0.09 us a row, against ~0.26 us for a ``bytes`` object per row).
+
+    A stored payload is compact texts each followed by one comma, so the payloads joined are the
+    column's data with a comma after each value: offsets from the lengths, then one slice in C
+    drops the commas. A payload that is not laid out so (never written by this server) is taken
+    text by text."""
+    lengths: list[int] = []
+    for f in frames:
+        try:
+            texts: list[Any] = _split_array(b"[" + f.payload[:-1] + b"]") if f.payload else []
+        except (msgspec.DecodeError, RecursionError):
+            texts = split_json_bytes(f.payload)
+        if len(texts) != f.count:
+            raise ValueError(
+                f"stream {stream}: batch at record {f.base_offset} holds {len(texts)} messages, header says {f.count}"
+            )
+        lengths.extend(map(len, texts))
+    n = len(lengths)
+    data = b"".join(f.payload for f in frames)
+    ends = np.cumsum(np.fromiter(lengths, np.int64, n) + 1)
+    if n and (ends[-1] != len(data) or len(data) >= 2**31):
+        return pa.array([t for f in frames for t in split_json_bytes(f.payload)], pa.binary())
+    offsets = np.zeros(n + 1, np.int32)
+    offsets[1:] = ends
+    with_commas = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    return pc.binary_slice(with_commas, 0, -1)
+
+
 def frames_to_arrow(stream: str, content_type: str, frames: list[Frame], text_values: bool) -> pa.RecordBatch:
     """One Arrow record batch of rows: one row per JSON message, one per append on other streams."""
     json_stream = content_type.split(";", 1)[0].strip().lower() == "application/json"
-    offsets: list[int] = []
-    stamps: list[int] = []
-    values: list[Any] = []
-    for f in frames:
-        if json_stream:
-            texts = split_json_bytes(f.payload)  # text values: checked as UTF-8 by Arrow's cast below
-            if len(texts) != f.count:
-                raise ValueError(
-                    f"stream {stream}: batch at record {f.base_offset} holds {len(texts)} messages, header says {f.count}"
-                )
-            values.extend(texts)
-        else:
-            values.append(f.payload.decode("utf-8", "replace") if text_values else f.payload)
-        offsets.extend(range(f.base_offset, f.base_offset + f.count))
-        stamps.extend([f.timestamp_ms * 1000] * f.count)
-    n = len(offsets)
+    counts = np.fromiter((f.count for f in frames), np.int64, len(frames))
+    n = int(counts.sum())
     if json_stream:
-        # bytes into one binary column, then one cast in C: a str per row cost ~0.12 us more
-        column = pa.array(values, pa.binary())
+        column = _json_values(stream, frames)  # text values: checked as UTF-8 by Arrow's cast below
         if text_values:
             column = column.cast(pa.string())
+    elif text_values:
+        column = pa.array([f.payload.decode("utf-8", "replace") for f in frames], pa.string())
     else:
-        column = pa.array(values, pa.string() if text_values else pa.binary())
+        column = pa.array([f.payload for f in frames], pa.binary())
+    # each row's offset counts from its batch's first; each row has its batch's time
+    bases = np.fromiter((f.base_offset for f in frames), np.int64, len(frames))
+    before = np.cumsum(counts) - counts  # rows of the earlier batches
+    offsets = np.repeat(bases - before, counts) + np.arange(n, dtype=np.int64)
+    stamps = np.repeat(np.fromiter((f.timestamp_ms for f in frames), np.int64, len(frames)) * 1000, counts)
     return pa.RecordBatch.from_arrays(
         [
             pa.repeat(pa.scalar(stream, pa.string()), n),
