@@ -504,3 +504,16 @@ async def test_the_sink_shows_how_many_rows_its_last_batch_published(tmp_path: P
             "rows": 1,
         }
         await c.broker.close()
+
+
+def test_a_fingerprint_is_the_sum_of_each_rows_crc32_whatever_the_split_or_order() -> None:
+    """What a server keeps from an earlier commit must match what a replay computes now: the row
+    count and the sum (mod 2**64) of CRC-32s of ``stream NUL value``, from a list or any iterable."""
+    import zlib
+
+    rows = [b'{"a":%d}' % i for i in range(50)] + [b"", b"\xff" * 300]
+    expected = sum(zlib.crc32(b"out\0" + v) for v in rows) & 0xFFFF_FFFF_FFFF_FFFF
+    whole = Fingerprint().add("out", rows)
+    assert whole == Fingerprint(len(rows), expected)
+    assert Fingerprint().add("out", rows[30:]) + Fingerprint().add("out", iter(rows[:30][::-1])) == whole
+    assert Fingerprint().add("other", rows) != whole

@@ -32,6 +32,7 @@ import random
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Literal
 from urllib.parse import quote
 
@@ -110,11 +111,9 @@ class Fingerprint:
 
     def add(self, stream: str, values: Iterable[bytes]) -> Fingerprint:
         head = zlib.crc32(stream.encode() + b"\0")
-        rows, total = self.rows, self.checksum
-        for v in values:
-            total += zlib.crc32(v, head)
-            rows += 1
-        return Fingerprint(rows, total & 0xFFFF_FFFF_FFFF_FFFF)
+        values = values if isinstance(values, Sequence) else list(values)
+        total = self.checksum + sum(map(zlib.crc32, values, repeat(head)))  # no bytecode per row
+        return Fingerprint(self.rows + len(values), total & 0xFFFF_FFFF_FFFF_FFFF)
 
     def __add__(self, other: Fingerprint) -> Fingerprint:
         return Fingerprint(self.rows + other.rows, (self.checksum + other.checksum) & 0xFFFF_FFFF_FFFF_FFFF)

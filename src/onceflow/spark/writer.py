@@ -93,6 +93,9 @@ def _rows(rb: pa.RecordBatch, opts: Options) -> dict[str, list[bytes]]:
     values: list[bytes | None] = column.to_pylist()
     idx = rb.schema.get_field_index("stream")
     groups: dict[str, list[bytes | None]] = {}
+    if idx < 0 and column.null_count == 0:  # the common case, checked by Arrow and not row by row
+        assert opts.stream is not None
+        return {opts.stream: values}  # type: ignore[dict-item]  # (no None: no nulls)
     if idx >= 0:
         for target, value in zip(rb.column(idx).to_pylist(), values, strict=True):
             if target is None:
