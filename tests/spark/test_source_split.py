@@ -93,6 +93,20 @@ def test_a_payload_not_laid_out_as_stored_is_still_split_text_by_text() -> None:
         frames_to_arrow("s", "application/json", [Frame(0, 3, 0, b"1,2,")], True)
 
 
+def test_a_frame_whose_lengths_add_up_only_across_frames_is_split_text_by_text() -> None:
+    """The fast column takes each text at the offset its length gives; when a frame's separators
+    are not single commas, a short frame can make up for a long one (or a multi-byte separator for
+    a missing comma) so that the total fits while the offsets do not: the rows must still be the
+    texts the json module finds, never a neighbour's bytes (found by review)."""
+    cases = [
+        [Frame(0, 2, 1, b"1\xc3\xa92")],
+        [Frame(0, 2, 1, b"1,2"), Frame(2, 1, 1, b"3 ,")],
+    ]
+    for frames in cases:
+        texts = [t for f in frames for t in split_json_bytes(f.payload)]
+        assert frames_to_arrow("s", "application/json", frames, False).to_pydict()["value"] == texts
+
+
 def test_byte_streams_give_a_row_per_append() -> None:
     frames = [Frame(base_offset=10, count=1, timestamp_ms=1, payload=b"\x00\xff"), Frame(11, 1, 2, b"ok")]
     assert frames_to_arrow("b", "application/octet-stream", frames, False).to_pydict()["value"] == [b"\x00\xff", b"ok"]

@@ -278,7 +278,7 @@ class AsyncTransactionalProducer:
     async def extend(self, stream: str, values: Iterable[bytes | str | Any]) -> None:
         """Add many messages to the open transaction at once. A request is sent each time the
         buffer reaches ``max_batch_bytes``, so however many are added in one call, each request
-        holds about that much (a message larger than it goes alone)."""
+        holds about that much (a message larger than it goes with what was buffered before it)."""
         self._check()
         json_stream = is_json_type(await self._content_type(stream))
         if type(values) is list and set(map(type, values)) == {bytes}:  # encoded messages (the Spark sink)

@@ -89,24 +89,30 @@ def _json_values(stream: str, frames: list[Frame]) -> pa.Array:
 
     A stored payload is compact texts each followed by one comma, so the payloads joined are the
     column's data with a comma after each value: offsets from the lengths, then one slice in C
-    drops the commas. A payload that is not laid out so (never written by this server) is taken
-    text by text."""
+    drops the commas. A frame is laid out so exactly when msgspec reads it and its texts' lengths
+    plus one byte each add up to its payload's length (there is then no room for anything but one
+    comma between texts). A batch with any frame not laid out so (never written by this server, but
+    a payload is data from disk) is taken text by text."""
     lengths: list[int] = []
+    laid_out = True
     for f in frames:
         try:
             texts: list[Any] = _split_array(b"[" + f.payload[:-1] + b"]") if f.payload else []
         except (msgspec.DecodeError, RecursionError):
             texts = split_json_bytes(f.payload)
+            laid_out = False
         if len(texts) != f.count:
             raise ValueError(
                 f"stream {stream}: batch at record {f.base_offset} holds {len(texts)} messages, header says {f.count}"
             )
-        lengths.extend(map(len, texts))
+        sizes = list(map(len, texts))
+        laid_out = laid_out and sum(sizes) + len(sizes) == len(f.payload)
+        lengths.extend(sizes)
     n = len(lengths)
     data = b"".join(f.payload for f in frames)
-    ends = np.cumsum(np.fromiter(lengths, np.int64, n) + 1)
-    if n and (ends[-1] != len(data) or len(data) >= 2**31):
+    if n and (not laid_out or len(data) >= 2**31):
         return pa.array([t for f in frames for t in split_json_bytes(f.payload)], pa.binary())
+    ends = np.cumsum(np.fromiter(lengths, np.int64, n) + 1)
     offsets = np.zeros(n + 1, np.int32)
     offsets[1:] = ends
     with_commas = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
