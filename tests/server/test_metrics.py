@@ -519,6 +519,26 @@ async def test_a_group_name_that_is_not_utf8_is_refused_and_metrics_stay_up(make
     assert value(m, "onceflow_streams") == 1
 
 
+async def test_a_group_name_stored_before_the_utf8_check_does_not_break_the_scrape(make: Callable[..., Any]) -> None:
+    """A coordinator log written before names in bodies were checked can still hold a group named
+    with a lone surrogate. Allow-listed, it must not make every later scrape a 500: the label is
+    written with the surrogate escaped, and the other series are still there."""
+    srv: Server = await make(allow=("",))
+    c = srv.client
+    await c.put(S + "s", headers=JSON)
+    end = (await c.post(S + "s", content=b"[1,2]", headers=JSON)).headers["stream-next-offset"]
+    srv.broker.coordinator.groups["g\ud800"] = {"s": end}  # as replayed from such a log
+    srv.broker.coordinator.groups["ok"] = {"s": end}
+    r = await c.get("/metrics")
+    assert r.status_code == 200, r.text
+    m = await srv.scrape()
+    assert value(m, "onceflow_streams") == 1
+    assert value(m, "onceflow_consumer_group_lag_records", group="ok") == 0
+    assert value(m, "onceflow_consumer_group_lag_records", group="g\\ud800") == 0
+    listed = await c.get("/v1/groups")  # what `onceflow groups --json` reads
+    assert listed.status_code == 200 and {"g\ud800", "ok"} <= {g["group"] for g in listed.json()["groups"]}
+
+
 async def test_without_an_allow_list_there_is_no_name_label(make: Callable[..., Any]) -> None:
     srv: Server = await make()
     c = srv.client
