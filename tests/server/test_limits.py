@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -53,5 +55,40 @@ def test_a_stream_past_the_limit_is_refused_with_429(tmp_path: Path) -> None:
             assert c.put(f"{S}s1", headers=JSON).status_code == 200  # an existing one is still confirmed
             assert c.delete(f"{S}s0").status_code == 204
             assert c.put(f"{S}one-more", headers=JSON).status_code == 201
+    finally:
+        server.kill()
+
+
+def test_answers_the_http_layer_gives_itself_are_counted_in_metrics(tmp_path: Path) -> None:
+    """A request the HTTP layer refuses before the app sees it (431 for too many headers, 503 for a
+    connection over the cap) never reached the request counters: an operator watching /metrics saw
+    nothing while clients were turned away. They are counted by status and code."""
+    server = ServerProcess(tmp_path / "data", "--max-connections", "2", "--max-headers", "5")
+    server.start()
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+        heads = "".join(f"x-h{i}: v\r\n" for i in range(8))
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(f"GET /metrics HTTP/1.1\r\nhost: x\r\n{heads}\r\n".encode())
+            assert s.recv(65536).startswith(b"HTTP/1.1 431")
+        held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        try:
+            time.sleep(0.2)  # both accepted and counted as open by the server
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                assert s.recv(65536).startswith(b"HTTP/1.1 503")
+        finally:
+            for s in held:
+                s.close()
+        deadline = time.monotonic() + 10
+        while True:  # the held connections' close reaches the server
+            try:
+                text = httpx.get(server.url + "/metrics", timeout=10).text
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert 'onceflow_http_refused_total{code="too_many_headers",status="431"} 1.0' in text, text
+        assert 'onceflow_http_refused_total{code="too_many_connections",status="503"} 1.0' in text
     finally:
         server.kill()

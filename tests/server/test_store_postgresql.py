@@ -7,6 +7,7 @@ exits."""
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,6 +98,13 @@ def test_with_no_forward_a_follower_names_the_leader(pg: str, tmp_path: Path) ->
         assert r.json()["error"]["code"] == "not_leader"
         assert r.headers["onceflow-leader"] == a.url == r.json()["error"]["leader"]
         assert httpx.get(f"{a.url}/v1/stream/orders", params={"offset": "-1"}).json() == []
+        # the HTTP layer's own answers are counted by the leader's /metrics too (they were not)
+        heads = "".join(f"x-h{i}: v\r\n" for i in range(120))
+        with socket.create_connection(("127.0.0.1", int(a.url.rsplit(":", 1)[1])), timeout=10) as s:
+            s.sendall(f"GET /metrics HTTP/1.1\r\nhost: x\r\n{heads}\r\n".encode())
+            assert s.recv(65536).startswith(b"HTTP/1.1 431")
+        scraped = httpx.get(f"{a.url}/metrics").text
+        assert 'onceflow_http_refused_total{code="too_many_headers",status="431"} 1.0' in scraped
     finally:
         a.kill()
         b.kill()

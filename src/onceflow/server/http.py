@@ -32,7 +32,8 @@ Connection management (``HttpLimits``; docs/security.md, "HTTP layer"), all on b
 - The request line and headers are limited to ``max_header_bytes`` and ``max_headers``: ``431``.
 
 The app's own limits (body size, live-read timeouts) are the app's; this layer never answers for it
-except with the statuses above, each with a JSON error body and ``Connection: close``.
+except with the statuses above, each with a JSON error body and ``Connection: close``. Each such
+answer is counted in ``refusals`` (by status and code), which ``/metrics`` shows.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import fcntl
 import logging
 import sys
 import termios
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -205,8 +206,17 @@ class HttpServerProtocol(asyncio.Protocol):
     others wait in ``queue`` with their bodies. ``current`` is the request being parsed.
     """
 
-    def __init__(self, app: ASGIApp, limits: HttpLimits, server_addr: tuple[str, int], *, refuse: bool = False) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        limits: HttpLimits,
+        server_addr: tuple[str, int],
+        *,
+        refuse: bool = False,
+        refusals: Counter[tuple[int, str]] | None = None,
+    ) -> None:
         self.app = app
+        self.refusals = refusals  # the answers this layer gives itself, by (status, code)
         self.limits = limits
         self.server_addr = server_addr
         self.refuse = refuse  # over the connection cap: answer 503 and close
@@ -247,6 +257,8 @@ class HttpServerProtocol(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
         if self.refuse:  # not tracked by the server, so it closes itself
+            if self.refusals is not None:
+                self.refusals[(503, "too_many_connections")] += 1
             self.transport.write(_error_response(503, "too_many_connections", "too many open connections; retry later"))
             self.draining_until = self.loop.time() + self.limits.linger
             if self.transport.can_write_eof():
@@ -395,6 +407,8 @@ class HttpServerProtocol(asyncio.Protocol):
         """
         if self.transport is None or self.closed or self.draining_until is not None or self.pending is not None:
             return
+        if self.refusals is not None:
+            self.refusals[(status, code)] += 1
         cur = self.current
         self.current = None
         if cur is not None and cur.headers_done:
@@ -653,8 +667,10 @@ async def start_server(
     port: int,
     limits: HttpLimits | None = None,
     connections: set[HttpServerProtocol] | None = None,
+    refusals: Counter[tuple[int, str]] | None = None,
 ) -> asyncio.Server:
-    """Listen on ``host:port``; ``connections``, if given, is kept as the set of open connections.
+    """Listen on ``host:port``; ``connections``, if given, is kept as the set of open connections,
+    and ``refusals`` counts the answers this layer gives itself, by (status, code).
 
     Also starts the sweep that enforces the timeouts of ``limits``; it ends when the server is
     closed and its last connection is gone.
@@ -666,8 +682,8 @@ async def start_server(
 
     def factory() -> HttpServerProtocol:
         if len(conns) >= limits.max_connections:
-            return HttpServerProtocol(app, limits, addr[0], refuse=True)
-        proto = HttpServerProtocol(app, limits, addr[0])
+            return HttpServerProtocol(app, limits, addr[0], refuse=True, refusals=refusals)
+        proto = HttpServerProtocol(app, limits, addr[0], refusals=refusals)
         conns.add(proto)
         proto.disconnected.add_done_callback(lambda _: conns.discard(proto))
         return proto

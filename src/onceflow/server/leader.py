@@ -39,6 +39,7 @@ import os
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -354,7 +355,8 @@ async def serve_store(
     fs = await _off_loop(functools.partial(PgFileSystem, store, idle_timeout=lease_seconds / 2))
     switch = Switch(_starting)
     connections: set[HttpServerProtocol] = set()
-    server = await start_server(switch, host, port, limits, connections)
+    refusals: Counter[tuple[int, str]] = Counter()  # the HTTP layer's own answers, since this process began
+    server = await start_server(switch, host, port, limits, connections, refusals)
     bound = server.sockets[0].getsockname()[1]
     me = advertise or f"http://{host}:{bound}"
     follower = NotLeader(fs, lease_seconds, me=me, forward=forward, max_body=max_body)
@@ -381,6 +383,7 @@ async def serve_store(
         broker = make_broker(fs, ROOT)
         await _off_loop(broker.open)  # recovery: every stream, from the database
         app, handler = build(broker)
+        app.metrics.http_refusals = refusals
         await broker.start()
         app.subscriptions.start()
         switch.target, switch.lease, switch.leads = Leading(handler, follower, lease), lease, True

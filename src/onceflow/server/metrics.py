@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 import shutil
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -105,6 +106,8 @@ class Metrics:
         self.group_batches = _Buckets(GROUP_BATCHES_BUCKETS)
         self.group_bytes = _Buckets(GROUP_BYTES_BUCKETS)
         self.store_errors = dict.fromkeys(STORE_OPS, 0)
+        # answers the native HTTP layer gives before the app sees a request (server/http.py)
+        self.http_refusals: Counter[tuple[int, str]] = Counter()
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))
         ProcessCollector(registry=self.registry)  # the client library's standard process_* metrics
@@ -221,6 +224,16 @@ class _Collector(Collector):
         for labels in sorted(m.requests):
             m.requests[labels].add_to(requests, list(labels))
         yield requests
+        refused = CounterMetricFamily(
+            "onceflow_http_refused",
+            "Requests and connections the native HTTP layer answered itself, before the app saw them "
+            "(408 timeouts, 414/431 oversized request heads, 400 unparsable requests, 503 over the "
+            "connection cap), by status and error code",
+            labels=["status", "code"],
+        )
+        for (status, code), n in sorted(m.http_refusals.items()):
+            refused.add_metric([str(status), code], n)
+        yield refused
         yield from self._counters()
         yield GaugeMetricFamily("onceflow_live_readers", "Long-poll and SSE reads open now", value=m.live_readers)
         yield _histogram(

@@ -123,7 +123,7 @@ async def serve(
     await broker.start()  # finishes transactions decided before a crash, before anyone connects
     app.subscriptions.start()  # resumes wakes, leases and webhook retries kept on disk
     connections: set[HttpServerProtocol] = set()
-    server = await start_server(handler, host, port, limits, connections)
+    server = await start_server(handler, host, port, limits, connections, app.metrics.http_refusals)
     bound = server.sockets[0].getsockname()
     print(f"onceflow listening on http://{host}:{bound[1]}", flush=True)
     await stop.wait()
