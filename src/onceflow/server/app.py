@@ -1182,7 +1182,7 @@ class App:
                 out: list[bytes] = []
                 if data:
                     out.append(data)
-                if data or first or closed:  # a close moves no offset: no data tells it
+                if data or first or closed or nxt != at:  # a close moves no offset, a marker no message
                     out.append(events.control(nxt, up_to_date, closed, make_cursor(cursor)))
                     first = False
                 if out:
@@ -1277,7 +1277,10 @@ class SseEvents:
             result = broker.read(s, at, committed=committed)
         except InvalidPosition:
             return None
-        data = _sse_event("data", _sse_payload(s, result, text)) if result.batches else b""
+        # a read of only transaction markers (no message: count 0) moves the reader on by its
+        # control event alone; a data event of nothing would reach a client as an empty batch
+        holds = any(b.header.count for b in result.batches)
+        data = _sse_event("data", _sse_payload(s, result, text)) if holds else b""
         value = (result.next, result.up_to_date, result.closed, data)
         if len(self._reads) >= self.MAX_ENTRIES or self._bytes + len(data) > self.MAX_BYTES:
             self._reads.clear()
