@@ -655,6 +655,25 @@ class Broker:
 
     # ------------------------------------------------------------------ create
 
+    async def forget_offsets_of_deleted(self, name: str) -> Outcome | None:
+        """Before a stream is created under ``name``: drop the consumer groups' offsets into the
+        stream of that name that was deleted (positions of that stream; a consumer resuming at one
+        would skip the new stream's first messages). Nothing when a stream of that name exists
+        (soft deleted included: its name is still taken). An Outcome when the drop could not be
+        stored: the create must not go ahead."""
+        if name in self.streams or not self.coordinator.groups_of_stream(name):
+            return None
+        try:
+            await self.coordinator.forget_stream(name)
+        except OSError as exc:
+            return Outcome(
+                Refusal.UNAVAILABLE,
+                detail=f"the consumer groups' offsets into the deleted stream {name!r} could not be dropped "
+                f"before it is created again: {exc.strerror or exc}",
+            )
+        log.info("dropped the consumer groups' offsets into the deleted stream %r, created again", name)
+        return None
+
     def create(
         self,
         name: str,

@@ -442,6 +442,8 @@ class Coordinator:
                     rec.get("fingerprint"),
                     rec.get("rows"),
                 )
+        elif rec["kind"] == "forget":
+            self._forget(rec["stream"])
         elif rec["kind"] == "offsets":
             if rec.get("reset"):
                 self.groups.setdefault(rec["group"], {}).update(rec["offsets"])
@@ -1381,6 +1383,24 @@ class Coordinator:
             return aborted
 
     # ------------------------------------------------------------------ group offsets
+
+    def groups_of_stream(self, stream: str) -> list[str]:
+        """The groups that hold a committed offset into ``stream``."""
+        return sorted(g for g, offsets in self.groups.items() if stream in offsets)
+
+    async def forget_stream(self, stream: str) -> None:
+        """Drop every group's committed offset into ``stream`` (a durable record, then memory, as
+        :meth:`commit_offsets` does: a later record of the log replays after it). The broker calls
+        it when a stream is created under a name whose earlier stream was deleted: its offsets are
+        positions of that stream, and a consumer resuming at one would skip the new stream's
+        messages. Offsets still pending in an open transaction are not dropped: they take effect if
+        it commits, as a late commit of an old consumer's offsets would."""
+        await self._write({"kind": "forget", "stream": stream})
+        self._forget(stream)
+
+    def _forget(self, stream: str) -> None:
+        for offsets in self.groups.values():
+            offsets.pop(stream, None)
 
     def _apply_offsets(self, offsets: dict[str, dict[str, str]]) -> None:
         for group, streams in offsets.items():

@@ -353,7 +353,11 @@ class App:
                 return
             if method == "PUT":
                 body = await self._body(headers, receive)
-                status, h, body = self._put(name, headers, body)
+                refused = await self.broker.forget_offsets_of_deleted(name)
+                if refused is not None:
+                    status, h, body = _outcome_response(refused)
+                else:
+                    status, h, body = self._put(name, headers, body)
                 if status == 201:
                     server_addr = scope.get("server") or ("127.0.0.1", 4437)
                     host = headers.get("host") or f"{server_addr[0]}:{server_addr[1]}"
