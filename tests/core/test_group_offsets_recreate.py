@@ -8,13 +8,16 @@ Kafka drops a deleted topic's offsets; onceflow drops them when the name is take
 
 from __future__ import annotations
 
+import asyncio
 import errno
+from typing import Any
 
 import httpx
 import pytest
 
 from helpers.servers import InProcess
-from helpers.txn import JSON, S
+from helpers.txn import JSON, S, T, Txn
+from onceflow.core.txn import TxnStatus
 
 pytestmark = pytest.mark.anyio
 
@@ -93,3 +96,169 @@ async def test_a_create_whose_offsets_could_not_be_dropped_creates_nothing(
     monkeypatch.setattr(coord, "forget_stream", forget)
     assert (await c.put(S + "s", headers=JSON)).status_code == 201
     assert await _offsets(c, "g") == {}
+
+
+async def _groups_after_restart(onceflow: InProcess) -> dict[str, dict[str, str]]:
+    onceflow.broker.begin_shutdown()
+    await onceflow.broker.close()
+    again = onceflow.reopen()
+    again.open()
+    await again.start()
+    try:
+        return {g: dict(o) for g, o in again.coordinator.groups.items()}
+    finally:
+        again.begin_shutdown()
+        await again.close()
+
+
+async def _commit_offsets_in_a_transaction(c: httpx.AsyncClient, end: str) -> None:
+    t = Txn(c, "copier")
+    await t.init()
+    r = await c.post(T + "copier/offsets", json={"epoch": t.epoch, "group": "g", "offsets": {"s": end}})
+    assert r.status_code == 200, r.text
+    r = await c.post(T + "copier/commit", json={"epoch": t.epoch, "txn": r.json()["txn"]})
+    assert r.status_code == 200, r.text
+
+
+async def test_a_compaction_after_the_drop_does_not_bring_back_a_transactions_offsets(onceflow: InProcess) -> None:
+    """A compaction writes each transactional id's last transaction, whose replay applies its
+    offsets, then the groups' offsets, which can add but not remove: an offset committed in a
+    transaction came back after a compaction and a restart (found by review)."""
+    c = onceflow.client
+    end = await _fill(c, "s", b"[1,2,3]")
+    await _commit_offsets_in_a_transaction(c, end)
+    assert (await c.delete(S + "s")).status_code == 204
+    assert (await c.put(S + "s", headers=JSON)).status_code == 201
+    coord = onceflow.broker.coordinator
+    assert coord.groups["g"] == {}
+    coord.compact_bytes = 0
+    assert await coord.maybe_compact()
+    assert (await _groups_after_restart(onceflow)).get("g", {}) == {}
+
+
+async def test_offsets_pending_in_an_open_transaction_are_dropped_too(onceflow: InProcess) -> None:
+    """A copier's transaction that holds offsets into the deleted stream and commits after the new
+    one is created must not put them back: they are positions of the old stream."""
+    c = onceflow.client
+    end = await _fill(c, "s", b"[1,2,3]")
+    t = Txn(c, "copier")
+    await t.init()
+    r = await c.post(T + "copier/offsets", json={"epoch": t.epoch, "group": "g", "offsets": {"s": end}})
+    assert r.status_code == 200, r.text
+    assert (await c.delete(S + "s")).status_code == 204
+    assert (await c.put(S + "s", headers=JSON)).status_code == 201
+    r = await c.post(T + "copier/commit", json={"epoch": t.epoch, "txn": r.json()["txn"]})
+    assert r.status_code == 200, r.text
+    assert onceflow.broker.coordinator.groups.get("g", {}) == {}
+    assert (await _groups_after_restart(onceflow)).get("g", {}) == {}
+
+
+async def test_a_commit_completed_while_the_drop_is_written_agrees_with_the_log(onceflow: InProcess) -> None:
+    """A commit's completion changes memory when its record is staged. One staged after the drop's
+    record but before that record was synced applied its offsets, then the drop removed them: memory
+    had none, while the log (drop, then completion) replayed them (found by review)."""
+    c = onceflow.client
+    coord = onceflow.broker.coordinator
+    assert (await c.put(S + "out", headers=JSON)).status_code == 201
+    end = await _fill(c, "s", b"[1,2,3]")
+    assert (await c.post("/v1/groups/g0/offsets", json={"offsets": {"s": end}})).status_code == 200
+    t = Txn(c, "copier")
+    await t.init()
+    assert (await t.send("out", {"x": 1})).status_code in (200, 204)
+    r = await c.post(T + "copier/offsets", json={"epoch": t.epoch, "group": "g", "offsets": {"s": end}})
+    assert r.status_code == 200, r.text
+    txn = r.json()["txn"]
+    assert (await c.delete(S + "s")).status_code == 204
+    gate = asyncio.Event()
+    write_marker = coord.write_marker
+
+    async def held_marker(*args: Any) -> None:
+        await gate.wait()
+        await write_marker(*args)
+
+    coord.write_marker = held_marker  # type: ignore[method-assign]
+    commit = asyncio.ensure_future(c.post(T + "copier/commit", json={"epoch": t.epoch, "txn": txn}))
+    for _ in range(1000):  # the decision is durable; the markers wait
+        if coord.txns["copier"].status is TxnStatus.PREPARE_COMMIT:
+            break
+        await asyncio.sleep(0.01)
+    assert coord.txns["copier"].status is TxnStatus.PREPARE_COMMIT
+    stage = coord._stage
+    completion_staged = asyncio.Event()
+
+    async def after_the_completion(done: asyncio.Future[None]) -> None:
+        await done
+        await completion_staged.wait()
+
+    def release_the_marker_once_the_drop_is_staged(rec: dict[str, Any]) -> asyncio.Future[None]:
+        """The drop's record counts as synced only once the completion is staged: the window."""
+        done = stage(rec)
+        if rec.get("kind") == "forget":
+            gate.set()
+            return asyncio.ensure_future(after_the_completion(done))
+        if rec.get("tid") == "copier" and rec.get("status") == TxnStatus.COMPLETE_COMMIT.value:
+            completion_staged.set()
+        return done
+
+    coord._stage = release_the_marker_once_the_drop_is_staged  # type: ignore[method-assign]
+    assert (await c.put(S + "s", headers=JSON)).status_code == 201
+    assert (await asyncio.wait_for(commit, 30)).status_code == 200
+    in_memory = {g: dict(o) for g, o in coord.groups.items()}
+    assert await _groups_after_restart(onceflow) == in_memory
+    assert in_memory.get("g", {}) == {}
+
+
+async def test_a_stream_that_expired_before_the_sweep_has_its_offsets_dropped(
+    onceflow: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An expired stream stays in the broker until the sweep or the next request that looks it up
+    removes it; a create in between found the name taken, dropped nothing, then created the new
+    stream over the expired one with its offsets (found by review)."""
+    c = onceflow.client
+    assert (await c.put(S + "s", headers={**JSON, "stream-ttl": "60"})).status_code == 201
+    r = await c.post(S + "s", content=b"[1,2,3]", headers=JSON)
+    end = r.headers["stream-next-offset"]
+    assert (await c.post("/v1/groups/g/offsets", json={"offsets": {"s": end}})).status_code == 200
+    clock = onceflow.broker.streams["s"].clock
+    later = clock.monotonic() + 120
+    monkeypatch.setattr(clock, "monotonic", lambda: later)
+    assert (await c.put(S + "s", headers=JSON)).status_code == 201
+    assert await _offsets(c, "g") == {}
+
+
+async def test_an_offsets_commit_written_just_before_the_drop_is_dropped_in_memory_too(onceflow: InProcess) -> None:
+    """A plain offsets commit changes memory once its record is durable. One staged just before the
+    drop's record, and so replayed before it, became durable only after the drop had changed memory:
+    the drop must be applied again once its own record is durable, or memory keeps what the log
+    drops."""
+    c = onceflow.client
+    coord = onceflow.broker.coordinator
+    end = await _fill(c, "s", b"[1,2,3]")
+    assert (await c.post("/v1/groups/g0/offsets", json={"offsets": {"s": end}})).status_code == 200
+    assert (await c.delete(S + "s")).status_code == 204
+    stage = coord._stage
+    drop_staged = asyncio.Event()
+
+    async def after_the_drop(done: asyncio.Future[None]) -> None:
+        await done
+        await drop_staged.wait()
+
+    def hold_the_commit_until_the_drop_is_staged(rec: dict[str, Any]) -> asyncio.Future[None]:
+        done = stage(rec)
+        if rec.get("kind") == "offsets" and rec.get("group") == "g":
+            return asyncio.ensure_future(after_the_drop(done))
+        if rec.get("kind") == "forget":
+            drop_staged.set()
+        return done
+
+    coord._stage = hold_the_commit_until_the_drop_is_staged  # type: ignore[method-assign]
+    late = asyncio.ensure_future(c.post("/v1/groups/g/offsets", json={"offsets": {"s": end}}))
+    for _ in range(1000):  # its record is staged (and waits)
+        if coord._awaiting:
+            break
+        await asyncio.sleep(0.01)
+    assert (await c.put(S + "s", headers=JSON)).status_code == 201
+    assert (await asyncio.wait_for(late, 30)).status_code == 200
+    in_memory = {g: dict(o) for g, o in coord.groups.items()}
+    assert await _groups_after_restart(onceflow) == in_memory
+    assert in_memory.get("g", {}) == {}

@@ -656,13 +656,15 @@ class Broker:
     # ------------------------------------------------------------------ create
 
     async def forget_offsets_of_deleted(self, name: str) -> Outcome | None:
-        """Before a stream is created under ``name``: drop the consumer groups' offsets into the
-        stream of that name that was deleted (positions of that stream; a consumer resuming at one
-        would skip the new stream's first messages). Nothing when a stream of that name exists
-        (soft deleted included: its name is still taken). An Outcome when the drop could not be
-        stored: the create must not go ahead."""
-        if name in self.streams or not self.coordinator.groups_of_stream(name):
-            return None
+        """Before a stream is created under ``name``: drop the offsets into the stream of that name
+        that was deleted or expired, the groups' and those in transactions (positions of that
+        stream; a consumer resuming at one would skip the new stream's first messages). Nothing when
+        a stream of that name exists (soft deleted included: its name is still taken). An Outcome
+        when the drop could not be stored: the create must not go ahead. A create refused after
+        this (its headers, the stream limit) has dropped them all the same: the stream they were
+        positions of is gone either way."""
+        if self.get(name) is not None or not self.coordinator.holds_offsets_of(name):
+            return None  # get(): an expired stream not swept yet goes now, like a create would see it
         try:
             await self.coordinator.forget_stream(name)
         except OSError as exc:

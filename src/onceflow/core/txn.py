@@ -1384,23 +1384,40 @@ class Coordinator:
 
     # ------------------------------------------------------------------ group offsets
 
-    def groups_of_stream(self, stream: str) -> list[str]:
-        """The groups that hold a committed offset into ``stream``."""
-        return sorted(g for g, offsets in self.groups.items() if stream in offsets)
+    def holds_offsets_of(self, stream: str) -> bool:
+        """Whether a group's committed offsets, or a transaction's, name ``stream``."""
+        return any(stream in offsets for offsets in self.groups.values()) or any(
+            stream in offsets for meta in self.txns.values() for offsets in meta.offsets.values()
+        )
 
     async def forget_stream(self, stream: str) -> None:
-        """Drop every group's committed offset into ``stream`` (a durable record, then memory, as
-        :meth:`commit_offsets` does: a later record of the log replays after it). The broker calls
-        it when a stream is created under a name whose earlier stream was deleted: its offsets are
-        positions of that stream, and a consumer resuming at one would skip the new stream's
-        messages. Offsets still pending in an open transaction are not dropped: they take effect if
-        it commits, as a late commit of an old consumer's offsets would."""
-        await self._write({"kind": "forget", "stream": stream})
+        """Drop every offset into ``stream``: each group's committed one and those a transaction
+        carries (open, decided or done). The broker calls this before a stream is created under a
+        name whose earlier stream was deleted: those offsets are positions of that stream, and a
+        consumer resuming at one would skip the new stream's first messages.
+
+        One durable record, and memory changed twice so that it agrees with the log however the
+        requests of other ids interleave: at once when the record is staged (a record staged after
+        it, a commit's completion included, is written and applied without the stream), and again
+        when it is durable (an offsets record staged before it applies only when it is durable
+        itself, just before). Replay drops the stream where the record stands in the log.
+        A transaction's offsets are dropped even when it is done: a compaction writes its record
+        again, and replaying that record applies its offsets."""
+        done = self._stage({"kind": "forget", "stream": stream})
+        self._forget(stream)
+        self._awaiting += 1
+        try:
+            await done
+        finally:
+            self._awaiting -= 1
         self._forget(stream)
 
     def _forget(self, stream: str) -> None:
         for offsets in self.groups.values():
             offsets.pop(stream, None)
+        for meta in self.txns.values():
+            for offsets in meta.offsets.values():
+                offsets.pop(stream, None)
 
     def _apply_offsets(self, offsets: dict[str, dict[str, str]]) -> None:
         for group, streams in offsets.items():
