@@ -407,7 +407,7 @@ class HttpServerProtocol(asyncio.Protocol):
         """
         if self.transport is None or self.closed or self.draining_until is not None or self.pending is not None:
             return
-        if self.refusals is not None:
+        if self.refusals is not None and not quiet:  # quiet: the requests were answered; nothing refused
             self.refusals[(status, code)] += 1
         cur = self.current
         self.current = None
