@@ -100,8 +100,14 @@ def parse_time(text: str) -> int:
 # ---------------------------------------------------------------------- output
 
 
+def _printable(text: str) -> str:
+    """``text`` as it can be written: a lone surrogate (a name in a coordinator log from before
+    names in bodies were checked) is shown escaped (``\\ud800``) instead of failing the output."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _show_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, ensure_ascii=False))
+    print(_printable(json.dumps(value, indent=2, ensure_ascii=False)))
 
 
 def _table(columns: Sequence[str], rows: Sequence[Sequence[object]], *, numeric: Sequence[str] = ()) -> None:
@@ -134,7 +140,7 @@ def _cell(value: object) -> str:
         return "yes" if value else "no"
     if isinstance(value, int):
         return f"{value:,}"
-    return str(value)
+    return _printable(str(value))
 
 
 def _fields(pairs: Sequence[tuple[str, object]]) -> None:
