@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+import onceflow.storage.log as storage_log
 from helpers.servers import InProcess
 from helpers.txn import JSON, S, T, Txn
 from onceflow.core.txn import TxnStatus
@@ -262,3 +263,169 @@ async def test_an_offsets_commit_written_just_before_the_drop_is_dropped_in_memo
     in_memory = {g: dict(o) for g, o in coord.groups.items()}
     assert await _groups_after_restart(onceflow) == in_memory
     assert in_memory.get("g", {}) == {}
+
+
+def _fail_the_coordinators_next_write(coord: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator log's next write fails once (a full disk); the log rolls it back."""
+    failing = [coord.log._segments[-1].file]
+    write_all = storage_log._write_all
+
+    def write(f: Any, data: bytes, at: int, sync: bool) -> float | None:
+        if any(f is x for x in failing):
+            failing.clear()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_all(f, data, at, sync)
+
+    monkeypatch.setattr(storage_log, "_write_all", write)
+
+
+async def test_a_drop_whose_record_failed_is_written_again_by_the_next_create(
+    onceflow: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drop changes memory when its record is staged. When the record then fails, memory no
+    longer shows the offsets although the disk still has them: a retried create found nothing to
+    drop, created the stream, and a restart brought the old offsets back onto it (found by review).
+    A second create while the record is in flight waits for it and shares its outcome."""
+    c = onceflow.client
+    coord = onceflow.broker.coordinator
+    end = await _fill(c, "s", b"[1,2,3]")
+    assert (await c.post("/v1/groups/g/offsets", json={"offsets": {"s": end}})).status_code == 200
+    assert (await c.delete(S + "s")).status_code == 204
+    _fail_the_coordinators_next_write(coord, monkeypatch)
+    stage = coord._stage
+    gate, staged = asyncio.Event(), asyncio.Event()
+
+    async def held(done: asyncio.Future[None]) -> None:
+        await gate.wait()
+        await done
+
+    def hold_the_drop(rec: dict[str, Any]) -> asyncio.Future[None]:
+        done = stage(rec)
+        if rec.get("kind") == "forget":
+            staged.set()
+            return asyncio.ensure_future(held(done))
+        return done
+
+    coord._stage = hold_the_drop  # type: ignore[method-assign]
+    calls: list[str] = []
+    forget_stream = coord.forget_stream
+
+    async def counted(stream: str) -> None:
+        calls.append(stream)
+        await forget_stream(stream)
+
+    coord.forget_stream = counted  # type: ignore[method-assign]
+    first = asyncio.ensure_future(c.put(S + "s", headers=JSON))
+    await asyncio.wait_for(staged.wait(), 30)
+    second = asyncio.ensure_future(c.put(S + "s", headers=JSON))
+    for _ in range(1000):  # the second create has reached the drop (and waits on it)
+        if len(calls) == 2:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # room to create the stream, had it not waited
+    assert not second.done()  # it did not create the stream while the record was in flight
+    gate.set()
+    assert [(await asyncio.wait_for(r, 30)).status_code for r in (first, second)] == [503, 503]
+    assert (await c.head(S + "s")).status_code == 404
+    coord._stage = stage  # type: ignore[method-assign]
+    assert (await c.put(S + "s", headers=JSON)).status_code == 201  # the disk has room again
+    in_memory = {g: dict(o) for g, o in coord.groups.items()}
+    assert in_memory.get("g", {}) == {}
+    assert await _groups_after_restart(onceflow) == in_memory
+
+
+async def test_an_offsets_commit_in_flight_when_the_create_looks_is_dropped(onceflow: InProcess) -> None:
+    """An offsets commit into the deleted stream, sent before the create and not yet durable when the
+    create looked for offsets to drop: it found none, wrote no drop, and the commit then landed on
+    the new stream (found by review)."""
+    c = onceflow.client
+    coord = onceflow.broker.coordinator
+    end = await _fill(c, "s", b"[1,2,3]")
+    assert (await c.delete(S + "s")).status_code == 204
+    stage = coord._stage
+    gate, staged = asyncio.Event(), asyncio.Event()
+
+    async def held(done: asyncio.Future[None]) -> None:
+        await done
+        await gate.wait()
+
+    def hold_the_commit(rec: dict[str, Any]) -> asyncio.Future[None]:
+        done = stage(rec)
+        if rec.get("kind") == "offsets":
+            staged.set()
+            return asyncio.ensure_future(held(done))
+        if rec.get("kind") == "forget":
+            gate.set()
+        return done
+
+    coord._stage = hold_the_commit  # type: ignore[method-assign]
+    early = asyncio.ensure_future(c.post("/v1/groups/g/offsets", json={"offsets": {"s": end}}))
+    await asyncio.wait_for(staged.wait(), 30)
+    gate_was_needed = not gate.is_set()
+    assert (await c.put(S + "s", headers=JSON)).status_code == 201
+    assert gate_was_needed and gate.is_set()  # a drop was written
+    assert (await asyncio.wait_for(early, 30)).status_code == 200
+    assert coord.groups.get("g", {}) == {}
+    assert (await _groups_after_restart(onceflow)).get("g", {}) == {}
+
+
+async def test_a_transactions_offsets_built_before_the_drop_and_stored_after_it_are_dropped(
+    onceflow: InProcess,
+) -> None:
+    """A transaction's offsets request builds its new offsets, stages its record, and takes them
+    into memory once that record is durable. Staged before the drop and durable after the drop was
+    staged, it put the old stream's offset back into memory, and the id's next record (staged
+    after the drop) wrote it to the log again: a restart and a commit applied it to the new stream
+    (found by review)."""
+    c = onceflow.client
+    coord = onceflow.broker.coordinator
+    for name in ("out", "out2"):
+        assert (await c.put(S + name, headers=JSON)).status_code == 201
+    end = await _fill(c, "s", b"[1,2,3]")
+    assert (await c.post("/v1/groups/g0/offsets", json={"offsets": {"s": end}})).status_code == 200
+    t = Txn(c, "copier")
+    await t.init()
+    assert (await t.send("out", {"x": 1})).status_code in (200, 204)
+    assert (await c.delete(S + "s")).status_code == 204
+    stage = coord._stage
+    drop_staged, next_staged, offsets_staged = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def after(done: asyncio.Future[None], event: asyncio.Event) -> None:
+        await done
+        await event.wait()
+
+    def interleave(rec: dict[str, Any]) -> asyncio.Future[None]:
+        done = stage(rec)
+        if rec.get("tid") == "copier" and "g" in rec.get("offsets", {}) and not offsets_staged.is_set():
+            offsets_staged.set()  # the offsets record: durable only once the drop is staged
+            return asyncio.ensure_future(after(done, drop_staged))
+        if rec.get("kind") == "forget":
+            drop_staged.set()  # durable only once the id's next record is staged
+            return asyncio.ensure_future(after(done, next_staged))
+        if rec.get("tid") == "copier" and "out2" in rec.get("streams", ()):
+            next_staged.set()
+        return done
+
+    coord._stage = interleave  # type: ignore[method-assign]
+    offsets = asyncio.ensure_future(
+        c.post(T + "copier/offsets", json={"epoch": t.epoch, "group": "g", "offsets": {"s": end}})
+    )
+    await asyncio.wait_for(offsets_staged.wait(), 30)
+    put = asyncio.ensure_future(c.put(S + "s", headers=JSON))
+    assert (await asyncio.wait_for(offsets, 30)).status_code == 200
+    assert (await t.send("out2", {"y": 1})).status_code in (200, 204)
+    assert (await asyncio.wait_for(put, 30)).status_code == 201
+    assert coord.txns["copier"].offsets == {"g": {}}
+    onceflow.broker.begin_shutdown()
+    await onceflow.broker.close()
+    again = onceflow.reopen()
+    again.open()
+    await again.start()
+    try:
+        assert again.coordinator.txns["copier"].offsets == {"g": {}}
+        meta = again.coordinator.txns["copier"]
+        await again.coordinator.end("copier", meta.epoch, meta.txn, commit=True)
+        assert again.coordinator.groups.get("g", {}) == {}
+    finally:
+        again.begin_shutdown()
+        await again.close()

@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import logging
@@ -273,6 +274,11 @@ class Coordinator:
         self._log: StreamLog | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         self._awaiting = 0  # durable writes whose callers have not yet applied them in memory
+        # offsets into a deleted stream dropped before a stream of its name is created (forget_stream)
+        self._forgotten: list[str] = []  # the stream of every forget record staged, in order
+        self._forgetting: dict[str, asyncio.Task[None]] = {}  # a forget being written, by stream
+        self._unsure: set[str] = set()  # dropped in memory; its record not known to be durable
+        self._in_flight: dict[str, int] = {}  # streams named by offsets in records not yet durable
         self.compactions = 0
         self.write_marker: MarkerWriter | None = None
 
@@ -468,9 +474,23 @@ class Coordinator:
 
     def _stage(self, rec: dict[str, Any]) -> asyncio.Future[None]:
         assert self._log is not None
-        return self._log.stage(
+        done = self._log.stage(
             count=1, payload=json.dumps(rec, separators=(",", ":")).encode() + b",", flags=FLAG_JSON
         ).done
+        streams = _offset_streams(rec)
+        if streams:  # seen by holds_offsets_of until durable (its caller applies it right after)
+            for st in streams:
+                self._in_flight[st] = self._in_flight.get(st, 0) + 1
+            done.add_done_callback(lambda _: self._landed(streams))
+        return done
+
+    def _landed(self, streams: list[str]) -> None:
+        for st in streams:
+            left = self._in_flight[st] - 1
+            if left:
+                self._in_flight[st] = left
+            else:
+                del self._in_flight[st]
 
     async def _write(self, rec: dict[str, Any], *, durable: bool = True) -> None:
         """Append a record; wait for its fsync unless ``durable`` is False (then it is only ordered
@@ -498,7 +518,16 @@ class Coordinator:
         new = dataclasses.replace(meta, **changes)
         if status is not None:
             new = dataclasses.replace(new, status=status)  # the record to write, not yet the state
+        forgets = len(self._forgotten)
         await self._write(new.record())
+        gone = self._forgotten[forgets:]
+        if gone and "offsets" in changes:
+            # a stream forgotten while this record was written: it was dropped where the record
+            # stands in the log, so memory must not take it back from a dict built before
+            changes["offsets"] = {
+                g: {st: off for st, off in offsets.items() if st not in gone}
+                for g, offsets in changes["offsets"].items()
+            }
         for name, value in changes.items():  # at once: nothing runs between the fsync and this
             setattr(meta, name, value)
         if status is not None:
@@ -1385,9 +1414,14 @@ class Coordinator:
     # ------------------------------------------------------------------ group offsets
 
     def holds_offsets_of(self, stream: str) -> bool:
-        """Whether a group's committed offsets, or a transaction's, name ``stream``."""
-        return any(stream in offsets for offsets in self.groups.values()) or any(
-            stream in offsets for meta in self.txns.values() for offsets in meta.offsets.values()
+        """Whether any offset into ``stream`` is held: a group's committed one, one a transaction
+        carries, one in a record not yet durable, or one a forget not known to be durable dropped."""
+        return (
+            stream in self._in_flight
+            or stream in self._unsure
+            or stream in self._forgetting
+            or any(stream in offsets for offsets in self.groups.values())
+            or any(stream in offsets for meta in self.txns.values() for offsets in meta.offsets.values())
         )
 
     async def forget_stream(self, stream: str) -> None:
@@ -1396,14 +1430,28 @@ class Coordinator:
         name whose earlier stream was deleted: those offsets are positions of that stream, and a
         consumer resuming at one would skip the new stream's first messages.
 
-        One durable record, and memory changed twice so that it agrees with the log however the
-        requests of other ids interleave: at once when the record is staged (a record staged after
-        it, a commit's completion included, is written and applied without the stream), and again
-        when it is durable (an offsets record staged before it applies only when it is durable
-        itself, just before). Replay drops the stream where the record stands in the log.
+        One durable record; memory agrees with the log however the requests of other ids
+        interleave. It is changed when the record is staged (a record staged after it, a
+        commit's completion included, is written and applied without the stream) and again when
+        it is durable (an offsets record staged before it is applied, when durable itself, just
+        before); a transaction's offsets built before it and stored after it are stripped of the
+        stream (:meth:`_store`). Replay drops the stream where the record stands in the log.
         A transaction's offsets are dropped even when it is done: a compaction writes its record
-        again, and replaying that record applies its offsets."""
+        again, and replaying that record applies its offsets.
+
+        Callers for one stream share one write: a second create waits for the first's record. A
+        record that fails leaves the stream dropped in memory but not on disk: it stays "unsure",
+        so the next create writes the record again (a restart meanwhile takes the disk's word)."""
+        task = self._forgetting.get(stream)
+        if task is None:
+            task = self._forgetting[stream] = asyncio.ensure_future(self._write_forget(stream))
+            task.add_done_callback(functools.partial(self._forgot, stream))
+        await asyncio.shield(task)
+
+    async def _write_forget(self, stream: str) -> None:
         done = self._stage({"kind": "forget", "stream": stream})
+        self._forgotten.append(stream)
+        self._unsure.add(stream)
         self._forget(stream)
         self._awaiting += 1
         try:
@@ -1411,6 +1459,13 @@ class Coordinator:
         finally:
             self._awaiting -= 1
         self._forget(stream)
+        self._unsure.discard(stream)
+
+    def _forgot(self, stream: str, task: asyncio.Task[None]) -> None:
+        if self._forgetting.get(stream) is task:
+            del self._forgetting[stream]
+        if not task.cancelled():
+            task.exception()  # retrieved: its callers, if any still wait, get it too
 
     def _forget(self, stream: str) -> None:
         for offsets in self.groups.values():
@@ -1458,3 +1513,15 @@ class Coordinator:
             self.groups.setdefault(group, {}).update(offsets)
         else:
             self._apply_offsets({group: offsets})
+
+
+def _offset_streams(rec: dict[str, Any]) -> list[str]:
+    """The streams a coordinator record names offsets of (a ``members`` record holds txn records)."""
+    kind = rec.get("kind")
+    if kind == "offsets":
+        return list(rec["offsets"])
+    if kind == "txn":
+        return [st for offsets in rec["offsets"].values() for st in offsets]
+    if kind == "members":
+        return [st for m in rec["members"] for st in _offset_streams(m)]
+    return []
