@@ -429,3 +429,19 @@ async def test_a_transactions_offsets_built_before_the_drop_and_stored_after_it_
     finally:
         again.begin_shutdown()
         await again.close()
+
+
+async def test_what_the_coordinator_remembers_of_drops_does_not_grow_with_them(onceflow: InProcess) -> None:
+    """Each drop was remembered for good (for transactions' offsets stored across one), so a
+    server that deleted and created streams again for ever grew without bound (found by review)."""
+    c = onceflow.client
+    coord = onceflow.broker.coordinator
+    assert (await c.put(S + "s", headers=JSON)).status_code == 201
+    for _ in range(20):
+        end = (await c.post(S + "s", content=b"[1]", headers=JSON)).headers["stream-next-offset"]
+        r = await c.post("/v1/groups/g/offsets", json={"offsets": {"s": end}, "reset": True})
+        assert r.status_code == 200, r.text
+        assert (await c.delete(S + "s")).status_code == 204
+        assert (await c.put(S + "s", headers=JSON)).status_code == 201
+        assert await _offsets(c, "g") == {}
+    assert len(coord._forgotten) <= 1

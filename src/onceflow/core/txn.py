@@ -275,7 +275,7 @@ class Coordinator:
         self._locks: dict[str, asyncio.Lock] = {}
         self._awaiting = 0  # durable writes whose callers have not yet applied them in memory
         # offsets into a deleted stream dropped before a stream of its name is created (forget_stream)
-        self._forgotten: list[str] = []  # the stream of every forget record staged, in order
+        self._forgotten: list[str] = []  # the stream of each forget staged since no _store was in flight
         self._forgetting: dict[str, asyncio.Task[None]] = {}  # a forget being written, by stream
         self._unsure: set[str] = set()  # dropped in memory; its record not known to be durable
         self._in_flight: dict[str, int] = {}  # streams named by offsets in records not yet durable
@@ -1443,7 +1443,7 @@ class Coordinator:
         record that fails leaves the stream dropped in memory but not on disk: it stays "unsure",
         so the next create writes the record again (a restart meanwhile takes the disk's word)."""
         task = self._forgetting.get(stream)
-        if task is None:
+        if task is None or task.done():  # done: failed, its callback not yet run; write it again
             task = self._forgetting[stream] = asyncio.ensure_future(self._write_forget(stream))
             task.add_done_callback(functools.partial(self._forgot, stream))
         await asyncio.shield(task)
@@ -1460,6 +1460,8 @@ class Coordinator:
             self._awaiting -= 1
         self._forget(stream)
         self._unsure.discard(stream)
+        if not self._awaiting:  # no record of _store is between its staging and its apply
+            self._forgotten.clear()
 
     def _forgot(self, stream: str, task: asyncio.Task[None]) -> None:
         if self._forgetting.get(stream) is task:
