@@ -111,6 +111,23 @@ async def test_the_leader_renews_every_third_of_its_term_and_steps_down_at_the_d
 
 
 @pytest.mark.anyio
+async def test_the_leader_steps_down_when_the_store_could_not_learn_a_writes_outcome() -> None:
+    """A write whose COMMIT answer was lost and could not be read back (storage/pgfs.py,
+    ``on_unsure``): the leader's memory may disagree with the store, so it gives the lease up at
+    once, not at the end of its term, though its renewals succeed."""
+
+    class Unsure(Renewals):
+        unsure = "the outcome of the sync of /x is unknown"
+
+    store = Unsure(*["ok"] * 100)
+    lease = leader.Lease(token=1, term=60.0, began=leader._clock())
+    told = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.05, told.set)
+    got = await asyncio.wait_for(leader._hold(store, lease, told), 30)  # type: ignore[arg-type]
+    assert "could not learn the outcome of a write" in got and Unsure.unsure in got
+
+
+@pytest.mark.anyio
 async def test_a_follower_answers_without_the_database_and_reads_the_lease_one_read_at_a_time() -> None:
     """A database that does not answer: each follower's answer comes within about a second (no
     leader known), and the reads of the lease do not pile up, one hung thread per answer, in the

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..storage.batch import FLAG_CLOSE, FLAG_COMMIT, FLAG_CONTROL, FLAG_JSON, FLAG_TXN, CorruptBatch
-from ..storage.fs import FileSystem, OsFileSystem
+from ..storage.fs import FileSystem, OsFileSystem, OutcomeUnknown
 from ..storage.log import FsyncPolicy, InvalidPosition, IoEvents, OffsetGone, ReadBatch, Staged, StreamLog
 from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
 from ..storage.position import Position, parse_token
@@ -343,6 +343,20 @@ class _Fork:
     base: Position
     prefix: tuple[bytes, int] | None
     inherited: bool = False
+
+
+def unstored(what: str, exc: OSError, stream: StreamState | None = None) -> Outcome:
+    """The answer to a write the store did not make durable: refused (``not stored``, a retry may
+    succeed), or, when the store could not learn whether it did (:class:`OutcomeUnknown`), said to
+    be unknown: never "not stored" for data that may be served later."""
+    if isinstance(exc, OutcomeUnknown):
+        return Outcome(
+            Refusal.OUTCOME_UNKNOWN,
+            stream=stream,
+            detail=f"the outcome of the {what} is unknown: it may have been stored or not ({exc.strerror or exc}); "
+            "retry it with the same producer headers to have it stored once",
+        )
+    return Outcome(Refusal.UNAVAILABLE, stream=stream, detail=f"the {what} was not stored: {exc.strerror or exc}")
 
 
 class Broker:
@@ -897,6 +911,8 @@ class Broker:
             write_meta(self.fs, directory, meta)
         except OSError as exc:
             self.fs.rmtree(directory)
+            if isinstance(exc, OutcomeUnknown):
+                return unstored("create", exc)
             return Outcome(Refusal.UNAVAILABLE, detail=f"could not create the stream on disk: {exc.strerror}")
         parent = fork.parent
         stream = StreamState(meta, directory, slog, parent=parent, clock=self.clock)
@@ -1167,11 +1183,7 @@ class Broker:
                 try:
                     await self._stage_marker(outcome.stream, meta.producer_id, meta.epoch, txn, True).done
                 except OSError as exc:
-                    return Outcome(
-                        Refusal.UNAVAILABLE,
-                        stream=outcome.stream,
-                        detail=f"the commit was not stored: {exc.strerror or exc}",
-                    )
+                    return unstored("commit", exc, stream=outcome.stream)
                 coord.commit_by_marker(meta)
                 return replace(outcome, committed=True)
         try:
@@ -1179,6 +1191,8 @@ class Broker:
         except TxnError as exc:  # also a decision logged whose markers failed: retriable, see Coordinator.end
             return txn_outcome(exc)
         except OSError as exc:
+            if isinstance(exc, OutcomeUnknown):
+                return unstored("commit", exc, stream=outcome.stream)
             return Outcome(
                 Refusal.UNAVAILABLE,
                 stream=outcome.stream,
@@ -1215,6 +1229,8 @@ class Broker:
                     except TxnError as exc:
                         return txn_outcome(exc)
                     except OSError as exc:
+                        if isinstance(exc, OutcomeUnknown):
+                            return unstored("commit", exc, stream=s)
                         return Outcome(
                             Refusal.UNAVAILABLE,
                             stream=s,
@@ -1446,7 +1462,7 @@ class Broker:
         try:
             await staged.done
         except OSError as exc:
-            return Outcome(Refusal.UNAVAILABLE, stream=s, detail=f"the append was not stored: {exc.strerror or exc}")
+            return unstored("append", exc, stream=s)
         kind: OutcomeKind = "closed_now" if close and not body else "appended"
         return Outcome(
             kind,
@@ -1495,7 +1511,7 @@ class Broker:
         try:
             self._delete(found)
         except OSError as exc:
-            return Outcome(Refusal.UNAVAILABLE, detail=f"the delete was not stored: {exc.strerror or exc}")
+            return unstored("delete", exc)
         return Outcome("deleted")
 
     def _delete(self, s: StreamState) -> None:

@@ -38,6 +38,9 @@ class Refusal(enum.StrEnum):
     TXN_REFUSED = "txn_refused"  # a transactional append that cannot join or commit its transaction
     CONCURRENT_TRANSACTIONS = "concurrent_transactions"  # the id's last decision is still being finished
     UNAVAILABLE = "unavailable"  # could not be done now (I/O): the same request may succeed later
+    # the store could not learn whether the write happened (its answer was lost, then the store was
+    # lost too): it may be served later, or not; a retry with the same producer headers tells which
+    OUTCOME_UNKNOWN = "outcome_unknown"
     LIMIT = "limit"  # a server limit (the stream cap) is reached
     # ---- transactions, group offsets and sinks (the coordinator)
     FENCED = "fenced"  # an older epoch (producer or group member) than the current one
@@ -68,7 +71,13 @@ class Refusal(enum.StrEnum):
 
 
 _RETRIABLE = frozenset(
-    {Refusal.UNAVAILABLE, Refusal.CONCURRENT_TRANSACTIONS, Refusal.LIMIT, Refusal.SUBSCRIPTION_UNAVAILABLE}
+    {
+        Refusal.UNAVAILABLE,
+        Refusal.OUTCOME_UNKNOWN,
+        Refusal.CONCURRENT_TRANSACTIONS,
+        Refusal.LIMIT,
+        Refusal.SUBSCRIPTION_UNAVAILABLE,
+    }
 )
 
 

@@ -58,6 +58,7 @@ ANSWERS: dict[Refusal, Answer] = {
     # CONCURRENT_TRANSACTIONS; the clients retry 5xx
     R.CONCURRENT_TRANSACTIONS: Answer(503, "concurrent_transactions", retry_after=True),
     R.UNAVAILABLE: Answer(503, "unavailable", retry_after=True),
+    R.OUTCOME_UNKNOWN: Answer(503, "outcome_unknown", retry_after=True),
     R.LIMIT: Answer(429, "limit"),
     # transactions and group offsets: answered in the stream protocol's words (a fenced epoch is a
     # stale one, an unknown id is not found; a transaction that cannot go on is txn_refused)

@@ -295,13 +295,18 @@ async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
 
-async def _hold(fs: PgFileSystem, lease: Lease) -> str:
+async def _hold(fs: PgFileSystem, lease: Lease, unsure: asyncio.Event | None = None) -> str:
     """Renew the lease every third of its term; returns why it was lost: another server holds it,
-    or no renewal succeeded while it was valid (:class:`Lease`). A renewal that hangs (a database
-    that does not answer) is not waited for past that."""
+    or no renewal succeeded while it was valid (:class:`Lease`), or (``unsure`` set) the store
+    could not learn the outcome of a write, so this server's memory may disagree with the store.
+    A renewal that hangs (a database that does not answer) is not waited for past that."""
     tried = lease.began
     while True:  # an attempt a third of a term after the last one began, the last one at the deadline
-        await asyncio.sleep(max(0.0, min(tried + lease.term / 3, lease.until) - _clock()))
+        pause = max(0.0, min(tried + lease.term / 3, lease.until) - _clock())
+        if unsure is not None and await _wait(unsure, pause):
+            return f"the store could not learn the outcome of a write ({fs.unsure})"
+        if unsure is None:
+            await asyncio.sleep(pause)
         tried = _clock()
         if tried >= lease.until:
             return f"could not renew the store's lease for {Lease.MARGIN * lease.term:.1f} s"
@@ -377,7 +382,17 @@ async def serve_store(
             return
     fs.token = token
     lease = Lease(token, lease_seconds, began)
-    lost = asyncio.ensure_future(_hold(fs, lease))  # renewed from now on: recovery may outlast a term
+    # a write whose COMMIT answer was lost is read back while the lease is valid; if it cannot be,
+    # the store writes nothing more and this server steps down (its memory may disagree with it)
+    fs.alive = lease.valid
+    unsure = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def tell(why: str) -> None:
+        loop.call_soon_threadsafe(unsure.set)
+
+    fs.on_unsure = tell
+    lost = asyncio.ensure_future(_hold(fs, lease, unsure))  # renewed from now on: recovery may outlast a term
 
     async def lead() -> tuple[App, Broker]:
         broker = make_broker(fs, ROOT)

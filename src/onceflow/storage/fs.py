@@ -30,9 +30,20 @@ from typing import Protocol
 
 from .._files import fsync_dir, replace_file
 
-__all__ = ["DEFAULT_MAX_OPEN", "File", "FileSystem", "OsFileSystem", "raise_open_file_limit"]
+__all__ = ["DEFAULT_MAX_OPEN", "File", "FileSystem", "OsFileSystem", "OutcomeUnknown", "raise_open_file_limit"]
 
 DEFAULT_MAX_OPEN = 512
+
+
+class OutcomeUnknown(OSError):
+    """A write whose outcome could not be learned: it may be durable or not (a store whose answer to
+    a commit was lost, and that could not read back what happened before it had to give up). Every
+    other ``OSError`` of a write means it did not happen. A caller must never answer this as "not
+    stored": the data may be served later. A file system that raised it refuses every later write
+    (its holder's memory may disagree with what is stored): the server must stop serving from it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EIO, message)
 
 
 class File(Protocol):

@@ -23,6 +23,14 @@ Semantics, against the :class:`~onceflow.storage.fs.FileSystem` contract:
   lease can never write again, whatever its clocks say.
 - Every database error is an ``OSError`` (``EIO``), which the log treats as a failed disk: the
   append is refused, nothing half-written is served.
+- A write whose answer to ``COMMIT`` was lost (a connection reset, a primary crash after its
+  standby flushed) is never reported as failed without knowing: every writing transaction counts
+  itself on its connection's row of ``onceflow_commits``, and after a lost answer that row is read
+  back once the transaction is over (:meth:`PgFileSystem._settle`). Committed: the write returns as
+  if nothing had happened. Rolled back: it fails, truly. If that cannot be learned while
+  :attr:`PgFileSystem.alive` allows (a leader: while its lease is valid), it raises
+  :class:`~onceflow.storage.fs.OutcomeUnknown`, and the file system refuses every later write: its
+  holder's memory may disagree with the database, and it must step down.
 
 Reads of a file's recent bytes are served from memory (the last :data:`TAIL_CACHE` bytes written);
 older ranges are read from the database.
@@ -33,10 +41,12 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import secrets
 import threading
+import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -48,7 +58,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("the PostgreSQL store needs psycopg 3: pip install 'onceflow[postgresql]'") from exc
 
 from ..errors import OnceflowError
-from .fs import File
+from .fs import File, OutcomeUnknown
 
 __all__ = ["SCHEMA", "TAIL_CACHE", "UNKNOWN", "LeaseLost", "PgFile", "PgFileSystem"]
 
@@ -94,8 +104,28 @@ CREATE TABLE IF NOT EXISTS onceflow_lease (
     session text                       -- the holder's connections' application_name: onceflow/<session>
 );
 """
-SCHEMA = _TABLES + _COMPRESSION + _LEASE
-_SCHEMA_OBJECTS = ("onceflow_files", "onceflow_files_parent", "onceflow_file_ids", "onceflow_chunks", "onceflow_lease")
+_COMMITS = """
+CREATE TABLE IF NOT EXISTS onceflow_commits (
+    conn    bigint PRIMARY KEY,        -- one connection of a server (a random id, set in its session)
+    session text NOT NULL,             -- that server's session (its connections' application_name)
+    seq     bigint NOT NULL            -- how many writing transactions of the connection committed
+);
+"""
+SCHEMA = _TABLES + _COMPRESSION + _LEASE + _COMMITS
+_SCHEMA_OBJECTS = (
+    "onceflow_files",
+    "onceflow_files_parent",
+    "onceflow_file_ids",
+    "onceflow_chunks",
+    "onceflow_lease",
+    "onceflow_commits",
+)
+# every writing transaction counts itself on its connection's row, first: when the answer to its
+# COMMIT is lost, that count, read back once the transaction is over, says whether it committed
+_MARK = (
+    "UPDATE onceflow_commits SET seq = seq + 1 WHERE conn = current_setting('onceflow.conn')::bigint "
+    "RETURNING conn, seq"
+)
 
 
 class LeaseLost(OnceflowError, OSError):
@@ -116,16 +146,27 @@ def _io_error(exc: Exception, what: str) -> OSError:
 def _configure(conn: Any, *, idle_ms: int, session: str) -> None:
     """Each connection's session: a transaction left open by a process that stopped (SIGSTOP, a
     pause) is ended by the database after ``idle_ms``, so that the lease's row lock it holds does
-    not keep the next leader out for as long as the pause lasts; and the connection is named
+    not keep the next leader out for as long as the pause lasts; the connection is named
     ``onceflow/<session>``, so that the next leader can end those of a holder stopped in the middle
-    of a statement (:meth:`PgFileSystem.acquire`)."""
+    of a statement (:meth:`PgFileSystem.acquire`); and it gets its row of ``onceflow_commits``,
+    whose count its writing transactions move (:data:`_MARK`, :meth:`PgFileSystem._settle`)."""
     conn.execute(f"SET idle_in_transaction_session_timeout = {idle_ms}")
     conn.execute(f"SET application_name = 'onceflow/{session}'")
+    ident = secrets.randbits(63)
+    conn.execute("INSERT INTO onceflow_commits (conn, session, seq) VALUES (%s, %s, 0)", (ident, session))
+    conn.execute("SELECT set_config('onceflow.conn', %s, false)", (str(ident),))
     conn.commit()
 
 
 class _Gone(Exception):
     """Rolls back a sync of a file removed meanwhile."""
+
+
+def _rollback(conn: Any) -> None:
+    try:
+        conn.rollback()
+    except psycopg.Error:  # the connection broke: the database rolls the transaction back itself
+        pass
 
 
 def _parent(path: str) -> str:
@@ -312,6 +353,13 @@ class PgFileSystem:
         self.conninfo = conninfo
         self.token: int | None = None  # the lease this server holds; None: no fencing (tests, tools)
         self.session = uuid.uuid4().hex[:16]  # names this process's connections (application_name)
+        self.connect_timeout = connect_timeout
+        # while this says yes, a write whose COMMIT answer was lost keeps trying to learn what became
+        # of it; the leader sets it to its lease's validity (None: for ``connect_timeout`` seconds)
+        self.alive: Callable[[], bool] | None = None
+        self.unsure: str | None = None  # set when a write's outcome stayed unknown: no more writes
+        self.on_unsure: Callable[[str], None] | None = None  # told once, from the writing thread
+        self._create_schema()  # before the pool: each of its connections registers in onceflow_commits
         self._pool = ConnectionPool(
             conninfo,
             min_size=1,
@@ -328,17 +376,33 @@ class PgFileSystem:
         self._cached: OrderedDict[PgFile, int] = OrderedDict()  # files' cached bytes, least recent first
         self._cache_total = 0
         self._cache_lock = threading.Lock()
-        with self._tx("create the schema", fence=False) as cur:
-            cur.execute(f"SELECT {' AND '.join(f'to_regclass({n!r}) IS NOT NULL' for n in _SCHEMA_OBJECTS)}")
-            if not cur.fetchone()[0]:
-                cur.execute("SELECT pg_advisory_xact_lock(4437001)")  # concurrent first starts: one creates
-                cur.execute(SCHEMA)
-            else:
-                # the store exists: nothing that may wait for a table's lock, for such a wait holds up
-                # every write after it (CREATE ... IF NOT EXISTS locks a table even when it exists);
-                # lz4 for a store made before it is tried, and given up at once if the table is busy
-                cur.execute("SET LOCAL lock_timeout = '100ms'")
-                cur.execute(_COMPRESSION)
+
+    def _connect(self, **settings: Any) -> Any:
+        """A connection of its own, outside the pool (whose back-off after a failure is seconds)."""
+        return psycopg.connect(
+            self.conninfo,
+            autocommit=False,
+            connect_timeout=max(1, round(self.connect_timeout)),
+            application_name=f"onceflow/{self.session}",
+            **settings,
+        )
+
+    def _create_schema(self) -> None:
+        try:
+            with self._connect() as conn, conn.cursor() as cur:
+                cur.execute(f"SELECT {' AND '.join(f'to_regclass({n!r}) IS NOT NULL' for n in _SCHEMA_OBJECTS)}")
+                if not cur.fetchone()[0]:
+                    cur.execute("SELECT pg_advisory_xact_lock(4437001)")  # concurrent first starts: one creates
+                    cur.execute(SCHEMA)
+                else:
+                    # the store exists: nothing that may wait for a table's lock, for such a wait holds
+                    # up every write after it (CREATE ... IF NOT EXISTS locks a table even when it
+                    # exists); lz4 for a store made before it is tried, and given up at once if busy
+                    cur.execute("SET LOCAL lock_timeout = '100ms'")
+                    cur.execute(_COMPRESSION)
+                conn.commit()
+        except psycopg.Error as exc:
+            raise _io_error(exc, "create the schema") from exc
 
     def close(self) -> None:
         self._pool.close()
@@ -391,12 +455,28 @@ class PgFileSystem:
                     {"h": holder, "a": address, "t": ttl, "s": self.session},
                 )
                 row = cur.fetchone()
-            return None if row is None else int(row[0])
+            if row is None:
+                return None
+            self._forget_dead_sessions()
+            return int(row[0])
         except OSError as exc:
             if not isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
                 raise
         self._end_stopped_holder()
         return None
+
+    def _forget_dead_sessions(self) -> None:
+        """Remove the ``onceflow_commits`` rows of servers with no connection left (best effort, by
+        a new leader). A server whose row went can no longer read back a lost COMMIT answer: it
+        learns its outcome is unknown and stops writing, which a deposed server must do anyway."""
+        try:
+            with self._tx("forget the commit counts of servers that are gone", fence=False) as cur:
+                cur.execute(
+                    "DELETE FROM onceflow_commits c WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity a "
+                    "WHERE a.application_name = 'onceflow/' || c.session)"
+                )
+        except OSError as exc:
+            log.warning("could not forget the commit counts of servers that are gone: %s", exc)
 
     def _end_stopped_holder(self) -> None:
         """The lease's row stays locked by its holder's transaction. If the holder's term has run out
@@ -445,42 +525,139 @@ class PgFileSystem:
 
     @contextmanager
     def _tx(self, what: str, *, fence: bool = True) -> Iterator[Any]:
-        """A transaction (committed when the block ends), fenced unless ``fence`` is false."""
+        """A transaction, committed when the block ends. ``fence``: a write of the store's content,
+        counted (:data:`_MARK`: a lost answer to its COMMIT is resolved by :meth:`_settle`) and
+        fenced by the lease's token; else a read, or a write of the lease itself."""
+        if fence:
+            self._refuse_if_unsure(what)
         try:
-            with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
-                if fence and self.token is not None:
-                    cur.execute("SELECT token FROM onceflow_lease WHERE id = 1 FOR SHARE")
-                    self._lease_verify(cur)
-                yield cur
+            with self._pool.connection() as conn:
+                mark = None
+                try:
+                    with conn.cursor() as cur:
+                        if fence:
+                            cur.execute(_MARK)
+                            mark = self._marked(cur)
+                            if self.token is not None:
+                                cur.execute("SELECT token FROM onceflow_lease WHERE id = 1 FOR SHARE")
+                                self._lease_verify(cur)
+                        yield cur
+                except BaseException:
+                    _rollback(conn)
+                    raise
+                self._commit(conn, mark, what)
         except (psycopg.Error, PoolTimeout) as exc:
             raise _io_error(exc, what) from exc
 
     def write_range(self, f: PgFile, start: int, data: bytes, size: int) -> None:
         """Make the file's bytes from ``start`` on be ``data`` and its size ``size``, durably: one
         transaction, its statements pipelined (one round trip before the commit's)."""
+        what = f"sync of {f.path}"
+        self._refuse_if_unsure(what)
         try:
-            with self._pool.connection() as conn, conn.transaction():
-                with conn.pipeline():
-                    lease = self._lease_check(conn)
-                    conn.execute("DELETE FROM onceflow_chunks WHERE file = %s AND at >= %s", (f.id, start))
-                    conn.execute(
-                        "UPDATE onceflow_chunks SET data = substring(data FROM 1 FOR (%s - at)::int) "
-                        "WHERE file = %s AND at = (SELECT max(at) FROM onceflow_chunks WHERE file = %s AND at < %s) "
-                        "AND at + length(data) > %s",
-                        (start, f.id, f.id, start, start),
-                    )
-                    if data:
+            with self._pool.connection() as conn:
+                try:
+                    with conn.pipeline():
+                        marked = conn.execute(_MARK)
+                        lease = self._lease_check(conn)
+                        conn.execute("DELETE FROM onceflow_chunks WHERE file = %s AND at >= %s", (f.id, start))
                         conn.execute(
-                            "INSERT INTO onceflow_chunks (file, at, data) VALUES (%s, %s, %s)", (f.id, start, data)
+                            "UPDATE onceflow_chunks SET data = substring(data FROM 1 FOR (%s - at)::int) "
+                            "WHERE file = %s AND at = "
+                            "(SELECT max(at) FROM onceflow_chunks WHERE file = %s AND at < %s) "
+                            "AND at + length(data) > %s",
+                            (start, f.id, f.id, start, start),
                         )
-                    sized = conn.execute("UPDATE onceflow_files SET size = %s WHERE id = %s", (size, f.id))
-                self._lease_verify(lease)
-                if sized.rowcount == 0:  # removed meanwhile: like a write to an unlinked file, it goes nowhere
-                    raise _Gone
+                        if data:
+                            conn.execute(
+                                "INSERT INTO onceflow_chunks (file, at, data) VALUES (%s, %s, %s)", (f.id, start, data)
+                            )
+                        sized = conn.execute("UPDATE onceflow_files SET size = %s WHERE id = %s", (size, f.id))
+                    mark = self._marked(marked)
+                    self._lease_verify(lease)
+                    if sized.rowcount == 0:  # removed meanwhile: like a write to an unlinked file, it goes nowhere
+                        raise _Gone
+                except BaseException:
+                    _rollback(conn)
+                    raise
+                self._commit(conn, mark, what)
         except _Gone:
             return
         except (psycopg.Error, PoolTimeout) as exc:
-            raise _io_error(exc, f"sync of {f.path}") from exc
+            raise _io_error(exc, what) from exc
+
+    # ------------------------------------------------------------------ commits whose answer is lost
+
+    @staticmethod
+    def _marked(cur: Any) -> tuple[int, int]:
+        row = cur.fetchone()
+        if row is None:  # its row went with a cleanup (its session looked dead): refuse, nothing is written
+            raise OSError(errno.EIO, "PostgreSQL store: this connection is not registered in onceflow_commits")
+        return int(row[0]), int(row[1])
+
+    def _commit(self, conn: Any, mark: tuple[int, int] | None, what: str) -> None:
+        """COMMIT; if its answer is lost, a write learns what became of it (:meth:`_settle`) while the
+        failed connection is still held (so the pool lends it to nobody meanwhile)."""
+        try:
+            conn.commit()
+        except psycopg.Error as exc:
+            if mark is None:
+                raise
+            self._settle(mark, what, exc)
+
+    def _settle(self, mark: tuple[int, int], what: str, exc: Exception) -> None:
+        """The COMMIT of a writing transaction failed (``exc``): return if the transaction committed
+        after all, raise an ``OSError`` if it surely did not, and :class:`OutcomeUnknown` if that
+        could not be learned while :attr:`alive` said to go on.
+
+        The transaction counted itself on its connection's row (``mark``: the row and the count
+        it wrote). The row is read back ``FOR UPDATE`` on a connection of its own: that waits until
+        the transaction is over (it holds the row's lock until its commit or rollback is done), so
+        what is read is final: the count is there if and only if it committed. And reading it so
+        is itself a write (a row lock), whose commit waits for a synchronous standby to hold the
+        WAL up to it, the lost commit's included: "committed" is answered only once the commit is
+        as durable as any other. After a failover the new primary holds the count if and only if
+        the commit reached it."""
+        conn_id, seq = mark
+        until = None if self.alive is not None else time.monotonic() + self.connect_timeout
+        pause = 0.05
+        why: Exception = exc
+        while True:
+            try:
+                with self._connect() as check:
+                    check.execute(f"SET lock_timeout = {max(100, int(self.connect_timeout * 250))}")
+                    row = check.execute(
+                        "SELECT seq FROM onceflow_commits WHERE conn = %s FOR UPDATE", (conn_id,)
+                    ).fetchone()
+                    check.commit()
+            except psycopg.Error as again:
+                why = again
+            else:
+                if row is None:  # a new leader removed the row of this server's connection: deposed
+                    why = OSError(errno.EIO, "its record was removed by another server's cleanup")
+                    break
+                if int(row[0]) >= seq:
+                    log.warning("PostgreSQL store: %s: the answer to COMMIT was lost; it committed", what)
+                    return
+                log.warning("PostgreSQL store: %s: the answer to COMMIT was lost; it did not commit", what)
+                raise _io_error(exc, what) from exc
+            if (self.alive is not None and not self.alive()) or (until is not None and time.monotonic() >= until):
+                break
+            time.sleep(pause)
+            pause = min(0.5, pause * 2)
+        reason = f"the outcome of the {what} is unknown: the answer to its COMMIT was lost ({exc}) and could not be read back ({why})"
+        log.error("PostgreSQL store: %s; this server writes nothing more", reason)
+        first = self.unsure is None
+        self.unsure = reason
+        if first and self.on_unsure is not None:
+            self.on_unsure(reason)
+        raise OutcomeUnknown(f"PostgreSQL store: {reason}") from exc
+
+    def _refuse_if_unsure(self, what: str) -> None:
+        if self.unsure is not None:
+            raise OSError(
+                errno.EIO, f"PostgreSQL store: {what} refused: an earlier write's outcome is unknown ({self.unsure})"
+            )
 
     def _lease_check(self, conn: Any) -> Any:
         if self.token is None:
