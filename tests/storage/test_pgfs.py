@@ -648,8 +648,9 @@ def test_rename_and_rmtree_leave_a_sibling_whose_name_extends_theirs_alone(fs: P
 
 
 def test_a_sync_waiting_for_a_takeover_in_progress_is_refused_once_it_commits(fs: PgFileSystem) -> None:
-    """The old leader's sync reads the token FOR SHARE while the new leader's UPDATE of the lease
-    holds the row: it waits, then reads the new token and is refused; nothing of it lands."""
+    """The old leader's sync reads the token FOR KEY SHARE while the new leader's takeover (the row
+    locked FOR UPDATE, then the token moved) holds the row: it waits, then reads the new token and
+    is refused; nothing of it lands."""
     import psycopg
 
     token = fs.acquire("a", None, 60.0)
@@ -666,6 +667,7 @@ def test_a_sync_waiting_for_a_takeover_in_progress_is_refused_once_it_commits(fs
             errors.append(exc)
 
     with psycopg.connect(fs.conninfo) as takeover:
+        takeover.execute("SELECT token FROM onceflow_lease WHERE id = 1 FOR UPDATE")  # as acquire() does
         takeover.execute("UPDATE onceflow_lease SET token = token + 1, holder = 'b'")  # not committed yet
         syncing = threading.Thread(target=sync)
         syncing.start()

@@ -18,9 +18,11 @@ Semantics, against the :class:`~onceflow.storage.fs.FileSystem` contract:
 - Directory operations (create, rename, remove) and ``replace_file`` are durable when they return;
   ``sync_dir`` has nothing left to do.
 - Fencing: once :attr:`PgFileSystem.token` is set (the holder of the store's lease,
-  server/lease.py), every writing transaction first reads the lease's token ``FOR SHARE`` and fails
-  with :class:`LeaseLost` if another server took the lease over since. So a server that lost the
-  lease can never write again, whatever its clocks say.
+  server/leader.py), every writing transaction first reads the lease's token ``FOR KEY SHARE`` and
+  fails with :class:`LeaseLost` if another server took the lease over since; a takeover locks the
+  row ``FOR UPDATE``, which waits for those writes in flight. So a server that lost the lease can
+  never write again, whatever its clocks say. The renewal (an UPDATE of no key) waits for none of
+  them, and runs on connections of its own (:meth:`PgFileSystem.renew`).
 - Every database error is an ``OSError`` (``EIO``), which the log treats as a failed disk: the
   append is refused, nothing half-written is served.
 - A write whose answer to ``COMMIT`` was lost (a connection reset, a primary crash after its
@@ -359,6 +361,9 @@ class PgFileSystem:
         self.alive: Callable[[], bool] | None = None
         self.unsure: str | None = None  # set when a write's outcome stayed unknown: no more writes
         self.on_unsure: Callable[[str], None] | None = None  # told once, from the writing thread
+        self._seen: tuple[tuple[int, str], float] | None = None  # the lease's row as first seen so (acquire)
+        self._lease_conns: list[Any] = []  # the renewals' own connections, idle
+        self._lease_lock = threading.Lock()
         self._create_schema()  # before the pool: each of its connections registers in onceflow_commits
         self._pool = ConnectionPool(
             conninfo,
@@ -406,6 +411,10 @@ class PgFileSystem:
 
     def close(self) -> None:
         self._pool.close()
+        with self._lease_lock:
+            conns, self._lease_conns = self._lease_conns, []
+        for conn in conns:
+            conn.close()
 
     def cached(self, f: PgFile, grew: int) -> None:
         """Account ``f``'s cache growing by ``grew`` bytes (an upper bound: a truncation shrinks
@@ -435,34 +444,67 @@ class PgFileSystem:
     # ------------------------------------------------------------------ the lease (server/leader.py)
 
     def acquire(self, holder: str, address: str | None, ttl: float) -> int | None:
-        """Take the store's lease if nobody holds it (or its holder let it expire, by the database's
-        clock): the new token, which fences every earlier holder's writes; None if it is held.
+        """Take the store's lease if nobody holds it: the new token, which fences every earlier
+        holder's writes; None if it is held. Called again and again by a follower.
 
-        The term is judged by ``clock_timestamp()``, the time when the row is reached, not ``now()``
-        (when the transaction began): the update may have waited behind a write of the holder, which
-        holds the row ``FOR SHARE``, past the end of the term."""
-        try:
+        Whether the holder is gone is judged by this process's own clock, never by the database's
+        (which may jump): the lease is free once its row (its token and row version: every renewal
+        writes a new one) stayed the same for ``ttl`` seconds of :func:`time.monotonic` since this
+        process first saw it so, or at once when its holder released it. The holder stops serving
+        0.8 of a term after its last renewal *began* by its own clock, before that renewal could be
+        seen here: so the assumption is clocks that run at about the same *rate* (within 20 %),
+        not clocks that agree. All servers of a store must run with the same term.
+
+        Taking it locks the row ``FOR UPDATE`` first: that waits for the holder's writes in flight
+        (each holds the row ``FOR KEY SHARE`` until it commits, having read the token), so none of
+        them commits after the token moved; writes that come later read the new token and fail."""
+        now = time.monotonic()
+        with self._tx("read the lease", fence=False) as cur:
+            cur.execute("SELECT token, xmin::text, expires = '-infinity' FROM onceflow_lease WHERE id = 1")
+            row = cur.fetchone()
+        if row is None:
             with self._tx("take the lease", fence=False) as cur:
-                # the holder's writes hold the row FOR SHARE for milliseconds; waiting longer means
-                # it is stopped inside one, and that is dealt with below
-                cur.execute(f"SET LOCAL lock_timeout = {max(50, min(1000, int(ttl * 250)))}")
                 cur.execute(
-                    "INSERT INTO onceflow_lease AS l (id, token, holder, address, expires, session) "
+                    "INSERT INTO onceflow_lease (id, token, holder, address, expires, session) "
                     "VALUES (1, 1, %(h)s, %(a)s, clock_timestamp() + make_interval(secs => %(t)s), %(s)s) "
-                    "ON CONFLICT (id) DO UPDATE SET token = l.token + 1, holder = %(h)s, address = %(a)s, "
-                    "expires = clock_timestamp() + make_interval(secs => %(t)s), session = %(s)s "
-                    "WHERE l.expires < clock_timestamp() RETURNING token",
+                    "ON CONFLICT (id) DO NOTHING RETURNING token",
                     {"h": holder, "a": address, "t": ttl, "s": self.session},
                 )
-                row = cur.fetchone()
-            if row is None:
+                got = cur.fetchone()
+            if got is None:
                 return None
             self._forget_dead_sessions()
-            return int(row[0])
+            return int(got[0])
+        version = (int(row[0]), str(row[1]))
+        if not row[2]:  # held: free only once it stayed unchanged for a term of this clock
+            if self._seen is None or self._seen[0] != version:
+                self._seen = (version, now)
+                return None
+            if now - self._seen[1] < ttl:
+                return None
+        try:
+            with self._tx("take the lease", fence=False) as cur:
+                # the holder's writes hold the row FOR KEY SHARE for milliseconds; waiting longer means
+                # it is stopped inside one, and that is dealt with below
+                cur.execute(f"SET LOCAL lock_timeout = {max(50, min(1000, int(ttl * 250)))}")
+                cur.execute("SELECT token, xmin::text FROM onceflow_lease WHERE id = 1 FOR UPDATE")
+                locked = cur.fetchone()
+                if locked is None or (int(locked[0]), str(locked[1])) != version:
+                    return None  # renewed, released or taken meanwhile: look again
+                cur.execute(
+                    "UPDATE onceflow_lease SET token = token + 1, holder = %(h)s, address = %(a)s, "
+                    "expires = clock_timestamp() + make_interval(secs => %(t)s), session = %(s)s "
+                    "WHERE id = 1 RETURNING token",
+                    {"h": holder, "a": address, "t": ttl, "s": self.session},
+                )
+                got = cur.fetchone()
+            self._seen = None
+            self._forget_dead_sessions()
+            return int(got[0])
         except OSError as exc:
             if not isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
                 raise
-        self._end_stopped_holder()
+        self._end_stopped_holder(version[0])
         return None
 
     def _forget_dead_sessions(self) -> None:
@@ -478,43 +520,64 @@ class PgFileSystem:
         except OSError as exc:
             log.warning("could not forget the commit counts of servers that are gone: %s", exc)
 
-    def _end_stopped_holder(self) -> None:
-        """The lease's row stays locked by its holder's transaction. If the holder's term has run out
-        by the database's clock, it is stopped inside a statement (SIGSTOP, a frozen VM: its session
-        is 'active', which ``idle_in_transaction_session_timeout`` does not end): end its sessions,
-        and the lock goes with them. It leads no more (its own clock tells it so when it resumes), and
-        what it was writing was never acknowledged."""
+    def _end_stopped_holder(self, token: int) -> None:
+        """The lease's row stays locked by its holder's transaction although it renewed nothing for
+        a term: it is stopped inside a statement (SIGSTOP, a frozen VM: its session is 'active',
+        which ``idle_in_transaction_session_timeout`` does not end). End its sessions, and the lock
+        goes with them. It leads no more (its own clock tells it so when it resumes), and what it
+        was writing was never acknowledged (or is read back as committed, storage/pgfs.py)."""
         with self._tx("end the sessions of the lease's stopped holder", fence=False) as cur:
             cur.execute(
                 "SELECT count(*) FILTER (WHERE pg_terminate_backend(a.pid)) FROM pg_stat_activity a "
-                "JOIN onceflow_lease l ON l.id = 1 AND l.expires < clock_timestamp() "
-                "AND a.application_name = 'onceflow/' || l.session WHERE a.pid <> pg_backend_pid()"
+                "JOIN onceflow_lease l ON l.id = 1 AND l.token = %s "
+                "AND a.application_name = 'onceflow/' || l.session WHERE a.pid <> pg_backend_pid()",
+                (token,),
             )
             row = cur.fetchone()
         if row and row[0]:
             log.warning("ended %d database sessions of the store's previous leader: its term ran out", row[0])
 
     def renew(self, token: int, ttl: float) -> bool:
-        """Extend the lease ``token`` holds; False if another server holds it now."""
-        with self._tx("renew the lease", fence=False) as cur:
-            cur.execute(
+        """Extend the lease ``token`` holds; False if another server holds it now.
+
+        On a connection of its own, never one of the pool's (busy with the leader's writes, or
+        backing off after a failure): a renewal waits for nothing of the leader's own load. Its
+        UPDATE does not wait for the writes' ``FOR KEY SHARE`` locks either (it changes no key).
+        Several may run at once (a hung one does not hold up the next): each takes its own."""
+        with self._lease_lock:
+            conn = self._lease_conns.pop() if self._lease_conns else None
+        try:
+            if conn is None:
+                conn = self._connect()
+                conn.execute(f"SET statement_timeout = {max(500, int(ttl * 1000 / 3))}")
+                conn.commit()
+            cur = conn.execute(
                 "UPDATE onceflow_lease SET expires = clock_timestamp() + make_interval(secs => %s) "
                 "WHERE id = 1 AND token = %s",
                 (ttl, token),
             )
-            return bool(cur.rowcount)
+            renewed = bool(cur.rowcount)
+            conn.commit()
+        except psycopg.Error as exc:
+            if conn is not None:
+                conn.close()
+            raise _io_error(exc, "renew the lease") from exc
+        with self._lease_lock:
+            self._lease_conns.append(conn)
+        return renewed
 
     def release(self, token: int) -> None:
         """Give the lease up at once (a clean shutdown): another server need not wait for it to expire."""
         with self._tx("release the lease", fence=False) as cur:
             cur.execute(
-                "UPDATE onceflow_lease SET expires = clock_timestamp() - interval '1 s' WHERE id = 1 AND token = %s",
+                "UPDATE onceflow_lease SET expires = '-infinity' WHERE id = 1 AND token = %s",
                 (token,),
             )
 
     def holder(self) -> tuple[str, str | None, int] | None:
         """Who holds the lease (holder, address, token), if anyone does."""
         with self._tx("read the lease", fence=False) as cur:
+            # by the database's clock: only where to send requests, never whether to serve
             cur.execute(
                 "SELECT holder, address, token FROM onceflow_lease WHERE id = 1 AND expires >= clock_timestamp()"
             )
@@ -539,7 +602,7 @@ class PgFileSystem:
                             cur.execute(_MARK)
                             mark = self._marked(cur)
                             if self.token is not None:
-                                cur.execute("SELECT token FROM onceflow_lease WHERE id = 1 FOR SHARE")
+                                cur.execute("SELECT token FROM onceflow_lease WHERE id = 1 FOR KEY SHARE")
                                 self._lease_verify(cur)
                         yield cur
                 except BaseException:
@@ -662,7 +725,7 @@ class PgFileSystem:
     def _lease_check(self, conn: Any) -> Any:
         if self.token is None:
             return None
-        return conn.execute("SELECT token FROM onceflow_lease WHERE id = 1 FOR SHARE")
+        return conn.execute("SELECT token FROM onceflow_lease WHERE id = 1 FOR KEY SHARE")
 
     def _lease_verify(self, cur: Any) -> None:
         if cur is None or self.token is None:
