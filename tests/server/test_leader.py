@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -154,3 +157,82 @@ async def test_a_follower_answers_without_the_database_and_reads_the_lease_one_r
             break
         await asyncio.sleep(0.01)
     assert await follower.leader_url() == "http://a:4437"
+
+
+class Holds:
+    """A store whose lease names ``address`` as the leader's."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def holder(self) -> tuple[str, str | None, int] | None:
+        return ("a", self.address, 7)
+
+
+async def through(app: object, method: str, target: bytes, body: bytes = b"", **kw: object) -> list[dict[str, object]]:
+    """The ASGI messages ``app`` sends for one request (its target in origin or asterisk form)."""
+    path, _, query = target.partition(b"?")
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path.decode(),
+        "raw_path": path,
+        "query_string": query,
+        "headers": [(b"host", b"b:4437"), (b"content-type", b"application/json"), *kw.get("headers", [])],  # type: ignore[misc]
+    }
+    sent: list[dict[str, object]] = []
+    given = False
+
+    async def receive() -> dict[str, object]:
+        nonlocal given
+        if given:
+            await asyncio.Event().wait()  # the client stays connected
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)  # type: ignore[operator]
+    return sent
+
+
+def error_of(sent: list[dict[str, object]]) -> tuple[object, str]:
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")  # type: ignore[misc]
+    return sent[0]["status"], json.loads(body)["error"]["code"]
+
+
+@pytest.fixture
+def frozen() -> Iterator[str]:
+    """A leader that is frozen (SIGSTOP, a paused VM): its kernel accepts connections, nothing answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("method", "target"), [("POST", b"/v1/stream/a"), ("GET", b"/v1/stream/a?offset=-1&live=long-poll")]
+)
+async def test_a_forward_to_a_frozen_leader_gives_up_after_about_a_term(
+    frozen: str, method: str, target: bytes
+) -> None:
+    """Without a read timeout the follower waited for the frozen leader as long as its client did
+    (an append hung 30 s, after the follower itself led too): it gives up when the leader said
+    nothing for a term (plus the long-poll timeout for a live read), and answers 502
+    ``leader_unreachable``, an unknown outcome (the leader may have done it). The bound asserted
+    is generous; the behaviour asserted is that it ends, and how."""
+    follower = leader.NotLeader(
+        Holds(frozen),  # type: ignore[arg-type]
+        1.0,
+        me="http://b:4437",
+        forward=True,
+        max_body=1 << 20,
+        long_poll_timeout=1.0,
+    )
+    try:
+        sent = await asyncio.wait_for(through(follower, method, target, b"[1]" if method == "POST" else b""), 20.0)
+    finally:
+        await follower.close()
+    assert error_of(sent) == (502, "leader_unreachable")

@@ -164,12 +164,28 @@ class NotLeader:
     answer 503 ``not_leader`` naming the leader (clients given several servers move on at once).
 
     A request that cannot reach the leader (connection refused: it sent nothing) is a 503
-    ``not_leader``; one whose answer broke off after it was sent is a 502 ``leader_unreachable``,
-    whose outcome is unknown to the client, as a timeout's is (producers retry it and are deduplicated)."""
+    ``not_leader``; one whose answer broke off after it was sent, or did not begin in time, is a 502
+    ``leader_unreachable``, whose outcome is unknown to the client, as a timeout's is (producers retry
+    it and are deduplicated).
 
-    def __init__(self, fs: PgFileSystem, lease_seconds: float, *, me: str, forward: bool, max_body: int) -> None:
+    In time: a leader that is frozen (SIGSTOP, a paused VM) still accepts connections (its kernel
+    does), so a forward waits for its answer at most a term (``lease_seconds``: by then another
+    server may lead), between any two bytes of it; a long-poll or SSE read waits ``long_poll_timeout``
+    more, for the leader answers a long-poll within that and sends an SSE keep-alive as often."""
+
+    def __init__(
+        self,
+        fs: PgFileSystem,
+        lease_seconds: float,
+        *,
+        me: str,
+        forward: bool,
+        max_body: int,
+        long_poll_timeout: float = 20.0,
+    ) -> None:
         self._fs = fs
         self._lease_seconds = lease_seconds
+        self._long_poll_timeout = long_poll_timeout
         self._me = me
         self._forward = forward
         self._max_body = max_body
@@ -236,27 +252,30 @@ class NotLeader:
             if not msg.get("more_body", False):
                 break
         if self._client is None:
-            # no read timeout: long-polls and SSE last as long as the leader keeps them
-            # and a connection per request in flight (live reads hold theirs), bounded by the server's
+            # a connection per request in flight (live reads hold theirs), bounded by the server's
             # own --max-connections, not by a pool
             self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(None, connect=2.0),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
                 trust_env=False,
             )
+        term = self._lease_seconds
+        live = any(p in (b"live=long-poll", b"live=sse") for p in scope.get("query_string", b"").split(b"&"))
+        timeout = httpx.Timeout(term, connect=min(2.0, term), read=term + self._long_poll_timeout if live else term)
         target = leader.rstrip("/") + scope.get("raw_path", scope["path"].encode()).decode("latin-1")
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
         headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
         headers.append((FORWARDED, b"1"))
-        request = self._client.build_request(scope["method"], target, headers=headers, content=bytes(body))
+        request = self._client.build_request(
+            scope["method"], target, headers=headers, content=bytes(body), timeout=timeout
+        )
         try:
             response = await self._client.send(request, stream=True)
         except httpx.ConnectError:  # nothing reached the leader: as if this server had answered
             self._read_at = -1e9  # read the lease again: the leader may have changed
             await self._not_leader(self._leader, send)
             return
-        except httpx.HTTPError as exc:
+        except httpx.HTTPError as exc:  # a timeout too: the leader may have done the request
             await _error(send, 502, "leader_unreachable", f"the leader {leader} did not answer: {exc!r}")
             return
         started = False
@@ -351,6 +370,7 @@ async def serve_store(
     lease_seconds: float = 10.0,
     forward: bool = True,
     max_body: int = 64 << 20,
+    long_poll_timeout: float = 20.0,
 ) -> None:
     """Serve the streams of the PostgreSQL database ``store`` (module docstring) until ``stop``."""
     if lease_seconds < 1.0:
@@ -364,7 +384,9 @@ async def serve_store(
     server = await start_server(switch, host, port, limits, connections, refusals)
     bound = server.sockets[0].getsockname()[1]
     me = advertise or f"http://{host}:{bound}"
-    follower = NotLeader(fs, lease_seconds, me=me, forward=forward, max_body=max_body)
+    follower = NotLeader(
+        fs, lease_seconds, me=me, forward=forward, max_body=max_body, long_poll_timeout=long_poll_timeout
+    )
     switch.target, switch.me, switch.leader = follower, me, follower.leader_url
     holder = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
     print(f"onceflow listening on http://{host}:{bound} (store: PostgreSQL, {me})", flush=True)

@@ -112,6 +112,7 @@ async def serve(
             lease_seconds=lease_seconds,
             forward=forward,
             max_body=max_body_bytes,
+            long_poll_timeout=long_poll_timeout,
         )
         return
     broker = make_broker(OsFileSystem(max_open_files), data)
