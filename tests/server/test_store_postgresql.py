@@ -239,3 +239,30 @@ def test_a_leader_cut_off_from_the_database_stops_answering_before_another_takes
         relay.stop()
         cut_off.kill()
         other.kill()
+
+
+def raw_answer(server: ServerProcess, request: bytes) -> tuple[bytes, bytes]:
+    """The status line and body of ``server``'s answer to ``request``, sent as it is."""
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10) as s:
+        s.sendall(request)
+        answer = b""
+        while more := s.recv(65536):  # to the end: the request says connection: close
+            answer += more
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head.split(b"\r\n", 1)[0], body
+
+
+def test_a_follower_answers_an_asterisk_form_target_as_the_leader_does(
+    pair: tuple[ServerProcess, ServerProcess],
+) -> None:
+    """``OPTIONS *`` (and any request whose target is not a path) through a follower was a 500: the
+    forward built the leader's URL from the target ``*``."""
+    leader = wait_for_leader(*pair)
+    follower = pair[1] if leader is pair[0] else pair[0]
+    for method in (b"OPTIONS", b"GET"):
+        request = method + b" * HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        status, body = raw_answer(leader, request)
+        assert status == (b"HTTP/1.1 204 No Content" if method == b"OPTIONS" else b"HTTP/1.1 404 Not Found")
+        passed_on = raw_answer(follower, request)
+        assert passed_on[0] == status
+        assert (b'"not_found"' in passed_on[1]) == (b'"not_found"' in body)  # the body chunked through the follower

@@ -261,7 +261,12 @@ class NotLeader:
         term = self._lease_seconds
         live = any(p in (b"live=long-poll", b"live=sse") for p in scope.get("query_string", b"").split(b"&"))
         timeout = httpx.Timeout(term, connect=min(2.0, term), read=term + self._long_poll_timeout if live else term)
-        target = leader.rstrip("/") + scope.get("raw_path", scope["path"].encode()).decode("latin-1")
+        path = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
+        if not path.startswith(b"/"):
+            # asterisk form (OPTIONS *): no URL has it; the leader answers "/" as it answers "*"
+            # (OPTIONS: its 204 for any path; another method: 404), and so the follower does
+            path = b"/"
+        target = leader.rstrip("/") + path.decode("latin-1")
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
         headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
