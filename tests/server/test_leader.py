@@ -236,3 +236,82 @@ async def test_a_forward_to_a_frozen_leader_gives_up_after_about_a_term(
     finally:
         await follower.close()
     assert error_of(sent) == (502, "leader_unreachable")
+
+
+def sealed_scope(seal: leader.Seal, body: bytes, token: int, *, method: str = "POST") -> dict[str, object]:
+    headers = [(b"host", b"a:4437"), (b"authorization", b"Bearer t")]
+    box = seal.close(method, b"/v1/stream/a%20b", b"offset=-1", headers, body, token)
+    return {
+        "type": "http",
+        "method": method,
+        "path": "/v1/stream/a b",
+        "raw_path": b"/v1/stream/a b",  # encoded otherwise than the follower got it: the same target
+        "query_string": b"offset=-1",
+        "headers": [(b"host", b"a:4437"), (leader.SEALED, box), (b"content-length", str(len(body)).encode())],
+    }
+
+
+def bodies(*chunks: bytes) -> object:
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+
+    async def receive() -> dict[str, object]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    return receive
+
+
+@pytest.mark.anyio
+async def test_a_sealed_request_opens_once_with_its_own_body_and_lease() -> None:
+    """What a listener that is not of the store could do with a sealed request it got: at most
+    deliver it to the leader unaltered, once."""
+    seal = leader.Seal(bytes(32))
+    opened = await seal.open_request(sealed_scope(seal, b"[1]", 7), bodies(b"[", b"1]"), 7)
+    assert not isinstance(opened, str)
+    scope, receive = opened
+    assert scope["headers"] == [
+        (b"host", b"a:4437"),
+        (b"authorization", b"Bearer t"),
+        (b"content-length", b"3"),
+        (leader.FORWARDED, b"1"),
+    ]
+    assert [await receive(), await receive()] == [
+        {"type": "http.request", "body": b"[", "more_body": True},
+        {"type": "http.request", "body": b"1]", "more_body": False},
+    ]
+    replayed = sealed_scope(seal, b"[1]", 7)
+    assert not isinstance(await seal.open_request(replayed, bodies(b"[1]"), 7), str)
+    assert "opened before" in str(await seal.open_request(replayed, bodies(b"[1]"), 7))
+    assert "with this body" in str(await seal.open_request(sealed_scope(seal, b"[1]", 7), bodies(b"[2]"), 7))
+    assert await seal.open_request(sealed_scope(seal, b"[1]", 7), bodies(b"[1]"), 8) is None  # another lease
+    other = leader.Seal(bytes(31) + b"\x01")  # another store's secret
+    assert "does not open" in str(await other.open_request(sealed_scope(seal, b"[1]", 7), bodies(b"[1]"), 7))
+    moved = {**sealed_scope(seal, b"", 7, method="GET"), "raw_path": b"/v1/stream/c"}
+    assert "does not open" in str(await seal.open_request(moved, bodies(b""), 7))
+
+
+@pytest.mark.anyio
+async def test_the_leader_refuses_a_seal_that_does_not_open() -> None:
+    seal = leader.Seal(bytes(32))
+    lease = leader.Lease(7, 10.0, leader._clock())
+    handled: list[object] = []
+
+    async def handler(scope: object, receive: object, send: object) -> None:
+        handled.append(scope)
+
+    app = leader.Leading(handler, handler, lease, seal)
+    scope = sealed_scope(leader.Seal(bytes(31) + b"\x01"), b"[1]", 7)
+    sent: list[dict[str, object]] = []
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    await app(scope, bodies(b"[1]"), send)
+    assert not handled
+    assert error_of(sent) == (400, "bad_seal")
+    sent.clear()  # sealed for the lease's earlier holder: retriable, nothing was done
+    await app(sealed_scope(seal, b"[1]", 6), bodies(b"[1]"), send)
+    assert not handled
+    assert error_of(sent) == (503, "lease_changed")
+    sent.clear()
+    await app(sealed_scope(seal, b"[1]", 7), bodies(b"[1]"), send)
+    assert len(handled) == 1

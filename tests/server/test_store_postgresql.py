@@ -7,7 +7,10 @@ exits."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,3 +269,97 @@ def test_a_follower_answers_an_asterisk_form_target_as_the_leader_does(
         passed_on = raw_answer(follower, request)
         assert passed_on[0] == status
         assert (b'"not_found"' in passed_on[1]) == (b'"not_found"' in body)  # the body chunked through the follower
+
+
+class Rogue:
+    """A listener that is no onceflow server: it keeps what it is sent and answers 200."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.heard = b""
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5.0)
+                with contextlib.suppress(OSError):
+                    while b"\r\n\r\n" not in self.heard.rpartition(b"HTTP/1.1\r\n")[2]:
+                        more = conn.recv(65536)
+                        if not more:
+                            break
+                        self.heard += more
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def guarded_pair(pg: str, tmp_path: Path) -> tuple[ServerProcess, ServerProcess]:
+    cfg = tmp_path / "guard.json"
+    cfg.write_text(json.dumps({"tokens": {"s3cret-ingest": [{"prefix": "", "scopes": ["read", "write"]}]}}))
+    store = pg_url(pg)
+    return tuple(  # type: ignore[return-value]
+        ServerProcess(tmp_path / f"unused{i}", "--store", store, "--lease-seconds", "2", "--guard", str(cfg))
+        for i in range(2)
+    )
+
+
+def test_a_follower_hands_no_credentials_to_a_listener_that_is_not_of_the_store(pg: str, tmp_path: Path) -> None:
+    """The lease's row named another listener (a wrong --advertise, a port another process took):
+    the follower passed the client's bearer token and cookies on to it in clear. It seals them
+    with the store's secret: only a server of the store opens them."""
+    import psycopg
+
+    servers = guarded_pair(pg, tmp_path)
+    rogue = Rogue()
+    try:
+        for s in servers:
+            s.start()
+        leader = wait_for_leader(*servers)
+        follower = servers[1] if leader is servers[0] else servers[0]
+        token = {"Authorization": "Bearer s3cret-ingest", "Cookie": "session=s3cret-cookie"}
+        assert httpx.put(f"{follower.url}/v1/stream/orders", headers={**JSON, **token}).status_code == 201
+        with psycopg.connect(pg, autocommit=True) as conn:
+            conn.execute("UPDATE onceflow_lease SET address = %s", (rogue.url,))
+        deadline = time.monotonic() + 30
+        while b"/v1/stream/orders" not in rogue.heard and time.monotonic() < deadline:
+            httpx.post(f"{follower.url}/v1/stream/orders", content=b"[1]", headers={**JSON, **token}, timeout=10)
+            time.sleep(0.2)
+        assert b"/v1/stream/orders" in rogue.heard  # the follower forwarded to it
+        assert b"s3cret" not in rogue.heard
+    finally:
+        rogue.close()
+        for s in servers:
+            s.kill()
+
+
+def test_credentials_reach_the_leader_through_a_follower(pg: str, tmp_path: Path) -> None:
+    servers = guarded_pair(pg, tmp_path)
+    try:
+        for s in servers:
+            s.start()
+        leader = wait_for_leader(*servers)
+        follower = servers[1] if leader is servers[0] else servers[0]
+        good, bad = {"Authorization": "Bearer s3cret-ingest"}, {"Authorization": "Bearer wrong"}
+        assert httpx.put(f"{follower.url}/v1/stream/orders", headers={**JSON, **bad}).status_code == 401
+        assert httpx.put(f"{follower.url}/v1/stream/orders", headers=JSON).status_code == 401
+        stream = f"{follower.url}/v1/stream/my%20orders"  # a target the forward may encode otherwise
+        assert httpx.put(stream, headers={**JSON, **good}).status_code == 201
+        producer = {"Producer-Id": "p", "Producer-Epoch": "0", "Producer-Seq": "0"}
+        assert httpx.post(stream, content=b"[1, 2]", headers={**JSON, **good, **producer}).status_code == 200
+        again = httpx.post(stream, content=b"[1, 2]", headers={**JSON, **good, **producer})  # the headers went on
+        assert again.status_code == 204 and again.headers["producer-seq"] == "0"
+        read = httpx.get(stream, params={"offset": "-1"}, headers=good)
+        assert read.status_code == 200 and read.json() == [1, 2]
+    finally:
+        for s in servers:
+            s.kill()

@@ -31,20 +31,27 @@ as that takes less than the lease's term.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
+from urllib.parse import unquote_to_bytes
 
 import httpx
+import psycopg
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..core.broker import Broker
 from ..storage.fs import FileSystem
@@ -54,7 +61,17 @@ from .http import HttpLimits, HttpServerProtocol, start_server
 from .instrument import Instrumented
 from .run import shut_down
 
-__all__ = ["LEASE_LOST_EXIT", "ROOT", "Lease", "Leading", "NotLeader", "Switch", "serve_store"]
+__all__ = [
+    "LEASE_LOST_EXIT",
+    "ROOT",
+    "Lease",
+    "Leading",
+    "NotLeader",
+    "Seal",
+    "Switch",
+    "cluster_secret",
+    "serve_store",
+]
 
 log = logging.getLogger("onceflow")
 
@@ -127,18 +144,31 @@ class Lease:
 class Leading:
     """The leader's app behind its lease: a request that arrives when the lease may have run out
     (the process was paused, its event loop blocked, its renewals hang) is handled as a follower
-    handles it, never answered from this server's memory, which another leader may have overtaken."""
+    handles it, never answered from this server's memory, which another leader may have overtaken.
 
-    def __init__(self, handler: ASGIApp, follower: ASGIApp, lease: Lease) -> None:
+    A request a follower passed on with its headers sealed (:class:`Seal`) is opened first: handled
+    with the headers sealed in it, or refused (400 ``bad_seal``) when it does not open."""
+
+    def __init__(self, handler: ASGIApp, follower: ASGIApp, lease: Lease, seal: Seal | None = None) -> None:
         self.handler = handler
         self.follower = follower
         self.lease = lease
+        self.seal = seal
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if self.lease.valid():
-            await self.handler(scope, receive, send)
-        else:
+        if not self.lease.valid():
             await self.follower(scope, receive, send)
+            return
+        if self.seal is not None and scope["type"] == "http" and any(k == SEALED for k, _ in scope["headers"]):
+            opened = await self.seal.open_request(scope, receive, self.lease.token)
+            if opened is None:  # the client may send it again: nothing was done
+                await _error(send, 503, "lease_changed", "the store's lease changed hands as the request was passed on")
+                return
+            if isinstance(opened, str):
+                await _error(send, 400, "bad_seal", opened)
+                return
+            scope, receive = opened
+        await self.handler(scope, receive, send)
 
 
 HOP_BY_HOP = frozenset(
@@ -155,6 +185,114 @@ HOP_BY_HOP = frozenset(
     }
 )  # Host is kept: the leader answers for the name the client used (URLs it builds in bodies)
 FORWARDED = b"onceflow-forwarded"  # set on a request a follower passes on: it is never passed on twice
+SEALED = b"onceflow-sealed"  # a passed-on request's headers, sealed with the cluster's secret
+IN_CLEAR = frozenset({b"host", b"content-type"})  # also sent in clear (content-type: for no one's sake but logs')
+
+
+def cluster_secret(conninfo: str) -> bytes:
+    """The secret the servers of the store ``conninfo`` share (:class:`Seal`): 32 random bytes in the
+    table ``onceflow_cluster``, made by the first server that needs them. Whoever can read the
+    database can read them; nobody else can."""
+    with psycopg.connect(conninfo, connect_timeout=10) as conn, conn.cursor() as cur:
+        cur.execute("SELECT to_regclass('onceflow_cluster') IS NOT NULL")
+        row = cur.fetchone()
+        if row is None or not row[0]:
+            cur.execute("SELECT pg_advisory_xact_lock(4437002)")  # concurrent first starts: one creates
+            cur.execute(
+                "CREATE TABLE IF NOT EXISTS onceflow_cluster "
+                "(id int PRIMARY KEY CHECK (id = 1), secret bytea NOT NULL)"  # one row
+            )
+        cur.execute(
+            "INSERT INTO onceflow_cluster (id, secret) VALUES (1, %s) ON CONFLICT (id) DO NOTHING",
+            (secrets.token_bytes(32),),
+        )
+        cur.execute("SELECT secret FROM onceflow_cluster WHERE id = 1")
+        row = cur.fetchone()
+        assert row is not None
+        return bytes(row[0])
+
+
+class Seal:
+    """A follower passes a request on with its headers (the bearer token and cookies among them)
+    sealed, AES-GCM with the secret the servers of one store share (:func:`cluster_secret`), so that
+    a listener at the address in the lease's row that is not a server of the store (a stale or wrong
+    ``--advertise``, a port another process took) learns nothing of them. Only ``Host`` and
+    ``Content-Type`` travel in clear besides.
+
+    The seal also binds the method, the target, a digest of the body, the lease's token and the
+    time, and the leader opens each seal once: such a listener can at most deliver the client's own
+    request, unaltered, once, to the leader that held the lease then, within ``WINDOW`` seconds."""
+
+    WINDOW = 30.0  # seconds a seal opens after it was made (the servers' clocks may differ by less)
+
+    def __init__(self, secret: bytes) -> None:
+        self._aead = AESGCM(secret)
+        self._opened: OrderedDict[bytes, float] = OrderedDict()  # nonces opened, until they expire
+
+    @staticmethod
+    def _bound(method: str, path: bytes, query: bytes) -> bytes:
+        # the target percent-decoded: the follower's HTTP client may encode it otherwise than it came
+        return method.encode("latin-1") + b" " + unquote_to_bytes(path) + b"?" + unquote_to_bytes(query)
+
+    def close(
+        self, method: str, path: bytes, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes, token: int
+    ) -> bytes:
+        """The header ``onceflow-sealed`` of a request to the leader holding the lease ``token``."""
+        sealed = {
+            "t": time.time(),
+            "token": token,
+            "body": hashlib.sha256(body).hexdigest(),
+            "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers],
+        }
+        nonce = secrets.token_bytes(12)
+        box = self._aead.encrypt(nonce, json.dumps(sealed).encode(), self._bound(method, path, query))
+        return base64.urlsafe_b64encode(nonce + box)
+
+    async def open_request(self, scope: Any, receive: Any, token: int) -> tuple[Any, Any] | str | None:
+        """The request with the headers sealed in it and its body as received; or why it does not
+        open; or None when it was sealed for another holder of the lease than ``token``'s."""
+        value = next(v for k, v in scope["headers"] if k == SEALED)
+        path = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
+        bound = self._bound(scope["method"], path, scope.get("query_string", b""))
+        messages = []
+        digest = hashlib.sha256()
+        while True:
+            msg = await receive()
+            messages.append(msg)
+            if msg["type"] != "http.request":
+                break
+            digest.update(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        why = "the request's onceflow-sealed header does not open with this store's secret"
+        try:
+            raw = base64.urlsafe_b64decode(value)
+            sealed = json.loads(self._aead.decrypt(raw[:12], raw[12:], bound))
+            made, headers = (
+                float(sealed["t"]),
+                [(k.encode("latin-1"), v.encode("latin-1")) for k, v in sealed["headers"]],
+            )
+            body_digest, sealed_for = sealed["body"], int(sealed["token"])
+        except (ValueError, TypeError, KeyError, InvalidTag, UnicodeError):
+            return why
+        if sealed_for != token:
+            return None  # for the lease's earlier holder: the follower passed it on as the lease changed hands
+        now = time.time()
+        while self._opened and next(iter(self._opened.values())) < now:
+            self._opened.popitem(last=False)
+        if abs(now - made) > self.WINDOW or raw[:12] in self._opened:
+            return why + " any more: it was opened before, or made too long ago"
+        if body_digest != digest.hexdigest():
+            return why + " with this body"
+        self._opened[raw[:12]] = now + 2 * self.WINDOW
+        framing = [(k, v) for k, v in scope["headers"] if k in (b"content-length", b"transfer-encoding")]
+        scope = {**scope, "headers": [*headers, *framing, (FORWARDED, b"1")]}
+        replay = iter(messages)
+
+        async def received() -> Any:
+            return next(replay, None) or await receive()
+
+        return scope, received
 
 
 class NotLeader:
@@ -182,7 +320,9 @@ class NotLeader:
         forward: bool,
         max_body: int,
         long_poll_timeout: float = 20.0,
+        seal: Seal | None = None,
     ) -> None:
+        self.seal = seal
         self._fs = fs
         self._lease_seconds = lease_seconds
         self._long_poll_timeout = long_poll_timeout
@@ -190,6 +330,7 @@ class NotLeader:
         self._forward = forward
         self._max_body = max_body
         self._leader: str | None = None
+        self._token = 0  # the leader's lease token, as last read
         self._read_at = -1e9
         self._reading: asyncio.Future[tuple[str, str | None, int] | None] | None = None
         self._client: httpx.AsyncClient | None = None
@@ -210,6 +351,7 @@ class NotLeader:
         self._reading = None
         held = None if reading.cancelled() or reading.exception() is not None else reading.result()
         self._leader = held[1] if held is not None else None
+        self._token = held[2] if held is not None else 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -266,10 +408,14 @@ class NotLeader:
             # asterisk form (OPTIONS *): no URL has it; the leader answers "/" as it answers "*"
             # (OPTIONS: its 204 for any path; another method: 404), and so the follower does
             path = b"/"
-        target = leader.rstrip("/") + path.decode("latin-1")
-        if scope.get("query_string"):
-            target += "?" + scope["query_string"].decode("latin-1")
+        target_path = path + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
+        target = leader.rstrip("/") + target_path.decode("latin-1")
         headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
+        if self.seal is not None:  # the leader at that address proves it is of this store by opening them
+            query = scope.get("query_string", b"")
+            sealed = self.seal.close(scope["method"], path, query, headers, bytes(body), self._token)
+            headers = [(k, v) for k, v in headers if k in IN_CLEAR]
+            headers.append((SEALED, sealed))
         headers.append((FORWARDED, b"1"))
         request = self._client.build_request(
             scope["method"], target, headers=headers, content=bytes(body), timeout=timeout
@@ -389,8 +535,9 @@ async def serve_store(
     server = await start_server(switch, host, port, limits, connections, refusals)
     bound = server.sockets[0].getsockname()[1]
     me = advertise or f"http://{host}:{bound}"
+    seal = Seal(await _off_loop(cluster_secret, store))
     follower = NotLeader(
-        fs, lease_seconds, me=me, forward=forward, max_body=max_body, long_poll_timeout=long_poll_timeout
+        fs, lease_seconds, me=me, forward=forward, max_body=max_body, long_poll_timeout=long_poll_timeout, seal=seal
     )
     switch.target, switch.me, switch.leader = follower, me, follower.leader_url
     holder = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
@@ -428,7 +575,7 @@ async def serve_store(
         app.metrics.http_refusals = refusals
         await broker.start()
         app.subscriptions.start()
-        switch.target, switch.lease, switch.leads = Leading(handler, follower, lease), lease, True
+        switch.target, switch.lease, switch.leads = Leading(handler, follower, lease, seal), lease, True
         return app, broker
 
     leading = asyncio.ensure_future(lead())
