@@ -452,3 +452,37 @@ def test_a_lost_acknowledgement_is_resent_to_the_next_server_and_lands_once(serv
     assert stats.duplicates >= 1
     assert stats.acked == 200
     assert read_all(server.url, "orders") == [{"i": i} for i in range(200)]
+
+
+@pytest.fixture
+def frozen_port() -> Iterator[int]:
+    """A server that is frozen (SIGSTOP, a paused VM): its kernel accepts connections, nothing answers."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_server_that_accepts_and_never_answers_moves_the_next_request_on(
+    server: ServerProcess, frozen_port: int, kind: Kind
+) -> None:
+    """The read timeout is raised (the request may have reached the server: not sent again
+    elsewhere), and the next request goes to the next server."""
+    url = f"http://127.0.0.1:{frozen_port},127.0.0.1:{server.port}"
+    target = request_url(url) + "/v1/streams"
+    timeout = httpx.Timeout(10.0, read=1.0)
+    if kind == "sync":
+        with http_client(url, timeout=timeout) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                c.get(target)
+            assert c.get(target).status_code == 200
+    else:
+        async with async_http_client(url, timeout=timeout) as ac:
+            with pytest.raises(httpx.ReadTimeout):
+                await ac.get(target)
+            assert (await ac.get(target)).status_code == 200
