@@ -69,6 +69,8 @@ async def test_a_recovery_longer_than_the_term_keeps_the_lease(pg: str) -> None:
 class Renewals:
     """A store whose renewals answer as told: ``ok``, ``taken`` or ``down`` (an error)."""
 
+    unsure: str | None = None  # no write of unknown outcome
+
     def __init__(self, *answers: str) -> None:
         self.answers = list(answers)
         self.at: list[float] = []
@@ -103,11 +105,14 @@ async def test_the_leader_renews_every_third_of_its_term_and_steps_down_at_the_d
         now[0] += seconds
         await real_sleep(0)
 
+    def wait(seconds: float) -> bool:
+        now[0] += seconds
+        return False
+
     monkeypatch.setattr(leader, "_clock", lambda: now[0])
-    monkeypatch.setattr(asyncio, "sleep", sleep)
     store = Renewals(*answers)
     lease = leader.Lease(token=1, term=1.0, began=0.0)
-    got = await leader._hold(store, lease)  # type: ignore[arg-type]
+    got = leader._hold(store, lease, threading.Event(), wait=wait, spawn=lambda fn: fn())  # type: ignore[arg-type]
     assert why in got
     assert store.at == pytest.approx(attempts)
     assert now[0] == pytest.approx(ends)
@@ -124,10 +129,10 @@ async def test_the_leader_steps_down_when_the_store_could_not_learn_a_writes_out
 
     store = Unsure(*["ok"] * 100)
     lease = leader.Lease(token=1, term=60.0, began=leader._clock())
-    told = asyncio.Event()
+    told = threading.Event()
     asyncio.get_running_loop().call_later(0.05, told.set)
-    got = await asyncio.wait_for(leader._hold(store, lease, told), 30)  # type: ignore[arg-type]
-    assert "could not learn the outcome of a write" in got and Unsure.unsure in got
+    got = await asyncio.wait_for(asyncio.to_thread(leader._hold, store, lease, told), 30)  # type: ignore[arg-type]
+    assert got is not None and "could not learn the outcome of a write" in got and Unsure.unsure in got
 
 
 @pytest.mark.anyio
@@ -315,3 +320,28 @@ async def test_the_leader_refuses_a_seal_that_does_not_open() -> None:
     sent.clear()
     await app(sealed_scope(seal, b"[1]", 7), bodies(b"[1]"), send)
     assert len(handled) == 1
+
+
+@pytest.mark.anyio
+async def test_a_leader_whose_event_loop_is_blocked_for_terms_keeps_its_lease(pg: str) -> None:
+    """Items 3 and 5: a retention sweep over thousands of streams, or catch-up reads, held the event
+    loop for longer than a term, the renewal (a coroutine) could not run, and a healthy leader
+    stepped down again and again. The renewals run in threads of their own now: the event loop
+    blocked for over two terms, the lease is still this server's, renewed meanwhile."""
+
+    term = 3.0
+    fs = PgFileSystem(pg)
+    try:
+        began = leader._clock()
+        token = fs.acquire("me", None, term)
+        assert token is not None
+        lease = leader.Lease(token, term, began)
+        wake = threading.Event()
+        lost = leader._holding(fs, lease, wake)
+        time.sleep(2.5 * term)  # the event loop does nothing else meanwhile (a long sweep, a blocking read)
+        assert lease.valid() and not lost.done()
+        assert lease.began > began
+        wake.set()
+        assert await asyncio.wait_for(lost, 30) is None  # a clean stop ends the renewals
+    finally:
+        fs.close()

@@ -37,9 +37,11 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 import socket
+import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -131,11 +133,20 @@ class Lease:
         self.term = term
         self.began = began  # the last renewal (or the taking) that succeeded began then
         self.until = began + self.MARGIN * term
+        self._lock = threading.Lock()  # renewals succeed in threads of their own
 
     def renewed(self, began: float) -> None:
-        """A renewal that began at ``began`` (:func:`_clock`) succeeded."""
-        self.began = began
-        self.until = began + self.MARGIN * self.term
+        """A renewal that began at ``began`` (:func:`_clock`) succeeded (an earlier one finishing
+        late moves nothing back)."""
+        with self._lock:
+            if began > self.began and self.until > -math.inf:
+                self.began = began
+                self.until = began + self.MARGIN * self.term
+
+    def lose(self) -> None:
+        """Another server holds it, or this one may not lead on: invalid at once, for good."""
+        with self._lock:
+            self.until = -math.inf
 
     def valid(self) -> bool:
         return _clock() < self.until
@@ -465,31 +476,98 @@ async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
 
-async def _hold(fs: PgFileSystem, lease: Lease, unsure: asyncio.Event | None = None) -> str:
-    """Renew the lease every third of its term; returns why it was lost: another server holds it,
-    or no renewal succeeded while it was valid (:class:`Lease`), or (``unsure`` set) the store
-    could not learn the outcome of a write, so this server's memory may disagree with the store.
-    A renewal that hangs (a database that does not answer) is not waited for past that."""
-    tried = lease.began
-    while True:  # an attempt a third of a term after the last one began, the last one at the deadline
-        pause = max(0.0, min(tried + lease.term / 3, lease.until) - _clock())
-        if unsure is not None and await _wait(unsure, pause):
-            return f"the store could not learn the outcome of a write ({fs.unsure})"
-        if unsure is None:
-            await asyncio.sleep(pause)
-        tried = _clock()
-        if tried >= lease.until:
-            return f"could not renew the store's lease for {Lease.MARGIN * lease.term:.1f} s"
+def _hold(
+    fs: PgFileSystem,
+    lease: Lease,
+    wake: threading.Event,
+    *,
+    wait: Callable[[float], bool] | None = None,
+    spawn: Callable[[Callable[[], None]], None] | None = None,
+) -> str | None:
+    """Renew the lease every third of its term, in a thread of its own (so that nothing the event
+    loop does, a long retention sweep, a blocking read, delays it); returns why it was lost:
+    another server holds it, or no renewal succeeded while it was valid (:class:`Lease`), or the
+    store could not learn the outcome of a write (``fs.unsure``: this server's memory may disagree
+    with the store). Returns None when ``wake`` is set without a reason (a clean stop).
+
+    Each attempt runs in a thread of its own (``spawn``), on a connection of its own
+    (:meth:`PgFileSystem.renew`): one that hangs (a primary gone mid-statement) does not hold up the
+    next, a third of a term later; at most three hang at once. ``wait`` and ``spawn`` are for tests
+    (a clock of their own, attempts inline)."""
+    wait = wait or wake.wait
+    spawn = spawn or _daemon
+    lock = threading.Lock()
+    state = {"taken": False, "in_flight": 0}
+
+    def attempt(began: float) -> None:
         try:
-            renewed = await asyncio.wait_for(_off_loop(fs.renew, lease.token, lease.term), lease.until - tried)
-        except TimeoutError:
-            return f"could not renew the store's lease for {Lease.MARGIN * lease.term:.1f} s (no answer)"
+            renewed = fs.renew(lease.token, lease.term)
         except OSError as exc:
             log.warning("could not renew the store's lease: %s", exc)
-            continue
-        if not renewed:
+            return
+        finally:
+            with lock:
+                state["in_flight"] -= 1
+        if renewed:
+            lease.renewed(began)
+        else:
+            state["taken"] = True
+            lease.lose()
+            wake.set()
+
+    tried = lease.began
+    while True:  # an attempt a third of a term after the last one began, the last one at the deadline
+        woken = wait(max(0.0, min(tried + lease.term / 3, lease.until) - _clock()))
+        if state["taken"]:
             return "another server took the store's lease over"
-        lease.renewed(tried)
+        if fs.unsure is not None:
+            return f"the store could not learn the outcome of a write ({fs.unsure})"
+        if woken:
+            return None
+        tried = _clock()
+        if tried >= lease.until:
+            with lock:
+                hung = state["in_flight"]
+            return f"could not renew the store's lease for {Lease.MARGIN * lease.term:.1f} s" + (
+                " (no answer)" if hung else ""
+            )
+        with lock:
+            if state["in_flight"] >= 3:
+                continue
+            state["in_flight"] += 1
+        spawn(functools.partial(attempt, tried))
+        if state["taken"]:  # an attempt run inline (tests) found it taken
+            return "another server took the store's lease over"
+
+
+def _settle_future(fut: asyncio.Future[str | None], why: str | None) -> None:
+    if not fut.done():
+        fut.set_result(why)
+
+
+def _daemon(fn: Callable[[], None]) -> None:
+    threading.Thread(target=fn, name="onceflow-lease-renewal", daemon=True).start()
+
+
+def _holding(fs: PgFileSystem, lease: Lease, wake: threading.Event) -> asyncio.Future[str | None]:
+    """:func:`_hold` in a thread of its own (not the event loop's executor, which the leader's own
+    work may fill); its result as a future of the running loop. A lost lease is invalid at once
+    (:meth:`Lease.lose`), before the event loop hears of it."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[str | None] = loop.create_future()
+
+    def run() -> None:
+        try:
+            why = _hold(fs, lease, wake)
+        except BaseException as exc:  # noqa: BLE001 - handed to the event loop
+            loop.call_soon_threadsafe(done.set_exception, exc)
+            return
+        if why is not None:
+            lease.lose()
+        loop.call_soon_threadsafe(_settle_future, done, why)
+
+    threading.Thread(target=run, name="onceflow-lease", daemon=True).start()
+    return done
 
 
 def _step_down(why: str, switch: Switch, follower: NotLeader) -> NoReturn:
@@ -555,18 +633,20 @@ async def serve_store(
             fs.close()
             return
     fs.token = token
+    if _clock() - began > lease_seconds / 3:
+        # the taking itself was slow (a database failing over): its term is mostly gone by this
+        # clock, so renew once at the start rather than lead for a moment and step down
+        again = _clock()
+        with contextlib.suppress(OSError):
+            if await _off_loop(fs.renew, token, lease_seconds):
+                began = again
     lease = Lease(token, lease_seconds, began)
     # a write whose COMMIT answer was lost is read back while the lease is valid; if it cannot be,
     # the store writes nothing more and this server steps down (its memory may disagree with it)
     fs.alive = lease.valid
-    unsure = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def tell(why: str) -> None:
-        loop.call_soon_threadsafe(unsure.set)
-
-    fs.on_unsure = tell
-    lost = asyncio.ensure_future(_hold(fs, lease, unsure))  # renewed from now on: recovery may outlast a term
+    wake = threading.Event()
+    fs.on_unsure = lambda why: wake.set()
+    lost = _holding(fs, lease, wake)  # renewed from now on: recovery may outlast a term
 
     async def lead() -> tuple[App, Broker]:
         broker = make_broker(fs, ROOT)
@@ -579,22 +659,24 @@ async def serve_store(
         return app, broker
 
     leading = asyncio.ensure_future(lead())
-    await asyncio.wait({lost, leading}, return_when=asyncio.FIRST_COMPLETED)
+    first: set[asyncio.Future[Any]] = {lost, leading}
+    await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
     if lost.done():
-        _step_down(lost.result(), switch, follower)
+        _step_down(lost.result() or "the lease's renewals stopped", switch, follower)
     try:
         app, broker = leading.result()
     except BaseException:
-        lost.cancel()
+        wake.set()
         raise
     print(f"onceflow leads the store (lease token {token})", flush=True)
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    then: set[asyncio.Future[Any]] = {lost, stopping}
+    await asyncio.wait(then, return_when=asyncio.FIRST_COMPLETED)
     if lost.done():
-        _step_down(lost.result(), switch, follower)
+        _step_down(lost.result() or "the lease's renewals stopped", switch, follower)
     await follower.close()
     await shut_down(server, connections, app, broker)  # still renewing: the last snapshots are written
-    lost.cancel()
+    wake.set()
     try:
         await _off_loop(fs.release, token)
     except OSError as exc:
