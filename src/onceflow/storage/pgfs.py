@@ -337,6 +337,26 @@ class PgFile:
         return got
 
 
+class _Preload:
+    """A tree of the store read at once (:meth:`PgFileSystem.preloaded`): every file's and
+    directory's row, and the bytes of the small files. Recovery reads each stream's metadata,
+    snapshot and segment list: a dozen round trips a stream, minutes for ten thousand of them."""
+
+    def __init__(self, root: str, rows: list[tuple[str, str, int | None, int]], data: dict[int, bytes]) -> None:
+        self.root = root
+        self.files: dict[str, tuple[int | None, int]] = {}
+        self.children: dict[str, list[str]] = {}
+        for path, parent, ident, size in rows:
+            self.files[path] = (ident, size)
+            if path != parent:
+                self.children.setdefault(parent, []).append(Path(path).name)
+        self.data = data
+        self.deferred: dict[str, bytes] = {}  # whole-file replacements written when the block ends
+
+    def covers(self, key: str) -> bool:
+        return key == self.root or key.startswith(self.root + "/")
+
+
 class PgFileSystem:
     """A :class:`~onceflow.storage.fs.FileSystem` in a PostgreSQL database (module docstring).
 
@@ -363,6 +383,8 @@ class PgFileSystem:
         self.on_unsure: Callable[[str], None] | None = None  # told once, from the writing thread
         self._seen: tuple[tuple[int, str], float] | None = None  # the lease's row as first seen so (acquire)
         self._lease_conns: list[Any] = []  # the renewals' own connections, idle
+        self._pre: _Preload | None = None  # a tree read at once, while recovery reads it (preloaded)
+        self._pre_lock = threading.Lock()
         self._lease_lock = threading.Lock()
         self._create_schema()  # before the pool: each of its connections registers in onceflow_commits
         self._pool = ConnectionPool(
@@ -644,6 +666,7 @@ class PgFileSystem:
                     _rollback(conn)
                     raise
                 self._commit(conn, mark, what)
+            self._synced(f, start, data, size)
         except _Gone:
             return
         except (psycopg.Error, PoolTimeout) as exc:
@@ -737,6 +760,11 @@ class PgFileSystem:
 
     def read_range(self, ident: int, at: int, n: int) -> bytes:
         """Bytes [at, at + n) of file ``ident`` as the database holds them (short at its end)."""
+        pre = self._pre
+        if pre is not None:
+            whole = pre.data.get(ident)
+            if whole is not None:
+                return whole[at : at + n]
         end = at + n
         with self._tx("read", fence=False) as cur:
             # only the part of each chunk in the range, in binary (bytea as text is twice the bytes)
@@ -756,10 +784,133 @@ class PgFileSystem:
             out += data
         return bytes(out)
 
+    # ------------------------------------------------------------------ a tree read at once
+
+    @contextmanager
+    def preloaded(self, root: Path, *, small: int = 64 << 10) -> Iterator[None]:
+        """While the block runs, answer reads under ``root`` (listings, existence, opening files,
+        whole small files and their ranges) from one reading of the tree: two queries in all,
+        instead of a dozen round trips a stream for recovery. What this process writes meanwhile
+        keeps it true (a sync updates it; any other change of the tree but a whole-file replace
+        drops it, and reads go to the database again); no other server writes while this one holds
+        the lease. Files larger than ``small`` bytes are listed, their bytes read as before.
+
+        Whole-file replacements under ``root`` (recovery's snapshots, one a stream after a crash)
+        are *deferred*: they read back at once here, and are written in one transaction when the
+        block ends, before it returns (an error there is raised from the block). So they are
+        durable when the block returns, not when each returns: only for a caller that, as
+        recovery, acts on none of them before the block ends."""
+        key = str(root)
+        below = key.rstrip("/") + "/"
+        with self._tx(f"read the tree {key}", fence=False) as cur:
+            cur.execute(
+                "SELECT path, parent, id, size FROM onceflow_files WHERE path = %s OR starts_with(path, %s)",
+                (key, below),
+            )
+            rows = [(str(p), str(q), None if i is None else int(i), int(n)) for p, q, i, n in cur.fetchall()]
+            cur.execute(
+                "SELECT c.file, c.at, c.data FROM onceflow_chunks c JOIN onceflow_files f ON f.id = c.file "
+                "WHERE starts_with(f.path, %s) AND f.size <= %s ORDER BY c.file, c.at",
+                (below, small),
+                binary=True,
+            )
+            parts: dict[int, bytearray] = {}
+            for ident, at, chunk in cur.fetchall():
+                buf = parts.setdefault(int(ident), bytearray())
+                if at > len(buf):
+                    buf += bytes(at - len(buf))  # a hole
+                buf[at : at + len(chunk)] = chunk
+        sizes = {i: n for _, _, i, n in rows if i is not None}
+        data = {i: bytes(buf[: sizes[i]]).ljust(sizes[i], b"\0") for i, buf in parts.items() if i in sizes}
+        for ident, size in sizes.items():
+            if size == 0:
+                data[ident] = b""
+        with self._pre_lock:
+            self._pre = _Preload(key, rows, data)
+        try:
+            yield
+            self._write_deferred()
+        finally:
+            with self._pre_lock:
+                self._pre = None
+
+    def _write_deferred(self) -> None:
+        """The whole-file replacements made while the tree was read at once, in one transaction."""
+        with self._pre_lock:
+            pre = self._pre
+            if pre is None or not pre.deferred:
+                return
+            todo, pre.deferred = pre.deferred, {}
+        paths = list(todo)
+        with self._tx(f"replace {len(paths)} files under {pre.root}") as cur:
+            cur.execute(
+                "DELETE FROM onceflow_chunks WHERE file IN (SELECT id FROM onceflow_files WHERE path = ANY(%s))",
+                (paths,),
+            )
+            cur.execute("DELETE FROM onceflow_files WHERE path = ANY(%s)", (paths,))
+            cur.execute(
+                "INSERT INTO onceflow_files (path, parent, id, size) "
+                "SELECT p, q, nextval('onceflow_file_ids'), n FROM unnest(%s::text[], %s::text[], %s::bigint[]) "
+                "AS t(p, q, n) RETURNING path, id",
+                (paths, [_parent(p) for p in paths], [len(todo[p]) for p in paths]),
+            )
+            ids = {str(p): int(i) for p, i in cur.fetchall()}
+            cur.executemany(
+                "INSERT INTO onceflow_chunks (file, at, data) VALUES (%s, 0, %s)",
+                [(ids[p], todo[p]) for p in paths if todo[p]],
+            )
+        with self._pre_lock:
+            for p in paths:
+                was = pre.files.get(p)
+                if was is not None and was[0] is not None:
+                    pre.data.pop(was[0], None)
+                pre.files[p] = (ids[p], len(todo[p]))
+                pre.data[ids[p]] = todo[p]
+
+    def _synced(self, f: PgFile, start: int, data: bytes, size: int) -> None:
+        """A sync of ``f`` committed: the tree read at once holds its new size and bytes."""
+        if self._pre is None:
+            return
+        key = str(f.path)
+        with self._pre_lock:
+            pre = self._preload_for(key)
+            if pre is None or key not in pre.files:
+                return
+            pre.files[key] = (f.id, size)
+            old = pre.data.get(f.id)
+            if old is not None:
+                pre.data[f.id] = (old[:start].ljust(start, b"\0") + data)[:size].ljust(size, b"\0")
+
+    def _preload_for(self, key: str) -> _Preload | None:
+        pre = self._pre
+        return pre if pre is not None and pre.covers(key) else None
+
+    def _tree_changed(self, key: str) -> None:
+        """This process changes the tree at ``key``: what was read at once no longer says so (the
+        deferred replacements are written first, in their order before this change)."""
+        if self._preload_for(key) is None:
+            return
+        self._write_deferred()
+        with self._pre_lock:
+            if self._pre is not None and self._pre.covers(key):
+                self._pre = None
+
     # ------------------------------------------------------------------ the FileSystem protocol
 
     def open_file(self, path: Path, *, create: bool) -> File:
         key = str(path)
+        pre = self._preload_for(key)
+        if pre is not None and key in pre.deferred:
+            self._write_deferred()
+        if pre is not None and not create:
+            found = pre.files.get(key)
+            if found is None:
+                raise FileNotFoundError(errno.ENOENT, "no such file", key)
+            if found[0] is None:
+                raise IsADirectoryError(errno.EISDIR, "is a directory", key)
+            return PgFile(self, path, found[0], found[1])
+        if create:
+            self._tree_changed(key)
         with self._tx(f"open {key}", fence=create) as cur:
             cur.execute("SELECT id, size FROM onceflow_files WHERE path = %s", (key,))
             row = cur.fetchone()
@@ -780,6 +931,14 @@ class PgFileSystem:
 
     def listdir(self, path: Path) -> list[str]:
         key = str(path)
+        pre = self._preload_for(key)
+        if pre is not None:
+            found = pre.files.get(key)
+            if found is None:
+                raise FileNotFoundError(errno.ENOENT, "no such directory", key)
+            if found[0] is not None:
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", key)
+            return list(pre.children.get(key, []))
         with self._tx(f"list {key}", fence=False) as cur:
             cur.execute("SELECT path, id FROM onceflow_files WHERE path = %s", (key,))
             row = cur.fetchone()
@@ -792,6 +951,9 @@ class PgFileSystem:
 
     def mkdir(self, path: Path) -> None:
         key = str(path)
+        pre = self._preload_for(key)
+        if pre is None or pre.files.get(key, (0, 0))[0] is not None:  # not a directory known to be there
+            self._tree_changed(key)
         with self._tx(f"mkdir {key}") as cur:
             chain = [key, *(str(p) for p in path.parents)]
             cur.execute("SELECT path, id FROM onceflow_files WHERE path = ANY(%s)", (chain,))
@@ -804,12 +966,16 @@ class PgFileSystem:
             )
 
     def exists(self, path: Path) -> bool:
+        pre = self._preload_for(str(path))
+        if pre is not None:
+            return str(path) in pre.files or str(path) in pre.deferred
         with self._tx("exists", fence=False) as cur:
             cur.execute("SELECT 1 FROM onceflow_files WHERE path = %s", (str(path),))
             return cur.fetchone() is not None
 
     def unlink(self, path: Path) -> None:
         key = str(path)
+        self._tree_changed(key)
         with self._tx(f"unlink {key}") as cur:
             cur.execute("DELETE FROM onceflow_files WHERE path = %s AND id IS NOT NULL RETURNING id", (key,))
             row = cur.fetchone()
@@ -820,6 +986,8 @@ class PgFileSystem:
         s, d = str(src), str(dst)
         if s == d:
             return
+        self._tree_changed(s)
+        self._tree_changed(d)
         with self._tx(f"rename {s} to {d}") as cur:
             cur.execute("SELECT id FROM onceflow_files WHERE path = %s", (s,))
             row = cur.fetchone()
@@ -850,6 +1018,7 @@ class PgFileSystem:
 
     def rmtree(self, path: Path) -> None:
         key = str(path)
+        self._tree_changed(key)
         try:
             with self._tx(f"rmtree {key}") as cur:
                 cur.execute(
@@ -867,6 +1036,17 @@ class PgFileSystem:
 
     def read_bytes(self, path: Path) -> bytes:
         key = str(path)
+        pre = self._preload_for(key)
+        if pre is not None:
+            if key in pre.deferred:
+                return pre.deferred[key]
+            found = pre.files.get(key)
+            if found is None:
+                raise FileNotFoundError(errno.ENOENT, "no such file", key)
+            if found[0] is None:
+                raise IsADirectoryError(errno.EISDIR, "is a directory", key)
+            if found[0] in pre.data:
+                return pre.data[found[0]]
         with self._tx(f"read {key}", fence=False) as cur:
             cur.execute("SELECT id, size FROM onceflow_files WHERE path = %s", (key,))
             row = cur.fetchone()
@@ -883,6 +1063,13 @@ class PgFileSystem:
         """Replace the whole file at once (durable when it returns, whatever ``sync`` says;
         ``mode`` has no meaning here: the database's own access control protects the data)."""
         key = str(path)
+        with self._pre_lock:
+            pre = self._preload_for(key)
+            if pre is not None:
+                parent, here = pre.files.get(_parent(key)), pre.files.get(key)
+                if parent is not None and parent[0] is None and (here is None or here[0] is not None):
+                    pre.deferred[key] = bytes(data)  # in a known directory, over a file or nothing
+                    return
         with self._tx(f"replace {key}") as cur:
             self._need_dir(cur, _parent(key))
             cur.execute("SELECT id FROM onceflow_files WHERE path = %s", (key,))
@@ -900,6 +1087,16 @@ class PgFileSystem:
             ident = cur.fetchone()[0]
             if data:
                 cur.execute("INSERT INTO onceflow_chunks (file, at, data) VALUES (%s, 0, %s)", (ident, data))
+        with self._pre_lock:
+            pre = self._preload_for(key)
+            if pre is not None:
+                was = pre.files.get(key)
+                if was is None:
+                    pre.children.setdefault(_parent(key), []).append(path.name)
+                elif was[0] is not None:
+                    pre.data.pop(was[0], None)
+                pre.files[key] = (int(ident), len(data))
+                pre.data[int(ident)] = bytes(data)
 
     @staticmethod
     def _need_dir(cur: Any, key: str) -> None:
