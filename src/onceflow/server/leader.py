@@ -650,7 +650,9 @@ async def serve_store(
 
     async def lead() -> tuple[App, Broker]:
         broker = make_broker(fs, ROOT)
+        t = time.monotonic()
         await _off_loop(broker.open)  # recovery: every stream, from the database
+        print(f"onceflow recovered {len(broker.streams)} streams in {time.monotonic() - t:.2f} s", flush=True)
         app, handler = build(broker)
         app.metrics.http_refusals = refusals
         await broker.start()

@@ -29,13 +29,14 @@ from pathlib import Path
 from typing import Protocol
 
 from .._files import fsync_dir, replace_file
+from ..errors import OnceflowError
 
 __all__ = ["DEFAULT_MAX_OPEN", "File", "FileSystem", "OsFileSystem", "OutcomeUnknown", "raise_open_file_limit"]
 
 DEFAULT_MAX_OPEN = 512
 
 
-class OutcomeUnknown(OSError):
+class OutcomeUnknown(OnceflowError, OSError):
     """A write whose outcome could not be learned: it may be durable or not (a store whose answer to
     a commit was lost, and that could not read back what happened before it had to give up). Every
     other ``OSError`` of a write means it did not happen. A caller must never answer this as "not
@@ -43,7 +44,9 @@ class OutcomeUnknown(OSError):
     (its holder's memory may disagree with what is stored): the server must stop serving from it."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(errno.EIO, message)
+        super().__init__(message, code="outcome_unknown")
+        self.errno = errno.EIO
+        self.strerror = message
 
 
 class File(Protocol):

@@ -105,6 +105,17 @@ def add_bench_parser(sub: Any) -> None:
     r.add_argument("--concurrency", type=int, default=4, help="handlers of the parallel consumer (default: 4)")
     r.add_argument("--out", default=None, help="also write the results as JSON to this file")
     r.set_defaults(func=_bench_processors)
+    o = bsub.add_parser(
+        "takeover",
+        help="seconds without appends after a kill -9 of the leader of a PostgreSQL store, by stream count",
+    )
+    o.add_argument(
+        "--streams", default="1000,10000", help="stream counts to measure, comma-separated (default: 1000,10000)"
+    )
+    o.add_argument("--lease-seconds", type=float, default=3.0, help="the servers' lease term (default: 3)")
+    o.add_argument("--timeout", type=float, default=300.0, help="give up on a takeover after this long (default: 300)")
+    o.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    o.set_defaults(func=_bench_takeover)
     from .compare import add_parser as _add_compare
 
     _add_compare(bsub)
@@ -149,4 +160,11 @@ def _bench_processors(args: argparse.Namespace) -> int:
     from .processors import run
 
     with bench_progress("processors"):  # a bar on a terminal, the plain [bench] lines elsewhere
+        return run(args)
+
+
+def _bench_takeover(args: argparse.Namespace) -> int:
+    from .takeover import run
+
+    with bench_progress("takeover"):  # a bar on a terminal, the plain [bench] lines elsewhere
         return run(args)
