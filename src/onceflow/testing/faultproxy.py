@@ -11,7 +11,10 @@ for blocking and asyncio clients alike::
     finally:
         proxy.stop()
 
-Faults apply only to requests whose method is in ``methods`` (default: ``POST``):
+Faults apply only to requests whose method is in ``methods`` (default: ``POST``) and, when
+``paths`` is given, whose request target contains one of its strings (``paths=("/commit",)``);
+``max_faults`` (default: no limit) caps how many responses are dropped or delayed in all, so a
+test can lose exactly the first answer to a request and let its retry through:
 
 - **drop** (a "lost ack"): the request is forwarded, the whole response is read from the server
   (so the server has processed and committed it), and then the client connection is closed without
@@ -104,6 +107,8 @@ class FaultProxy:
         delay_jitter: float = 0.0,
         request_jitter: float = 0.0,
         methods: Iterable[str] = ("POST",),
+        paths: Iterable[str] = (),
+        max_faults: int | None = None,
         seed: int | None = 0,
     ) -> None:
         self.upstream_host = upstream_host
@@ -114,6 +119,8 @@ class FaultProxy:
         self.delay_jitter = delay_jitter
         self.request_jitter = request_jitter
         self.methods = {m.upper() for m in methods}
+        self.paths = tuple(paths)  # empty: any target
+        self.max_faults = max_faults  # None: no limit
         self._rng = random.Random(seed)  # noqa: S311 - fault schedule, not security
         self.port = 0
         # counters (written by the proxy thread only)
@@ -238,7 +245,8 @@ class FaultProxy:
                     return  # not needed by the tests: refuse by closing
                 body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
                 client_close = _has_token(headers.get("connection"), "close")
-                faulty = method in self.methods
+                target = start_line.split(" ", 2)[1] if start_line.count(" ") >= 1 else ""
+                faulty = method in self.methods and (not self.paths or any(p in target for p in self.paths))
                 if faulty and self.request_jitter > 0:
                     await asyncio.sleep(self._rng.uniform(0, self.request_jitter))
 
@@ -278,6 +286,8 @@ class FaultProxy:
                     self.upstream_errors += 1
                     return  # relay the failure as it was: the connection just ends
 
+                if faulty and self.max_faults is not None:  # no await between this check and the count
+                    faulty = self.responses_dropped + self.responses_delayed < self.max_faults
                 if faulty and self._should_drop(ordinal):
                     self.responses_dropped += 1
                     return  # the server committed it; the client never hears back
