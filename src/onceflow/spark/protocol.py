@@ -20,7 +20,12 @@ with ``409`` (``sink_owned``); ``POST /v1/sinks/<sink>/reset`` frees the sink on
 
 Every request is retried on transport errors, 5xx and 429 until ``request_deadline`` and each is
 idempotent, so a retry after a lost answer changes nothing: a retried begin (same task name) gets
-the same transaction back, a retried commit of the same decision is answered committed.
+the same transaction back, a retried commit of the same decision is answered committed. Each
+attempt waits at most :func:`attempt_timeout` of the deadline (connect, send, each read), so an
+answer lost on a connection that stays open costs a share of the deadline and the retry that
+learns the outcome fits in the rest: the driver's commit ends ``committed`` when the batch
+committed, and :class:`~onceflow.client.OutcomeUnknownError` (never a plain failure) when no
+attempt got an answer within the deadline.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from urllib.parse import quote
 
 import httpx
 
-from ..client import OnceflowError, TransportError
+from ..client import OnceflowError, OutcomeUnknownError, TransportError
 from ..client.lowlevel import error_from_response, request_url, stream_url
 from ..client.transactions import AsyncTransactionalProducer
 
@@ -50,12 +55,23 @@ __all__ = [
     "TaskSpec",
     "WriterSettings",
     "abort_batch",
+    "attempt_timeout",
     "commit_batch",
     "run_task",
     "task_name",
 ]
 
 log = logging.getLogger("onceflow.spark")
+
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)  # the request cannot have reached the server
+
+
+def attempt_timeout(deadline: float) -> float:
+    """Seconds one attempt of a request may wait (to connect, send, and for each read of the
+    answer) under a retry deadline of ``deadline`` seconds (``requestTimeoutSeconds``): a quarter
+    of it, at most 30 s. So an answer lost on a connection that stays open costs a quarter of the
+    deadline, and the retries that learn what became of the request fit in the rest."""
+    return min(30.0, deadline / 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +89,11 @@ class WriterSettings:
     max_batch_bytes: int = 1 << 20
     retry_backoff: tuple[float, float] = (0.05, 2.0)
     rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)  # jitter of retries
+
+    @property
+    def attempt_timeout(self) -> float:
+        """What one attempt of a request waits at most: :func:`attempt_timeout` of the deadline."""
+        return attempt_timeout(self.request_deadline)
 
     @property
     def prefix(self) -> str:
@@ -151,28 +172,55 @@ class BatchOutcome:
 
 
 async def _request(
-    client: httpx.AsyncClient, settings: WriterSettings, method: str, url: str, what: str, **kw: Any
+    client: httpx.AsyncClient,
+    settings: WriterSettings,
+    method: str,
+    url: str,
+    what: str,
+    *,
+    unknown: str | None = None,
+    **kw: Any,
 ) -> httpx.Response:
     """One request, retried on transport errors, 5xx and 429 until ``request_deadline`` (every
-    request here is idempotent); any other status but 200 is raised."""
+    request here is idempotent); any other status but 200 is raised.
+
+    Each attempt waits at most ``settings.attempt_timeout``, and no longer than the deadline
+    leaves (but at least a quarter of that), so the deadline bounds the whole request: a lost
+    answer on a connection that stays open is retried, not waited out. ``unknown``: what the
+    caller can look at to learn the outcome, when no attempt got an answer within the deadline
+    and one may have reached the server; :class:`OutcomeUnknownError` is then raised, not the last
+    transport error (the request may have done its work)."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + settings.request_deadline
+    most = settings.attempt_timeout
     attempt = 0
+    reached = False  # an attempt may have reached the server
     while True:
         try:
-            resp = await client.request(method, url, **kw)
+            timeout = max(min(most, give_up - loop.time()), most / 4)
+            resp = await client.request(method, url, timeout=timeout, **kw)
             if resp.status_code in (200, 201):
                 return resp
             err: OnceflowError = error_from_response(resp, what)
             if resp.status_code < 500 and resp.status_code != 429:
                 raise err
+            reached = True
         except httpx.TransportError as exc:
             err = TransportError(f"{what}: {exc!r} (is the onceflow server at {settings.url} running?)")
-        if loop.time() > give_up:
+            reached = reached or not isinstance(exc, _NOT_SENT)
+        if loop.time() >= give_up:
+            if unknown is not None and reached:
+                raise OutcomeUnknownError(
+                    f"{what}: no answer within requestTimeoutSeconds ({settings.request_deadline:g} s; last: "
+                    f"{err.message}); it may or may not have been done: {unknown}",
+                    status=err.status,
+                    code="outcome_unknown",
+                )
             raise err
         attempt += 1
         low, high = settings.retry_backoff
-        await asyncio.sleep(min(high, low * 2 ** min(attempt, 8)) * (0.8 + 0.4 * settings.rng.random()))
+        pause = min(high, low * 2 ** min(attempt, 8)) * (0.8 + 0.4 * settings.rng.random())
+        await asyncio.sleep(min(pause, max(0.0, give_up - loop.time())))  # a last attempt at the deadline
 
 
 async def _ensure_stream(client: httpx.AsyncClient, settings: WriterSettings, stream: str) -> None:
@@ -381,10 +429,15 @@ async def commit_batch(
       results' transactions were aborted. Raises (409, ``replay_mismatch``) instead when it is the
       sink's last batch and the results' fingerprint differs from the committed one.
     - raises 409 ``sink_owned`` for a query the sink does not belong to, 403/409 when a member was
-      fenced or ended (nothing of the batch is then visible), and after ``request_deadline``.
+      fenced or ended (nothing of the batch is then visible).
+    - raises :class:`~onceflow.client.OutcomeUnknownError` when no attempt got an answer within
+      ``request_deadline`` (the batch may or may not have committed; the message says where to look).
     - ``empty``: no task ran; nothing is sent.
 
-    A retry after a lost answer is the same decision: answered ``committed``."""
+    A retry after a lost answer is the same decision: answered ``committed``. So an answer lost
+    on the way (a reset, or held on an open connection: each attempt waits at most
+    ``settings.attempt_timeout``) is resolved by the retry within the deadline, and the caller
+    is told ``committed``, not a transport error, for a batch that committed."""
     if not results:
         return BatchOutcome("empty", None)
     body: dict[str, Any] = {
@@ -408,6 +461,7 @@ async def commit_batch(
         "POST",
         settings.path("commit"),
         f"commit batch {batch} of sink {settings.sink}",
+        unknown=(f"GET {settings.path()} shows the sink's last committed batch and its rows (null: nothing committed)"),
         content=json.dumps(body),
         headers={"content-type": "application/json"},
     )

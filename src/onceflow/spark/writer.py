@@ -39,7 +39,16 @@ from pyspark.sql.types import BinaryType, StringType, StructType
 
 from ..client.lowlevel import async_http_client, run_sync
 from .options import OptionError, Options
-from .protocol import SinkTask, TaskResult, TaskSpec, WriterSettings, abort_batch, commit_batch, task_name
+from .protocol import (
+    SinkTask,
+    TaskResult,
+    TaskSpec,
+    WriterSettings,
+    abort_batch,
+    attempt_timeout,
+    commit_batch,
+    task_name,
+)
 
 __all__ = ["OnceflowBatchWriter", "OnceflowStreamWriter", "TaskCommit", "check_sink_schema"]
 
@@ -113,7 +122,10 @@ def _rows(rb: pa.RecordBatch, opts: Options) -> dict[str, list[bytes]]:
 
 
 async def _client(opts: Options) -> httpx.AsyncClient:
-    return async_http_client(opts.url, timeout=30.0, token=opts.token)
+    """The client of a task or of the driver: each attempt of a request waits at most
+    :func:`~.protocol.attempt_timeout` of ``requestTimeoutSeconds`` (the tasks' appends and
+    keep-alives too), not a fixed time that could outlast the deadline."""
+    return async_http_client(opts.url, timeout=attempt_timeout(opts.request_deadline), token=opts.token)
 
 
 def _context() -> TaskContext:
