@@ -122,3 +122,40 @@ def test_a_spark_batch_write_whose_commit_answer_is_held_succeeds_with_its_rows_
         )
         assert proxy.responses_delayed == 1
     assert sorted(m["id"] for m in read_all(srv.url, "job")) == list(range(50))
+
+
+@pytest.mark.timeout(300)
+def test_a_streaming_query_whose_commit_answer_is_held_goes_on_with_its_rows_once(
+    spark: Any, srv: ServerProcess, tmp_path: Path
+) -> None:
+    """The same for ``writeStream``: the first answer to the commit of its only micro-batch held,
+    requestTimeoutSeconds 4. The query used to stop with an error (its batch committed); now it
+    ends as it should and the rows are there once."""
+    import onceflow.spark
+
+    onceflow.spark.register(spark)
+    assert httpx.put(f"{srv.url}/v1/stream/s/in", headers={"content-type": "application/json"}).status_code == 201
+    rows = [{"id": i} for i in range(40)]
+    assert httpx.post(f"{srv.url}/v1/stream/s/in", json=rows).status_code in (200, 204)
+    with FaultProxy(srv.port, paths=("/commit",), delay=HELD, max_faults=1) as proxy:
+        query = (
+            spark.readStream.format("onceflow")
+            .option("url", srv.url)
+            .option("streams", "s/in")
+            .load()
+            .selectExpr("value")
+            .writeStream.format("onceflow")
+            .option("url", proxy.url)
+            .option("stream", "s/out")
+            .option("sinkId", "held-stream")
+            .option("requestTimeoutSeconds", "4")
+            .option("checkpointLocation", str(tmp_path / "ckpt"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        try:
+            query.awaitTermination(240)  # raises the query's error
+        finally:
+            query.stop()
+        assert query.exception() is None and proxy.responses_delayed == 1
+    assert sorted(m["id"] for m in read_all(srv.url, "s/out")) == list(range(40))
