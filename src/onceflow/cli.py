@@ -158,10 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--lease-seconds",
         type=float,
-        default=10.0,
+        default=3.0,
         metavar="S",
-        help="with --store: the term of the store's lease; a follower takes over this long after the "
-        "leader died (default: 10)",
+        help="with --store: the term of the store's lease; a follower takes over this long after it saw "
+        "the leader's last renewal (default: 3: appends resume within about 5 s of a leader's death, "
+        "10,000 streams included); every server of a store must use the same term",
     )
     s.add_argument(
         "--no-forward",

@@ -596,7 +596,7 @@ async def serve_store(
     build: Callable[[Broker], tuple[App, Instrumented]],
     stop: asyncio.Event,
     advertise: str | None = None,
-    lease_seconds: float = 10.0,
+    lease_seconds: float = 3.0,
     forward: bool = True,
     max_body: int = 64 << 20,
     long_poll_timeout: float = 20.0,

@@ -50,7 +50,7 @@ async def serve(
     metrics_allow: Sequence[str] = (),
     store: str | None = None,
     advertise: str | None = None,
-    lease_seconds: float = 10.0,
+    lease_seconds: float = 3.0,
     forward: bool = True,
 ) -> None:
     """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
