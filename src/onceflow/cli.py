@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="with --store: the term of the store's lease; a follower takes over this long after it saw "
         "the leader's last renewal (default: 3: appends resume within about 5 s of a leader's death, "
-        "10,000 streams included); every server of a store must use the same term",
+        "10,000 streams included); a follower waits the longer of its own term and the leader's",
     )
     s.add_argument(
         "--no-forward",

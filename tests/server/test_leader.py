@@ -345,3 +345,120 @@ async def test_a_leader_whose_event_loop_is_blocked_for_terms_keeps_its_lease(pg
         assert await asyncio.wait_for(lost, 30) is None  # a clean stop ends the renewals
     finally:
         fs.close()
+
+
+class _Stepped(Exception):
+    pass
+
+
+@pytest.mark.anyio
+async def test_a_leader_whose_recovery_the_database_fails_gives_the_lease_up_and_steps_down(
+    pg: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by ``onceflow chaos --store postgresql`` (lose-commit): a write of the recovery was
+    refused by the database and the server died with a traceback (status 1), holding the lease for
+    a term. It gives the lease up at once now and steps down (status 3: restarted as a follower)."""
+    steps: list[str] = []
+
+    def step_down(why: str, switch: object, follower: object) -> None:
+        steps.append(why)
+        if len(steps) == 1:  # the real one exits the process here; later calls are not reached there
+            raise _Stepped
+
+    monkeypatch.setattr(leader, "_step_down", step_down)
+    opened: list[object] = []  # what serve_store opened, closed here (the real step-down exits the process)
+    real_start, real_fs = leader.start_server, leader.PgFileSystem
+
+    async def start_server(*args: object, **kw: object) -> object:
+        server = await real_start(*args, **kw)  # type: ignore[arg-type]
+        opened.append(server)
+        return server
+
+    def pg_fs(*args: object, **kw: object) -> object:
+        fs = real_fs(*args, **kw)  # type: ignore[arg-type]
+        opened.append(fs)
+        return fs
+
+    monkeypatch.setattr(leader, "start_server", start_server)
+    monkeypatch.setattr(leader, "PgFileSystem", pg_fs)
+
+    class Refused(Broker):
+        def open(self) -> None:
+            raise OSError(5, "PostgreSQL store: replace 7 files under /onceflow failed")
+
+    probe = PgFileSystem(pg)
+    try:
+        with pytest.raises(_Stepped):
+            await serve_store(
+                pg,
+                host="127.0.0.1",
+                port=0,
+                limits=HttpLimits(),
+                make_broker=lambda fs, root: Refused(root, fs=fs),
+                build=lambda broker: build_handler(broker, AppConfig(), None),
+                stop=asyncio.Event(),
+                lease_seconds=30.0,
+            )
+        assert "could not recover" in steps[0] and "replace 7 files" in steps[0]  # the first: the real one exits
+        assert probe.holder() is None  # released: the other server need not wait 30 s
+    finally:
+        probe.close()
+        for thing in opened:
+            thing.close()  # type: ignore[attr-defined]
+            if isinstance(thing, asyncio.Server):
+                await thing.wait_closed()
+
+
+async def _asgi(app: object, method: str, during: object) -> tuple[list[dict[str, object]], BaseException | None]:
+    """Call ``app`` with one request; ``during`` runs between the handler's start and its answer."""
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": "/v1/stream/s", "headers": [], "query_string": b""}
+    try:
+        await app(scope, receive, send)  # type: ignore[operator]
+    except Exception as exc:  # noqa: BLE001 - handed to the test
+        return sent, exc
+    return sent, None
+
+
+@pytest.mark.anyio
+async def test_a_read_that_outlives_the_lease_is_not_answered_from_memory() -> None:
+    """Found by review: the lease was checked when a request began only. A long-poll that began
+    while it was valid (or an answer that waited behind a blocked event loop) answered "nothing
+    new" after another server may have taken over and acknowledged appends: a stale read. Reads
+    are answered only while the lease is valid; a write's answer is true whenever it goes out
+    (the database fenced it)."""
+    lease = leader.Lease(token=1, term=60.0, began=leader._clock())
+
+    async def long_poll(scope: object, receive: object, send: object) -> None:
+        lease.lose()  # the lease runs out while it waits
+        await send({"type": "http.response.start", "status": 204, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b""})  # type: ignore[operator]
+
+    async def follower(scope: object, receive: object, send: object) -> None:
+        raise AssertionError("began while the lease was valid: the leader's handler takes it")
+
+    app = leader.Leading(long_poll, follower, lease)
+    sent, exc = await _asgi(app, "GET", None)
+    assert exc is None and sent[0]["status"] == 503 and b"not_leader" in sent[1]["body"]  # type: ignore[operator]
+    lease = leader.Lease(token=1, term=60.0, began=leader._clock())
+    app = leader.Leading(long_poll, follower, lease)
+    sent, exc = await _asgi(app, "POST", None)
+    assert exc is None and sent[0]["status"] == 204
+
+    lease = leader.Lease(token=1, term=60.0, began=leader._clock())
+
+    async def live_tail(scope: object, receive: object, send: object) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})  # type: ignore[operator]
+        lease.lose()
+        await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})  # type: ignore[operator]
+
+    sent, exc = await _asgi(leader.Leading(live_tail, follower, lease), "GET", None)
+    assert exc is not None and len(sent) == 2  # broken off before the event sent after the lease ran out

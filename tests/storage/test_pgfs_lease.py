@@ -5,6 +5,7 @@ clock, which may jump."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -20,12 +21,13 @@ from onceflow.storage.pgfs import LeaseLost, PgFileSystem  # noqa: E402
 
 ROOT = Path("/onceflow")
 LIVENESS = 20.0  # seconds: a bound on a wait that must end, not a measurement
+TERM = 2.0  # the leader's term in these tests (a follower waits at least the holder's)
 
 
 @pytest.fixture
 def leader(pg: str) -> Iterator[PgFileSystem]:
     fs = PgFileSystem(pg, pool_size=1)
-    token = fs.acquire("leader", "http://a", 30.0)
+    token = fs.acquire("leader", "http://a", TERM)
     assert token == 1
     fs.token = token
     fs.mkdir(ROOT)
@@ -125,7 +127,7 @@ def test_a_forward_step_of_the_databases_clock_hands_no_lease_over(leader: PgFil
             db.execute("UPDATE onceflow_lease SET expires = clock_timestamp() - interval '1 hour'")
         for _ in range(5):
             assert follower.acquire("follower", "http://b", 30.0) is None
-        assert leader.renew(1, 30.0)
+        assert leader.renew(1, TERM)
         # a leader that stops renewing (dead) is replaced once a term went by on the follower's clock
         assert take(follower, term=0.5) == 2
     finally:
@@ -142,3 +144,90 @@ def test_a_released_lease_is_taken_at_once(leader: PgFileSystem, pg: str) -> Non
         assert not leader.renew(1, 30.0)
     finally:
         follower.close()
+
+
+def test_a_follower_counts_its_term_from_after_it_read_the_lease(pg: str) -> None:
+    """Found by review: the follower read its clock before reading the row. A renewal committed
+    while the read waited (for a pool connection, a reconnect, a pause) was dated from before it
+    began, and the follower took the lease while the old leader's was valid."""
+    from onceflow.server.leader import Lease, _clock
+
+    term = 2.0
+    leader, follower = PgFileSystem(pg), PgFileSystem(pg)
+    try:
+        began = _clock()
+        token = leader.acquire("leader", "http://a", term)
+        assert token == 1
+        lease = Lease(token, term, began)
+        real_tx, first = follower._tx, [True]
+
+        @contextlib.contextmanager
+        def slow_read(what: str, **kw: bool) -> Iterator[object]:
+            if what == "read the lease" and first[0]:  # the first read waits; the leader renews meanwhile
+                first[0] = False
+                time.sleep(1.0)
+                renewal = _clock()
+                assert leader.renew(token, term)
+                lease.renewed(renewal)
+            with real_tx(what, **kw) as cur:
+                yield cur
+
+        follower._tx = slow_read  # type: ignore[method-assign]
+        assert take(follower, term=term) == 2
+        assert not lease.valid(), f"both lead: the old leader's lease is valid {lease.until - _clock():.2f} s more"
+    finally:
+        leader.close()
+        follower.close()
+
+
+def test_a_follower_with_a_shorter_term_waits_for_the_holders(pg: str) -> None:
+    """Found by review: a follower waited its own term only. With another ``--lease-seconds`` than
+    the holder's (a rolling upgrade across the change of the default from 10 to 3 s), it took the
+    lease while the holder still served. The holder writes its term in the row now."""
+    from onceflow.server.leader import Lease, _clock
+
+    leader, follower = PgFileSystem(pg), PgFileSystem(pg)
+    try:
+        began = _clock()
+        token = leader.acquire("old", "http://a", 4.0)
+        assert token == 1
+        lease = Lease(token, 4.0, began)
+        assert take(follower, term=1.0) == 2
+        assert not lease.valid(), f"both lead: the old leader's lease is valid {lease.until - _clock():.2f} s more"
+    finally:
+        leader.close()
+        follower.close()
+
+
+def test_a_holder_that_does_not_say_its_term_is_given_the_old_default(pg: str) -> None:
+    """A lease row written by a server from before the term column: a follower waits the old
+    default term (10 s), never its own shorter one."""
+    from onceflow.storage import pgfs
+
+    leader, follower = PgFileSystem(pg), PgFileSystem(pg)
+    try:
+        assert leader.acquire("old", "http://a", 10.0) == 1
+        with psycopg.connect(pg, autocommit=True) as db:
+            db.execute("UPDATE onceflow_lease SET term = NULL")
+        assert follower.acquire("new", "http://b", 0.2) is None  # first seen
+        time.sleep(0.5)
+        assert follower.acquire("new", "http://b", 0.2) is None  # its own term passed, the old default not
+        assert pgfs.LEGACY_TERM == 10.0
+    finally:
+        leader.close()
+        follower.close()
+
+
+def test_a_store_made_before_the_term_column_gets_it(pg: str) -> None:
+    fs = PgFileSystem(pg)
+    fs.close()
+    with psycopg.connect(pg, autocommit=True) as db:
+        db.execute("ALTER TABLE onceflow_lease DROP COLUMN term")
+    fs = PgFileSystem(pg)
+    try:
+        assert fs.acquire("me", None, 5.0) == 1
+        assert fs.renew(1, 5.0)
+        with psycopg.connect(pg) as db:
+            assert db.execute("SELECT term FROM onceflow_lease").fetchone() == (5.0,)
+    finally:
+        fs.close()

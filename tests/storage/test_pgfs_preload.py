@@ -122,3 +122,40 @@ def test_a_block_that_fails_writes_none_of_its_deferred_replacements(fs: PgFileS
         fs.replace_file(DATA / "streams" / "a" / "meta.json", b"never")
         raise RuntimeError("recovery failed")
     assert fs.read_bytes(DATA / "streams" / "a" / "meta.json") == b'{"name": "a"}'
+
+
+def test_deferred_replacements_that_fail_inside_a_best_effort_removal_fail_the_block(
+    fs: PgFileSystem, pg: str, postgres_server: object
+) -> None:
+    """Found by ``onceflow chaos --store postgresql`` (lose-commit): the coordinator's recovery
+    removes a leftover directory (``rmtree``, best effort: errors are logged, not raised), which
+    first writes the deferred replacements; their COMMIT was lost and they did not land. The
+    removal swallowed the error and recovery went on as if they had: they must fail the block
+    instead (recovery is then run again), never vanish silently."""
+    import re
+
+    from onceflow.testing.pgproxy import PgFaultProxy
+    from onceflow.testing.services import PostgresServer
+
+    assert isinstance(postgres_server, PostgresServer)
+    with PgFaultProxy(postgres_server.port) as proxy:
+        dbname = re.search(r"dbname=(\w+)", pg)
+        assert dbname is not None
+        through = PgFileSystem(proxy.conninfo(dbname.group(1), user="postgres"), connect_timeout=5)
+        try:
+            with pytest.raises(OSError, match="deferred replacements"), through.preloaded(DATA):
+                through.replace_file(DATA / "streams" / "a" / "snapshot", b"recovered state")
+                proxy.arm(lambda sql: "INSERT INTO onceflow_chunks" in sql, "request")
+                through.rmtree(DATA / "empty")  # best effort: it does not raise
+                assert proxy.lost == 1
+        finally:
+            through.close()
+    assert not fs.exists(DATA / "streams" / "a" / "snapshot")
+
+
+def test_a_file_a_deferred_replacement_creates_is_listed(fs: PgFileSystem) -> None:
+    """Found by review: the deferred replacement of a new file did not add its name to the listing."""
+    with fs.preloaded(DATA):
+        fs.replace_file(DATA / "streams" / "a" / "snapshot", b"new")
+        assert sorted(fs.listdir(DATA / "streams" / "a")) == ["empty", "meta.json", "snapshot"]
+    assert sorted(fs.listdir(DATA / "streams" / "a")) == ["empty", "meta.json", "snapshot"]

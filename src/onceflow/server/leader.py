@@ -179,7 +179,38 @@ class Leading:
                 await _error(send, 400, "bad_seal", opened)
                 return
             scope, receive = opened
-        await self.handler(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] not in ("GET", "HEAD"):
+            # a write is fenced by the database: if it was stored, this server still held the lease
+            # when it committed, and its answer is true whenever it is sent
+            await self.handler(scope, receive, send)
+            return
+        # a read answers from memory: a long-poll or a live tail that began while the lease was
+        # valid (or waited behind a blocked event loop) must not answer once another server may lead
+        lease, started = self.lease, False
+
+        async def while_valid(message: Any) -> None:
+            nonlocal started
+            if not lease.valid():
+                raise _LeaseRanOut
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.handler(scope, receive, while_valid)
+        except _LeaseRanOut:
+            if started:
+                raise  # a live tail broken off: the client reads on from another server
+            await _error(
+                send,
+                503,
+                "not_leader",
+                "this server's lease ran out while it answered the read; ask again",
+                headers=((b"onceflow-leader", b""), (b"retry-after", b"1"), (b"cache-control", b"no-store")),
+            )
+
+
+class _LeaseRanOut(Exception):
+    """A read's answer was about to go out after this server's lease ran out."""
 
 
 HOP_BY_HOP = frozenset(
@@ -460,9 +491,12 @@ class NotLeader:
             await self._client.aclose()
 
 
-async def _error(send: Any, status: int, code: str, message: str) -> None:
+async def _error(
+    send: Any, status: int, code: str, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    start = [(b"content-type", b"application/json"), *headers]
+    await send({"type": "http.response.start", "status": status, "headers": start})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -651,7 +685,13 @@ async def serve_store(
     async def lead() -> tuple[App, Broker]:
         broker = make_broker(fs, ROOT)
         t = time.monotonic()
-        await _off_loop(broker.open)  # recovery: every stream, from the database
+        try:
+            await _off_loop(broker.open)  # recovery: every stream, from the database
+        except OSError as exc:  # the database failed it: another server (or this one, restarted) tries again
+            wake.set()  # no renewal after the release
+            with contextlib.suppress(OSError):
+                fs.release(token)  # on the event loop, on purpose: nothing else runs before the exit
+            _step_down(f"could not recover the store's streams ({exc})", switch, follower)
         print(f"onceflow recovered {len(broker.streams)} streams in {time.monotonic() - t:.2f} s", flush=True)
         app, handler = build(broker)
         app.metrics.http_refusals = refusals

@@ -103,9 +103,11 @@ CREATE TABLE IF NOT EXISTS onceflow_lease (
     holder  text NOT NULL,
     address text,
     expires timestamptz NOT NULL,
-    session text                       -- the holder's connections' application_name: onceflow/<session>
+    session text,                      -- the holder's connections' application_name: onceflow/<session>
+    term    float8                     -- the holder's term in seconds (NULL: a server from before it)
 );
 """
+LEGACY_TERM = 10.0  # the term of a holder that does not say (servers before 2026-11-27: 10 s by default)
 _COMMITS = """
 CREATE TABLE IF NOT EXISTS onceflow_commits (
     conn    bigint PRIMARY KEY,        -- one connection of a server (a random id, set in its session)
@@ -352,6 +354,7 @@ class _Preload:
                 self.children.setdefault(parent, []).append(Path(path).name)
         self.data = data
         self.deferred: dict[str, bytes] = {}  # whole-file replacements written when the block ends
+        self.failed: BaseException | None = None  # writing them failed: the block raises it at its end
 
     def covers(self, key: str) -> bool:
         return key == self.root or key.startswith(self.root + "/")
@@ -381,6 +384,7 @@ class PgFileSystem:
         self.alive: Callable[[], bool] | None = None
         self.unsure: str | None = None  # set when a write's outcome stayed unknown: no more writes
         self.on_unsure: Callable[[str], None] | None = None  # told once, from the writing thread
+        self._idle_ms = max(1, int(idle_timeout * 1000))
         self._seen: tuple[tuple[int, str], float] | None = None  # the lease's row as first seen so (acquire)
         self._lease_conns: list[Any] = []  # the renewals' own connections, idle
         self._pre: _Preload | None = None  # a tree read at once, while recovery reads it (preloaded)
@@ -405,12 +409,14 @@ class PgFileSystem:
         self._cache_lock = threading.Lock()
 
     def _connect(self, **settings: Any) -> Any:
-        """A connection of its own, outside the pool (whose back-off after a failure is seconds)."""
+        """A connection of its own, outside the pool (whose back-off after a failure is seconds),
+        whose transactions a pause of this process does not leave open (as the pool's)."""
         return psycopg.connect(
             self.conninfo,
             autocommit=False,
             connect_timeout=max(1, round(self.connect_timeout)),
             application_name=f"onceflow/{self.session}",
+            options=f"-c idle_in_transaction_session_timeout={self._idle_ms}",
             **settings,
         )
 
@@ -427,6 +433,13 @@ class PgFileSystem:
                     # exists); lz4 for a store made before it is tried, and given up at once if busy
                     cur.execute("SET LOCAL lock_timeout = '100ms'")
                     cur.execute(_COMPRESSION)
+                    cur.execute(
+                        "SELECT 1 FROM pg_attribute WHERE attrelid = 'onceflow_lease'::regclass "
+                        "AND attname = 'term' AND NOT attisdropped"
+                    )
+                    if cur.fetchone() is None:  # a store made before the lease said its term
+                        cur.execute("SET LOCAL lock_timeout = '5s'")
+                        cur.execute("ALTER TABLE onceflow_lease ADD COLUMN IF NOT EXISTS term float8")
                 conn.commit()
         except psycopg.Error as exc:
             raise _io_error(exc, "create the schema") from exc
@@ -475,20 +488,25 @@ class PgFileSystem:
         process first saw it so, or at once when its holder released it. The holder stops serving
         0.8 of a term after its last renewal *began* by its own clock, before that renewal could be
         seen here: so the assumption is clocks that run at about the same *rate* (within 20 %),
-        not clocks that agree. All servers of a store must run with the same term.
+        not clocks that agree. The holder writes its term in the row: a follower waits the longer
+        of its own and the holder's (:data:`LEGACY_TERM` for a holder from before that).
 
         Taking it locks the row ``FOR UPDATE`` first: that waits for the holder's writes in flight
         (each holds the row ``FOR KEY SHARE`` until it commits, having read the token), so none of
         them commits after the token moved; writes that come later read the new token and fail."""
-        now = time.monotonic()
         with self._tx("read the lease", fence=False) as cur:
-            cur.execute("SELECT token, xmin::text, expires = '-infinity' FROM onceflow_lease WHERE id = 1")
+            cur.execute(
+                "SELECT token, xmin::text, expires = '-infinity', (to_jsonb(l) ->> 'term')::float8 "
+                "FROM onceflow_lease l WHERE id = 1"
+            )
             row = cur.fetchone()
+        # after the read: what it saw was committed before now, so a renewal it saw began before now
+        now = time.monotonic()
         if row is None:
             with self._tx("take the lease", fence=False) as cur:
                 cur.execute(
-                    "INSERT INTO onceflow_lease (id, token, holder, address, expires, session) "
-                    "VALUES (1, 1, %(h)s, %(a)s, clock_timestamp() + make_interval(secs => %(t)s), %(s)s) "
+                    "INSERT INTO onceflow_lease (id, token, holder, address, expires, session, term) "
+                    "VALUES (1, 1, %(h)s, %(a)s, clock_timestamp() + make_interval(secs => %(t)s), %(s)s, %(t)s) "
                     "ON CONFLICT (id) DO NOTHING RETURNING token",
                     {"h": holder, "a": address, "t": ttl, "s": self.session},
                 )
@@ -502,7 +520,8 @@ class PgFileSystem:
             if self._seen is None or self._seen[0] != version:
                 self._seen = (version, now)
                 return None
-            if now - self._seen[1] < ttl:
+            # the holder's term, if longer (servers configured otherwise, or from before it was said)
+            if now - self._seen[1] < max(ttl, LEGACY_TERM if row[3] is None else float(row[3])):
                 return None
         try:
             with self._tx("take the lease", fence=False) as cur:
@@ -515,7 +534,7 @@ class PgFileSystem:
                     return None  # renewed, released or taken meanwhile: look again
                 cur.execute(
                     "UPDATE onceflow_lease SET token = token + 1, holder = %(h)s, address = %(a)s, "
-                    "expires = clock_timestamp() + make_interval(secs => %(t)s), session = %(s)s "
+                    "expires = clock_timestamp() + make_interval(secs => %(t)s), session = %(s)s, term = %(t)s "
                     "WHERE id = 1 RETURNING token",
                     {"h": holder, "a": address, "t": ttl, "s": self.session},
                 )
@@ -574,9 +593,9 @@ class PgFileSystem:
                 conn.execute(f"SET statement_timeout = {max(500, int(ttl * 1000 / 3))}")
                 conn.commit()
             cur = conn.execute(
-                "UPDATE onceflow_lease SET expires = clock_timestamp() + make_interval(secs => %s) "
+                "UPDATE onceflow_lease SET expires = clock_timestamp() + make_interval(secs => %s), term = %s "
                 "WHERE id = 1 AND token = %s",
-                (ttl, token),
+                (ttl, ttl, token),
             )
             renewed = bool(cur.rowcount)
             conn.commit()
@@ -825,14 +844,17 @@ class PgFileSystem:
         for ident, size in sizes.items():
             if size == 0:
                 data[ident] = b""
+        pre = _Preload(key, rows, data)
         with self._pre_lock:
-            self._pre = _Preload(key, rows, data)
+            self._pre = pre
         try:
             yield
             self._write_deferred()
         finally:
             with self._pre_lock:
                 self._pre = None
+        if pre.failed is not None:  # a caller swallowed it (rmtree is best effort): the replacements are lost
+            raise OSError(errno.EIO, f"PostgreSQL store: the deferred replacements under {key} failed: {pre.failed}")
 
     def _write_deferred(self) -> None:
         """The whole-file replacements made while the tree was read at once, in one transaction."""
@@ -842,7 +864,23 @@ class PgFileSystem:
                 return
             todo, pre.deferred = pre.deferred, {}
         paths = list(todo)
-        with self._tx(f"replace {len(paths)} files under {pre.root}") as cur:
+        try:
+            ids = self._replace_all(pre.root, todo)
+        except BaseException as exc:
+            pre.failed = exc
+            raise
+        with self._pre_lock:
+            for p in paths:
+                was = pre.files.get(p)
+                if was is not None and was[0] is not None:
+                    pre.data.pop(was[0], None)
+                pre.files[p] = (ids[p], len(todo[p]))
+                pre.data[ids[p]] = todo[p]
+
+    def _replace_all(self, root: str, todo: dict[str, bytes]) -> dict[str, int]:
+        """Replace the files ``todo`` names, with their bytes, in one transaction; their new ids."""
+        paths = list(todo)
+        with self._tx(f"replace {len(paths)} files under {root}") as cur:
             cur.execute(
                 "DELETE FROM onceflow_chunks WHERE file IN (SELECT id FROM onceflow_files WHERE path = ANY(%s))",
                 (paths,),
@@ -859,13 +897,7 @@ class PgFileSystem:
                 "INSERT INTO onceflow_chunks (file, at, data) VALUES (%s, 0, %s)",
                 [(ids[p], todo[p]) for p in paths if todo[p]],
             )
-        with self._pre_lock:
-            for p in paths:
-                was = pre.files.get(p)
-                if was is not None and was[0] is not None:
-                    pre.data.pop(was[0], None)
-                pre.files[p] = (ids[p], len(todo[p]))
-                pre.data[ids[p]] = todo[p]
+        return ids
 
     def _synced(self, f: PgFile, start: int, data: bytes, size: int) -> None:
         """A sync of ``f`` committed: the tree read at once holds its new size and bytes."""
@@ -874,7 +906,7 @@ class PgFileSystem:
         key = str(f.path)
         with self._pre_lock:
             pre = self._preload_for(key)
-            if pre is None or key not in pre.files:
+            if pre is None or pre.files.get(key, (None, 0))[0] != f.id:  # not (or no longer) that path's file
                 return
             pre.files[key] = (f.id, size)
             old = pre.data.get(f.id)
@@ -890,10 +922,12 @@ class PgFileSystem:
         deferred replacements are written first, in their order before this change)."""
         if self._preload_for(key) is None:
             return
-        self._write_deferred()
-        with self._pre_lock:
-            if self._pre is not None and self._pre.covers(key):
-                self._pre = None
+        try:
+            self._write_deferred()
+        finally:
+            with self._pre_lock:
+                if self._pre is not None and self._pre.covers(key):
+                    self._pre = None
 
     # ------------------------------------------------------------------ the FileSystem protocol
 
@@ -1018,8 +1052,8 @@ class PgFileSystem:
 
     def rmtree(self, path: Path) -> None:
         key = str(path)
-        self._tree_changed(key)
         try:
+            self._tree_changed(key)
             with self._tx(f"rmtree {key}") as cur:
                 cur.execute(
                     "DELETE FROM onceflow_files WHERE path = %s OR starts_with(path, %s) RETURNING id",
@@ -1068,6 +1102,8 @@ class PgFileSystem:
             if pre is not None:
                 parent, here = pre.files.get(_parent(key)), pre.files.get(key)
                 if parent is not None and parent[0] is None and (here is None or here[0] is not None):
+                    if here is None and key not in pre.deferred:
+                        pre.children.setdefault(_parent(key), []).append(path.name)
                     pre.deferred[key] = bytes(data)  # in a known directory, over a file or nothing
                     return
         with self._tx(f"replace {key}") as cur:

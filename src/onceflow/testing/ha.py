@@ -14,11 +14,17 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Literal
 
+from .pgproxy import PgFaultProxy
 from .processes import free_port
 from .services import PostgresCluster
 
 __all__ = ["HaCluster", "HaServer"]
+
+
+def _chunk_write(sql: str) -> bool:
+    return "INSERT INTO onceflow_chunks" in sql
 
 
 class HaServer:
@@ -83,14 +89,24 @@ class HaCluster:
     :attr:`url` names every server (``http://127.0.0.1:P1,127.0.0.1:P2``): clients given it fail over
     (docs/client.md). ``lease_seconds`` is short by default so that a killed leader is replaced
     quickly. Faults: :meth:`kill` a server, :meth:`restart` it, :meth:`fail_over_database` (kill -9
-    of the primary, then promotion of the standby; the old primary stays down)."""
+    of the primary, then promotion of the standby; the old primary stays down), and with
+    ``commit_faults`` (the servers reach the database through a proxy that reads its protocol)
+    :meth:`lose_commit`: the answer to a sync's COMMIT lost, an unknown outcome for the server."""
 
     def __init__(
-        self, *, servers: int = 2, lease_seconds: float = 3.0, work: Path | None = None, extra: tuple[str, ...] = ()
+        self,
+        *,
+        servers: int = 2,
+        lease_seconds: float = 3.0,
+        work: Path | None = None,
+        extra: tuple[str, ...] = (),
+        commit_faults: bool = False,
     ) -> None:
         self.n = servers
         self.lease_seconds = lease_seconds
         self.extra = extra
+        self.commit_faults = commit_faults  # servers reach each node through a PgFaultProxy (lose_commit)
+        self.db_proxies: list[PgFaultProxy] = []
         self._own_work = work is None
         self.work = Path(tempfile.mkdtemp(prefix="onceflow-ha-")) if work is None else work
         self.pg = PostgresCluster()
@@ -104,6 +120,13 @@ class HaCluster:
         self.work.mkdir(parents=True, exist_ok=True)
         self.pg.start()
         store = self.pg.conninfo()
+        if self.commit_faults:
+            self.db_proxies = [PgFaultProxy(node.port).start() for node in self.pg.nodes]
+            hosts = ",".join(f"127.0.0.1:{p.port}" for p in self.db_proxies)
+            store = (
+                f"postgresql://postgres@{hosts}/postgres?target_session_attrs=read-write&connect_timeout=2"
+                "&sslmode=disable&gssencmode=disable"
+            )
         extra = ("--lease-seconds", str(self.lease_seconds), *self.extra)
         self.servers = [HaServer(f"server-{i}", store, self.work / f"server-{i}.log", extra) for i in range(self.n)]
         for s in self.servers:
@@ -128,6 +151,26 @@ class HaCluster:
         server.kill()
         server.start()
 
+    def lose_commit(self, how: Literal["answer", "request"] = "answer") -> int:
+        """The next COMMIT of a sync (a transaction that writes a chunk of a file) loses its answer
+        (``"answer"``: committed, the server hears nothing) or is never sent (``"request"``: rolled
+        back, the same error). Needs ``commit_faults``; returns how many COMMITs were lost so far."""
+        if not self.db_proxies:
+            raise RuntimeError("HaCluster(commit_faults=True) loses COMMIT answers; this one was made without")
+        for proxy in self.db_proxies:  # the primary's proxy sees the next one (writes go to the primary)
+            proxy.disarm()
+            proxy.arm(_chunk_write, how)
+        return sum(p.lost for p in self.db_proxies)
+
+    def keep_commits(self) -> None:
+        """Lose no more COMMITs: what :meth:`lose_commit` armed and did not happen is called off."""
+        for proxy in self.db_proxies:
+            proxy.disarm()
+
+    @property
+    def commits_lost(self) -> int:
+        return sum(p.lost for p in self.db_proxies)
+
     def fail_over_database(self) -> float:
         """``kill -9`` of the PostgreSQL primary, then promotion of the standby; the seconds promotion took."""
         self.pg.kill_primary()
@@ -142,6 +185,8 @@ class HaCluster:
     def stop(self) -> None:
         for s in self.servers:
             s.kill()
+        for proxy in self.db_proxies:
+            proxy.stop()
         self.pg.stop()
         if self._own_work:
             import shutil

@@ -58,6 +58,9 @@ kill-client         as above
 stop-client         as above
 drop-acks           as above (through both proxies)
 delay-acks          as above (through both proxies)
+lose-commit         the servers reach PostgreSQL through a proxy that reads its protocol: the next
+                    COMMIT of a sync loses its answer (the database committed; the server must read
+                    back what happened, never answer "not stored") or is never sent (rolled back)
 ==================  =================================================================================
 
 garble-tail, disk-full and read-only act on a local data directory: there is none in this mode, so
@@ -89,7 +92,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -123,6 +126,7 @@ HA_FAULT_KINDS = (
     "stop-client",
     "drop-acks",
     "delay-acks",
+    "lose-commit",
     "fail-over-database",
 )
 LOCAL_ONLY_FAULTS = tuple(k for k in FAULT_KINDS if k not in HA_FAULT_KINDS)
@@ -411,7 +415,7 @@ class Chaos:
         self.ha: HaCluster | None = None
         if args.store == "postgresql":
             extra = ("--long-poll-timeout", "1", "--txn-timeout", str(args.txn_timeout), "--log-level", "warning")
-            self.ha = HaCluster(lease_seconds=args.lease_seconds, work=self.logs, extra=extra)
+            self.ha = HaCluster(lease_seconds=args.lease_seconds, work=self.logs, extra=extra, commit_faults=True)
             self.kinds: tuple[str, ...] = HA_FAULT_KINDS
         else:
             self.server = Server(self.data, self.logs / "server.log", txn_timeout=args.txn_timeout)
@@ -675,6 +679,16 @@ class Chaos:
             self._stop_ha_server()
         elif kind == "fail-over-database":
             self._fail_over_database()
+        elif kind == "lose-commit":
+            assert self.ha is not None
+            how: Literal["answer", "request"] = "answer" if rng.random() < 0.5 else "request"
+            before = self.ha.commits_lost
+            self.ha.lose_commit(how)
+            time.sleep(rng.uniform(2.0, 3.0))
+            self.ha.keep_commits()  # so that each loss is counted under its own kind
+            lost = self.ha.commits_lost - before
+            self.effects[f"COMMIT {'answers' if how == 'answer' else 'requests'} lost"] += lost
+            _say(f"  ... lose-commit ({how}): {lost} lost")
         elif kind == "kill-server":
             self.local().kill()
             time.sleep(rng.uniform(0.0, 0.5))
