@@ -1,12 +1,13 @@
 """Interoperability with the Durable Streams ecosystem, in both directions.
 
 1. The official Python client (``durable-streams`` from PyPI) against ``onceflow serve``, on both
-   HTTP front ends (the native server and uvicorn).
+   HTTP front ends (the native server and uvicorn), and through the follower of two servers on the
+   PostgreSQL store (every request passed on to the leader, docs/ha.md).
 2. onceflow's client (``onceflow.client``) against the Node reference server
    (``@durable-streams/server`` from npm, installed into ``.ci/interop`` on first use).
 3. The official TypeScript client (``@durable-streams/client`` 0.2.7 from npm, installed into
    ``.ci/ts-client`` by ``scripts/setup.sh dev`` or on first use) against ``onceflow serve`` on both
-   front ends: ``.ci/ts-client/checks.mjs`` drives it across its API (create with content types, TTL
+   front ends and through a PostgreSQL store's follower: ``.ci/ts-client/checks.mjs`` drives it across its API (create with content types, TTL
    and Expires-At, JSON and byte appends, Stream-Seq, the IdempotentProducer with fencing and
    autoClaim, catch-up reads, long-poll, SSE for JSON, text and base64 binary, close with and
    without a final message, where a close without one must leave the tail where it was, HEAD,
@@ -106,9 +107,32 @@ def fresh(prefix: str) -> str:
 # --------------------------------------------------------------------------------------- servers
 
 
-@pytest.fixture(scope="module", params=["native", "uvicorn"])
+@pytest.fixture(scope="module", params=["native", "uvicorn", "postgresql-follower"])
 def onceflow_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One ``onceflow serve`` per HTTP front end for the whole module (500 ms long-poll timeout)."""
+    """One ``onceflow serve`` per HTTP front end for the whole module (500 ms long-poll timeout);
+    and, ``postgresql-follower``, the follower of two ``onceflow serve --store`` servers over a
+    PostgreSQL primary and its synchronous standby: every request of the official clients passes
+    through a follower to the leader (its headers sealed, docs/ha.md), and back."""
+    if request.param == "postgresql-follower":
+        from onceflow.testing import HaCluster, ServiceUnavailable
+
+        cluster = HaCluster(work=tmp_path_factory.mktemp("onceflow-ha"), extra=("--long-poll-timeout", "0.5"))
+        try:
+            cluster.start()
+        except ServiceUnavailable as exc:
+            cluster.stop()
+            pytest.skip(f"PostgreSQL is not installed here: {exc}")
+        try:
+            leader = cluster.leader()
+            follower = next(s.url for s in cluster.servers if s is not leader)
+            for _ in range(600):  # until the follower knows the leader (it reads the lease once a second)
+                if httpx.get(f"{follower}/v1/leader", timeout=5).json()["leader"] == leader.url:
+                    break
+                time.sleep(0.05)
+            yield follower
+        finally:
+            cluster.stop()
+        return
     srv = ServerProcess(tmp_path_factory.mktemp(f"onceflow-{request.param}") / "data", "--http", request.param)
     srv.start()
     try:
