@@ -61,6 +61,12 @@ if [ "$want" = dev ] && ! command -v chromium >/dev/null 2>&1; then
   apt_install chromium
 fi
 
+# a step of the database's clock (tests/storage/test_pgfs_clock_step.py) is made with libfaketime
+if [ "$want" = dev ] && ! ls /usr/lib/*/faketime/libfaketime.so.1 >/dev/null 2>&1; then
+  echo "setup: libfaketime is missing (the clock-step test runs PostgreSQL under it); installing from Debian's packages"
+  apt_install faketime
+fi
+
 if [ "$want" = dev ] && ! command -v npx >/dev/null 2>&1; then
   echo "setup: Node.js is missing (the conformance suite runs on it); installing from Debian's packages"
   apt_install nodejs npm
