@@ -38,7 +38,15 @@ def _positive_size(text: str) -> int:
     return value
 
 
+def _lease_seconds(text: str) -> float:
+    value = float(text)
+    if not 1.0 <= value <= 300.0:  # NaN and infinities too: followers wait the leader's term
+        raise ValueError(text)
+    return value
+
+
 _duration.__name__ = "duration"  # argparse names the type in its error: "invalid duration value"
+_lease_seconds.__name__ = "term (1 to 300 seconds)"
 _positive_size.__name__ = "size"
 
 
@@ -157,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--lease-seconds",
-        type=float,
+        type=_lease_seconds,
         default=3.0,
         metavar="S",
         help="with --store: the term of the store's lease; a follower takes over this long after it saw "

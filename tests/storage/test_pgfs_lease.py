@@ -200,34 +200,47 @@ def test_a_follower_with_a_shorter_term_waits_for_the_holders(pg: str) -> None:
 
 
 def test_a_holder_that_does_not_say_its_term_is_given_the_old_default(pg: str) -> None:
-    """A lease row written by a server from before the term column: a follower waits the old
-    default term (10 s), never its own shorter one."""
-    from onceflow.storage import pgfs
-
+    """A lease taken by a server from before holders said their term (its name has no ``term=``),
+    even over a row whose previous holder said one: a follower waits the old default term (10 s),
+    never its own shorter one, nor the previous holder's (found by review: a term column that old
+    servers did not write was inherited from the holder before)."""
     leader, follower = PgFileSystem(pg), PgFileSystem(pg)
     try:
-        assert leader.acquire("old", "http://a", 10.0) == 1
-        with psycopg.connect(pg, autocommit=True) as db:
-            db.execute("UPDATE onceflow_lease SET term = NULL")
+        assert leader.acquire("new", "http://a", 1.0) == 1  # says term=1
+        with psycopg.connect(pg, autocommit=True) as db:  # an old server takes it over, as it did
+            db.execute("UPDATE onceflow_lease SET token = token + 1, holder = 'old/123/abc'")
         assert follower.acquire("new", "http://b", 0.2) is None  # first seen
-        time.sleep(0.5)
-        assert follower.acquire("new", "http://b", 0.2) is None  # its own term passed, the old default not
-        assert pgfs.LEGACY_TERM == 10.0
+        time.sleep(1.5)
+        assert follower.acquire("new", "http://b", 0.2) is None  # its own term and the previous one's passed
     finally:
         leader.close()
         follower.close()
 
 
-def test_a_store_made_before_the_term_column_gets_it(pg: str) -> None:
-    fs = PgFileSystem(pg)
-    fs.close()
-    with psycopg.connect(pg, autocommit=True) as db:
-        db.execute("ALTER TABLE onceflow_lease DROP COLUMN term")
-    fs = PgFileSystem(pg)
+def test_a_renewal_that_lands_after_a_release_does_not_take_it_back(leader: PgFileSystem, pg: str) -> None:
+    """Found by review: a renewal in flight at a clean stop could land after the release, and the
+    next server then waited a whole term instead of taking the lease at once."""
+    leader.release(1)
+    assert not leader.renew(1, TERM)
+    follower = PgFileSystem(pg)
     try:
-        assert fs.acquire("me", None, 5.0) == 1
-        assert fs.renew(1, 5.0)
+        assert follower.acquire("follower", "http://b", TERM) == 2
+    finally:
+        follower.close()
+
+
+def test_a_store_in_a_schema_of_its_own_keeps_it_on_every_connection(pg: str) -> None:
+    """Found by review: the lease's and the read-back's own connections set ``options``, which
+    replaced the user's (``-c search_path=...``): they worked on other tables than the pool's."""
+    with psycopg.connect(pg, autocommit=True) as db:
+        db.execute("CREATE SCHEMA streams_here")
+    fs = PgFileSystem(f"{pg} options='-c search_path=streams_here'")
+    try:
+        token = fs.acquire("me", None, 5.0)
+        assert token == 1
+        assert fs.renew(token, 5.0)
         with psycopg.connect(pg) as db:
-            assert db.execute("SELECT term FROM onceflow_lease").fetchone() == (5.0,)
+            tables = {r[0] for r in db.execute("SELECT schemaname FROM pg_tables WHERE tablename = 'onceflow_lease'")}
+        assert tables == {"streams_here"}
     finally:
         fs.close()

@@ -636,8 +636,8 @@ async def serve_store(
     long_poll_timeout: float = 20.0,
 ) -> None:
     """Serve the streams of the PostgreSQL database ``store`` (module docstring) until ``stop``."""
-    if lease_seconds < 1.0:
-        raise ValueError("the lease's term must be at least 1 s")
+    if not 1.0 <= lease_seconds <= 300.0:  # followers wait the leader's term: never one without end
+        raise ValueError("the lease's term must be 1 to 300 s")
     # a transaction this process left open (paused, SIGSTOP) ends after half a term: the lease's row
     # lock it holds does not keep the next leader out
     fs = await _off_loop(functools.partial(PgFileSystem, store, idle_timeout=lease_seconds / 2))

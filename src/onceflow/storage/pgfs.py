@@ -43,6 +43,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import re
 import secrets
 import threading
 import time
@@ -103,11 +104,13 @@ CREATE TABLE IF NOT EXISTS onceflow_lease (
     holder  text NOT NULL,
     address text,
     expires timestamptz NOT NULL,
-    session text,                      -- the holder's connections' application_name: onceflow/<session>
-    term    float8                     -- the holder's term in seconds (NULL: a server from before it)
+    session text                       -- the holder's connections' application_name: onceflow/<session>
 );
 """
-LEGACY_TERM = 10.0  # the term of a holder that does not say (servers before 2026-11-27: 10 s by default)
+# the holder says its term in its name, written with its token (``<name> term=<seconds>``): a server
+# from before that, which says nothing, had 10 s by default
+LEGACY_TERM = 10.0
+_TERM_IN_NAME = re.compile(r" term=([0-9.]+)$")
 _COMMITS = """
 CREATE TABLE IF NOT EXISTS onceflow_commits (
     conn    bigint PRIMARY KEY,        -- one connection of a server (a random id, set in its session)
@@ -411,14 +414,20 @@ class PgFileSystem:
     def _connect(self, **settings: Any) -> Any:
         """A connection of its own, outside the pool (whose back-off after a failure is seconds),
         whose transactions a pause of this process does not leave open (as the pool's)."""
-        return psycopg.connect(
+        conn = psycopg.connect(
             self.conninfo,
             autocommit=False,
             connect_timeout=max(1, round(self.connect_timeout)),
             application_name=f"onceflow/{self.session}",
-            options=f"-c idle_in_transaction_session_timeout={self._idle_ms}",
             **settings,
         )
+        try:  # as the pool's connections (_configure), not through ``options``: the user's stay theirs
+            conn.execute(f"SET idle_in_transaction_session_timeout = {self._idle_ms}")
+            conn.commit()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def _create_schema(self) -> None:
         try:
@@ -433,13 +442,6 @@ class PgFileSystem:
                     # exists); lz4 for a store made before it is tried, and given up at once if busy
                     cur.execute("SET LOCAL lock_timeout = '100ms'")
                     cur.execute(_COMPRESSION)
-                    cur.execute(
-                        "SELECT 1 FROM pg_attribute WHERE attrelid = 'onceflow_lease'::regclass "
-                        "AND attname = 'term' AND NOT attisdropped"
-                    )
-                    if cur.fetchone() is None:  # a store made before the lease said its term
-                        cur.execute("SET LOCAL lock_timeout = '5s'")
-                        cur.execute("ALTER TABLE onceflow_lease ADD COLUMN IF NOT EXISTS term float8")
                 conn.commit()
         except psycopg.Error as exc:
             raise _io_error(exc, "create the schema") from exc
@@ -488,27 +490,25 @@ class PgFileSystem:
         process first saw it so, or at once when its holder released it. The holder stops serving
         0.8 of a term after its last renewal *began* by its own clock, before that renewal could be
         seen here: so the assumption is clocks that run at about the same *rate* (within 20 %),
-        not clocks that agree. The holder writes its term in the row: a follower waits the longer
-        of its own and the holder's (:data:`LEGACY_TERM` for a holder from before that).
+        not clocks that agree. The holder says its term in its name, which it writes with its
+        token (so a later holder that says nothing never inherits it): a follower waits the longer
+        of its own and the holder's (:data:`LEGACY_TERM` for a holder that does not say).
 
         Taking it locks the row ``FOR UPDATE`` first: that waits for the holder's writes in flight
         (each holds the row ``FOR KEY SHARE`` until it commits, having read the token), so none of
         them commits after the token moved; writes that come later read the new token and fail."""
         with self._tx("read the lease", fence=False) as cur:
-            cur.execute(
-                "SELECT token, xmin::text, expires = '-infinity', (to_jsonb(l) ->> 'term')::float8 "
-                "FROM onceflow_lease l WHERE id = 1"
-            )
+            cur.execute("SELECT token, xmin::text, expires = '-infinity', holder FROM onceflow_lease WHERE id = 1")
             row = cur.fetchone()
         # after the read: what it saw was committed before now, so a renewal it saw began before now
         now = time.monotonic()
         if row is None:
             with self._tx("take the lease", fence=False) as cur:
                 cur.execute(
-                    "INSERT INTO onceflow_lease (id, token, holder, address, expires, session, term) "
-                    "VALUES (1, 1, %(h)s, %(a)s, clock_timestamp() + make_interval(secs => %(t)s), %(s)s, %(t)s) "
+                    "INSERT INTO onceflow_lease (id, token, holder, address, expires, session) "
+                    "VALUES (1, 1, %(h)s, %(a)s, clock_timestamp() + make_interval(secs => %(t)s), %(s)s) "
                     "ON CONFLICT (id) DO NOTHING RETURNING token",
-                    {"h": holder, "a": address, "t": ttl, "s": self.session},
+                    {"h": f"{holder} term={ttl:g}", "a": address, "t": ttl, "s": self.session},
                 )
                 got = cur.fetchone()
             if got is None:
@@ -521,7 +521,8 @@ class PgFileSystem:
                 self._seen = (version, now)
                 return None
             # the holder's term, if longer (servers configured otherwise, or from before it was said)
-            if now - self._seen[1] < max(ttl, LEGACY_TERM if row[3] is None else float(row[3])):
+            said = _TERM_IN_NAME.search(str(row[3]))
+            if now - self._seen[1] < max(ttl, float(said.group(1)) if said else LEGACY_TERM):
                 return None
         try:
             with self._tx("take the lease", fence=False) as cur:
@@ -534,9 +535,9 @@ class PgFileSystem:
                     return None  # renewed, released or taken meanwhile: look again
                 cur.execute(
                     "UPDATE onceflow_lease SET token = token + 1, holder = %(h)s, address = %(a)s, "
-                    "expires = clock_timestamp() + make_interval(secs => %(t)s), session = %(s)s, term = %(t)s "
+                    "expires = clock_timestamp() + make_interval(secs => %(t)s), session = %(s)s "
                     "WHERE id = 1 RETURNING token",
-                    {"h": holder, "a": address, "t": ttl, "s": self.session},
+                    {"h": f"{holder} term={ttl:g}", "a": address, "t": ttl, "s": self.session},
                 )
                 got = cur.fetchone()
             self._seen = None
@@ -579,30 +580,37 @@ class PgFileSystem:
             log.warning("ended %d database sessions of the store's previous leader: its term ran out", row[0])
 
     def renew(self, token: int, ttl: float) -> bool:
-        """Extend the lease ``token`` holds; False if another server holds it now.
+        """Extend the lease ``token`` holds; False if another server holds it now, or it was
+        released (a renewal in flight at a clean stop must not take the release back).
 
         On a connection of its own, never one of the pool's (busy with the leader's writes, or
         backing off after a failure): a renewal waits for nothing of the leader's own load. Its
         UPDATE does not wait for the writes' ``FOR KEY SHARE`` locks either (it changes no key).
-        Several may run at once (a hung one does not hold up the next): each takes its own."""
+        Several may run at once (a hung one does not hold up the next): each takes its own. A kept
+        connection that died meanwhile (a database restart) is replaced at once, in the same try."""
         with self._lease_lock:
             conn = self._lease_conns.pop() if self._lease_conns else None
-        try:
-            if conn is None:
-                conn = self._connect()
-                conn.execute(f"SET statement_timeout = {max(500, int(ttl * 1000 / 3))}")
+        for fresh in (conn is None, True):
+            try:
+                if fresh:
+                    conn = self._connect()
+                    conn.execute(f"SET statement_timeout = {max(500, int(ttl * 1000 / 3))}")
+                    conn.commit()
+                assert conn is not None
+                cur = conn.execute(
+                    "UPDATE onceflow_lease SET expires = clock_timestamp() + make_interval(secs => %s) "
+                    "WHERE id = 1 AND token = %s AND expires > '-infinity'",
+                    (ttl, token),
+                )
+                renewed = bool(cur.rowcount)
                 conn.commit()
-            cur = conn.execute(
-                "UPDATE onceflow_lease SET expires = clock_timestamp() + make_interval(secs => %s), term = %s "
-                "WHERE id = 1 AND token = %s",
-                (ttl, ttl, token),
-            )
-            renewed = bool(cur.rowcount)
-            conn.commit()
-        except psycopg.Error as exc:
-            if conn is not None:
-                conn.close()
-            raise _io_error(exc, "renew the lease") from exc
+                break
+            except psycopg.Error as exc:
+                if conn is not None:
+                    conn.close()
+                conn = None
+                if fresh:
+                    raise _io_error(exc, "renew the lease") from exc
         with self._lease_lock:
             self._lease_conns.append(conn)
         return renewed
