@@ -11,7 +11,7 @@ import errno
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
@@ -20,11 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.servers import served_on
+
 pytest.importorskip("psycopg_pool", reason="the PostgreSQL store needs psycopg_pool (onceflow[postgresql])")
 
 from onceflow.client.transactions import AsyncTransactionalProducer  # noqa: E402
-from onceflow.core.broker import Broker  # noqa: E402
-from onceflow.server.app import App, AppConfig  # noqa: E402
 from onceflow.storage.pgfs import TAIL_CACHE, LeaseLost, PgFile, PgFileSystem  # noqa: E402
 
 ROOT = Path("/onceflow")
@@ -212,18 +212,9 @@ def test_a_write_to_a_removed_file_goes_nowhere(fs: PgFileSystem) -> None:
     assert not fs.exists(ROOT / "gone.log")
 
 
-@contextlib.asynccontextmanager
-async def served(fs: PgFileSystem, *, crash: bool = False) -> AsyncIterator[httpx.AsyncClient]:
-    """A server (broker and app, in-process) on ``fs``: recovery, serving, a clean close (or, with
-    ``crash``, none: what it did not sync is lost, as in a kill -9)."""
-    broker = Broker(ROOT / "data", fs=fs, txn_timeout=30)
-    broker.open()
-    await broker.start()
-    app = App(broker, AppConfig(long_poll_timeout=0.2))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=URL) as client:
-        yield client
-    await app.subscriptions.close()
-    await (broker.crash() if crash else broker.close())
+def served(fs: PgFileSystem, *, crash: bool = False) -> contextlib.AbstractAsyncContextManager[httpx.AsyncClient]:
+    """A server on ``fs`` (helpers.servers.served_on), its data under /onceflow/data."""
+    return served_on(fs, ROOT / "data", crash=crash)
 
 
 @pytest.mark.anyio

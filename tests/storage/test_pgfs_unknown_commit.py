@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from helpers.servers import served_on
+
 pytest.importorskip("psycopg_pool", reason="the PostgreSQL store needs psycopg_pool (onceflow[postgresql])")
 
-from onceflow.core.broker import Broker  # noqa: E402
-from onceflow.server.app import App, AppConfig  # noqa: E402
 from onceflow.storage.fs import OutcomeUnknown  # noqa: E402
 from onceflow.storage.pgfs import PgFileSystem  # noqa: E402
 from onceflow.testing.pgproxy import PgFaultProxy  # noqa: E402
@@ -49,16 +49,9 @@ def through(pg: str, proxy: PgFaultProxy) -> Iterator[PgFileSystem]:
     fs.close()
 
 
-@contextlib.asynccontextmanager
-async def served(fs: PgFileSystem, *, crash: bool = False) -> AsyncIterator[httpx.AsyncClient]:
-    broker = Broker(ROOT / "data", fs=fs, txn_timeout=30)
-    broker.open()
-    await broker.start()
-    app = App(broker, AppConfig(long_poll_timeout=0.2))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=URL) as client:
-        yield client
-    await app.subscriptions.close()
-    await (broker.crash() if crash else broker.close())
+def served(fs: PgFileSystem, *, crash: bool = False) -> contextlib.AbstractAsyncContextManager[httpx.AsyncClient]:
+    """A server on ``fs`` (helpers.servers.served_on), its data under /onceflow/data."""
+    return served_on(fs, ROOT / "data", crash=crash)
 
 
 def chunk_write(sql: str) -> bool:
