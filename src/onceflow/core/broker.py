@@ -345,10 +345,10 @@ class _Fork:
     inherited: bool = False
 
 
-def unstored(what: str, exc: OSError, stream: StreamState | None = None) -> Outcome:
-    """The answer to a write the store did not make durable: refused (``not stored``, a retry may
-    succeed), or, when the store could not learn whether it did (:class:`OutcomeUnknown`), said to
-    be unknown: never "not stored" for data that may be served later."""
+def unstored(what: str, exc: OSError, stream: StreamState | None = None, refused: str | None = None) -> Outcome:
+    """The answer to a write the store did not make durable: refused (``refused``, by default "the
+    <what> was not stored"; a retry may succeed), or, when the store could not learn whether it did
+    (:class:`OutcomeUnknown`), said to be unknown: never "not stored" for data that may be served later."""
     if isinstance(exc, OutcomeUnknown):
         return Outcome(
             Refusal.OUTCOME_UNKNOWN,
@@ -356,7 +356,8 @@ def unstored(what: str, exc: OSError, stream: StreamState | None = None) -> Outc
             detail=f"the outcome of the {what} is unknown: it may have been stored or not ({exc.strerror or exc}); "
             "retry it with the same producer headers to have it stored once",
         )
-    return Outcome(Refusal.UNAVAILABLE, stream=stream, detail=f"the {what} was not stored: {exc.strerror or exc}")
+    refused = refused or f"the {what} was not stored"
+    return Outcome(Refusal.UNAVAILABLE, stream=stream, detail=f"{refused}: {exc.strerror or exc}")
 
 
 class Broker:
@@ -920,9 +921,7 @@ class Broker:
             write_meta(self.fs, directory, meta)
         except OSError as exc:
             self.fs.rmtree(directory)
-            if isinstance(exc, OutcomeUnknown):
-                return unstored("create", exc)
-            return Outcome(Refusal.UNAVAILABLE, detail=f"could not create the stream on disk: {exc.strerror}")
+            return unstored("create", exc, refused="could not create the stream on disk")
         parent = fork.parent
         stream = StreamState(meta, directory, slog, parent=parent, clock=self.clock)
         if parent is not None:
@@ -1200,13 +1199,7 @@ class Broker:
         except TxnError as exc:  # also a decision logged whose markers failed: retriable, see Coordinator.end
             return txn_outcome(exc)
         except OSError as exc:
-            if isinstance(exc, OutcomeUnknown):
-                return unstored("commit", exc, stream=outcome.stream)
-            return Outcome(
-                Refusal.UNAVAILABLE,
-                stream=outcome.stream,
-                detail=f"the data was stored, the commit was not: {exc.strerror or exc}",
-            )
+            return unstored("commit", exc, stream=outcome.stream, refused="the data was stored, the commit was not")
         return replace(outcome, committed=True)
 
     async def _transactional_duplicate(
@@ -1238,13 +1231,7 @@ class Broker:
                     except TxnError as exc:
                         return txn_outcome(exc)
                     except OSError as exc:
-                        if isinstance(exc, OutcomeUnknown):
-                            return unstored("commit", exc, stream=s)
-                        return Outcome(
-                            Refusal.UNAVAILABLE,
-                            stream=s,
-                            detail=f"the commit could not be finished: {exc.strerror or exc}",
-                        )
+                        return unstored("commit", exc, stream=s, refused="the commit could not be finished")
                     return await self._committed_retry(s, producer, tid, commit_txn)
                 if meta.status is TxnStatus.COMPLETE_COMMIT:
                     return await self._committed_retry(s, producer, tid, commit_txn)

@@ -362,6 +362,15 @@ class _Preload:
     def covers(self, key: str) -> bool:
         return key == self.root or key.startswith(self.root + "/")
 
+    def file(self, key: str) -> tuple[int, int]:
+        """The id and size of the file ``key``, raising as the database's answer would."""
+        found = self.files.get(key)
+        if found is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file", key)
+        if found[0] is None:
+            raise IsADirectoryError(errno.EISDIR, "is a directory", key)
+        return found[0], found[1]
+
 
 class PgFileSystem:
     """A :class:`~onceflow.storage.fs.FileSystem` in a PostgreSQL database (module docstring).
@@ -502,13 +511,14 @@ class PgFileSystem:
             row = cur.fetchone()
         # after the read: what it saw was committed before now, so a renewal it saw began before now
         now = time.monotonic()
+        named = {"h": f"{holder} term={ttl:g}", "a": address, "t": ttl, "s": self.session}
         if row is None:
             with self._tx("take the lease", fence=False) as cur:
                 cur.execute(
                     "INSERT INTO onceflow_lease (id, token, holder, address, expires, session) "
                     "VALUES (1, 1, %(h)s, %(a)s, clock_timestamp() + make_interval(secs => %(t)s), %(s)s) "
                     "ON CONFLICT (id) DO NOTHING RETURNING token",
-                    {"h": f"{holder} term={ttl:g}", "a": address, "t": ttl, "s": self.session},
+                    named,
                 )
                 got = cur.fetchone()
             if got is None:
@@ -537,7 +547,7 @@ class PgFileSystem:
                     "UPDATE onceflow_lease SET token = token + 1, holder = %(h)s, address = %(a)s, "
                     "expires = clock_timestamp() + make_interval(secs => %(t)s), session = %(s)s "
                     "WHERE id = 1 RETURNING token",
-                    {"h": f"{holder} term={ttl:g}", "a": address, "t": ttl, "s": self.session},
+                    named,
                 )
                 got = cur.fetchone()
             self._seen = None
@@ -945,12 +955,8 @@ class PgFileSystem:
         if pre is not None and key in pre.deferred:
             self._write_deferred()
         if pre is not None and not create:
-            found = pre.files.get(key)
-            if found is None:
-                raise FileNotFoundError(errno.ENOENT, "no such file", key)
-            if found[0] is None:
-                raise IsADirectoryError(errno.EISDIR, "is a directory", key)
-            return PgFile(self, path, found[0], found[1])
+            ident, size = pre.file(key)
+            return PgFile(self, path, ident, size)
         if create:
             self._tree_changed(key)
         with self._tx(f"open {key}", fence=create) as cur:
@@ -1082,13 +1088,9 @@ class PgFileSystem:
         if pre is not None:
             if key in pre.deferred:
                 return pre.deferred[key]
-            found = pre.files.get(key)
-            if found is None:
-                raise FileNotFoundError(errno.ENOENT, "no such file", key)
-            if found[0] is None:
-                raise IsADirectoryError(errno.EISDIR, "is a directory", key)
-            if found[0] in pre.data:
-                return pre.data[found[0]]
+            ident, _ = pre.file(key)
+            if ident in pre.data:
+                return pre.data[ident]
         with self._tx(f"read {key}", fence=False) as cur:
             cur.execute("SELECT id, size FROM onceflow_files WHERE path = %s", (key,))
             row = cur.fetchone()
