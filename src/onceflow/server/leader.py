@@ -68,6 +68,7 @@ __all__ = [
     "ROOT",
     "Lease",
     "Leading",
+    "Renewals",
     "NotLeader",
     "Seal",
     "Switch",
@@ -128,7 +129,8 @@ class Lease:
 
     MARGIN = 0.8
 
-    def __init__(self, token: int, term: float, began: float) -> None:
+    def __init__(self, token: int, term: float, began: float, clock: Callable[[], float] | None = None) -> None:
+        self.clock = clock or _clock  # the simulator gives each server a clock of its own
         self.token = token
         self.term = term
         self.began = began  # the last renewal (or the taking) that succeeded began then
@@ -149,7 +151,7 @@ class Lease:
             self.until = -math.inf
 
     def valid(self) -> bool:
-        return _clock() < self.until
+        return self.clock() < self.until
 
 
 class Leading:
@@ -378,7 +380,7 @@ class NotLeader:
         self._client: httpx.AsyncClient | None = None
 
     async def leader_url(self) -> str | None:
-        now = time.monotonic()
+        now = asyncio.get_running_loop().time()
         if now - self._read_at >= 1.0 and self._reading is None:  # read at most once a second, one read at a time
             self._read_at = now
             self._reading = asyncio.ensure_future(_off_loop(self._fs.holder))
@@ -510,6 +512,75 @@ async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
 
+class Renewals:
+    """When the lease is renewed and when it is given up: every third of its term an attempt, the
+    last one at the deadline (:class:`Lease`); each attempt (:meth:`due`) runs apart (a thread of
+    its own in the server, :func:`_hold`; the simulator's loop in a simulation), at most three at
+    once, so that one that hangs (a primary gone mid-statement) does not hold up the next.
+
+    :meth:`verdict` says why to stop: another server holds the lease, or no renewal succeeded while
+    it was valid, or the store could not learn the outcome of a write (``fs.unsure``: this
+    server's memory may disagree with the store); ``""`` when woken without a reason (a clean
+    stop); None to go on. ``on_taken`` is told, from the attempt, that another server holds it."""
+
+    TAKEN = "another server took the store's lease over"
+
+    def __init__(self, fs: PgFileSystem, lease: Lease, on_taken: Callable[[], None]) -> None:
+        self.fs = fs
+        self.lease = lease
+        self.on_taken = on_taken
+        self.taken = False
+        self.tried = lease.began
+        self._in_flight = 0
+        self._lock = threading.Lock()
+
+    def wait(self) -> float:
+        """Seconds (of the lease's clock) until the next attempt is due."""
+        lease = self.lease
+        return max(0.0, min(self.tried + lease.term / 3, lease.until) - lease.clock())
+
+    def verdict(self, woken: bool) -> str | None:
+        lease = self.lease
+        if self.taken:
+            return self.TAKEN
+        if self.fs.unsure is not None:
+            return f"the store could not learn the outcome of a write ({self.fs.unsure})"
+        if woken:
+            return ""
+        self.tried = lease.clock()
+        if self.tried >= lease.until:
+            with self._lock:
+                hung = self._in_flight
+            return f"could not renew the store's lease for {Lease.MARGIN * lease.term:.1f} s" + (
+                " (no answer)" if hung else ""
+            )
+        return None
+
+    def due(self) -> Callable[[], None] | None:
+        """The attempt to run now (after :meth:`verdict` said to go on); None while three hang."""
+        with self._lock:
+            if self._in_flight >= 3:
+                return None
+            self._in_flight += 1
+        return functools.partial(self._attempt, self.tried)
+
+    def _attempt(self, began: float) -> None:
+        try:
+            renewed = self.fs.renew(self.lease.token, self.lease.term)
+        except OSError as exc:
+            log.warning("could not renew the store's lease: %s", exc)
+            return
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+        if renewed:
+            self.lease.renewed(began)
+        else:
+            self.taken = True
+            self.lease.lose()
+            self.on_taken()
+
+
 def _hold(
     fs: PgFileSystem,
     lease: Lease,
@@ -518,60 +589,22 @@ def _hold(
     wait: Callable[[float], bool] | None = None,
     spawn: Callable[[Callable[[], None]], None] | None = None,
 ) -> str | None:
-    """Renew the lease every third of its term, in a thread of its own (so that nothing the event
-    loop does, a long retention sweep, a blocking read, delays it); returns why it was lost:
-    another server holds it, or no renewal succeeded while it was valid (:class:`Lease`), or the
-    store could not learn the outcome of a write (``fs.unsure``: this server's memory may disagree
-    with the store). Returns None when ``wake`` is set without a reason (a clean stop).
-
-    Each attempt runs in a thread of its own (``spawn``), on a connection of its own
-    (:meth:`PgFileSystem.renew`): one that hangs (a primary gone mid-statement) does not hold up the
-    next, a third of a term later; at most three hang at once. ``wait`` and ``spawn`` are for tests
-    (a clock of their own, attempts inline)."""
+    """Renew the lease (:class:`Renewals`) in a thread of its own, so that nothing the event loop
+    does, a long retention sweep, a blocking read, delays it; returns why it was lost, or None when
+    ``wake`` is set without a reason (a clean stop). Each attempt runs in a thread of its own
+    (``spawn``). ``wait`` and ``spawn`` are for tests (a clock of their own, attempts inline)."""
     wait = wait or wake.wait
     spawn = spawn or _daemon
-    lock = threading.Lock()
-    state = {"taken": False, "in_flight": 0}
-
-    def attempt(began: float) -> None:
-        try:
-            renewed = fs.renew(lease.token, lease.term)
-        except OSError as exc:
-            log.warning("could not renew the store's lease: %s", exc)
-            return
-        finally:
-            with lock:
-                state["in_flight"] -= 1
-        if renewed:
-            lease.renewed(began)
-        else:
-            state["taken"] = True
-            lease.lose()
-            wake.set()
-
-    tried = lease.began
-    while True:  # an attempt a third of a term after the last one began, the last one at the deadline
-        woken = wait(max(0.0, min(tried + lease.term / 3, lease.until) - _clock()))
-        if state["taken"]:
-            return "another server took the store's lease over"
-        if fs.unsure is not None:
-            return f"the store could not learn the outcome of a write ({fs.unsure})"
-        if woken:
-            return None
-        tried = _clock()
-        if tried >= lease.until:
-            with lock:
-                hung = state["in_flight"]
-            return f"could not renew the store's lease for {Lease.MARGIN * lease.term:.1f} s" + (
-                " (no answer)" if hung else ""
-            )
-        with lock:
-            if state["in_flight"] >= 3:
-                continue
-            state["in_flight"] += 1
-        spawn(functools.partial(attempt, tried))
-        if state["taken"]:  # an attempt run inline (tests) found it taken
-            return "another server took the store's lease over"
+    renewals = Renewals(fs, lease, wake.set)
+    while True:
+        why = renewals.verdict(wait(renewals.wait()))
+        if why is not None:
+            return why or None
+        attempt = renewals.due()
+        if attempt is not None:
+            spawn(attempt)
+        if renewals.taken:  # an attempt run inline (tests) found it taken
+            return Renewals.TAKEN
 
 
 def _settle_future(fut: asyncio.Future[str | None], why: str | None) -> None:

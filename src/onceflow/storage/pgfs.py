@@ -63,7 +63,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from ..errors import OnceflowError
 from .fs import File, OutcomeUnknown
 
-__all__ = ["SCHEMA", "TAIL_CACHE", "UNKNOWN", "LeaseLost", "PgFile", "PgFileSystem"]
+__all__ = ["SCHEMA", "TAIL_CACHE", "UNKNOWN", "Connector", "LeaseLost", "PgFile", "PgFileSystem"]
 
 log = logging.getLogger("onceflow.storage")
 
@@ -163,6 +163,18 @@ def _configure(conn: Any, *, idle_ms: int, session: str) -> None:
     conn.execute("INSERT INTO onceflow_commits (conn, session, seq) VALUES (%s, %s, 0)", (ident, session))
     conn.execute("SELECT set_config('onceflow.conn', %s, false)", (str(ident),))
     conn.commit()
+
+
+class Connector:
+    """How :class:`PgFileSystem` reaches its database: psycopg's connections and psycopg_pool's
+    pool. The simulator gives a database of its own here (tools/onceflow_tools/sim/pg.py), which
+    speaks the same calls and the same SQL."""
+
+    def connect(self, conninfo: str, **kwargs: Any) -> Any:
+        return psycopg.connect(conninfo, **kwargs)
+
+    def pool(self, conninfo: str, **kwargs: Any) -> Any:
+        return ConnectionPool(conninfo, **kwargs)
 
 
 class _Gone(Exception):
@@ -376,7 +388,9 @@ class PgFileSystem:
     """A :class:`~onceflow.storage.fs.FileSystem` in a PostgreSQL database (module docstring).
 
     ``conninfo`` is any libpq connection string or URL (multi-host ones included). ``pool_size``
-    bounds the connections: the storage layer's worker threads each take one per operation."""
+    bounds the connections: the storage layer's worker threads each take one per operation.
+    ``connector``, ``clock`` (monotonic seconds) and ``sleep`` are the database and the time it
+    runs on: the simulator's, in a simulation."""
 
     def __init__(
         self,
@@ -386,8 +400,14 @@ class PgFileSystem:
         connect_timeout: float = 10.0,
         cache_budget: int = 256 << 20,
         idle_timeout: float = 5.0,
+        connector: Connector | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.conninfo = conninfo
+        self._connector = connector or Connector()
+        self._clock = clock  # judges the lease's holder gone (acquire) and paces read-backs (_settle)
+        self._sleep = sleep
         self.token: int | None = None  # the lease this server holds; None: no fencing (tests, tools)
         self.session = uuid.uuid4().hex[:16]  # names this process's connections (application_name)
         self.connect_timeout = connect_timeout
@@ -403,7 +423,7 @@ class PgFileSystem:
         self._pre_lock = threading.Lock()
         self._lease_lock = threading.Lock()
         self._create_schema()  # before the pool: each of its connections registers in onceflow_commits
-        self._pool = ConnectionPool(
+        self._pool = self._connector.pool(
             conninfo,
             min_size=1,
             max_size=pool_size,
@@ -423,7 +443,7 @@ class PgFileSystem:
     def _connect(self, **settings: Any) -> Any:
         """A connection of its own, outside the pool (whose back-off after a failure is seconds),
         whose transactions a pause of this process does not leave open (as the pool's)."""
-        conn = psycopg.connect(
+        conn = self._connector.connect(
             self.conninfo,
             autocommit=False,
             connect_timeout=max(1, round(self.connect_timeout)),
@@ -510,7 +530,7 @@ class PgFileSystem:
             cur.execute("SELECT token, xmin::text, expires = '-infinity', holder FROM onceflow_lease WHERE id = 1")
             row = cur.fetchone()
         # after the read: what it saw was committed before now, so a renewal it saw began before now
-        now = time.monotonic()
+        now = self._clock()
         named = {"h": f"{holder} term={ttl:g}", "a": address, "t": ttl, "s": self.session}
         if row is None:
             with self._tx("take the lease", fence=False) as cur:
@@ -742,7 +762,7 @@ class PgFileSystem:
         as durable as any other. After a failover the new primary holds the count if and only if
         the commit reached it."""
         conn_id, seq = mark
-        until = None if self.alive is not None else time.monotonic() + self.connect_timeout
+        until = None if self.alive is not None else self._clock() + self.connect_timeout
         pause = 0.05
         why: Exception = exc
         while True:
@@ -764,9 +784,9 @@ class PgFileSystem:
                     return
                 log.warning("PostgreSQL store: %s: the answer to COMMIT was lost; it did not commit", what)
                 raise _io_error(exc, what) from exc
-            if (self.alive is not None and not self.alive()) or (until is not None and time.monotonic() >= until):
+            if (self.alive is not None and not self.alive()) or (until is not None and self._clock() >= until):
                 break
-            time.sleep(pause)
+            self._sleep(pause)
             pause = min(0.5, pause * 2)
         reason = f"the outcome of the {what} is unknown: the answer to its COMMIT was lost ({exc}) and could not be read back ({why})"
         log.error("PostgreSQL store: %s; this server writes nothing more", reason)
