@@ -55,7 +55,12 @@ value identifies the write that produced it. The checker (:func:`check`) reports
   the read's ``[start, next)`` range;
 - ``offset-conflict``: the same offset of a stream was seen (read or acknowledged) with two values;
 - ``offset-backwards``: a group's committed offset was seen lower than one acknowledged earlier;
-- ``wrong-aggregate``: a pipeline's last count record of a user does not count that user's events.
+- ``wrong-aggregate``: a pipeline's last count record of a user does not count that user's events;
+- ``refused-write-stored``: a plain append answered as definitely not stored (``ack`` ``fail``) is in
+  the final read;
+- ``stale-read``: a read that began after an append was acknowledged did not return it (judged by
+  the simulator's cluster, :mod:`onceflow_tools.sim.cluster_actors`);
+- ``server-error``: a 500 answer (judged by the simulator's cluster).
 """
 
 from __future__ import annotations
@@ -92,6 +97,9 @@ AnomalyKind = Literal[
     "offset-conflict",
     "offset-backwards",
     "wrong-aggregate",
+    "refused-write-stored",
+    "stale-read",
+    "server-error",
     # liveness, judged by the simulator (onceflow_tools.sim): a client, request or stream that never got
     # done, and a client that failed with an error no user code should see
     "stuck",
@@ -342,6 +350,12 @@ class _Checker:
                 if must and not present:
                     why = f"transaction {label} was committed" if label is not None else "it was acknowledged"
                     self.add("lost-write", stream, f"{k} from {client}#{op_id} is missing although {why}")
+                if label is None and present and ack is not None and ack.get("outcome") == "fail":
+                    self.add(
+                        "refused-write-stored",
+                        stream,
+                        f"{k} from {client}#{op_id} is in the final log although it was refused as not stored",
+                    )
 
     def _transactions(self) -> None:
         invisible: dict[str, tuple[str, str]] = {}  # value key -> (transaction, why it must stay invisible)

@@ -127,6 +127,8 @@ class _NoCookies(http.cookiejar.CookieJar):
 class World:
     """One seed's world (see the module docstring); :meth:`run` returns its result."""
 
+    ACTORS = actors.ACTORS  # the clients a workload names, by kind
+
     def __init__(self, seed: int, workload: Workload | None = None, *, detail: str | None = None) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
@@ -209,12 +211,6 @@ class World:
         result.anomalies.extend(self.extra)
         digest = hashlib.sha256("\n".join(self.trace.events).encode())
         digest.update(str(self.trace.count).encode())
-        stats = {
-            "net": dict(self.net.stats),
-            "disk": dict(self.disk.stats),
-            "server_starts": self.node.starts,
-            "crashes": self.node.crashes,
-        }
         return SeedResult(
             self.seed,
             result,
@@ -222,9 +218,27 @@ class World:
             digest.hexdigest()[:16],
             self.loop.time() - 1000.0,
             self.net.stats["requests"],
-            stats,
+            self._stats(),
             self.workload,
         )
+
+    def _stats(self) -> dict[str, Any]:
+        return {
+            "net": dict(self.net.stats),
+            "disk": dict(self.disk.stats),
+            "server_starts": self.node.starts,
+            "crashes": self.node.crashes,
+        }
+
+    async def _bring_up(self) -> None:
+        """The server up (started again until it starts)."""
+        while not self.node.up:
+            if not await self.node.start():
+                await asyncio.sleep(0.5)
+
+    def _in_flight(self) -> list[tuple[float, str]]:
+        """The requests the servers are serving: (since, what)."""
+        return [(t0, what) for t0, what, _ in self.node.in_flight.values()]
 
     def _close_loop(self) -> None:
         loop = self.loop
@@ -262,16 +276,13 @@ class World:
             f"(power {w.power}), disk faults {w.disk_faults}, net faults {w.net_faults}, "
             f"clients {[a[0] for a in w.actors]}",
         )
-        while not await self.node.start():  # noqa: ASYNC110 - a retry loop on simulated time
-            await asyncio.sleep(0.5)
-        tasks = {name: self._spawn(name, actors.ACTORS[kind](self, name, *args)) for name, kind, args in w.actors}
+        await self._bring_up()
+        tasks = {name: self._spawn(name, self.ACTORS[kind](self, name, *args)) for name, kind, args in w.actors}
         await self._faults(self.loop.time() + w.duration)
         # Phase 2: quiet
         self.net.faults = NetFaults(slow=0.0)
-        self.disk.faults.write_enospc = self.disk.faults.sync_eio = self.disk.faults.meta_enospc = 0.0
-        while not self.node.up:
-            if not await self.node.start():
-                await asyncio.sleep(0.5)
+        self._calm()
+        await self._bring_up()
         self._stop = True
         self.trace("sim", "quiet: clients stopping")
         # writers first; copiers last, once there is nothing more to copy
@@ -303,6 +314,10 @@ class World:
                     t.cancel()
         await self._settle()
         await self._read_back()
+
+    def _calm(self) -> None:
+        """The faults of the world stop (the quiet phase)."""
+        self.disk.faults.write_enospc = self.disk.faults.sync_eio = self.disk.faults.meta_enospc = 0.0
 
     async def _faults(self, until: float) -> None:
         w, rng = self.workload, self.rng
@@ -389,7 +404,7 @@ class World:
                         f"{self.txn_timeout * 2 + 2:.0f} s after the last transaction could be open",
                     )
                 )
-        stuck = [(t0, what) for t0, what, _ in self.node.in_flight.values() if self.loop.time() - t0 > 30.0]
+        stuck = [(t0, what) for t0, what in self._in_flight() if self.loop.time() - t0 > 30.0]
         for t0, what in stuck:
             self.extra.append(Anomaly("stuck", None, f"the server has not answered {what} since t={t0 - 1000:.2f}"))
 

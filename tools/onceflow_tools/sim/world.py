@@ -237,7 +237,7 @@ class _Wire:
 class SimNet:
     loop: SimLoop
     rng: random.Random
-    node: ServerNode
+    node: ServerNode  # the server of a URL's host not in ``nodes`` (the one of a single-server world)
     trace: Trace
     faults: NetFaults = field(default_factory=NetFaults)
     detail: re.Pattern[str] | None = None  # requests whose bodies and answers go into the trace (debugging)
@@ -247,23 +247,35 @@ class SimNet:
     # requests on their way to the node, by client: a late copy can still be in the network long
     # after its client gave up on it
     on_the_way: Counter[str] = field(default_factory=Counter)
+    nodes: dict[str, ServerNode] = field(default_factory=dict)  # by host: the servers of a cluster
+
+    def node_at(self, host: str) -> ServerNode:
+        return self.nodes.get(host, self.node)
 
     def carry(
-        self, delay: float, wire: _Wire, reply: Callable[[httpx.Response], None], gone: asyncio.Future[None]
+        self,
+        delay: float,
+        wire: _Wire,
+        reply: Callable[[httpx.Response], None],
+        gone: asyncio.Future[None],
+        node: ServerNode | None = None,
     ) -> None:
-        """Deliver ``wire`` to the node after ``delay``."""
+        """Deliver ``wire`` to ``node`` (by default the world's one) after ``delay``."""
         self.on_the_way[wire.client] += 1
+        to = node or self.node
 
         def arrive() -> None:
             self.on_the_way[wire.client] -= 1
-            self.node.deliver(wire, reply, gone)
+            to.deliver(wire, reply, gone)
 
         self.loop.call_later(delay, arrive)
 
     def busy(self, but: set[str]) -> bool:
         """Whether a request of a client not in ``but`` is on its way or being served."""
         return any(n for c, n in self.on_the_way.items() if c not in but) or any(
-            c not in but for _, _, c in self.node.in_flight.values()
+            c not in but
+            for node in {id(n): n for n in (self.node, *self.nodes.values())}.values()
+            for _, _, c in node.in_flight.values()
         )
 
     def one_way(self) -> float:
@@ -276,9 +288,10 @@ class SimNet:
 class SimTransport(httpx.AsyncBaseTransport):
     """An ``httpx`` transport over :class:`SimNet` to the node (see the module docstring)."""
 
-    def __init__(self, net: SimNet, client: str) -> None:
+    def __init__(self, net: SimNet, client: str, *, once: bool = False) -> None:
         self.net = net
         self.client = client
+        self.once = once  # never delivered twice: a plain append is no retry the client chose
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         net, loop, rng = self.net, self.net.loop, self.net.rng
@@ -286,9 +299,11 @@ class SimTransport(httpx.AsyncBaseTransport):
         timeouts = request.extensions.get("timeout", {})
         timeout = timeouts.get("read") or 30.0
         target = request.url.raw_path.decode("ascii")
-        what = f"{request.method} {target[:90]}"
+        what = (
+            f"{request.method} {target[:90]}" if not net.nodes else f"{request.method} {request.url.host}{target[:80]}"
+        )
         net.stats["requests"] += 1
-        node = net.node
+        node = net.node_at(request.url.host)
         if not node.up:
             await asyncio.sleep(net.one_way())
             net.stats["refused"] += 1
@@ -314,7 +329,7 @@ class SimTransport(httpx.AsyncBaseTransport):
             loop.call_later(net.one_way(), arrive)
 
         copies = 1
-        if rng.random() < faults.dup:
+        if rng.random() < faults.dup and not self.once:
             copies = 2
             net.stats["dups"] += 1
         for n in range(copies):
@@ -323,7 +338,7 @@ class SimTransport(httpx.AsyncBaseTransport):
                 net.trace(self.client, f"request lost: {what}")
                 continue
             delay = net.one_way() + (rng.uniform(0.05, 3.0) if n else 0.0)
-            net.carry(delay, wire, reply, gone)
+            net.carry(delay, wire, reply, gone, node)
         try:
             # asyncio.wait, not wait_for: on Python 3.11 wait_for can lose a cancellation that
             # arrives as the answer does, which a real transport would not
