@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,6 +22,7 @@ from helpers.servers import InProcess
 from helpers.txn import JSON, S, Txn, committed
 from onceflow.core.broker import Broker
 from onceflow.server.app import App, AppConfig
+from onceflow.storage.batch import HEADER_SIZE
 from onceflow.storage.fs import File, OsFileSystem
 
 pytestmark = pytest.mark.anyio
@@ -357,3 +359,60 @@ async def test_a_fork_made_while_retention_syncs_keeps_its_sources_data(tmp_path
             assert await numbers(c, "p") == list(range(40))
         else:  # or refused, the data being gone already
             assert fork.status_code == 400 and "no longer kept" in fork.text, fork.text
+
+
+class _SlowHeaders(OsFileSystem):
+    """The real disk, but once ``ticks`` is set every read of a segment's first batch header (what
+    retention by age reads, one per stream) blocks for ``delay`` seconds, as a database round trip
+    would, and notes how far a ticker task (``ticks[0]``) had got when it began."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+        self.ticks: list[int] | None = None
+        self.seen: list[int] = []
+
+    def open_file(self, path: Path, *, create: bool) -> File:
+        return _SlowHeaderFile(super().open_file(path, create=create), self)
+
+
+class _SlowHeaderFile(_FlakyFile):
+    def __init__(self, inner: File, fs: _SlowHeaders) -> None:
+        self.inner, self.slow = inner, fs
+
+    def pread(self, n: int, at: int) -> bytes:
+        if self.slow.ticks is not None and at == 0 and n == HEADER_SIZE:
+            self.slow.seen.append(self.slow.ticks[0])
+            time.sleep(self.slow.delay)  # noqa: ASYNC251 - a blocking store call on the loop is what is tested
+        return self.inner.pread(n, at)
+
+
+async def test_a_retention_sweep_over_many_streams_lets_other_tasks_run_meanwhile(tmp_path: Path) -> None:
+    """A sweep that reads a segment header of each of many streams (retention by age, none old
+    enough to go: no deletion, so nothing awaits) must not hold the event loop for all of them: a
+    ticker task runs between the first header read and the last. (Structural, not timed: each read
+    takes 3 ms here, 40 of them far more than the sweep's slice of the loop.)"""
+    clock = Clock()
+    fs = _SlowHeaders(delay=0.003)
+    names = [f"s{i}" for i in range(40)]
+    async with served(tmp_path / "d", clock=clock, fs=fs) as c:
+        for name in names:
+            await create(c, name, **{"Stream-Retention-Seconds": "3600"})
+            await fill(c, name, 12)
+        ticks = [0]
+
+        async def ticker() -> None:
+            while True:
+                ticks[0] += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(ticker())
+        try:
+            await asyncio.sleep(0)
+            fs.ticks = ticks
+            assert await c.broker.enforce_retention() == {}  # nothing is an hour old
+            fs.ticks = None
+        finally:
+            task.cancel()
+        assert len(fs.seen) == len(names), fs.seen  # one header read per stream
+        assert fs.seen[-1] > fs.seen[0], f"the ticker never ran during the sweep: {fs.seen}"
