@@ -18,6 +18,7 @@ import functools
 import hashlib
 import logging
 import re
+import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,28 @@ _CONTENT_TYPE = re.compile(r"^[\w.+-]+/[\w.+-]+")
 _TTL = re.compile(r"^(0|[1-9][0-9]*)$")
 ZERO = Position(0, 0)
 REORDER_WINDOW = 64  # how far ahead of the producer's next sequence a request may wait
+# The sweep (expiry and retention over every stream) holds the event loop for at most this many
+# seconds of work at a time, plus one stream's step, then lets every other task run: a sweep over
+# thousands of streams (a header read each, on the PostgreSQL store a database round trip) never
+# stalls the clients for its whole length.
+SWEEP_SLICE = 0.02
+
+
+class _Slices:
+    """Cuts a long pass over the streams into slices of :data:`SWEEP_SLICE` seconds of the loop.
+    Measured on the machine's clock (``time.perf_counter``), not the broker's: what it bounds is
+    how long other tasks wait, which simulated time does not see."""
+
+    __slots__ = ("_began",)
+
+    def __init__(self) -> None:
+        self._began = time.perf_counter()
+
+    async def pause(self) -> None:
+        """Let other tasks run if this slice used up its time (call between two streams' steps)."""
+        if time.perf_counter() - self._began >= SWEEP_SLICE:
+            await asyncio.sleep(0)
+            self._began = time.perf_counter()
 
 
 def normalize_content_type(ct: str | None) -> str:
@@ -557,8 +580,12 @@ class Broker:
         next_retention = self.clock.monotonic() + self.retention_interval
         while True:
             await asyncio.sleep(1.0)
+            slices = _Slices()
             for s in list(self.streams.values()):
-                if not s.meta.soft_deleted and s.expired():
+                await slices.pause()
+                # after a pause, ``s`` may have been deleted (and its name, and so its directory,
+                # taken by a new stream): only a stream still registered expires
+                if self.streams.get(s.name) is s and not s.meta.soft_deleted and s.expired():
                     self._expire(s)
             if self.clock.monotonic() >= next_retention:
                 next_retention = self.clock.monotonic() + self.retention_interval
@@ -639,10 +666,18 @@ class Broker:
 
     async def enforce_retention(self) -> dict[str, int]:
         """Delete the whole segments that retention lets go, in every stream (the sweep calls this
-        every ``retention_interval`` seconds); returns the bytes freed per stream."""
+        every ``retention_interval`` seconds); returns the bytes freed per stream.
+
+        In slices of the event loop (:data:`SWEEP_SLICE`): between two streams it lets other tasks
+        run once a slice's time is used up. One stream's step on the loop is bounded by its reads:
+        :meth:`~onceflow.storage.log.StreamLog.deletable` reads at most one segment's first header
+        (on the PostgreSQL store a read bounded by its ``read_timeout``, storage/pgfs.py); the
+        deletion's directory syncs run in worker threads."""
         now_ms = int(self.clock.time() * 1000)
         freed: dict[str, int] = {}
+        slices = _Slices()
         for s in list(self.streams.values()):
+            await slices.pause()  # a stream deleted meanwhile is skipped by _deletable (s.deleted)
             try:  # an I/O error is this stream's alone: the others, and the sweep, go on
                 n = self._deletable(s, now_ms)
                 if not n:
