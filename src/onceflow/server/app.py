@@ -352,16 +352,7 @@ class App:
                 await _send(send, status, h, b"")
                 return
             if method == "PUT":
-                body = await self._body(headers, receive)
-                refused = await self.broker.forget_offsets_of_deleted(name)
-                if refused is not None:
-                    status, h, body = _outcome_response(refused)
-                else:
-                    status, h, body = self._put(name, headers, body)
-                if status == 201:
-                    server_addr = scope.get("server") or ("127.0.0.1", 4437)
-                    host = headers.get("host") or f"{server_addr[0]}:{server_addr[1]}"
-                    h.append((b"location", f"{scope.get('scheme', 'http')}://{host}{PREFIX}{name}".encode()))
+                status, h, body = await self._create(name, scope, headers, receive)
             elif method == "POST":
                 status, h, body = await self._post(name, headers, receive)
             elif method == "DELETE":
@@ -375,9 +366,36 @@ class App:
                 body = b""
         except OffsetGone as exc:
             status, h, body = _gone(exc)
+        except OSError as exc:
+            # the store failed, or did not answer within its bound (a cold read on the PostgreSQL
+            # store: its read_timeout, storage/pgfs.py): a 503, never a 500, and the client retries
+            log.error("%s %s: %s", method, path, exc)
+            status, h, body = _error(
+                503,
+                "unavailable",
+                f"the store could not serve this request ({exc.strerror or exc}); retry",
+                [(b"retry-after", b"1")],
+            )
+            if method == "HEAD":
+                body = b""
         if status < 300:
             self.subscriptions.stream_changed(name)  # created, appended to, closed or deleted
         await _send(send, status, h, body)
+
+    async def _create(
+        self, name: str, scope: Scope, headers: dict[str, str], receive: Receive
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """A PUT: the stream created (201, with its Location), confirmed, or refused."""
+        body = await self._body(headers, receive)
+        refused = await self.broker.forget_offsets_of_deleted(name)
+        if refused is not None:
+            return _outcome_response(refused)
+        status, h, body = self._put(name, headers, body)
+        if status == 201:
+            server_addr = scope.get("server") or ("127.0.0.1", 4437)
+            host = headers.get("host") or f"{server_addr[0]}:{server_addr[1]}"
+            h.append((b"location", f"{scope.get('scheme', 'http')}://{host}{PREFIX}{name}".encode()))
+        return status, h, body
 
     async def _body(self, headers: dict[str, str], receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
@@ -1179,7 +1197,12 @@ class App:
         try:
             while not gone and not s.deleted and not s.meta.soft_deleted and not self.broker.closing:
                 was_closed = s.closed
-                read = events.read(self.broker, s, at, committed, text)
+                try:
+                    read = events.read(self.broker, s, at, committed, text)
+                except OSError as exc:  # the store failed or timed out (its read_timeout): the
+                    # response has begun, so it ends here; the client resumes from its last offset
+                    log.error("SSE read of %r at %s: %s", s.name, at.token(), exc)
+                    break
                 if read is None:
                     break  # not a record boundary
                 nxt, up_to_date, closed, data = read
@@ -1195,6 +1218,8 @@ class App:
                 if closed:
                     break
                 if not up_to_date:
+                    # catching up: other tasks run between two reads (a send need not pause)
+                    await asyncio.sleep(0)
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

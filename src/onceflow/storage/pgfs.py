@@ -35,11 +35,19 @@ Semantics, against the :class:`~onceflow.storage.fs.FileSystem` contract:
   holder's memory may disagree with the database, and it must step down.
 
 Reads of a file's recent bytes are served from memory (the last :data:`TAIL_CACHE` bytes written);
-older ranges are read from the database.
+older ranges are read from the database. A read made on an event loop's thread (the server's cold
+reads, the retention sweep's segment headers, a create's look-ups) is bounded: it waits at most
+:attr:`PgFileSystem.read_timeout` seconds for a connection of the pool and as long again for each
+statement (``statement_timeout``, lock waits included), then fails with :class:`ReadTimedOut`, so no
+database stall holds the loop, and with it every other client, for longer. Reads in worker threads
+(recovery, the logs' syncs) wait as long as the database takes. Writes are never given a statement
+timeout: one on a ``COMMIT`` that waits for a synchronous standby cancels that wait and reports a
+commit the standby may not hold.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import functools
 import logging
@@ -63,7 +71,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from ..errors import OnceflowError
 from .fs import File, OutcomeUnknown
 
-__all__ = ["SCHEMA", "TAIL_CACHE", "UNKNOWN", "Connector", "LeaseLost", "PgFile", "PgFileSystem"]
+__all__ = ["SCHEMA", "TAIL_CACHE", "UNKNOWN", "Connector", "LeaseLost", "PgFile", "PgFileSystem", "ReadTimedOut"]
 
 log = logging.getLogger("onceflow.storage")
 
@@ -144,6 +152,33 @@ class LeaseLost(OnceflowError, OSError):
         super().__init__(message, code="lease_lost")
         self.errno = errno.EIO
         self.strerror = message
+
+
+class ReadTimedOut(OnceflowError, OSError):
+    """A read made on the event loop did not get its answer within the store's ``read_timeout``
+    (no free connection, or the statement was cancelled by its ``statement_timeout``): the
+    database is stalled or overloaded. Nothing changed; the same read may succeed later (an
+    ``OSError``, ``ETIMEDOUT``; the server answers it 503 with ``Retry-After``)."""
+
+    retriable = True
+
+    def __init__(self, what: str, seconds: float) -> None:
+        message = (
+            f"PostgreSQL store: the {what} got no answer within its read_timeout ({seconds:g} s) "
+            "and was given up; the database is stalled or overloaded"
+        )
+        super().__init__(message, code="store_read_timeout")
+        self.errno = errno.ETIMEDOUT
+        self.strerror = message
+
+
+def _on_loop() -> bool:
+    """Whether the calling thread runs an event loop (a read there holds up every other task)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _io_error(exc: Exception, what: str) -> OSError:
@@ -400,6 +435,7 @@ class PgFileSystem:
         connect_timeout: float = 10.0,
         cache_budget: int = 256 << 20,
         idle_timeout: float = 5.0,
+        read_timeout: float = 2.0,
         connector: Connector | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -408,6 +444,8 @@ class PgFileSystem:
         self._connector = connector or Connector()
         self._clock = clock  # judges the lease's holder gone (acquire) and paces read-backs (_settle)
         self._sleep = sleep
+        # how long a read on the event loop may wait: for a connection, and for each statement
+        self.read_timeout = read_timeout
         self.token: int | None = None  # the lease this server holds; None: no fencing (tests, tools)
         self.session = uuid.uuid4().hex[:16]  # names this process's connections (application_name)
         self.connect_timeout = connect_timeout
@@ -666,17 +704,23 @@ class PgFileSystem:
     # ------------------------------------------------------------------ transactions
 
     @contextmanager
-    def _tx(self, what: str, *, fence: bool = True) -> Iterator[Any]:
+    def _tx(self, what: str, *, fence: bool = True, read: bool = False) -> Iterator[Any]:
         """A transaction, committed when the block ends. ``fence``: a write of the store's content,
         counted (:data:`_MARK`: a lost answer to its COMMIT is resolved by :meth:`_settle`) and
-        fenced by the lease's token; else a read, or a write of the lease itself."""
+        fenced by the lease's token; else a read, or a write of the lease itself. ``read``: it only
+        reads; on an event loop's thread it is then bounded by :attr:`read_timeout` (the module
+        docstring), raising :class:`ReadTimedOut` past it."""
         if fence:
             self._refuse_if_unsure(what)
+        bound = self.read_timeout if read and not fence and _on_loop() else None
         try:
-            with self._pool.connection() as conn:
+            # the wait for a connection: at most read_timeout on the loop, else connect_timeout
+            with self._pool.connection(timeout=bound) as conn:
                 mark = None
                 try:
                     with conn.cursor() as cur:
+                        if bound is not None:  # each statement of this read: at most read_timeout
+                            cur.execute(f"SET LOCAL statement_timeout = {max(1, int(bound * 1000))}")
                         if fence:
                             cur.execute(_MARK)
                             mark = self._marked(cur)
@@ -688,7 +732,11 @@ class PgFileSystem:
                     _rollback(conn)
                     raise
                 self._commit(conn, mark, what)
-        except (psycopg.Error, PoolTimeout) as exc:
+        except (psycopg.errors.QueryCanceled, PoolTimeout) as exc:
+            if bound is None:
+                raise _io_error(exc, what) from exc
+            raise ReadTimedOut(what, bound) from exc
+        except psycopg.Error as exc:
             raise _io_error(exc, what) from exc
 
     def write_range(self, f: PgFile, start: int, data: bytes, size: int) -> None:
@@ -816,14 +864,19 @@ class PgFileSystem:
             raise LeaseLost(self.token, now)
 
     def read_range(self, ident: int, at: int, n: int) -> bytes:
-        """Bytes [at, at + n) of file ``ident`` as the database holds them (short at its end)."""
+        """Bytes [at, at + n) of file ``ident`` as the database holds them (short at its end).
+
+        A cold read (older than the memory cache) comes here from the event loop: its one query is
+        bounded by :attr:`read_timeout` (:meth:`_tx`), and its size by the caller (a client's read:
+        at most the server's ``max_read_bytes``, 4 MiB by default, or one batch larger than that;
+        the sweep: one batch header)."""
         pre = self._pre
         if pre is not None:
             whole = pre.data.get(ident)
             if whole is not None:
                 return whole[at : at + n]
         end = at + n
-        with self._tx("read", fence=False) as cur:
+        with self._tx(f"read of bytes {at} to {end} of file {ident}", fence=False, read=True) as cur:
             # only the part of each chunk in the range, in binary (bytea as text is twice the bytes)
             cur.execute(
                 "SELECT greatest(at, %(lo)s) AS pos, substring(data FROM (greatest(at, %(lo)s) - at + 1)::int "
@@ -979,7 +1032,7 @@ class PgFileSystem:
             return PgFile(self, path, ident, size)
         if create:
             self._tree_changed(key)
-        with self._tx(f"open {key}", fence=create) as cur:
+        with self._tx(f"open {key}", fence=create, read=not create) as cur:
             cur.execute("SELECT id, size FROM onceflow_files WHERE path = %s", (key,))
             row = cur.fetchone()
             if row is not None and row[0] is None:
@@ -1007,7 +1060,7 @@ class PgFileSystem:
             if found[0] is not None:
                 raise NotADirectoryError(errno.ENOTDIR, "not a directory", key)
             return list(pre.children.get(key, []))
-        with self._tx(f"list {key}", fence=False) as cur:
+        with self._tx(f"list {key}", fence=False, read=True) as cur:
             cur.execute("SELECT path, id FROM onceflow_files WHERE path = %s", (key,))
             row = cur.fetchone()
             if row is None:
@@ -1037,7 +1090,7 @@ class PgFileSystem:
         pre = self._preload_for(str(path))
         if pre is not None:
             return str(path) in pre.files or str(path) in pre.deferred
-        with self._tx("exists", fence=False) as cur:
+        with self._tx("exists", fence=False, read=True) as cur:
             cur.execute("SELECT 1 FROM onceflow_files WHERE path = %s", (str(path),))
             return cur.fetchone() is not None
 
@@ -1111,7 +1164,7 @@ class PgFileSystem:
             ident, _ = pre.file(key)
             if ident in pre.data:
                 return pre.data[ident]
-        with self._tx(f"read {key}", fence=False) as cur:
+        with self._tx(f"read {key}", fence=False, read=True) as cur:
             cur.execute("SELECT id, size FROM onceflow_files WHERE path = %s", (key,))
             row = cur.fetchone()
         if row is None:
