@@ -5,6 +5,8 @@ In process (no Spark): ``format=records`` / ``format=boundaries`` reads, and ``/
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import struct
 from pathlib import Path
 from typing import Any
@@ -309,3 +311,34 @@ async def test_a_commit_record_that_cannot_be_written_decides_nothing(onceflow: 
     retry = await onceflow.client.post("/v1/sinks/q/commit", json={"batch": 4, "members": members(a, b)})
     assert retry.json()["status"] == "committed"
     assert sorted(m["from"] for m in await committed(onceflow, "x")) == ["a", "b"]
+
+
+async def test_a_boundaries_scan_lets_other_tasks_run_after_each_of_its_reads(onceflow: InProcess) -> None:
+    """``format=boundaries`` walks the whole range it is asked about, a read at a time (each one
+    bounded: about 4 MiB, on the PostgreSQL store a query within its read_timeout): other tasks
+    run after each of them, so one request never holds the event loop for a whole stream."""
+    await make(onceflow, "long")
+    for i in range(20):
+        await append(onceflow, "long", [{"i": i, "pad": "x" * 100}])
+    s = onceflow.broker.get("long")
+    assert s is not None
+    ticks = [0]
+
+    async def ticker() -> None:
+        while True:
+            ticks[0] += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.ensure_future(ticker())
+    try:
+        await asyncio.sleep(0)
+        before = ticks[0]
+        scan: Any = onceflow.broker.boundaries(s, s.earliest, None, every=5)
+        if inspect.isawaitable(scan):
+            scan = await scan
+        during = ticks[0] - before
+    finally:
+        task.cancel()
+    marks, end = scan
+    assert end == s.tail and len(marks) == 3, (marks, end)  # after records 5, 10, 15; the end is none
+    assert during >= 1, "the ticker did not run during the scan"
