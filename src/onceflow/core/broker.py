@@ -938,6 +938,10 @@ class Broker:
             retention_keep_groups=list(spec.retention.keep_groups) if spec.retention.keep_groups is not None else None,
         )
         directory = self._dir_for(spec.name)
+        # On the loop, as the whole create (so no other request sees it half made): on the PostgreSQL
+        # store its look-ups (exists, the new log's listing) are reads bounded by the store's
+        # read_timeout; its writes (directory, first segment and its sync, meta) are bounded only by
+        # the pool's connect_timeout for a connection and by the database for their statements.
         if self.fs.exists(directory):  # debris of an expired or unfinished stream
             self._trash(directory)
         flags = FLAG_JSON if is_json else 0
@@ -1586,6 +1590,9 @@ class Broker:
         error of a sync that failed after the move: moved, but maybe not durably."""
         target = self.trash_dir / f"{directory.name}-{uuid.uuid4().hex}"
         try:
+            # on the loop (a delete is answered only once it is stored): on the PostgreSQL store a
+            # write, bounded only by the pool's connect_timeout and the database; the rmtree below
+            # runs in a worker thread
             self.fs.rename(directory, target)
         except OSError as exc:
             if required:
@@ -1675,7 +1682,7 @@ class Broker:
         up_to_date = nxt.pos >= end.pos
         return ReadResult(batches, nxt, up_to_date, up_to_date and s.closed and end == s.tail)
 
-    def boundaries(
+    async def boundaries(
         self,
         s: StreamState,
         at: Position,
@@ -1686,7 +1693,12 @@ class Broker:
         committed: bool = True,
     ) -> tuple[Sequence[Position], Position]:
         """Batch boundaries after ``at``, at least ``every`` records apart, and where a read of at
-        most ``max_records`` records (at least one batch) that stops at ``until`` ends."""
+        most ``max_records`` records (at least one batch) that stops at ``until`` ends.
+
+        The range is read about 4 MiB at a time (on the PostgreSQL store, each a query within its
+        read_timeout), with a pause for the event loop after each: a scan of a whole long stream
+        never holds the loop for more than one read. Raises :class:`OffsetGone` when retention
+        deleted the data it was at meanwhile, :class:`InvalidPosition` when the stream went."""
         end = self.visible_end(s, committed)
         if until is not None and until.pos < end.pos:
             end = until
@@ -1705,6 +1717,11 @@ class Broker:
                 if pos.offset - last.offset >= every and pos.pos < end.pos:
                     marks.append(pos)
                     last = pos
+            await asyncio.sleep(0)
+            if s.deleted:
+                raise InvalidPosition(f"stream {s.name!r} was deleted")
+            if pos.pos < end.pos and pos.pos < s.earliest.pos:
+                raise OffsetGone(pos, s.earliest)  # retention deleted what the scan was to read next
         return marks, pos
 
     async def position_at_time(self, s: StreamState, time_ms: int, *, step: int = 1 << 20) -> Position:

@@ -964,7 +964,7 @@ class App:
         if fmt is not None:
             if q.live is not None:
                 raise BadRequest("format= reads are not live; leave out the live parameter")
-            await _send(send, *self._framed_read(s, start, fmt, params, q.max_bytes, q.committed))
+            await _send(send, *await self._framed_read(s, start, fmt, params, q.max_bytes, q.committed))
             return
         if q.live == "sse":
             await self._sse(s, start, q.cursor, receive, send, q.committed)
@@ -1094,7 +1094,7 @@ class App:
             h.append((b"cache-control", b"no-store"))
         return 200, h, _body_of(s, result)
 
-    def _framed_read(
+    async def _framed_read(
         self,
         s: StreamState,
         start: Position,
@@ -1141,7 +1141,7 @@ class App:
                 return 200, h, frames
             if fmt == "boundaries":
                 every = self._positive_param(params, "every") or MAX_SAFE_INT
-                marks, end = self.broker.boundaries(
+                marks, end = await self.broker.boundaries(
                     s, start, until, every=every, max_records=max_records, committed=committed
                 )
                 h.append((b"stream-next-offset", end.token().encode()))
