@@ -686,6 +686,8 @@ class StreamLog:
 
     def _first_ms(self, seg: _Segment) -> int | None:
         if seg.first_ms is None and seg.size >= HEADER_SIZE:
+            # on the loop, once per segment: on the PostgreSQL store one query, bounded by its
+            # read_timeout (storage/pgfs.py); the sweep pauses between streams (core/broker.py)
             seg.first_ms = HEADER.unpack(seg.file.pread(HEADER_SIZE, 0))[7]
         return seg.first_ms
 
@@ -745,6 +747,8 @@ class StreamLog:
         del self._segments[:n]  # in place: a roll may be appending in a worker thread; reads see the new start at once
         for seg in gone:
             seg.file.close()
+            # on the loop (by name, see above): on the PostgreSQL store a write, bounded only by the
+            # pool's connect_timeout for a connection and by the database for its DELETE and COMMIT
             self.fs.unlink(seg.path)
         await loop.run_in_executor(self._executor, self.fs.sync_dir, self.directory)
         return sum(seg.size for seg in gone)
@@ -1022,6 +1026,8 @@ class StreamLog:
             raise OffsetGone(at, self.first)
         seg = self._segments[self._segment_index(at.pos)]
         rel = at.pos - seg.base.pos
+        # on the loop: on the PostgreSQL store, bytes older than the memory cache are one query each,
+        # bounded by its read_timeout (storage/pgfs.py), of one header and then one batch
         raw = seg.file.pread(HEADER_SIZE, rel)
         bad = InvalidPosition(f"offset {at.token()} is not a record boundary of this stream")
         if len(raw) < HEADER_SIZE:
@@ -1055,6 +1061,8 @@ class StreamLog:
             if seg_i + 1 < len(self._segments):
                 seg_end = min(seg_end, self._segments[seg_i + 1].base.pos)
             rel = pos - seg.base.pos
+            # on the loop: about max_bytes (or one larger batch) a call; on the PostgreSQL store, a
+            # query per segment for bytes older than the memory cache, bounded by its read_timeout
             data = seg.file.pread(min(seg_end - pos, max(budget, HEADER_SIZE)), rel)
             p = 0
             while len(data) - p >= HEADER_SIZE:
