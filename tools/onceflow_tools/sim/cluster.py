@@ -40,8 +40,9 @@ from onceflow.storage.pgfs import PgFileSystem
 from . import actors
 from .cluster_actors import CLUSTER_ACTORS, ClusterChecks
 from .loop import SimLoop, owner
+from .mutations import mutated
 from .pg import PgFaults, SimPostgres
-from .run import Workload, World, _NoCookies
+from .run import SeedResult, Workload, World, _NoCookies
 from .world import WALL_ORIGIN, NetFaults, ServerNode, SimNet, SimTransport, Trace
 
 __all__ = ["ClusterNode", "ClusterWorkload", "ClusterWorld", "NodeClock"]
@@ -250,13 +251,15 @@ class ClusterWorkload(Workload):
         w.db_failovers = rng.random() < 0.4
         w.commit_faults = rng.random() < 0.6
         w.clock_faults = rng.random() < 0.5
-        w.actors.append(("a0", "plain", ("plain/0",)))
-        if rng.random() < 0.5:
-            w.actors.append(("a1", "plain", ("plain/0",)))
-        w.actors.append(("l0", "linear", (["plain/0"],)))
-        if rng.random() < 0.5:
-            w.actors.append(("l1", "linear", (["plain/0"],)))
-        w.actors.append(("d0", "deleter", ()))
+        # a0 and l0 keep to the server that last answered them, a1 and l1 start each request at a
+        # random one (behind a load balancer): reads and writes of one stream through different servers
+        w.actors += [
+            ("a0", "plain", ("plain/0",)),
+            ("a1", "plain", ("plain/0",)),
+            ("l0", "linear", (["plain/0"],)),
+            ("l1", "linear", (["plain/0"],)),
+            ("d0", "deleter", ()),
+        ]
         return w
 
 
@@ -278,13 +281,34 @@ class _Watched(SimTransport):
         return resp
 
 
+class _Balanced(AsyncFailoverTransport):
+    """A client behind a load balancer: each request starts at a server drawn at random (then
+    fails over as any client does)."""
+
+    def __init__(self, servers: Servers, inner: httpx.AsyncBaseTransport, rng: random.Random) -> None:
+        super().__init__(servers, inner)
+        self._rng = rng
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self._route.current = self._rng.randrange(len(self._route.servers.hosts))
+        return await super().handle_async_request(request)
+
+
 class ClusterWorld(World):
     """One seed's cluster (module docstring)."""
 
     ACTORS = {**actors.ACTORS, **CLUSTER_ACTORS}
 
-    def __init__(self, seed: int, workload: ClusterWorkload | None = None, *, detail: str | None = None) -> None:
+    def __init__(
+        self,
+        seed: int,
+        workload: ClusterWorkload | None = None,
+        *,
+        detail: str | None = None,
+        mutations: tuple[str, ...] = (),
+    ) -> None:
         # not World's: servers on a database instead of one on a disk
+        self.mutations = mutations  # holes put back on purpose (sim/mutations.py)
         self.seed = seed
         self.rng = random.Random(seed)
         self.workload: ClusterWorkload = workload or ClusterWorkload.draw(self.rng)
@@ -307,9 +331,14 @@ class ClusterWorld(World):
         self._faulty = False
         self.checks = ClusterChecks()
         self._once = {n for n, kind, _ in self.workload.actors if kind in ("plain", "deleter")}
+        self._balanced = {n for n, kind, _ in self.workload.actors if kind in ("plain", "linear") and n.endswith("1")}
 
     def now(self) -> float:
         return self.loop.time()
+
+    def run(self) -> SeedResult:
+        with mutated(self.mutations):
+            return super().run()
 
     def client(self, name: str) -> httpx.AsyncClient:
         c = self._clients.get(name)
@@ -317,8 +346,10 @@ class ClusterWorld(World):
             # each client starts at a server of its own, as clients given the list in another order
             first = sum(name.encode()) % len(self.servers.hosts)
             servers = Servers("http", self.servers.hosts[first:] + self.servers.hosts[:first])
+            inner = _Watched(self.net, name, self, once=name in self._once)
+            balanced = name in self._balanced
             c = self._clients[name] = httpx.AsyncClient(
-                transport=AsyncFailoverTransport(servers, _Watched(self.net, name, self, once=name in self._once)),
+                transport=_Balanced(servers, inner, self.rng) if balanced else AsyncFailoverTransport(servers, inner),
                 base_url=actors.URL,
                 timeout=httpx.Timeout(2.0),
                 cookies=_NoCookies(),
@@ -409,9 +440,9 @@ class ClusterWorld(World):
                     statement_fails=rng.choice([0.0, 0.0, 0.02, 0.1]),
                 )
                 self.trace("sim", f"database faults: {db.faults}")
-            if w.clock_faults and rng.random() < 0.25:
+            if w.clock_faults and rng.random() < 0.4:
                 kind = rng.random()
-                if kind < 0.4:
+                if kind < 0.5:
                     db.clock_offset += rng.choice([-1, 1]) * rng.uniform(0.5, 15.0)
                     self.trace("sim", f"the database's clock steps to {db.clock_offset:+.1f} s")
                 elif kind < 0.7:
@@ -443,6 +474,6 @@ class ClusterWorld(World):
             self.trace("sim", f"{name} reaches the database again")
 
 
-def run_cluster_seed(seed: int, workload: ClusterWorkload | None = None) -> Any:
+def run_cluster_seed(seed: int, workload: ClusterWorkload | None = None, mutations: tuple[str, ...] = ()) -> SeedResult:
     """Run one seed of the cluster (see the module docstring)."""
-    return ClusterWorld(seed, workload).run()
+    return ClusterWorld(seed, workload, mutations=mutations).run()

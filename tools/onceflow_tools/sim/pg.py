@@ -215,7 +215,7 @@ class _Pool:
         self.idle.clear()
 
     @contextlib.contextmanager
-    def connection(self) -> Iterator[_Conn]:
+    def connection(self, timeout: float | None = None) -> Iterator[_Conn]:
         if self.closed:
             raise PoolTimeout("the pool is closed")
         conn = None
@@ -462,6 +462,13 @@ def _lease_first(db: SimPostgres, c: _Conn, text: str, p: Any) -> tuple[Rows, in
         return [], 0
     db.put(db.lease, 1, (1, p["h"], p["a"], db.now() + float(p["t"]), p["s"], db.xid()), c)
     return [(1,)], 1
+
+
+@_sql("SELECT token, expires < clock_timestamp() FROM onceflow_lease WHERE id = 1")
+def _lease_expired(db: SimPostgres, c: _Conn, text: str, p: Any) -> tuple[Rows, int]:
+    """Only the ``lease-by-db-clock`` mutation asks this (sim/mutations.py)."""
+    row = db.lease.get(1)
+    return ([(row[0], row[3] < db.now())], 1) if row is not None else ([], 0)
 
 
 @_sql("SELECT token, xmin::text FROM onceflow_lease WHERE id = 1 FOR UPDATE")
