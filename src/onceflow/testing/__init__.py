@@ -20,10 +20,13 @@ acknowledgements with it.
   (kill the primary, promote the standby); :class:`PostgresNode` is one postmaster of either.
 - :class:`HaCluster`: the highly available set-up of docs/ha.md on loopback, onceflow servers
   (:class:`HaServer`) over a :class:`PostgresCluster`, with its faults (kill a server, fail the
-  database over).
+  database over, pause the primary, cut a server off from the database, step a clock).
+- :class:`SteppableClock`: a wall clock of processes started under libfaketime that a test steps
+  while they run; :func:`clock_step_missing` says why it cannot be used here.
 - :class:`FaultProxy`: an HTTP/1.1 proxy that drops, delays and reorders (lost acknowledgements).
 """
 
+from .faketime import SteppableClock, clock_step_missing
 from .faultproxy import FaultProxy
 from .ha import HaCluster, HaServer
 from .processes import OnceflowProcess, ServerFailure, ServerProcess, free_port, onceflow_server
@@ -50,6 +53,8 @@ __all__ = [
     "ServerFailure",
     "ServerProcess",
     "ServiceUnavailable",
+    "SteppableClock",
+    "clock_step_missing",
     "free_port",
     "onceflow_server",
     "postgres_bindir",

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,9 +18,10 @@ import urllib.request
 from pathlib import Path
 from typing import Literal
 
+from .faketime import SteppableClock
 from .pgproxy import PgFaultProxy
 from .processes import free_port
-from .services import PostgresCluster
+from .services import PostgresCluster, PostgresNode
 
 __all__ = ["HaCluster", "HaServer"]
 
@@ -30,8 +33,11 @@ def _chunk_write(sql: str) -> bool:
 class HaServer:
     """One ``onceflow serve --store`` process on a fixed port, its output in a log file; restartable."""
 
-    def __init__(self, name: str, store: str, log: Path, extra: tuple[str, ...]) -> None:
+    def __init__(
+        self, name: str, store: str, log: Path, extra: tuple[str, ...], env: dict[str, str] | None = None
+    ) -> None:
         self.name, self.store, self.log, self.extra = name, store, log, extra
+        self.env = env  # added to the environment it runs in (a steppable clock's)
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -44,7 +50,8 @@ class HaServer:
         cmd = [sys.executable, "-m", "onceflow.cli", "serve", "--store", self.store, "--port", str(self.port)]
         with open(self.log, "ab") as log:
             log.write(f"\n=== {self.name} start {self.starts + 1} at {time.strftime('%H:%M:%S')}\n".encode())
-            self.proc = subprocess.Popen([*cmd, *self.extra], stdout=log, stderr=subprocess.STDOUT)  # noqa: S603
+            env = None if self.env is None else {**os.environ, **self.env}
+            self.proc = subprocess.Popen([*cmd, *self.extra], stdout=log, stderr=subprocess.STDOUT, env=env)  # noqa: S603
         self.starts += 1
 
     def alive(self) -> bool:
@@ -89,9 +96,14 @@ class HaCluster:
     :attr:`url` names every server (``http://127.0.0.1:P1,127.0.0.1:P2``): clients given it fail over
     (docs/client.md). ``lease_seconds`` is short by default so that a killed leader is replaced
     quickly. Faults: :meth:`kill` a server, :meth:`restart` it, :meth:`fail_over_database` (kill -9
-    of the primary, then promotion of the standby; the old primary stays down), and with
-    ``commit_faults`` (the servers reach the database through a proxy that reads its protocol)
-    :meth:`lose_commit`: the answer to a sync's COMMIT lost, an unknown outcome for the server."""
+    of the primary, then promotion of the standby; the old primary stays down),
+    :meth:`pause_database` and :meth:`resume_database` (SIGSTOP and SIGCONT of the primary), and with
+    ``commit_faults`` (each server reaches each database node through a proxy of its own that reads
+    the protocol) :meth:`lose_commit` (the answer to a sync's COMMIT lost, an unknown outcome for
+    the server) and :meth:`partition` / :meth:`heal` (one server cut off from the database: nothing
+    answered, nothing refused). With ``clock_faults`` every server and the database run on a
+    :class:`~onceflow.testing.faketime.SteppableClock` of their own (:attr:`clocks`, by server name
+    and ``"database"`` for both nodes): :meth:`step_clock` steps one's wall clock."""
 
     def __init__(
         self,
@@ -101,15 +113,27 @@ class HaCluster:
         work: Path | None = None,
         extra: tuple[str, ...] = (),
         commit_faults: bool = False,
+        clock_faults: bool = False,
     ) -> None:
         self.n = servers
         self.lease_seconds = lease_seconds
         self.extra = extra
-        self.commit_faults = commit_faults  # servers reach each node through a PgFaultProxy (lose_commit)
-        self.db_proxies: list[PgFaultProxy] = []
+        self.commit_faults = commit_faults  # each server reaches each node through a PgFaultProxy of its own
+        self.db_proxies: list[PgFaultProxy] = []  # all of them
+        self.proxies_of: dict[str, list[PgFaultProxy]] = {}  # a server's name -> its proxies, one per node
+        self.partitioned: set[str] = set()  # the servers cut off from the database now
+        self._paused: PostgresNode | None = None  # the database node pause_database() stopped
         self._own_work = work is None
         self.work = Path(tempfile.mkdtemp(prefix="onceflow-ha-")) if work is None else work
-        self.pg = PostgresCluster()
+        self.clocks: dict[str, SteppableClock] = {}
+        self._clock_dir: Path | None = None
+        if clock_faults:  # readable by PostgreSQL's own user (nobody, when we are root)
+            self._clock_dir = Path(tempfile.mkdtemp(prefix="onceflow-clocks-"))
+            self._clock_dir.chmod(0o755)
+            for name in [f"server-{i}" for i in range(servers)] + ["database"]:
+                self.clocks[name] = SteppableClock(self._clock_dir / name)
+        db_clock = self.clocks.get("database")
+        self.pg = PostgresCluster(env=None if db_clock is None else db_clock.env())
         self.servers: list[HaServer] = []
 
     @property
@@ -119,16 +143,21 @@ class HaCluster:
     def start(self, timeout: float = 120.0) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
         self.pg.start()
-        store = self.pg.conninfo()
-        if self.commit_faults:
-            self.db_proxies = [PgFaultProxy(node.port).start() for node in self.pg.nodes]
-            hosts = ",".join(f"127.0.0.1:{p.port}" for p in self.db_proxies)
-            store = (
-                f"postgresql://postgres@{hosts}/postgres?target_session_attrs=read-write&connect_timeout=2"
-                "&sslmode=disable&gssencmode=disable"
-            )
         extra = ("--lease-seconds", str(self.lease_seconds), *self.extra)
-        self.servers = [HaServer(f"server-{i}", store, self.work / f"server-{i}.log", extra) for i in range(self.n)]
+        self.servers = []
+        for i in range(self.n):
+            name, store = f"server-{i}", self.pg.conninfo()
+            if self.commit_faults:
+                proxies = self.proxies_of[name] = [PgFaultProxy(node.port).start() for node in self.pg.nodes]
+                self.db_proxies += proxies
+                hosts = ",".join(f"127.0.0.1:{p.port}" for p in proxies)
+                store = (
+                    f"postgresql://postgres@{hosts}/postgres?target_session_attrs=read-write&connect_timeout=2"
+                    "&sslmode=disable&gssencmode=disable"
+                )
+            clock = self.clocks.get(name)
+            env = None if clock is None else clock.env()
+            self.servers.append(HaServer(name, store, self.work / f"{name}.log", extra, env))
         for s in self.servers:
             s.start()
         self.leader(timeout)
@@ -171,6 +200,48 @@ class HaCluster:
     def commits_lost(self) -> int:
         return sum(p.lost for p in self.db_proxies)
 
+    def partition(self, server: HaServer) -> None:
+        """Cut ``server`` off from every database node: its open connections go silent and new ones are
+        never answered (:attr:`PgFaultProxy.blackhole`), so it learns only by its timeouts. Needs
+        ``commit_faults``. :meth:`heal` ends it."""
+        proxies = self.proxies_of.get(server.name)
+        if not proxies:
+            raise RuntimeError("HaCluster(commit_faults=True) partitions servers; this one was made without")
+        for proxy in proxies:
+            proxy.blackhole = True
+        self.partitioned.add(server.name)
+
+    def heal(self, server: HaServer | None = None) -> None:
+        """End the partition of ``server`` (every server's if None): what waited is delivered."""
+        for name, proxies in self.proxies_of.items():
+            if server is None or name == server.name:
+                for proxy in proxies:
+                    proxy.blackhole = False
+                self.partitioned.discard(name)
+
+    def step_clock(self, name: str, seconds: int) -> int:
+        """Step the wall clock of server ``name`` (or of the database, ``"database"``: both nodes) by
+        ``seconds``; its new offset from the real clock. Needs ``clock_faults``."""
+        clock = self.clocks.get(name)
+        if clock is None:
+            raise RuntimeError(f"no steppable clock {name!r}: HaCluster(clock_faults=True) makes them")
+        return clock.step(seconds)
+
+    def pause_database(self) -> str:
+        """SIGSTOP of every process of the PostgreSQL primary (a frozen VM); its name."""
+        node = self.pg.primary()
+        if node is None:
+            raise RuntimeError(f"no primary to pause: {self.pg.roles()}")
+        node.signal(signal.SIGSTOP)
+        self._paused = node
+        return node.name
+
+    def resume_database(self) -> None:
+        """SIGCONT of what :meth:`pause_database` stopped."""
+        node, self._paused = self._paused, None
+        if node is not None:
+            node.signal(signal.SIGCONT)
+
     def fail_over_database(self) -> float:
         """``kill -9`` of the PostgreSQL primary, then promotion of the standby; the seconds promotion took."""
         self.pg.kill_primary()
@@ -183,14 +254,15 @@ class HaCluster:
         }
 
     def stop(self) -> None:
+        self.resume_database()
         for s in self.servers:
             s.kill()
         for proxy in self.db_proxies:
             proxy.stop()
         self.pg.stop()
+        if self._clock_dir is not None:
+            shutil.rmtree(self._clock_dir, ignore_errors=True)
         if self._own_work:
-            import shutil
-
             shutil.rmtree(self.work, ignore_errors=True)
 
     def __enter__(self) -> HaCluster:

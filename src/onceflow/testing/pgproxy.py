@@ -24,6 +24,12 @@ sent since its last ``COMMIT`` or ``ROLLBACK``, simple or extended protocol) and
 Each :meth:`arm` applies to one ``COMMIT``; :attr:`lost` counts those done. With ``then_down``, or
 while :attr:`down` is set, the database is unreachable through the proxy: new connections close. The proxy runs its own
 event loop in a background thread, so it serves blocking and asyncio clients alike.
+
+While :attr:`blackhole` is set the network between client and database is cut as a partition cuts
+it, not as a crash does: nothing passes either way on the open connections and a new connection
+is accepted but never answered, so the client learns only by its own timeouts (``connect_timeout``,
+``statement_timeout``, a lease's term). Nothing is refused or reset. When it is cleared, what
+waited is delivered, as TCP's retransmissions deliver it after a short partition heals.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ class PgFaultProxy:
         self.port = 0
         self.lost = 0  # COMMITs whose answer (or request) this proxy lost
         self.down = False  # while set, a new connection is closed at once (nothing reaches the database)
+        self._blackhole = False  # while set, nothing passes either way and nothing is answered (a partition)
+        self._flowing: asyncio.Event | None = None  # set while not blackholed (lives on the proxy's loop)
         self._armed: list[_Armed] = []
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -79,6 +87,18 @@ class PgFaultProxy:
         database that went away right after it committed."""
         with self._lock:
             self._armed.append(_Armed(matches, how, then_down))
+
+    @property
+    def blackhole(self) -> bool:
+        """While set, nothing passes and nothing is answered (module docstring); thread-safe."""
+        return self._blackhole
+
+    @blackhole.setter
+    def blackhole(self, on: bool) -> None:
+        self._blackhole = on
+        loop, flowing = self._loop, self._flowing
+        if loop is not None and flowing is not None:
+            loop.call_soon_threadsafe(flowing.clear if on else flowing.set)
 
     @property
     def armed(self) -> int:
@@ -117,6 +137,9 @@ class PgFaultProxy:
         loop = asyncio.new_event_loop()
         self._loop = loop
         self._server = loop.run_until_complete(asyncio.start_server(self._serve, self.host, 0))
+        self._flowing = asyncio.Event()
+        if not self._blackhole:
+            self._flowing.set()
         self.port = self._server.sockets[0].getsockname()[1]
         self._ready.set()
         try:
@@ -134,6 +157,11 @@ class PgFaultProxy:
 
     # ------------------------------------------------------------------ one client connection
 
+    async def _pass(self) -> None:
+        """Return once nothing holds traffic back (:attr:`blackhole`)."""
+        if self._flowing is not None:
+            await self._flowing.wait()
+
     def _take(self, sql: str) -> _Armed | None:
         with self._lock:
             for i, armed in enumerate(self._armed):
@@ -145,6 +173,7 @@ class PgFaultProxy:
         self._writers.add(client_w)
         server_w: asyncio.StreamWriter | None = None
         try:
+            await self._pass()  # accepted (the kernel did that), never answered while cut off
             if self.down:
                 return
             startup = await _untyped(client_r)
@@ -154,6 +183,7 @@ class PgFaultProxy:
                 await client_w.drain()
                 startup = await _untyped(client_r)
                 code = struct.unpack("!I", startup[4:8])[0]
+            await self._pass()
             server_r, server_w = await asyncio.open_connection(*self.upstream)
             self._writers.add(server_w)
             server_w.write(startup)
@@ -214,6 +244,7 @@ class PgFaultProxy:
                 sql.clear()
             elif text:
                 sql.append(text)
+            await self._pass()
             server_w.write(_frame(kind, body))
             await server_w.drain()
             if kind == b"X":
@@ -231,6 +262,7 @@ class PgFaultProxy:
                     client_w.close()
                     raise ConnectionResetError("the answer to a COMMIT was lost (fault injected)")
                 continue
+            await self._pass()
             client_w.write(_frame(kind, body))
             await client_w.drain()
 

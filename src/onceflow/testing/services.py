@@ -159,12 +159,13 @@ class PostgresNode:
     def log(self) -> Path:
         return self.root / "postgres.log"
 
-    def _run(self, argv: list[str], timeout: float = 120.0) -> None:
-        """One of PostgreSQL's programs, as the server's user; ``RuntimeError`` with its output if it fails."""
-        kw: dict[str, object] = {}
+    def _run(self, argv: list[str], timeout: float = 120.0, env: Mapping[str, str] | None = None) -> None:
+        """One of PostgreSQL's programs, as the server's user; ``RuntimeError`` with its output if it fails.
+        ``env``: variables added to this process's environment for it (and what it starts)."""
+        kw: dict[str, object] = {} if env is None else {"env": {**os.environ, **env}}
         if self._user is not None:
             pw = pwd.getpwnam(self._user)
-            kw = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+            kw |= {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=self.root, check=False, **kw)  # type: ignore[call-overload]
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(argv[:2])} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
@@ -216,8 +217,9 @@ class PostgresNode:
             argv += ["-C", "-S", slot]
         self._run(argv)
 
-    def start(self, settings: Mapping[str, str] | None = None) -> None:
-        """``pg_ctl start -w`` on a free loopback port; returns once it accepts connections (a standby: read-only)."""
+    def start(self, settings: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None) -> None:
+        """``pg_ctl start -w`` on a free loopback port; returns once it accepts connections (a standby: read-only).
+        ``env``: variables added to the environment the postmaster runs in (e.g. a faked clock's)."""
         opts = " ".join(f"-c {shlex.quote(f'{k}={v}')}" for k, v in (settings or {}).items())
         last: Exception | None = None
         for _ in range(3):  # a free port can be taken between the probe and the bind
@@ -236,7 +238,8 @@ class PostgresNode:
                         "-o",
                         f"-p {self.port} -h 127.0.0.1 -k {shlex.quote(str(self.root))} {opts}",
                         "start",
-                    ]
+                    ],
+                    env=env,
                 )
                 return
             except RuntimeError as exc:
@@ -294,6 +297,15 @@ class PostgresNode:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"PostgreSQL {self.name} is still {role} {timeout:.0f} s after pg_ctl promote")
             time.sleep(0.02)
+
+    def signal(self, sig: int) -> list[int]:
+        """``sig`` to every process of the node (the postmaster and its children): SIGSTOP freezes it
+        as a paused VM would, SIGCONT thaws it. The pids signalled."""
+        pids = self.processes()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return pids
 
     def kill(self) -> None:
         """SIGKILL the postmaster, then what is left of its children: a crash, not a shutdown.
@@ -428,7 +440,10 @@ class PostgresCluster:
 
     REPLICATION_USER = "replicator"
 
-    def __init__(self, *, fsync: bool = True, max_prepared_transactions: int = 64) -> None:
+    def __init__(
+        self, *, fsync: bool = True, max_prepared_transactions: int = 64, env: Mapping[str, str] | None = None
+    ) -> None:
+        self.env = env  # added to the environment both postmasters run in (e.g. a faked clock's)
         self.bindir = postgres_bindir()
         for program in ("pg_basebackup", "psql"):
             if not (self.bindir / program).exists():
@@ -455,11 +470,11 @@ class PostgresCluster:
         try:
             # Step 1: the primary; its own commits do not wait while it has no standby yet
             primary.initdb()
-            primary.start({**settings, "synchronous_standby_names": standby.name})
+            primary.start({**settings, "synchronous_standby_names": standby.name}, env=self.env)
             primary.sql(f"SET synchronous_commit = local; CREATE ROLE {self.REPLICATION_USER} WITH REPLICATION LOGIN")
             # Step 2: the standby
             standby.basebackup(primary, user=self.REPLICATION_USER, slot=standby.name)
-            standby.start(settings)
+            standby.start(settings, env=self.env)
             # Step 3: streaming, and synchronous
             self._wait_synchronous(primary, standby, timeout)
         except BaseException:
