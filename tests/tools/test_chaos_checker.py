@@ -343,6 +343,38 @@ def test_a_fetch_that_overlapped_the_commit_may_see_the_older_offset() -> None:
     assert check(h.ops).ok
 
 
+def stale_read(h: H, *, sent: float, up_to_date: bool = True) -> H:
+    """A read of stream a from offset 2, sent at ``sent``, that ends at offset 3 (it misses offset 3)."""
+    h.op(
+        "r",
+        "read",
+        stream="a",
+        isolation="read_committed",
+        start=tok(2),
+        next=tok(3),
+        records=[[2, v("p2", 0)]],
+        t0=sent,
+        **({"up_to_date": True} if up_to_date else {}),
+    )
+    return h
+
+
+def test_a_read_that_misses_an_append_acknowledged_before_it_was_sent_is_stale() -> None:
+    """Up to date, sent after the append at offset 3 was acknowledged, yet ending before it: a server
+    answered from a view older than an acknowledged write (a deposed leader reading from its memory)."""
+    h = clean()
+    h.op("p2", "ack", id=2, outcome="ok", offset=3)  # p2's append at offset 3 (indeterminate in clean())
+    assert kinds(stale_read(h, sent=h.t + 0.5)) == {"stale-read"}
+
+
+def test_a_read_sent_before_the_acknowledgement_or_not_up_to_date_may_miss_it() -> None:
+    h = clean()
+    h.op("p2", "ack", id=2, outcome="ok", offset=3)
+    stale_read(h, sent=h.t - 0.5)  # sent before p2's append at offset 3 was acknowledged
+    stale_read(h, sent=h.t + 0.5, up_to_date=False)  # a part of the stream (max_bytes), not its end
+    assert check(h.ops).ok
+
+
 def test_the_report_counts_every_kind_and_shows_the_details() -> None:
     h = clean()
     h.append("p3", 1, "a", [v("p3", 0)], offset=4)

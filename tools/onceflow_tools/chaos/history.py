@@ -20,6 +20,8 @@ has ``client`` (who), ``op`` (what), ``t`` (wall-clock seconds) and the fields o
     ``start`` to token ``next``, with ``records``: ``[[record offset, value], ...]`` in the order
     returned. ``final: true`` marks the read-back of a whole stream at the end of a run, made when
     nothing is in flight and every transaction is decided (the last final read of a stream counts).
+    Optional: ``t0``, when the request was sent, and ``up_to_date: true`` when the server said the
+    read reached the end of what is committed (``Stream-Up-To-Date``).
 ``commit-offset``
     Consumer group ``group`` committed ``offset`` (a token) for ``stream``; ``outcome`` ``ok`` or
     ``unknown``.
@@ -53,6 +55,10 @@ value identifies the write that produced it. The checker (:func:`check`) reports
 - ``partial-transaction``: some but not all values of a transaction are in the final log;
 - ``non-monotonic-read``: record offsets within one read do not strictly increase, or fall outside
   the read's ``[start, next)`` range;
+- ``stale-read``: a read_committed read that said it was up to date, sent after an append to its
+  stream had been acknowledged, ended before that append (a server answered from an older view than
+  an acknowledged write, e.g. a deposed leader from its memory). Judged on streams that no
+  transaction writes to, whose committed end no open transaction holds back;
 - ``offset-conflict``: the same offset of a stream was seen (read or acknowledged) with two values;
 - ``offset-backwards``: a group's committed offset was seen lower than one acknowledged earlier;
 - ``wrong-aggregate``: a pipeline's last count record of a user does not count that user's events;
@@ -65,6 +71,7 @@ value identifies the write that produced it. The checker (:func:`check`) reports
 
 from __future__ import annotations
 
+import bisect
 import json
 import sys
 import threading
@@ -94,6 +101,7 @@ AnomalyKind = Literal[
     "aborted-read",
     "partial-transaction",
     "non-monotonic-read",
+    "stale-read",
     "offset-conflict",
     "offset-backwards",
     "wrong-aggregate",
@@ -267,6 +275,7 @@ class _Checker:
             if o["op"] == "read":
                 self._read(o)
         self._acked_offsets()
+        self._stale_reads()
         self._lost_and_duplicates()
         self._transactions()
         self._copies()
@@ -320,6 +329,47 @@ class _Checker:
             stream = str(append["stream"])
             for i, v in enumerate(append["values"]):
                 self._observe(stream, int(ack["offset"]) + i, value_key(v), f"ack to {client}#{op_id}")
+
+    def _stale_reads(self) -> None:
+        """Up-to-date reads sent after an append was acknowledged must reach past it (module docstring)."""
+        with_txns = {str(a["stream"]) for a in self.appends.values() if a.get("txn") is not None}
+        acked: dict[str, list[tuple[float, int, str]]] = defaultdict(list)  # stream -> (when, end offset, who)
+        for (client, op_id), ack in self.acks.items():
+            append = self.appends.get((client, op_id))
+            if append is None or ack.get("outcome") != "ok" or ack.get("offset") is None:
+                continue
+            stream = str(append["stream"])
+            if stream not in with_txns:
+                end = int(ack["offset"]) + len(append["values"])
+                acked[stream].append((float(ack["t"]), end, f"{client}#{op_id}"))
+        times: dict[str, list[float]] = {}
+        highest: dict[str, list[tuple[int, float, str]]] = {}  # the furthest end acknowledged up to each ack
+        for stream, entries in acked.items():
+            entries.sort()
+            times[stream] = [when for when, _, _ in entries]
+            best: list[tuple[int, float, str]] = []
+            for when, end, who in entries:
+                best.append((end, when, who) if not best or end > best[-1][0] else best[-1])
+            highest[stream] = best
+        for o in self.ops:
+            stream = str(o.get("stream"))
+            if o["op"] != "read" or not o.get("up_to_date") or o.get("t0") is None or stream not in acked:
+                continue
+            if o.get("isolation", "read_committed") != "read_committed":
+                continue
+            nxt = _token_offset(str(o.get("next", "")))
+            sent = float(o["t0"])
+            n = bisect.bisect_left(times[stream], sent)  # the acks before the read was sent
+            if nxt is None or n == 0:
+                continue
+            end, when, who = highest[stream][n - 1]
+            if nxt < end:
+                self.add(
+                    "stale-read",
+                    stream,
+                    f"read by {o['client']} sent at t={sent:.3f} said it was up to date at offset {nxt}, "
+                    f"but {who}, acknowledged at t={when:.3f}, ends at offset {end}",
+                )
 
     # ---------------------------------------------------------------- the final log
 

@@ -246,9 +246,12 @@ class _Txn:
 
 def _read_committed(
     c: httpx.Client, args: argparse.Namespace, rng: random.Random, stream: str, start: str, max_bytes: int
-) -> tuple[str, list[list[Any]]] | None:
+) -> tuple[str, list[list[Any]], dict[str, Any]] | None:
     """One read_committed ``format=records`` read of ``stream`` from ``start``: (next offset,
-    records), or None when it got no answer (after a short nap) or not a 200."""
+    records, what the history says of the request besides: ``t0``, when it was sent, and
+    ``up_to_date`` when the server said it reached the end), or None when it got no answer (after
+    a short nap) or not a 200."""
+    t0 = time.time()
     try:
         r = c.get(
             _surl(args.base, stream),
@@ -259,7 +262,10 @@ def _read_committed(
         return None
     if r.status_code != 200:
         return None
-    return r.headers["stream-next-offset"], parse_records(r.content)
+    seen: dict[str, Any] = {"t0": t0}
+    if r.headers.get("stream-up-to-date") == "true":
+        seen["up_to_date"] = True
+    return r.headers["stream-next-offset"], parse_records(r.content), seen
 
 
 def run_group(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -> None:
@@ -284,8 +290,10 @@ def run_group(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) ->
                 answer = _read_committed(c, args, rng, stream, start, 4096)
                 if answer is None:
                     continue
-                nxt, records = answer
-                h.record("read", stream=stream, isolation="read_committed", start=start, next=nxt, records=records)
+                nxt, records, seen = answer
+                h.record(
+                    "read", stream=stream, isolation="read_committed", start=start, next=nxt, records=records, **seen
+                )
                 if nxt == start:
                     continue
                 body = {"offsets": {stream: nxt}, "member_epoch": member_epoch}
@@ -319,8 +327,8 @@ def run_reader(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -
                 answer = _read_committed(c, args, rng, stream, offsets[stream], 16384)
                 if answer is None:
                     continue
-                nxt, records = answer
-                if records:
+                nxt, records, seen = answer
+                if records or seen.get("up_to_date"):  # an empty read at the end says how far it is
                     h.record(
                         "read",
                         stream=stream,
@@ -328,6 +336,7 @@ def run_reader(args: argparse.Namespace, h: HistoryWriter, rng: random.Random) -
                         start=offsets[stream],
                         next=nxt,
                         records=records,
+                        **seen,
                     )
                 offsets[stream] = nxt
             _nap(rng, 0.05, 0.15)
