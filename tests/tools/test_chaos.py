@@ -140,6 +140,65 @@ def test_chaos_on_the_postgresql_store_is_clean_through_every_ha_fault(tmp_path:
         assert sink["anomalies"] == 0 and sink["values in redis"] == sink["input values"] > 0
 
 
+NEW_HA_FAULTS = ("partition", "clock-step", "sigstop-primary")  # issue 30, "real processes, more faults"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(_postgresql_missing() is not None, reason=str(_postgresql_missing()))
+def test_partitions_clock_steps_and_a_paused_primary_lose_nothing_and_say_what_they_cost(tmp_path: Path) -> None:
+    """Only the faults of the database's reach (``--faults``): the leader cut off from PostgreSQL must
+    stop leading within its term and be replaced meanwhile, a wall clock stepped (a server's or the
+    database's) and the primary paused; nothing lost, doubled, read uncommitted or read stale, and
+    each fault's unavailability is reported (~40 s)."""
+    out = tmp_path / "chaos"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "onceflow.cli",
+            "chaos",
+            "--store",
+            "postgresql",
+            "--faults",
+            ",".join(NEW_HA_FAULTS),
+            "--duration",
+            "15",
+            "--seed",
+            "3",
+            "--no-spark",
+            "--no-sink",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "history check: OK" in proc.stdout and "unavailability per fault" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is True and all(n == 0 for n in summary["anomalies"].values())
+    if "clock-step" in summary["faults_skipped"]:  # no libfaketime or no C compiler here
+        assert set(summary["faults"]) == {"partition", "sigstop-primary"}
+    else:
+        assert set(summary["faults"]) == set(NEW_HA_FAULTS)
+    assert all(n >= 1 for n in summary["faults"].values())
+    effects = summary["fault_effects"]
+    assert effects.get("leaders cut off from the database", 0) >= 1  # the first partition hits the leader
+    assert effects.get("cut-off leaders still leading after the term", 0) == 0
+    assert effects.get("two servers leading at once", 0) == 0
+    assert effects.get("no takeover while the leader was cut off", 0) == 0
+    assert effects.get("unexpected server exits", 0) == 0
+    cut = next(e for e in summary["fault_log"] if e["kind"] == "partition" and e["role"] == "leader")
+    assert cut["stopped_leading_s"] <= summary["servers"]["lease_seconds"] < cut["other_leads_s"]
+    for kind in summary["faults"]:  # every fault has its figure: injected, and appends came back
+        u = summary["unavailability"][kind]
+        assert u["count"] >= 1 and u["no_ack"] == 0 and u["max_s"] is not None
+    ops = summary["operations"]
+    assert ops["ack"] > 50 and ops["read"] > 50
+
+
 def test_chaos_store_option_and_its_bad_combinations(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "onceflow.cli", "chaos", "--help"], capture_output=True, text=True, timeout=60
@@ -166,6 +225,13 @@ def test_chaos_store_option_and_its_bad_combinations(tmp_path: Path) -> None:
         timeout=60,
     )
     assert r.returncode == 2 and "local data directory" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", "chaos", "--store", "postgresql", "--faults", "partition,garble-tail"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--faults garble-tail" in r.stderr and "clock-step" in r.stderr
 
 
 @pytest.mark.slow

@@ -61,7 +61,25 @@ delay-acks          as above (through both proxies)
 lose-commit         the servers reach PostgreSQL through a proxy that reads its protocol: the next
                     COMMIT of a sync loses its answer (the database committed; the server must read
                     back what happened, never answer "not stored") or is never sent (rolled back)
+partition           one server cut off from the database by its proxies (nothing answered, nothing
+                    refused): the leader the first time and then three times in four, for the term
+                    + 1.5-4 s (it must stop leading within the term, by its own clock, and exit with
+                    status 3; the other server must lead meanwhile; never both), else a follower for
+                    1 s up to the term + 2 s; then healed
+clock-step          the wall clock of the leader, a follower or the database (both nodes) stepped
+                    3-25 s forward or back under libfaketime, held two or three terms, then stepped
+                    back (the monotonic clocks do not move; the seals allow 30 s between servers)
+sigstop-primary     SIGSTOP of every process of the PostgreSQL primary for 1 s up to the term + 2 s,
+                    then SIGCONT (writes stall; a leader that cannot renew steps down)
 ==================  =================================================================================
+
+``--faults`` picks some of the kinds (each still injected at least once). Every fault is logged
+(``fault_log`` in the summary: kind, seconds into the run, wall time, what it hit) and, with
+``--store postgresql``, a probe append of its own sent at the moment of injection and resent
+until acknowledged measures the fault's *unavailability*: the seconds from the injection to the
+next acknowledged append (``unavailability`` per kind, printed at the end). A leader partitioned
+that keeps leading past the term, two servers leading at once, no takeover while the leader is
+cut off, or no append acknowledged within 60 s of a fault fail the run.
 
 garble-tail, disk-full and read-only act on a local data directory: there is none in this mode, so
 they are left out (the summary says so). A server that exits with any status but 3 is an
@@ -88,6 +106,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -99,7 +118,7 @@ import httpx
 from onceflow._progress import Display, progress_display
 from onceflow.client.lowlevel import http_client, request_url
 from onceflow.demo import check_pipeline, sink_batch, spark_missing
-from onceflow.testing import FaultProxy, HaCluster, HaServer, ServiceUnavailable, free_port
+from onceflow.testing import FaultProxy, HaCluster, HaServer, ServiceUnavailable, clock_step_missing, free_port
 
 from .history import Anomaly, HistoryWriter, check, load_history
 from .worker import parse_records
@@ -127,11 +146,18 @@ HA_FAULT_KINDS = (
     "drop-acks",
     "delay-acks",
     "lose-commit",
+    "partition",
+    "clock-step",
+    "sigstop-primary",
     "fail-over-database",
 )
 LOCAL_ONLY_FAULTS = tuple(k for k in FAULT_KINDS if k not in HA_FAULT_KINDS)
 ONCE_PER_RUN = ("fail-over-database",)
 FAILOVER_GOAL = 5.0  # seconds from a promotion to the first acknowledged append (docs/ha.md)
+CLOCK_STEP_MAX = 25  # seconds; the servers' seals allow 30 s of disagreement between their clocks (docs/ha.md)
+# --store postgresql: the faults that look for their victim first and call Chaos._injected when they strike
+SELF_TIMED = ("kill-server", "stop-server", "fail-over-database", "partition", "clock-step", "sigstop-primary")
+UNAVAILABLE_LIMIT = 60.0  # seconds a fault's probe append is resent before it counts as never acknowledged
 PROBE_STREAM = "probe/ha"  # --store postgresql: the probe appends that time a failover
 INPUTS = ["in/0", "in/1"]
 TXN_STREAMS = ["tx/0", "tx/1"]
@@ -375,6 +401,10 @@ def _sink_batch(url: str, sink: str) -> int:
         return -1
 
 
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
+
+
 def _acked_after(took: float | None, what: str) -> str:
     return (
         "no append acknowledged within 120 s"
@@ -413,13 +443,26 @@ class Chaos:
         # one local-disk server, or (--store postgresql) two servers over a PostgreSQL primary and standby
         self.server: Server | None = None
         self.ha: HaCluster | None = None
+        # the faults of this run: --faults, or every kind of the mode
+        self.kinds: tuple[str, ...] = tuple(
+            args.faults or (HA_FAULT_KINDS if args.store == "postgresql" else FAULT_KINDS)
+        )
+        self.faults_skipped: dict[str, str] = {}  # a fault kind that cannot be injected here -> why
+        if "clock-step" in self.kinds and (why := clock_step_missing()) is not None:
+            _say(f"no clock-step: {why}")
+            self.faults_skipped["clock-step"] = why
+            self.kinds = tuple(k for k in self.kinds if k != "clock-step")
         if args.store == "postgresql":
             extra = ("--long-poll-timeout", "1", "--txn-timeout", str(args.txn_timeout), "--log-level", "warning")
-            self.ha = HaCluster(lease_seconds=args.lease_seconds, work=self.logs, extra=extra, commit_faults=True)
-            self.kinds: tuple[str, ...] = HA_FAULT_KINDS
+            self.ha = HaCluster(
+                lease_seconds=args.lease_seconds,
+                work=self.logs,
+                extra=extra,
+                commit_faults=True,
+                clock_faults="clock-step" in self.kinds,
+            )
         else:
             self.server = Server(self.data, self.logs / "server.log", txn_timeout=args.txn_timeout)
-            self.kinds = FAULT_KINDS
         self.proxies: list[FaultProxy] = []  # one per server
         self.clients: list[Client] = []
         self.faults: Counter[str] = Counter()
@@ -438,6 +481,14 @@ class Chaos:
         self.probe_producer, self.probe_seq = "chaos-probe", 0
         self.after_leader_kill: list[float] = []  # seconds from a leader's kill -9 to the first ack
         self.failover: dict[str, Any] = {}  # the database failover's figures
+        self.started = time.monotonic()  # when the faults began (run() sets it)
+        # every fault injected: its kind, when (seconds into the run and wall clock), what it hit, and
+        # (--store postgresql) the seconds from the injection to the next acknowledged append
+        self.fault_log: list[dict[str, Any]] = []
+        self.detail: dict[str, Any] = {}  # what the fault being injected says about itself
+        self.partitioned_leader = False  # partition has cut the leader off (the first one aims at it)
+        self.injected: tuple[float, float] | None = None  # the fault being injected: monotonic and wall time
+        self.probe_wait: Callable[[], float | None] | None = None  # its unavailability probe's result
 
     @property
     def url(self) -> str:
@@ -673,12 +724,18 @@ class Chaos:
     def fault(self, kind: str, victim: Client | None = None) -> None:
         rng = self.rng
         self.faults[kind] += 1
-        if kind == "kill-server" and self.ha is not None:
+        of_the_database = {
+            "fail-over-database": self._fail_over_database,
+            "partition": self._partition,
+            "clock-step": self._clock_step,
+            "sigstop-primary": self._sigstop_primary,
+        }
+        if kind in of_the_database:
+            of_the_database[kind]()
+        elif kind == "kill-server" and self.ha is not None:
             self._kill_ha_server()
         elif kind == "stop-server" and self.ha is not None:
             self._stop_ha_server()
-        elif kind == "fail-over-database":
-            self._fail_over_database()
         elif kind == "lose-commit":
             assert self.ha is not None
             how: Literal["answer", "request"] = "answer" if rng.random() < 0.5 else "request"
@@ -710,6 +767,7 @@ class Chaos:
                 victim.signal(signal.SIGSTOP)
                 time.sleep(rng.uniform(0.5, 2.0))
                 victim.signal(signal.SIGCONT)
+            self.detail["target"] = victim.name
             _say(f"  ... {kind} {victim.name}")
         elif kind == "drop-acks":
             dropped = sum(p.responses_dropped for p in self.proxies)
@@ -792,6 +850,8 @@ class Chaos:
         leader = self._leader()
         victim = leader if leader is not None and not self.leader_killed else rng.choice(self.ha.servers)
         killed_at = time.monotonic()
+        self._injected("kill-server")
+        self.detail.update(target=victim.name, role="leader" if victim is leader else "follower")
         victim.kill()
         time.sleep(rng.uniform(0.0, 0.5))
         victim.start()  # a follower now
@@ -821,6 +881,10 @@ class Chaos:
             pause = term + rng.uniform(1.5, 2.5)
         else:
             pause = rng.uniform(0.5, term + 2.0)
+        self._injected("stop-server")
+        self.detail.update(
+            target=victim.name, role="leader" if victim is leader else "unknown", seconds=round(pause, 2)
+        )
         victim.signal(signal.SIGSTOP)
         time.sleep(pause)
         victim.signal(signal.SIGCONT)
@@ -858,6 +922,7 @@ class Chaos:
         assert self.ha is not None
         # Step 1: kill -9 of the primary (it stays down) and promotion of the standby
         killed_at = time.monotonic()
+        self._injected("fail-over-database")
         promotion = self.ha.fail_over_database()
         promoted_at = time.monotonic()
         # Step 2: the first acknowledged append after the promotion, through both servers
@@ -873,15 +938,129 @@ class Chaos:
             self.effects["no append acknowledged after the promotion"] += 1
         _say(f"  ... fail-over-database: standby promoted in {promotion:.2f} s; " + _acked_after(took, "promotion"))
 
+    def _partition(self) -> None:
+        """One server cut off from the database (the leader the first time, then three times in four):
+        nothing it sends reaches a node and nothing comes back, so it learns only by its timeouts.
+        A cut-off leader, for the lease's term + 1.5-4 s: its lease must run out by its own clock (it
+        stops leading within 0.8 of a term, then exits with status 3) and the other server take over
+        meanwhile; a follower for 1 s up to the term + 2 s. Then healed: what waited is delivered."""
+        assert self.ha is not None
+        rng = self.rng
+        term = self.args.lease_seconds
+        leader = self._leader()
+        others = [srv for srv in self.ha.servers if srv is not leader]
+        hit_leader = leader is not None and (not self.partitioned_leader or rng.random() < 0.75)
+        if hit_leader:
+            assert leader is not None
+            self._wait_for_followers(leader)  # someone to take the lease over meanwhile
+            victim, hold = leader, term + rng.uniform(1.5, 4.0)
+            self.partitioned_leader = True
+        else:
+            victim, hold = rng.choice(others or self.ha.servers), rng.uniform(1.0, term + 2.0)
+        self.detail.update(target=victim.name, role="leader" if hit_leader else "follower", seconds=round(hold, 2))
+        self._injected("partition")
+        self.ha.partition(victim)
+        cut = time.monotonic()
+        stopped: float | None = None  # when the cut-off leader stopped saying it leads
+        taken: float | None = None  # when another server said it leads
+        try:
+            while time.monotonic() < cut + hold:
+                victim_leads = hit_leader and stopped is None and victim.leads()
+                other_leads = any(srv.leads() for srv in self.ha.servers if srv is not victim)
+                now = time.monotonic() - cut
+                if hit_leader and stopped is None and not victim_leads:
+                    stopped = now
+                if hit_leader and other_leads and taken is None:
+                    taken = now
+                if victim_leads and other_leads:
+                    self.effects["two servers leading at once"] += 1
+                time.sleep(0.05)
+        finally:
+            self.ha.heal(victim)
+        if hit_leader:
+            self.detail.update(stopped_leading_s=_rounded(stopped), other_leads_s=_rounded(taken))
+            self.effects["leaders cut off from the database"] += 1
+            if stopped is None or stopped > term:  # its validity is 0.8 of a term after its last renewal began
+                self.effects["cut-off leaders still leading after the term"] += 1
+            if taken is None:
+                self.effects["no takeover while the leader was cut off"] += 1
+            _say(
+                f"  ... partition {victim.name} (the leader) for {hold:.1f} s: it stopped leading after "
+                + (f"{stopped:.2f} s" if stopped is not None else "NEVER")
+                + ", the other server led after "
+                + (f"{taken:.2f} s" if taken is not None else "NEVER")
+            )
+        else:
+            self.effects["followers cut off from the database"] += 1
+            _say(f"  ... partition {victim.name} (a follower) for {hold:.1f} s")
+
+    def _clock_step(self) -> None:
+        """A step of one wall clock: of the leader, of a follower or of the database (both nodes, one
+        machine's clock), forward or back by 3 s up to :data:`CLOCK_STEP_MAX`; held for two or three
+        lease terms, then stepped back (so that the servers' clocks never disagree by more than the
+        seals allow). The monotonic clocks, which the lease is measured by, do not move."""
+        assert self.ha is not None
+        rng = self.rng
+        term = self.args.lease_seconds
+        leader = self._leader()
+        targets = ["database", *(srv.name for srv in self.ha.servers)]
+        if leader is not None:  # the leader's clock as often as the database's
+            targets.append(leader.name)
+        target = rng.choice(targets)
+        step = rng.choice((-1, 1)) * rng.randint(3, CLOCK_STEP_MAX)
+        hold = rng.uniform(2.0, 3.0) * term
+        role = (
+            "database"
+            if target == "database"
+            else ("leader" if leader is not None and target == leader.name else "follower")
+        )
+        self.detail.update(target=target, role=role, step_s=step, seconds=round(hold, 2))
+        self._injected("clock-step")
+        self.ha.step_clock(target, step)
+        try:
+            time.sleep(hold)
+        finally:
+            self.ha.clocks[target].reset()
+        self.effects[f"clock steps ({'forward' if step > 0 else 'back'})"] += 1
+        _say(f"  ... clock-step of {target} ({role}) by {step:+d} s for {hold:.1f} s, then back")
+
+    def _sigstop_primary(self) -> None:
+        """SIGSTOP of every process of the PostgreSQL primary for 1 s up to the lease's term + 2 s, then
+        SIGCONT: writes stall; a leader that cannot renew for 0.8 of a term steps down (exit 3)."""
+        assert self.ha is not None
+        pause = self.rng.uniform(1.0, self.args.lease_seconds + 2.0)
+        try:
+            node = self.ha.pause_database()
+        except RuntimeError as exc:
+            _say(f"  ... sigstop-primary: {exc}")
+            self.effects["no primary to pause"] += 1
+            return
+        self._injected("sigstop-primary")
+        self.detail.update(target=node, seconds=round(pause, 2))
+        try:
+            time.sleep(pause)
+        finally:
+            self.ha.resume_database()
+        self.effects["primaries paused"] += 1
+        _say(f"  ... sigstop-primary {node} for {pause:.1f} s")
+
     def _probe_append(self, why: str, since: float, limit: float = 120.0) -> float | None:
         """Append one value to :data:`PROBE_STREAM` through both servers, resent with the same
         ``Producer-Seq`` until acknowledged: the seconds from ``since`` to the acknowledgement, None
         if none came within ``limit``. Recorded in the runner's history as a producer's append is,
         so the history check covers it."""
         self.probes += 1
-        value = {"c": "probe", "n": self.probes, "why": why}
+        took = self._send_probe(self.probes, why, self.probe_producer, self.probe_seq, since, limit)
+        if took is not None:
+            self.probe_seq += 1
+        else:  # left indeterminate: the next probe comes from a new producer, whose Producer-Seq 0 is its own
+            self.probe_producer, self.probe_seq = f"chaos-probe.{self.probes}", 0
+        return took
+
+    def _send_probe(self, n: int, why: str, producer: str, seq: int, since: float, limit: float) -> float | None:
+        """:meth:`_probe_append`'s request, resent until answered (thread-safe: the history is)."""
+        value = {"c": "probe", "n": n, "why": why}
         op_id = self.history.next_id()
-        producer, seq = self.probe_producer, self.probe_seq
         self.history.record("append", id=op_id, stream=PROBE_STREAM, values=[value], producer=producer, seq=seq)
         headers = {
             "content-type": "application/json",
@@ -905,15 +1084,36 @@ class Chaos:
                         self.history.record("ack", id=op_id, outcome="ok", offset=offset)
                     else:  # a resend of one that was stored
                         self.history.record("ack", id=op_id, outcome="ok", duplicate=True)
-                    self.probe_seq += 1
                     return took
                 if r.status_code < 500 and r.status_code != 429:
                     self.history.record("note", id=op_id, status=r.status_code, text=r.text[:200])
                     break
                 time.sleep(0.05)
-        # left indeterminate: the next probe comes from a new producer, whose Producer-Seq 0 is its own
-        self.probe_producer, self.probe_seq = f"chaos-probe.{self.probes}", 0
         return None
+
+    def _unavailability_probe(self, kind: str) -> Callable[[], float | None]:
+        """Start, at the moment a fault is injected, a probe append of a producer of its own (so that
+        it runs beside the faults' own probes); returns a function that waits for it and gives the
+        seconds from the injection to its acknowledgement (None: none within
+        :data:`UNAVAILABLE_LIMIT`). ``--store postgresql`` only: the local store's run has no probe
+        stream."""
+        if self.ha is None:
+            return lambda: None
+        self.probes += 1
+        n, since = self.probes, time.monotonic()
+        result: list[float | None] = [None]
+
+        def probe() -> None:
+            result[0] = self._send_probe(n, f"after {kind}", f"chaos-probe.u{n}", 0, since, UNAVAILABLE_LIMIT)
+
+        thread = threading.Thread(target=probe, name=f"probe-{n}", daemon=True)
+        thread.start()
+
+        def wait() -> float | None:
+            thread.join(UNAVAILABLE_LIMIT + 10)
+            return result[0]
+
+        return wait
 
     def _warm_up_spark(self, limit: float = 120.0) -> None:
         """Wait until the Spark pipeline committed its first batch, so that it is at work during the faults."""
@@ -975,6 +1175,7 @@ class Chaos:
         if self.client("spark-0"):
             self._warm_up_spark()
             started = time.monotonic()  # the faults' duration starts now
+        self.started = started
         schedule = list(self.kinds)
         self.rng.shuffle(schedule)
         again = tuple(k for k in self.kinds if k not in ONCE_PER_RUN)  # drawn after the first round
@@ -992,11 +1193,54 @@ class Chaos:
                 else:
                     kind = schedule.pop(0) if schedule else self.rng.choice(again)
                 _say(f"fault: {kind}", display)
-                self.fault(kind, victim)
+                self._fault_logged(kind, victim)
                 self.supervise()
                 faults += 1
                 bar.update(min(self.args.duration, time.monotonic() - started), faults=faults)
         return self.finish()
+
+    def _injected(self, kind: str) -> None:
+        """The fault is being injected now: its time, and (--store postgresql) a probe append that
+        measures how long appends stop (:meth:`_unavailability_probe`). Called by the faults that
+        first look for their victim (the leader, the primary) at the moment they strike, and by
+        :meth:`_fault_logged` for the others."""
+        self.injected = (time.monotonic(), time.time())
+        self.probe_wait = self._unavailability_probe(kind)
+
+    def _fault_logged(self, kind: str, victim: Client | None) -> None:
+        """:meth:`fault`, and its entry in :attr:`fault_log`: when it was injected, what it hit, and
+        the seconds from then to the next acknowledged append."""
+        self.detail, self.injected, self.probe_wait = {}, None, None
+        if self.ha is None or kind not in SELF_TIMED:
+            self._injected(kind)
+        self.fault(kind, victim)
+        at, wall = self.injected or (time.monotonic(), time.time())
+        took = self.probe_wait() if self.probe_wait is not None else None
+        entry: dict[str, Any] = {"kind": kind, "at_s": round(at - self.started, 3), "t": round(wall, 3), **self.detail}
+        if self.ha is not None:
+            entry["unavailable_s"] = _rounded(took)
+            if self.injected is None:
+                entry["injected"] = False
+            elif took is None:
+                self.effects["no append acknowledged within 60 s of a fault"] += 1
+                _say(f"  ... no append acknowledged within {UNAVAILABLE_LIMIT:.0f} s of the {kind}")
+        self.fault_log.append(entry)
+
+    def _unavailability(self) -> dict[str, dict[str, Any]]:
+        """Per fault kind: how many, and the seconds from injection to the next acknowledged append
+        (min, median, max; ``no_ack``: how many saw none within :data:`UNAVAILABLE_LIMIT`)."""
+        out: dict[str, dict[str, Any]] = {}
+        for kind in self.kinds:
+            entries = [e for e in self.fault_log if e["kind"] == kind]
+            took = sorted(e["unavailable_s"] for e in entries if e.get("unavailable_s") is not None)
+            out[kind] = {
+                "count": len(entries),
+                "min_s": took[0] if took else None,
+                "median_s": took[len(took) // 2] if took else None,
+                "max_s": took[-1] if took else None,
+                "no_ack": sum(1 for e in entries if e.get("unavailable_s") is None and e.get("injected", True)),
+            }
+        return out
 
     def _behind(self, c: httpx.Client, name: str) -> bool:
         """Whether the copier, the sink or the Spark pipeline has not yet processed all of its input."""
@@ -1084,6 +1328,10 @@ class Chaos:
             "unexpected server exits",
             "no append acknowledged after the promotion",
             "no append acknowledged after a leader's kill",
+            "no append acknowledged within 60 s of a fault",
+            "two servers leading at once",
+            "cut-off leaders still leading after the term",
+            "no takeover while the leader was cut off",
         )
         healthy = not any(self.effects[k] for k in unhealthy)
         extra = self._evidence(ops, result.anomalies, final, target, spark_batches)
@@ -1094,6 +1342,8 @@ class Chaos:
             "operations": dict(result.ops),
             "values_checked": result.values_checked,
             "faults": {k: self.faults[k] for k in self.kinds},
+            "faults_skipped": self.faults_skipped,
+            "fault_log": self.fault_log,
             "fault_effects": dict(self.effects),
             "client_starts": starts,
             "clients": {"ran": [c.name for c in self.clients], "skipped": self.skipped},
@@ -1163,6 +1413,7 @@ class Chaos:
         if self.ha is None:
             return {}
         return {
+            "unavailability": self._unavailability(),
             "faults_not_applicable": {
                 k: "acts on a local data directory; the streams are in PostgreSQL" for k in LOCAL_ONLY_FAULTS
             },
@@ -1197,6 +1448,20 @@ class Chaos:
         kills = summary["leader_kills"]["first_ack_after_kill_s"]
         if kills:
             print("leader kills: first append acknowledged " + ", ".join(f"{t:.2f}" for t in kills) + " s after")
+        print("unavailability per fault (seconds from injection to the next acknowledged append):")
+        for kind, u in summary["unavailability"].items():
+            if not u["count"]:
+                print(f"  {kind:<20} not injected")
+                continue
+            no_ack = f", {u['no_ack']} never acknowledged" if u["no_ack"] else ""
+            figures = (
+                f"min {u['min_s']:.2f}, median {u['median_s']:.2f}, max {u['max_s']:.2f}"
+                if u["min_s"] is not None
+                else "no figure"
+            )
+            print(f"  {kind:<20} x{u['count']:<3} {figures}{no_ack}")
+        for kind, why in self.faults_skipped.items():
+            print(f"  {kind:<20} left out: {why}")
 
     def stop_servers(self) -> None:
         for p in self.proxies:
@@ -1235,6 +1500,16 @@ def run_chaos(args: argparse.Namespace) -> int:
     if args.lease_seconds < 1.0:
         print("error: --lease-seconds must be at least 1", file=sys.stderr)
         return 2
+    if args.faults is not None:
+        kinds = HA_FAULT_KINDS if args.store == "postgresql" else FAULT_KINDS
+        wrong = [k for k in args.faults if k not in kinds]
+        if wrong or not args.faults:
+            print(
+                f"error: --faults {','.join(wrong) or '(none)'}: with --store {args.store} the kinds are "
+                + ", ".join(kinds),
+                file=sys.stderr,
+            )
+            return 2
     if args.out is not None:
         root = Path(args.out)
         if root.exists() and any(root.iterdir()):
@@ -1316,7 +1591,11 @@ def add_chaos_parser(sub: Any) -> None:
         "restarted at once), stop-server (SIGSTOP of the leader, at least once past the lease's term: "
         "fenced, it exits with status 3 on SIGCONT and is restarted), fail-over-database (once: kill -9 "
         "of the primary, promotion of the standby; the summary gives the seconds from the promotion to "
-        "the first acknowledged append, goal <= 5), kill-client, stop-client, drop-acks and delay-acks; "
+        "the first acknowledged append, goal <= 5), lose-commit, partition (a server, mostly the leader, "
+        "cut off from the database, then healed), clock-step (a server's or the database's wall clock "
+        "stepped forward or back, with libfaketime), sigstop-primary (the PostgreSQL primary paused), "
+        "kill-client, stop-client, drop-acks and delay-acks; the summary gives each fault's "
+        "unavailability (seconds from injection to the next acknowledged append); "
         "garble-tail, disk-full and read-only act on a local data directory and are left out",
     )
     c.add_argument(
@@ -1326,6 +1605,14 @@ def add_chaos_parser(sub: Any) -> None:
         metavar="S",
         help="with --store postgresql: the term of the store's lease (default: 3; a follower takes over "
         "this long after the leader stops renewing it)",
+    )
+    c.add_argument(
+        "--faults",
+        type=lambda text: [k for k in text.split(",") if k],
+        default=None,
+        metavar="KIND,...",
+        help="inject only these kinds of fault, each at least once (default: every kind of the store's mode; "
+        f"local: {', '.join(FAULT_KINDS)}; postgresql: {', '.join(HA_FAULT_KINDS)})",
     )
     c.add_argument(
         "--sabotage",
