@@ -462,3 +462,46 @@ async def test_a_read_that_outlives_the_lease_is_not_answered_from_memory() -> N
 
     sent, exc = await _asgi(leader.Leading(live_tail, follower, lease), "GET", None)
     assert exc is not None and len(sent) == 2  # broken off before the event sent after the lease ran out
+
+
+@pytest.mark.anyio
+async def test_a_server_started_while_the_database_cannot_be_reached_waits_for_it(pg: str) -> None:
+    """Found by ``onceflow chaos --store postgresql`` (sigstop-primary, issue 30): a server restarted
+    while the primary was paused had its schema check ended by the database (idle-in-transaction
+    timeout, which fired when the primary resumed) and died with a traceback (status 1). A server
+    that cannot reach its database at start waits for it, as a follower waits for the lease."""
+    import re
+
+    from onceflow.testing.pgproxy import PgFaultProxy
+
+    port = int(re.search(r"port=(\d+)", pg).group(1))  # type: ignore[union-attr]
+    dbname = re.search(r"dbname=(\w+)", pg).group(1)  # type: ignore[union-attr]
+    stop = asyncio.Event()
+    with PgFaultProxy(port) as proxy:
+        proxy.down = True  # every connection closed at once: the database cannot be reached
+        serving = asyncio.ensure_future(
+            serve_store(
+                proxy.conninfo(dbname, user="postgres") + " connect_timeout=2",
+                host="127.0.0.1",
+                port=0,
+                limits=HttpLimits(),
+                make_broker=lambda fs, root: Broker(root, fs=fs),
+                build=lambda broker: build_handler(broker, AppConfig(), None),
+                stop=stop,
+                lease_seconds=3.0,
+            )
+        )
+        probe = PgFileSystem(pg)
+        try:
+            await asyncio.sleep(2.0)
+            assert not serving.done(), serving.exception()  # still trying, not dead
+            proxy.down = False
+            deadline = time.monotonic() + 20
+            while probe.holder() is None:
+                assert time.monotonic() < deadline, "the server never took the lease once the database was back"
+                assert not serving.done(), serving.exception()
+                await asyncio.sleep(0.2)
+        finally:
+            stop.set()
+            await asyncio.wait_for(serving, 30)
+            probe.close()

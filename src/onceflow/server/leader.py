@@ -653,6 +653,27 @@ async def _wait(stop: asyncio.Event, seconds: float) -> bool:
     return True
 
 
+async def _reach_store(store: str, lease_seconds: float, stop: asyncio.Event) -> tuple[PgFileSystem, bytes] | None:
+    """The store and the servers' shared secret, tried again (a warning each time) while the database
+    cannot be reached or fails the first transactions (a primary paused or failing over while this
+    server starts, as a supervisor restarts it): a server waits for its database as a follower waits
+    for the lease, and does not die of it. None once ``stop`` is set first."""
+    fs: PgFileSystem | None = None
+    while True:
+        try:
+            if fs is None:
+                # a transaction this process left open (paused, SIGSTOP) ends after half a term: the
+                # lease's row lock it holds does not keep the next leader out
+                fs = await _off_loop(functools.partial(PgFileSystem, store, idle_timeout=lease_seconds / 2))
+            return fs, await _off_loop(cluster_secret, store)
+        except (OSError, psycopg.Error) as exc:
+            log.warning("could not reach the store (trying again): %s", exc)
+        if await _wait(stop, min(1.0, lease_seconds / 4)):
+            if fs is not None:
+                fs.close()
+            return None
+
+
 async def serve_store(
     store: str,
     *,
@@ -671,16 +692,17 @@ async def serve_store(
     """Serve the streams of the PostgreSQL database ``store`` (module docstring) until ``stop``."""
     if not 1.0 <= lease_seconds <= 300.0:  # followers wait the leader's term: never one without end
         raise ValueError("the lease's term must be 1 to 300 s")
-    # a transaction this process left open (paused, SIGSTOP) ends after half a term: the lease's row
-    # lock it holds does not keep the next leader out
-    fs = await _off_loop(functools.partial(PgFileSystem, store, idle_timeout=lease_seconds / 2))
+    opened = await _reach_store(store, lease_seconds, stop)
+    if opened is None:
+        return
+    fs, secret = opened
     switch = Switch(_starting)
     connections: set[HttpServerProtocol] = set()
     refusals: Counter[tuple[int, str]] = Counter()  # the HTTP layer's own answers, since this process began
     server = await start_server(switch, host, port, limits, connections, refusals)
     bound = server.sockets[0].getsockname()[1]
     me = advertise or f"http://{host}:{bound}"
-    seal = Seal(await _off_loop(cluster_secret, store))
+    seal = Seal(secret)
     follower = NotLeader(
         fs, lease_seconds, me=me, forward=forward, max_body=max_body, long_poll_timeout=long_poll_timeout, seal=seal
     )

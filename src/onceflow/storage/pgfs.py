@@ -472,7 +472,11 @@ class PgFileSystem:
             configure=functools.partial(_configure, idle_ms=max(1, int(idle_timeout * 1000)), session=self.session),
             name="onceflow-store",
         )
-        self._pool.open(wait=True, timeout=connect_timeout)
+        try:
+            self._pool.open(wait=True, timeout=connect_timeout)
+        except BaseException:  # its workers would go on connecting: a caller may try again
+            self._pool.close()
+            raise
         self.cache_budget = cache_budget
         self._cached: OrderedDict[PgFile, int] = OrderedDict()  # files' cached bytes, least recent first
         self._cache_total = 0
