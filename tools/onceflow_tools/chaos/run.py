@@ -63,9 +63,10 @@ lose-commit         the servers reach PostgreSQL through a proxy that reads its 
                     back what happened, never answer "not stored") or is never sent (rolled back)
 partition           one server cut off from the database by its proxies (nothing answered, nothing
                     refused): the leader the first time and then three times in four, for the term
-                    + 1.5-4 s (it must stop leading within the term, by its own clock, and exit with
-                    status 3; the other server must lead meanwhile; never both), else a follower for
-                    1 s up to the term + 2 s; then healed
+                    + 1.5-4 s and until the other server leads (it must stop leading within the term,
+                    by its own clock, and exit with status 3; the other server must lead within
+                    twice the term + 4 s; never both), else a follower for 1 s up to the term + 2 s;
+                    then healed
 clock-step          the wall clock of the leader, a follower or the database (both nodes) stepped
                     3-25 s forward or back under libfaketime, held two or three terms, then stepped
                     back (the monotonic clocks do not move; the seals allow 30 s between servers)
@@ -941,9 +942,10 @@ class Chaos:
     def _partition(self) -> None:
         """One server cut off from the database (the leader the first time, then three times in four):
         nothing it sends reaches a node and nothing comes back, so it learns only by its timeouts.
-        A cut-off leader, for the lease's term + 1.5-4 s: its lease must run out by its own clock (it
-        stops leading within 0.8 of a term, then exits with status 3) and the other server take over
-        meanwhile; a follower for 1 s up to the term + 2 s. Then healed: what waited is delivered."""
+        A cut-off leader, for the lease's term + 1.5-4 s and at least until the other server leads (at
+        most twice the term + 4 s): its lease must run out by its own clock (it stops leading within
+        0.8 of a term, then exits with status 3) and the other server take over meanwhile; a
+        follower for 1 s up to the term + 2 s. Then healed: what waited is delivered."""
         assert self.ha is not None
         rng = self.rng
         term = self.args.lease_seconds
@@ -957,26 +959,32 @@ class Chaos:
             self.partitioned_leader = True
         else:
             victim, hold = rng.choice(others or self.ha.servers), rng.uniform(1.0, term + 2.0)
-        self.detail.update(target=victim.name, role="leader" if hit_leader else "follower", seconds=round(hold, 2))
+        self.detail.update(target=victim.name, role="leader" if hit_leader else "follower")
         self._injected("partition")
         self.ha.partition(victim)
         cut = time.monotonic()
         stopped: float | None = None  # when the cut-off leader stopped saying it leads
         taken: float | None = None  # when another server said it leads
+        # a cut-off leader stays cut off until the other server leads (or twice the term and 4 s more):
+        # when its transaction holds the lease's row, the takeover waits a quarter of the term for the
+        # lock and then ends its sessions (docs/ha.md), so it may take the term + 2 s or so
+        give_up = cut + max(hold, 2 * term + 4.0)
         try:
-            while time.monotonic() < cut + hold:
+            while (now := time.monotonic()) < cut + hold or (hit_leader and taken is None and now < give_up):
                 victim_leads = hit_leader and stopped is None and victim.leads()
                 other_leads = any(srv.leads() for srv in self.ha.servers if srv is not victim)
-                now = time.monotonic() - cut
+                since = time.monotonic() - cut
                 if hit_leader and stopped is None and not victim_leads:
-                    stopped = now
+                    stopped = since
                 if hit_leader and other_leads and taken is None:
-                    taken = now
+                    taken = since
                 if victim_leads and other_leads:
                     self.effects["two servers leading at once"] += 1
                 time.sleep(0.05)
         finally:
             self.ha.heal(victim)
+        hold = time.monotonic() - cut
+        self.detail["seconds"] = round(hold, 2)
         if hit_leader:
             self.detail.update(stopped_leading_s=_rounded(stopped), other_leads_s=_rounded(taken))
             self.effects["leaders cut off from the database"] += 1
@@ -1110,7 +1118,12 @@ class Chaos:
         thread.start()
 
         def wait() -> float | None:
-            thread.join(UNAVAILABLE_LIMIT + 10)
+            # servers and clients that died meanwhile are restarted as a supervisor would: the
+            # unavailability is the cluster's, not that of a harness that stopped restarting them
+            give_up = time.monotonic() + UNAVAILABLE_LIMIT + 10
+            while thread.is_alive() and time.monotonic() < give_up:
+                thread.join(0.2)
+                self.supervise()
             return result[0]
 
         return wait
