@@ -155,6 +155,7 @@ HA_FAULT_KINDS = (
 LOCAL_ONLY_FAULTS = tuple(k for k in FAULT_KINDS if k not in HA_FAULT_KINDS)
 ONCE_PER_RUN = ("fail-over-database",)
 FAILOVER_GOAL = 5.0  # seconds from a promotion to the first acknowledged append (docs/ha.md)
+CLOCK_SEEN = 2.1  # seconds until every process on a SteppableClock runs on its new offset
 CLOCK_STEP_MAX = 25  # seconds; the servers' seals allow 30 s of disagreement between their clocks (docs/ha.md)
 # --store postgresql: the faults that look for their victim first and call Chaos._injected when they strike
 SELF_TIMED = ("kill-server", "stop-server", "fail-over-database", "partition", "clock-step", "sigstop-primary")
@@ -1005,7 +1006,8 @@ class Chaos:
     def _clock_step(self) -> None:
         """A step of one wall clock: of the leader, of a follower or of the database (both nodes, one
         machine's clock), forward or back by 3 s up to :data:`CLOCK_STEP_MAX`; held for two or three
-        lease terms, then stepped back (so that the servers' clocks never disagree by more than the
+        lease terms (counted as injected once every process of the target runs on it,
+        :data:`CLOCK_SEEN` after the step), then stepped back (so that the servers' clocks never disagree by more than the
         seals allow). The monotonic clocks, which the lease is measured by, do not move."""
         assert self.ha is not None
         rng = self.rng
@@ -1016,17 +1018,20 @@ class Chaos:
             targets.append(leader.name)
         target = rng.choice(targets)
         step = rng.choice((-1, 1)) * rng.randint(3, CLOCK_STEP_MAX)
-        hold = rng.uniform(2.0, 3.0) * term
+        hold = max(rng.uniform(2.0, 3.0) * term, CLOCK_SEEN + 1.0)
         role = (
             "database"
             if target == "database"
             else ("leader" if leader is not None and target == leader.name else "follower")
         )
         self.detail.update(target=target, role=role, step_s=step, seconds=round(hold, 2))
-        self._injected("clock-step")
         self.ha.step_clock(target, step)
         try:
-            time.sleep(hold)
+            # libfaketime reads the offset again every second: after two, every process of the
+            # target runs on the stepped clock, and the fault counts (and its probe starts) from then
+            time.sleep(CLOCK_SEEN)
+            self._injected("clock-step")
+            time.sleep(hold - CLOCK_SEEN)
         finally:
             self.ha.clocks[target].reset()
         self.effects[f"clock steps ({'forward' if step > 0 else 'back'})"] += 1
