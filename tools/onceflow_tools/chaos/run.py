@@ -964,32 +964,42 @@ class Chaos:
         self._injected("partition")
         self.ha.partition(victim)
         cut = time.monotonic()
-        stopped: float | None = None  # when the cut-off leader stopped saying it leads
-        taken: float | None = None  # when another server said it leads
+        # the cut-off leader's answers to GET /v1/leader: the last that said it leads, by when it was
+        # asked (it decided after that), and the first that said it does not, by when it came
+        claimed: float | None = None
+        stopped: float | None = None
+        taken: float | None = None  # when another server's answer that it leads came
         # a cut-off leader stays cut off until the other server leads (or twice the term and 4 s more):
         # when its transaction holds the lease's row, the takeover waits a quarter of the term for the
         # lock and then ends its sessions (docs/ha.md), so it may take the term + 2 s or so
         give_up = cut + max(hold, 2 * term + 4.0)
         try:
             while (now := time.monotonic()) < cut + hold or (hit_leader and taken is None and now < give_up):
-                victim_leads = hit_leader and stopped is None and victim.leads()
                 other_leads = any(srv.leads() for srv in self.ha.servers if srv is not victim)
-                since = time.monotonic() - cut
-                if hit_leader and stopped is None and not victim_leads:
-                    stopped = since
+                answered = time.monotonic() - cut
                 if hit_leader and other_leads and taken is None:
-                    taken = since
-                if victim_leads and other_leads:
-                    self.effects["two servers leading at once"] += 1
+                    taken = answered
+                asked = time.monotonic() - cut  # after the other's answer came: if both lead, at once
+                victim_leads = hit_leader and victim.leads()
+                if victim_leads:
+                    claimed = asked
+                    if other_leads:
+                        self.effects["two servers leading at once"] += 1
+                elif hit_leader and stopped is None:
+                    stopped = time.monotonic() - cut
                 time.sleep(0.05)
         finally:
             self.ha.heal(victim)
         hold = time.monotonic() - cut
         self.detail["seconds"] = round(hold, 2)
         if hit_leader:
-            self.detail.update(stopped_leading_s=_rounded(stopped), other_leads_s=_rounded(taken))
+            self.detail.update(
+                last_said_it_leads_s=_rounded(claimed),
+                stopped_leading_s=_rounded(stopped),
+                other_leads_s=_rounded(taken),
+            )
             self.effects["leaders cut off from the database"] += 1
-            if stopped is None or stopped > term:  # its validity is 0.8 of a term after its last renewal began
+            if stopped is None or (claimed is not None and claimed > term):  # valid 0.8 term after a renewal began
                 self.effects["cut-off leaders still leading after the term"] += 1
             if taken is None:
                 self.effects["no takeover while the leader was cut off"] += 1
