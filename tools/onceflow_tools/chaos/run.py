@@ -924,8 +924,9 @@ class Chaos:
         assert self.ha is not None
         # Step 1: kill -9 of the primary (it stays down) and promotion of the standby
         killed_at = time.monotonic()
-        self._injected("fail-over-database")
-        promotion = self.ha.fail_over_database()
+        self.ha.pg.kill_primary()  # (finding the primary first takes a few psql round trips)
+        self._injected("fail-over-database")  # from its death: a probe sent before it would get through
+        promotion = self.ha.pg.promote()
         promoted_at = time.monotonic()
         # Step 2: the first acknowledged append after the promotion, through both servers
         took = self._probe_append("database-failover", since=promoted_at)
