@@ -62,7 +62,8 @@ lose-commit         the servers reach PostgreSQL through a proxy that reads its 
                     COMMIT of a sync loses its answer (the database committed; the server must read
                     back what happened, never answer "not stored") or is never sent (rolled back)
 partition           one server cut off from the database by its proxies (nothing answered, nothing
-                    refused): the leader the first time and then three times in four, for the term
+                    refused): the leader the first time, a follower the second, then the leader
+                    three times in four; a leader for the term
                     + 1.5-4 s and until the other server leads (it must stop leading within the term,
                     by its own clock, and exit with status 3; the other server must lead within
                     twice the term + 4 s; never both), else a follower for 1 s up to the term + 2 s;
@@ -488,7 +489,7 @@ class Chaos:
         # (--store postgresql) the seconds from the injection to the next acknowledged append
         self.fault_log: list[dict[str, Any]] = []
         self.detail: dict[str, Any] = {}  # what the fault being injected says about itself
-        self.partitioned_leader = False  # partition has cut the leader off (the first one aims at it)
+        self.partitions = 0  # partition faults so far (the first cuts the leader off, the second a follower)
         self.injected: tuple[float, float] | None = None  # the fault being injected: monotonic and wall time
         self.probe_wait: Callable[[], float | None] | None = None  # its unavailability probe's result
 
@@ -942,7 +943,8 @@ class Chaos:
         _say(f"  ... fail-over-database: standby promoted in {promotion:.2f} s; " + _acked_after(took, "promotion"))
 
     def _partition(self) -> None:
-        """One server cut off from the database (the leader the first time, then three times in four):
+        """One server cut off from the database (the leader the first time, a follower the second, then
+        the leader three times in four):
         nothing it sends reaches a node and nothing comes back, so it learns only by its timeouts.
         A cut-off leader, for the lease's term + 1.5-4 s and at least until the other server leads (at
         most twice the term + 4 s): its lease must run out by its own clock (it stops leading within
@@ -953,12 +955,13 @@ class Chaos:
         term = self.args.lease_seconds
         leader = self._leader()
         others = [srv for srv in self.ha.servers if srv is not leader]
-        hit_leader = leader is not None and (not self.partitioned_leader or rng.random() < 0.75)
+        # the leader the first time, a follower the second, then the leader three times in four
+        self.partitions += 1
+        hit_leader = leader is not None and (self.partitions != 2 and (self.partitions == 1 or rng.random() < 0.75))
         if hit_leader:
             assert leader is not None
             self._wait_for_followers(leader)  # someone to take the lease over meanwhile
             victim, hold = leader, term + rng.uniform(1.5, 4.0)
-            self.partitioned_leader = True
         else:
             victim, hold = rng.choice(others or self.ha.servers), rng.uniform(1.0, term + 2.0)
         self.detail.update(target=victim.name, role="leader" if hit_leader else "follower")
