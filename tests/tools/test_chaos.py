@@ -85,8 +85,9 @@ def test_chaos_on_the_postgresql_store_is_clean_through_every_ha_fault(tmp_path:
     """Two servers over a PostgreSQL primary and its synchronous standby, every client naming both:
     the leader killed and paused past its term, the primary killed and the standby promoted, clients
     killed and paused, answers dropped and delayed, a sync's COMMIT answer lost between a server and
-    the database; nothing lost, doubled or read uncommitted (~60 s
-    without Spark, which adds nothing to the failover but ~40 s of waiting for its first batch)."""
+    the database, a server cut off from the database, a clock stepped, the primary paused; nothing
+    lost, doubled or read uncommitted or stale (~70 s without Spark, which adds nothing to the
+    failover but ~40 s of waiting for its first batch)."""
     out = tmp_path / "chaos"
     proc = subprocess.run(
         [

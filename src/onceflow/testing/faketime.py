@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -59,6 +60,10 @@ def _shim() -> Path:
     digest = hashlib.sha256(_SHIM.encode()).hexdigest()[:12]
     where = Path(tempfile.gettempdir()) / f"onceflow-faketime-shim-{digest}"
     lib = where / "monotonic_sleep.so"
+    if where.exists():  # preloaded into servers: only a directory of our own that nobody else can write to
+        st = where.lstat()
+        if not where.is_dir() or where.is_symlink() or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise RuntimeError(f"{where} is not a directory of this user's that only it can write to")
     if lib.exists():
         return lib
     cc = shutil.which("cc") or shutil.which("gcc")
