@@ -58,14 +58,13 @@ value identifies the write that produced it. The checker (:func:`check`) reports
 - ``stale-read``: a read_committed read that said it was up to date, sent after an append to its
   stream had been acknowledged, ended before that append (a server answered from an older view than
   an acknowledged write, e.g. a deposed leader from its memory). Judged on streams that no
-  transaction writes to, whose committed end no open transaction holds back;
+  transaction writes to, whose committed end no open transaction holds back (the simulator's
+  cluster judges it too, :mod:`onceflow_tools.sim.cluster_actors`);
 - ``offset-conflict``: the same offset of a stream was seen (read or acknowledged) with two values;
 - ``offset-backwards``: a group's committed offset was seen lower than one acknowledged earlier;
 - ``wrong-aggregate``: a pipeline's last count record of a user does not count that user's events;
 - ``refused-write-stored``: a plain append answered as definitely not stored (``ack`` ``fail``) is in
   the final read;
-- ``stale-read``: a read that began after an append was acknowledged did not return it (judged by
-  the simulator's cluster, :mod:`onceflow_tools.sim.cluster_actors`);
 - ``server-error``: a 500 answer (judged by the simulator's cluster).
 """
 
@@ -106,7 +105,6 @@ AnomalyKind = Literal[
     "offset-backwards",
     "wrong-aggregate",
     "refused-write-stored",
-    "stale-read",
     "server-error",
     # liveness, judged by the simulator (onceflow_tools.sim): a client, request or stream that never got
     # done, and a client that failed with an error no user code should see
