@@ -26,7 +26,9 @@ def add_sim_parser(sub: Any) -> None:
         "(idempotent and transactional producers, a transactional copier, readers, forks, the Spark "
         "sink's protocol) and faults (kill -9, power loss, failing writes and syncs, lost, duplicated "
         "and delayed messages), runs it on simulated time and checks the history. A failing seed "
-        "replays exactly: `onceflow sim --seed S` prints its trace.",
+        "replays exactly: `onceflow sim --seed S` prints its trace. With --cluster, each seed is a cluster of "
+        "two or three servers on a simulated PostgreSQL (the lease, takeovers, lost COMMIT answers, partitions, "
+        "database failovers, clock steps and drift); --mutate puts a known hole back, to see the seeds find it.",
     )
     p.add_argument("--seeds", type=int, default=200, metavar="N", help="how many seeds to run (default: 200)")
     p.add_argument("--start", type=int, default=0, metavar="K", help="the first seed (default: 0)")
@@ -38,8 +40,37 @@ def add_sim_parser(sub: Any) -> None:
         "--trace-lines", type=int, default=60, metavar="L", help="trace lines printed for a failing seed (default: 60)"
     )
     p.add_argument("--check-replay", action="store_true", help="run every seed twice and fail unless both runs agree")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="simulate the multi-server tier: servers sharing a simulated PostgreSQL store",
+    )
+    p.add_argument(
+        "--mutate",
+        action="append",
+        default=[],
+        metavar="NAME",
+        choices=sorted(_mutations()),
+        help="with --cluster: put a fixed hole back (guess-lost-commits, lease-by-db-clock); the seeds must find it",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_sim)
+
+
+def _mutations() -> list[str]:
+    from .mutations import MUTATIONS
+
+    return list(MUTATIONS)
+
+
+def _run(seed: int, cluster: bool, mutations: tuple[str, ...]) -> Any:
+    if cluster:
+        from .cluster import run_cluster_seed
+
+        return run_cluster_seed(seed, mutations=mutations)
+    from .run import run_seed
+
+    return run_seed(seed)
 
 
 def _deterministic_env() -> None:
@@ -49,13 +80,11 @@ def _deterministic_env() -> None:
         os.execv(sys.executable, [sys.executable, "-m", "onceflow.cli", *sys.argv[1:]])  # noqa: S606
 
 
-def _one(seed: int, replay: bool) -> dict[str, Any]:
-    from .run import run_seed
-
+def _one(seed: int, replay: bool, cluster: bool = False, mutations: tuple[str, ...] = ()) -> dict[str, Any]:
     t = time.perf_counter()
-    r = run_seed(seed)
+    r = _run(seed, cluster, mutations)
     wall = time.perf_counter() - t
-    again = run_seed(seed).fingerprint if replay else r.fingerprint
+    again = _run(seed, cluster, mutations).fingerprint if replay else r.fingerprint
     return {
         "seed": seed,
         "ok": r.ok and again == r.fingerprint,
@@ -71,8 +100,12 @@ def _one(seed: int, replay: bool) -> dict[str, Any]:
 
 def cmd_sim(args: argparse.Namespace) -> int:
     _deterministic_env()
+    if args.mutate and not args.cluster:
+        print("onceflow sim: --mutate needs --cluster (the holes it puts back are the multi-server tier's)")
+        return 2
+    mutations = tuple(args.mutate)
     if args.seed is not None:
-        return _replay(args.seed, args.trace_lines)
+        return _replay(args.seed, args.trace_lines, args.cluster, mutations)
     seeds = range(args.start, args.start + args.seeds)
     t0 = time.perf_counter()
     results: list[dict[str, Any]] = []
@@ -81,9 +114,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
         bar = display.task("onceflow sim", len(seeds), unit="seeds", text="{failed} failed", failed=0)
         if args.jobs > 1:
             pool = stack.enter_context(ProcessPoolExecutor(args.jobs))
-            runs: Iterable[dict[str, Any]] = pool.map(_one, seeds, [args.check_replay] * len(seeds), chunksize=8)
+            n = len(seeds)
+            runs: Iterable[dict[str, Any]] = pool.map(
+                _one, seeds, [args.check_replay] * n, [args.cluster] * n, [mutations] * n, chunksize=8
+            )
         else:
-            runs = (_one(s, args.check_replay) for s in seeds)
+            runs = (_one(s, args.check_replay, args.cluster, mutations) for s in seeds)
         bad = 0
         for res in runs:
             results.append(res)
@@ -106,8 +142,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
+        world = "cluster " if args.cluster else ""
+        holes = f" with {', '.join(mutations)} put back" if mutations else ""
         print(
-            f"onceflow sim: {summary['seeds']} seeds ({args.start}..{args.start + args.seeds - 1}), "
+            f"onceflow sim: {summary['seeds']} {world}seeds{holes} ({args.start}..{args.start + args.seeds - 1}), "
             f"{summary['failed']} failed, {summary['wall_seconds']} s ({summary['seeds_per_second']} seeds/s on "
             f"{args.jobs} process{'es' if args.jobs > 1 else ''}), {summary['requests']} requests in "
             f"{summary['simulated_seconds']} simulated seconds"
@@ -116,22 +154,23 @@ def cmd_sim(args: argparse.Namespace) -> int:
             first = r["anomalies"][0] if r["anomalies"] else ["not replayed", None, "two runs of the seed differ"]
             print(f"  seed {r['seed']}: {len(r['anomalies'])} anomalies, e.g. {first[0]}: {str(first[2])[:160]}")
         if failed:
-            print(f"replay one with: onceflow sim --seed {failed[0]['seed']}")
+            again = " --cluster" if args.cluster else ""
+            again += "".join(f" --mutate {m}" for m in mutations)
+            print(f"replay one with: onceflow sim{again} --seed {failed[0]['seed']}")
     return 1 if failed else 0
 
 
-def _replay(seed: int, lines: int) -> int:
-    from .run import run_seed
-
-    r = run_seed(seed)
+def _replay(seed: int, lines: int, cluster: bool = False, mutations: tuple[str, ...] = ()) -> int:
+    r = _run(seed, cluster, mutations)
     w = r.workload
     print(
         f"seed {seed}: {w.duration:.1f} simulated s, clients {[a[0] for a in w.actors]}, txn timeout {w.txn_timeout} s, "
         f"kills {w.kills}/s (power {w.power}), disk faults {w.disk_faults}, net faults {w.net_faults}"
     )
+    store = f"database {r.stats['db']}" if cluster else f"disk {r.stats['disk']}"
     print(
         f"  {r.requests} requests, {r.stats['server_starts']} server starts, {r.stats['crashes']} crashes; "
-        f"disk {r.stats['disk']}; network {r.stats['net']}; fingerprint {r.fingerprint}"
+        f"{store}; network {r.stats['net']}; fingerprint {r.fingerprint}"
     )
     if r.ok:
         print("  OK: no anomaly")
