@@ -316,7 +316,7 @@ class ClusterWorld(World):
         self.loop = SimLoop(executor_delay=self._io_delay)
         self.trace = Trace(self.loop)
         self._db_rng = random.Random(self.rng.getrandbits(64))
-        self.db = SimPostgres(self.loop, self._db_rng, self.trace, WALL_ORIGIN)
+        self.db = SimPostgres(self.loop.time, self._db_rng, self.trace, WALL_ORIGIN)
         self.nodes = [ClusterNode(self, i) for i in range(self.workload.nodes)]
         self.net = SimNet(self.loop, random.Random(self.rng.getrandbits(64)), self.nodes[0], self.trace)
         self.net.nodes = {HOSTS[i]: n for i, n in enumerate(self.nodes)}

@@ -37,8 +37,6 @@ from psycopg_pool import PoolTimeout
 
 from onceflow.storage import pgfs
 
-from .loop import SimLoop
-
 __all__ = ["PgFaults", "SimPostgres"]
 
 _MISSING = object()
@@ -260,9 +258,11 @@ class _Connector(pgfs.Connector):
 class SimPostgres:
     """The database (module docstring)."""
 
-    def __init__(self, loop: SimLoop, rng: random.Random, trace: Callable[[str, str], None], wall: float) -> None:
-        self.loop, self.rng, self.trace = loop, rng, trace
-        self.wall = wall  # the wall clock at loop time 0
+    def __init__(
+        self, time: Callable[[], float], rng: random.Random, trace: Callable[[str, str], None], wall: float
+    ) -> None:
+        self.time, self.rng, self.trace = time, rng, trace  # time: the simulation's (a SimLoop's)
+        self.wall = wall  # the wall clock at simulated time 0
         self.faults = PgFaults()
         self.stats: Counter[str] = Counter()
         self.clock_offset = 0.0
@@ -285,7 +285,7 @@ class SimPostgres:
 
     def now(self) -> float:
         """``clock_timestamp()``."""
-        return self.wall + self.loop.time() + self.clock_offset
+        return self.wall + self.time() + self.clock_offset
 
     def connect(self, node: str, *, application_name: str) -> _Conn:
         if self.down:
