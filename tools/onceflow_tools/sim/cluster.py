@@ -220,6 +220,7 @@ class ClusterNode(ServerNode):
         self.app, self.broker, self.lease, self.target = None, None, None, _starting
         self.db.process_died(self.name)
         self.trace(self.name, why or "kill -9")
+        self.loop.thaw(token)  # SIGKILL ends a stopped process too: its tasks see their cancellation
         for t in self.loop.tasks_of(token):
             t.cancel()
         self.in_flight.clear()
@@ -240,6 +241,7 @@ class ClusterWorkload(Workload):
     db_failovers: bool = False
     commit_faults: bool = False
     clock_faults: bool = False
+    pauses: bool = False
 
     @classmethod
     def draw(cls, rng: random.Random) -> ClusterWorkload:
@@ -251,6 +253,7 @@ class ClusterWorkload(Workload):
         w.db_failovers = rng.random() < 0.4
         w.commit_faults = rng.random() < 0.6
         w.clock_faults = rng.random() < 0.5
+        w.pauses = rng.random() < 0.4
         # a0 and l0 keep to the server that last answered them, a1 and l1 start each request at a
         # random one (behind a load balancer): reads and writes of one stream through different servers
         w.actors += [
@@ -313,13 +316,14 @@ class ClusterWorld(World):
         self.rng = random.Random(seed)
         self.workload: ClusterWorkload = workload or ClusterWorkload.draw(self.rng)
         self.txn_timeout = self.workload.txn_timeout
-        self.loop = SimLoop(executor_delay=self._io_delay)
+        self.loop = SimLoop(executor_delay=self._io_delay, pausable=True)
         self.trace = Trace(self.loop)
         self._db_rng = random.Random(self.rng.getrandbits(64))
         self.db = SimPostgres(self.loop.time, self._db_rng, self.trace, WALL_ORIGIN)
         self.nodes = [ClusterNode(self, i) for i in range(self.workload.nodes)]
         self.net = SimNet(self.loop, random.Random(self.rng.getrandbits(64)), self.nodes[0], self.trace)
         self.net.nodes = {HOSTS[i]: n for i, n in enumerate(self.nodes)}
+        self.net.bind = True
         self.servers = Servers("http", HOSTS[: len(self.nodes)])
         if detail:
             self.net.detail = re.compile(detail)
@@ -400,6 +404,9 @@ class ClusterWorld(World):
                     await n.start()
 
     def _calm(self) -> None:
+        for n in self.nodes:
+            if n.token is not None:
+                self._resume(n, n.token)
         self.db.faults = PgFaults()
         self.db.cut.clear()
         if self.db.down:
@@ -413,7 +420,7 @@ class ClusterWorld(World):
         self.trace(
             "sim",
             f"cluster: {w.nodes} servers, term {w.term}s, partitions {w.partitions}, failovers {w.db_failovers}, "
-            f"commit faults {w.commit_faults}, clock faults {w.clock_faults}",
+            f"commit faults {w.commit_faults}, clock faults {w.clock_faults}, pauses {w.pauses}",
         )
         while self.loop.time() < until:
             await asyncio.sleep(rng.uniform(0.2, 1.0))
@@ -433,6 +440,11 @@ class ClusterWorld(World):
                 if not db.down:
                     db.fail_over()
                     self.loop.call_later(rng.uniform(0.05, 1.5 * w.term), db.promoted)
+            elif w.pauses and roll < 0.5:
+                if victim.up and not self.loop.frozen(victim.token):
+                    self.loop.freeze(victim.token)
+                    self.trace("sim", f"{victim.name} stopped (SIGSTOP)")
+                    self.loop.call_later(rng.uniform(0.1, 3.0 * w.term), self._resume, victim, victim.token)
             if w.commit_faults and rng.random() < 0.3:
                 db.faults = PgFaults(
                     commit_fails=rng.choice([0.0, 0.0, 0.05, 0.3]),
@@ -467,6 +479,11 @@ class ClusterWorld(World):
             if o["op"] == "read" and o.get("final"):
                 final[o["stream"]] = [v for _, v in o["records"]]
         self.extra.extend(self.checks.check(final))
+
+    def _resume(self, node: ClusterNode, token: object) -> None:
+        if self.loop.frozen(token):
+            self.loop.thaw(token)
+            self.trace("sim", f"{node.name} resumed (SIGCONT)")
 
     def _heal(self, name: str) -> None:
         if name in self.db.cut:

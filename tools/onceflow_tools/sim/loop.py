@@ -16,6 +16,10 @@ Every task is tagged with the simulated process that created it (the ``owner`` c
 inherited by the tasks a task creates), so a process crash cancels exactly the tasks of that
 process (:meth:`SimLoop.tasks_of`).
 
+A loop made ``pausable`` can stop a process (SIGSTOP, a frozen VM): :meth:`SimLoop.freeze` holds
+back every callback of its tasks and timers (its requests' handlers, its retries, its executor
+calls) until :meth:`SimLoop.thaw`, while the rest of the world goes on.
+
 When nothing is ready and no timer is pending, the simulation can never make progress again:
 ``run_until_complete`` raises :class:`Stalled` (every task waits on something that will not
 happen: a deadlock).
@@ -63,8 +67,12 @@ class SimLoop(asyncio.BaseEventLoop):
     """See the module docstring. ``executor_delay`` says how long (simulated seconds) a function
     handed to ``run_in_executor`` takes; by default no time at all."""
 
-    def __init__(self, executor_delay: Callable[[Callable[..., Any]], float] | None = None) -> None:
+    def __init__(
+        self, executor_delay: Callable[[Callable[..., Any]], float] | None = None, *, pausable: bool = False
+    ) -> None:
         super().__init__()
+        self.pausable = pausable
+        self._frozen: dict[object, list[tuple[Callable[..., Any], tuple[Any, ...], contextvars.Context]]] = {}
         self._now = START
         self._selector = _NoIO(self)
         self._clock_resolution = 1e-9
@@ -105,6 +113,44 @@ class SimLoop(asyncio.BaseEventLoop):
     def tasks_of(self, who: object) -> list[asyncio.Task[Any]]:
         """The unfinished tasks created by ``who`` (and by the tasks it created)."""
         return [t for t, w in list(self._owners.items()) if w is who and not t.done()]
+
+    # ------------------------------------------------------------------ paused processes
+
+    def freeze(self, who: object) -> None:
+        """Stop process ``who``: nothing of it runs until :meth:`thaw` (the loop must be ``pausable``)."""
+        assert self.pausable, "a loop made without pausable=True cannot stop a process"
+        self._frozen.setdefault(who, [])
+
+    def thaw(self, who: object) -> None:
+        """Process ``who`` runs again: what came due meanwhile runs now, in the order it came due."""
+        for callback, args, ctx in self._frozen.pop(who, []):
+            super().call_soon(callback, *args, context=ctx)
+
+    def frozen(self, who: object) -> bool:
+        return who in self._frozen
+
+    def call_soon(  # type: ignore[override]
+        self, callback: Callable[..., Any], *args: Any, context: contextvars.Context | None = None
+    ) -> asyncio.Handle:
+        if not self.pausable:
+            return super().call_soon(callback, *args, context=context)
+        ctx = context if context is not None else contextvars.copy_context()
+        return super().call_soon(self._gate, ctx, callback, *args, context=ctx)
+
+    def call_at(  # type: ignore[override]
+        self, when: float, callback: Callable[..., Any], *args: Any, context: contextvars.Context | None = None
+    ) -> asyncio.TimerHandle:
+        if not self.pausable:
+            return super().call_at(when, callback, *args, context=context)
+        ctx = context if context is not None else contextvars.copy_context()
+        return super().call_at(when, self._gate, ctx, callback, *args, context=ctx)
+
+    def _gate(self, ctx: contextvars.Context, callback: Callable[..., Any], *args: Any) -> None:
+        held = self._frozen.get(ctx.get(owner)) if self._frozen else None
+        if held is not None:
+            held.append((callback, args, ctx))
+            return
+        callback(*args)
 
     # ------------------------------------------------------------------ "threads"
 

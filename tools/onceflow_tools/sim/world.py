@@ -248,6 +248,9 @@ class SimNet:
     # after its client gave up on it
     on_the_way: Counter[str] = field(default_factory=Counter)
     nodes: dict[str, ServerNode] = field(default_factory=dict)  # by host: the servers of a cluster
+    # a request on its way to a process that dies is never delivered to the next one (its connection
+    # died with the first); the single-server world delivers it (harsher than TCP, kept for its seeds)
+    bind: bool = False
 
     def node_at(self, host: str) -> ServerNode:
         return self.nodes.get(host, self.node)
@@ -259,13 +262,19 @@ class SimNet:
         reply: Callable[[httpx.Response], None],
         gone: asyncio.Future[None],
         node: ServerNode | None = None,
+        *,
+        again: bool = False,
     ) -> None:
-        """Deliver ``wire`` to ``node`` (by default the world's one) after ``delay``."""
+        """Deliver ``wire`` to ``node`` (by default the world's one) after ``delay``; ``again``: a
+        copy sent anew (a retrying proxy: a connection of its own)."""
         self.on_the_way[wire.client] += 1
         to = node or self.node
+        process = to.token
 
         def arrive() -> None:
             self.on_the_way[wire.client] -= 1
+            if self.bind and not again and to.token is not process:
+                return  # reset: its connection was to a process that died meanwhile
             to.deliver(wire, reply, gone)
 
         self.loop.call_later(delay, arrive)
@@ -338,7 +347,7 @@ class SimTransport(httpx.AsyncBaseTransport):
                 net.trace(self.client, f"request lost: {what}")
                 continue
             delay = net.one_way() + (rng.uniform(0.05, 3.0) if n else 0.0)
-            net.carry(delay, wire, reply, gone, node)
+            net.carry(delay, wire, reply, gone, node, again=n > 0)
         try:
             # asyncio.wait, not wait_for: on Python 3.11 wait_for can lose a cancellation that
             # arrives as the answer does, which a real transport would not
