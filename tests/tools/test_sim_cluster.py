@@ -189,3 +189,29 @@ def test_a_batch_of_cluster_seeds_finds_nothing_and_replays_exactly() -> None:
     assert not bad
     assert sum(r.stats["leaderships"] for r in results) > len(results)  # leaders did change hands
     assert run_cluster_seed(3).fingerprint == results[3].fingerprint
+
+
+# Seeds that find each hole of issue 30 when it is put back (sim/mutations.py), and run clean on
+# the code as it is. They are pinned to this simulator: when a change of the cluster world moves
+# them, find new ones with ``onceflow sim --cluster --seeds 300 --mutate NAME`` and say so in the
+# commit. (hole, mutation, seed, the anomaly and what its detail says)
+MUTATION_SEEDS = [
+    ("1 a refused delete loses the appends after it", "guess-lost-commits", 40, "lost-write", "never deleted"),
+    ("2 a refused append comes back", "guess-lost-commits", 1, "refused-write-stored", "refused as not stored"),
+    ("6 a step of the database's clock gives stale reads", "lease-by-db-clock", 191, "stale-read", "missed"),
+]
+
+
+@pytest.mark.parametrize(
+    ("hole", "mutation", "seed", "kind", "says"), MUTATION_SEEDS, ids=[m[0] for m in MUTATION_SEEDS]
+)
+def test_each_hole_put_back_is_found_by_its_seed_and_the_seed_is_clean_without_it(
+    hole: str, mutation: str, seed: int, kind: str, says: str
+) -> None:
+    found = run_cluster_seed(seed, mutations=(mutation,))
+    assert any(a.kind == kind and says in a.detail for a in found.check.anomalies), (
+        f"seed {seed} no longer finds hole {hole} with {mutation} put back (the world changed? find another "
+        f"seed: onceflow sim --cluster --seeds 300 --mutate {mutation}); it found {found.check.anomalies[:3]}"
+    )
+    clean = run_cluster_seed(seed)
+    assert clean.ok, clean.check.anomalies[:3]
