@@ -135,6 +135,12 @@ _SCHEMA_OBJECTS = (
     "onceflow_lease",
     "onceflow_commits",
 )
+# a takeover of the lease (its row locked FOR UPDATE first): a new token, fencing every earlier holder
+_TAKE = (
+    "UPDATE onceflow_lease SET token = token + 1, holder = %(h)s, address = %(a)s, "
+    "expires = clock_timestamp() + make_interval(secs => %(t)s), session = %(s)s "
+    "WHERE id = 1 RETURNING token"
+)
 # every writing transaction counts itself on its connection's row, first: when the answer to its
 # COMMIT is lost, that count, read back once the transaction is over, says whether it committed
 _MARK = (
@@ -605,12 +611,7 @@ class PgFileSystem:
                 locked = cur.fetchone()
                 if locked is None or (int(locked[0]), str(locked[1])) != version:
                     return None  # renewed, released or taken meanwhile: look again
-                cur.execute(
-                    "UPDATE onceflow_lease SET token = token + 1, holder = %(h)s, address = %(a)s, "
-                    "expires = clock_timestamp() + make_interval(secs => %(t)s), session = %(s)s "
-                    "WHERE id = 1 RETURNING token",
-                    named,
-                )
+                cur.execute(_TAKE, named)
                 got = cur.fetchone()
             self._seen = None
             self._forget_dead_sessions()

@@ -43,7 +43,7 @@ from .loop import SimLoop, owner
 from .mutations import mutated
 from .pg import PgFaults, SimPostgres
 from .run import SeedResult, Workload, World, _NoCookies
-from .world import WALL_ORIGIN, NetFaults, ServerNode, SimNet, SimTransport, Trace
+from .world import WALL_ORIGIN, ServerNode, SimNet, SimTransport, Trace
 
 __all__ = ["ClusterNode", "ClusterWorkload", "ClusterWorld", "NodeClock"]
 
@@ -221,14 +221,7 @@ class ClusterNode(ServerNode):
         self.db.process_died(self.name)
         self.trace(self.name, why or "kill -9")
         self.loop.thaw(token)  # SIGKILL ends a stopped process too: its tasks see their cancellation
-        for t in self.loop.tasks_of(token):
-            t.cancel()
-        self.in_flight.clear()
-        for fut in list(self._replies):
-            if not fut.done():
-                fut.set_exception(httpx.ReadError("connection reset by peer (the server died)"))
-                fut.exception()
-        self._replies.clear()
+        self._end_process(token)
 
 
 @dataclass
@@ -464,13 +457,7 @@ class ClusterWorld(World):
                     rate = rng.uniform(0.95, 1.05)
                     victim.clocks.set_rate(rate)
                     self.trace("sim", f"{victim.name}'s clock runs at {rate:.3f}")
-            if w.net_faults and rng.random() < 0.4:
-                self.net.faults = NetFaults(
-                    loss=rng.choice([0.0, 0.1, 0.4]), dup=rng.choice([0.0, 0.1, 0.3]), slow=rng.choice([0.02, 0.1, 0.3])
-                )
-                self.trace("sim", f"network: {self.net.faults}")
-            elif w.net_faults:
-                self.net.faults = NetFaults()
+            self._network_faults()
 
     async def _read_back(self) -> None:
         await super()._read_back()

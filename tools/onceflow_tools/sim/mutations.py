@@ -44,12 +44,7 @@ def _acquire_by_db_clock(self: PgFileSystem, holder: str, address: str | None, t
         locked = cur.fetchone()
         if locked is None or int(locked[0]) != int(row[0]):
             return None
-        cur.execute(
-            "UPDATE onceflow_lease SET token = token + 1, holder = %(h)s, address = %(a)s, "
-            "expires = clock_timestamp() + make_interval(secs => %(t)s), session = %(s)s "
-            "WHERE id = 1 RETURNING token",
-            named,
-        )
+        cur.execute(pgfs._TAKE, named)
         got = cur.fetchone()
     self._forget_dead_sessions()
     return int(got[0])

@@ -477,11 +477,7 @@ def _lease_lock(db: SimPostgres, c: _Conn, text: str, p: Any) -> tuple[Rows, int
     return ([(row[0], str(row[5]))], 1) if row is not None else ([], 0)
 
 
-@_sql(
-    "UPDATE onceflow_lease SET token = token + 1, holder = %(h)s, address = %(a)s, "
-    "expires = clock_timestamp() + make_interval(secs => %(t)s), session = %(s)s "
-    "WHERE id = 1 RETURNING token"
-)
+@_sql(pgfs._TAKE)
 def _lease_take(db: SimPostgres, c: _Conn, text: str, p: Any) -> tuple[Rows, int]:
     row = db.lease[1]
     db.put(db.lease, 1, (row[0] + 1, p["h"], p["a"], db.now() + float(p["t"]), p["s"], db.xid()), c)

@@ -342,13 +342,18 @@ class World:
                 )
             elif w.disk_faults:
                 self.disk.faults.write_enospc = self.disk.faults.sync_eio = self.disk.faults.meta_enospc = 0.0
-            if w.net_faults and rng.random() < 0.4:
-                self.net.faults = NetFaults(
-                    loss=rng.choice([0.0, 0.1, 0.4]), dup=rng.choice([0.0, 0.1, 0.3]), slow=rng.choice([0.02, 0.1, 0.3])
-                )
-                self.trace("sim", f"network: {self.net.faults}")
-            elif w.net_faults:
-                self.net.faults = NetFaults()
+            self._network_faults()
+
+    def _network_faults(self) -> None:
+        """A new window of the network's faults (or none), when the workload has them."""
+        rng = self.rng
+        if self.workload.net_faults and rng.random() < 0.4:
+            self.net.faults = NetFaults(
+                loss=rng.choice([0.0, 0.1, 0.4]), dup=rng.choice([0.0, 0.1, 0.3]), slow=rng.choice([0.02, 0.1, 0.3])
+            )
+            self.trace("sim", f"network: {self.net.faults}")
+        elif self.workload.net_faults:
+            self.net.faults = NetFaults()
 
     async def _settle(self) -> None:
         """Every transactional id initialised once more (aborting what it left open), then wait

@@ -156,6 +156,10 @@ class ServerNode:
         else:
             self.disk.crash()
         self.trace("server", f"{'POWER LOSS' if power else 'kill -9'} {why}".strip())
+        self._end_process(token)
+
+    def _end_process(self, token: object) -> None:
+        """The process ``token`` is gone: its tasks are cancelled, its connections reset."""
         for t in self.loop.tasks_of(token):
             t.cancel()
         self.in_flight.clear()
