@@ -5,7 +5,6 @@ In process (no Spark): ``format=records`` / ``format=boundaries`` reads, and ``/
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import struct
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 
 from helpers.servers import InProcess
+from helpers.ticks import ticking
 from helpers.txn import JSON, S, Txn, committed, make, uncommitted
 from onceflow.core.broker import Broker
 from onceflow.spark._http import record_offset
@@ -322,23 +322,12 @@ async def test_a_boundaries_scan_lets_other_tasks_run_after_each_of_its_reads(on
         await append(onceflow, "long", [{"i": i, "pad": "x" * 100}])
     s = onceflow.broker.get("long")
     assert s is not None
-    ticks = [0]
-
-    async def ticker() -> None:
-        while True:
-            ticks[0] += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.ensure_future(ticker())
-    try:
-        await asyncio.sleep(0)
+    async with ticking() as ticks:
         before = ticks[0]
         scan: Any = onceflow.broker.boundaries(s, s.earliest, None, every=5)
         if inspect.isawaitable(scan):
             scan = await scan
         during = ticks[0] - before
-    finally:
-        task.cancel()
     marks, end = scan
     assert end == s.tail and len(marks) == 3, (marks, end)  # after records 5, 10, 15; the end is none
     assert during >= 1, "the ticker did not run during the scan"

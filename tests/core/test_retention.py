@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from helpers.servers import InProcess
+from helpers.ticks import ticking
 from helpers.txn import JSON, S, Txn, committed
 from onceflow.core.broker import Broker
 from onceflow.server.app import App, AppConfig
@@ -399,20 +400,9 @@ async def test_a_retention_sweep_over_many_streams_lets_other_tasks_run_meanwhil
         for name in names:
             await create(c, name, **{"Stream-Retention-Seconds": "3600"})
             await fill(c, name, 12)
-        ticks = [0]
-
-        async def ticker() -> None:
-            while True:
-                ticks[0] += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.ensure_future(ticker())
-        try:
-            await asyncio.sleep(0)
+        async with ticking() as ticks:
             fs.ticks = ticks
             assert await c.broker.enforce_retention() == {}  # nothing is an hour old
             fs.ticks = None
-        finally:
-            task.cancel()
         assert len(fs.seen) == len(names), fs.seen  # one header read per stream
         assert fs.seen[-1] > fs.seen[0], f"the ticker never ran during the sweep: {fs.seen}"

@@ -15,18 +15,20 @@ from onceflow.testing import ServiceUnavailable, postgres_bindir
 from onceflow_tools.chaos.run import FAULT_KINDS, HA_FAULT_KINDS, LOCAL_ONLY_FAULTS
 
 
+def _chaos(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``onceflow chaos ARGS``, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", "chaos", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_chaos_run_is_clean_and_injects_every_fault(tmp_path: Path) -> None:
     """With the sink and the Spark pipeline among the clients (where Redis, PySpark and Java are installed,
     as ``scripts/setup.sh dev`` does): ~100 s, of which ~40 s waiting for Spark's first batch."""
     out = tmp_path / "chaos"
-    proc = subprocess.run(
-        [sys.executable, "-m", "onceflow.cli", "chaos", "--duration", "45", "--seed", "1", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=580,
-    )
+    proc = _chaos("--duration", "45", "--seed", "1", "--out", str(out), timeout=580)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "history check: OK" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -89,25 +91,8 @@ def test_chaos_on_the_postgresql_store_is_clean_through_every_ha_fault(tmp_path:
     lost, doubled or read uncommitted or stale (~70 s without Spark, which adds nothing to the
     failover but ~40 s of waiting for its first batch)."""
     out = tmp_path / "chaos"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "onceflow.cli",
-            "chaos",
-            "--store",
-            "postgresql",
-            "--duration",
-            "25",
-            "--seed",
-            "1",
-            "--no-spark",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=580,
+    proc = _chaos(
+        "--store", "postgresql", "--duration", "25", "--seed", "1", "--no-spark", "--out", str(out), timeout=580
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "history check: OK" in proc.stdout
@@ -153,27 +138,19 @@ def test_partitions_clock_steps_and_a_paused_primary_lose_nothing_and_say_what_t
     database's) and the primary paused; nothing lost, doubled, read uncommitted or read stale, and
     each fault's unavailability is reported (~40 s)."""
     out = tmp_path / "chaos"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "onceflow.cli",
-            "chaos",
-            "--store",
-            "postgresql",
-            "--faults",
-            ",".join(NEW_HA_FAULTS),
-            "--duration",
-            "15",
-            "--seed",
-            "3",
-            "--no-spark",
-            "--no-sink",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
+    proc = _chaos(
+        "--store",
+        "postgresql",
+        "--faults",
+        ",".join(NEW_HA_FAULTS),
+        "--duration",
+        "15",
+        "--seed",
+        "3",
+        "--no-spark",
+        "--no-sink",
+        "--out",
+        str(out),
         timeout=280,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -203,37 +180,14 @@ def test_partitions_clock_steps_and_a_paused_primary_lose_nothing_and_say_what_t
 
 
 def test_chaos_store_option_and_its_bad_combinations(tmp_path: Path) -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "onceflow.cli", "chaos", "--help"], capture_output=True, text=True, timeout=60
-    )
+    r = _chaos("--help", timeout=60)
     assert r.returncode == 0
     text = " ".join(r.stdout.split())
     assert "--store {local,postgresql}" in text and "--lease-seconds" in text
     assert "fail-over-database" in text and "left out" in text
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "onceflow.cli",
-            "chaos",
-            "--store",
-            "postgresql",
-            "--sabotage",
-            "truncate-acked",
-            "--out",
-            str(tmp_path / "a"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = _chaos("--store", "postgresql", "--sabotage", "truncate-acked", "--out", str(tmp_path / "a"), timeout=60)
     assert r.returncode == 2 and "local data directory" in r.stderr
-    r = subprocess.run(
-        [sys.executable, "-m", "onceflow.cli", "chaos", "--store", "postgresql", "--faults", "partition,garble-tail"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = _chaos("--store", "postgresql", "--faults", "partition,garble-tail", timeout=60)
     assert r.returncode == 2 and "--faults garble-tail" in r.stderr and "clock-step" in r.stderr
 
 
@@ -241,25 +195,17 @@ def test_chaos_store_option_and_its_bad_combinations(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_a_broken_experiment_is_caught(tmp_path: Path) -> None:
     """Cutting acknowledged bytes off the log must fail the run: the check is not vacuous."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "onceflow.cli",
-            "chaos",
-            "--duration",
-            "15",
-            "--seed",
-            "1",
-            "--sabotage",
-            "truncate-acked",
-            "--no-spark",
-            "--no-sink",
-            "--out",
-            str(tmp_path / "chaos"),
-        ],
-        capture_output=True,
-        text=True,
+    proc = _chaos(
+        "--duration",
+        "15",
+        "--seed",
+        "1",
+        "--sabotage",
+        "truncate-acked",
+        "--no-spark",
+        "--no-sink",
+        "--out",
+        str(tmp_path / "chaos"),
         timeout=190,
     )
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -269,16 +215,9 @@ def test_a_broken_experiment_is_caught(tmp_path: Path) -> None:
 
 
 def test_chaos_help_and_bad_arguments(tmp_path: Path) -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "onceflow.cli", "chaos", "--help"], capture_output=True, text=True, timeout=60
-    )
+    r = _chaos("--help", timeout=60)
     assert r.returncode == 0 and "--duration" in r.stdout and "--seed" in r.stdout and "--out" in r.stdout
     assert "--no-spark" in r.stdout and "--no-sink" in r.stdout
     (tmp_path / "x").write_text("occupied")
-    r = subprocess.run(
-        [sys.executable, "-m", "onceflow.cli", "chaos", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = _chaos("--out", str(tmp_path), timeout=60)
     assert r.returncode == 2 and "not empty" in r.stderr
