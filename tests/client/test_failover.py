@@ -23,7 +23,7 @@ import pytest
 
 from helpers.servers import ServerProcess, free_port
 from onceflow.admin import AdminClient
-from onceflow.client import Consumer, IdempotentProducer, Stream, TransactionalProducer, TransportError
+from onceflow.client import Consumer, IdempotentProducer, OnceflowError, Stream, TransactionalProducer, TransportError
 from onceflow.client._failover import AsyncFailoverTransport, FailoverTransport, Servers, parse_servers
 from onceflow.client.lowlevel import (
     NoServerError,
@@ -32,6 +32,7 @@ from onceflow.client.lowlevel import (
     request_url,
     server_url,
 )
+from onceflow.client.transactions import AsyncTransactionalProducer
 from onceflow.testing import FaultProxy
 
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -486,3 +487,39 @@ async def test_a_server_that_accepts_and_never_answers_moves_the_next_request_on
             with pytest.raises(httpx.ReadTimeout):
                 await ac.get(target)
             assert (await ac.get(target)).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_a_transactional_append_that_only_followers_answered_is_aborted_with_a_new_epoch() -> None:
+    """Every server a follower (a leader change under way): the append's attempts were carried to
+    servers, and a copy of one can still land once a leader is up (a proxy that sends a request
+    again, found by ``onceflow sim --cluster`` seed 103142: the copy opened the producer's next
+    transaction under the same epoch, which then committed the aborted one's data in place of its
+    own). So it is not "stored nowhere": the transaction is aborted by a new epoch, which fences
+    any such copy, never by simply forgetting it."""
+    inits: list[dict[str, Any]] = []
+
+    def serve(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/init"):
+            body = json.loads(request.content)
+            inits.append(body)
+            return httpx.Response(200, json={"producer_id": "p", "epoch": len(inits) - 1, "txn": 0})
+        if request.method == "HEAD":
+            return httpx.Response(200, headers={"content-type": "application/json"})
+        error = {"error": {"code": "not_leader", "message": "no server holds the lease", "leader": None}}
+        return httpx.Response(503, json=error, headers={"onceflow-leader": ""})
+
+    servers = parse_servers("http://a:1,b:1")
+    assert servers is not None
+    client = httpx.AsyncClient(transport=AsyncFailoverTransport(servers, httpx.MockTransport(serve)))
+    producer = AsyncTransactionalProducer(
+        "http://a:1,b:1", "t", client=client, delivery_timeout=0.05, retry_backoff=(0.001, 0.002)
+    )
+    async with client:
+        await producer.init()
+        await producer.extend("s", [{"n": 1}])
+        with pytest.raises(OnceflowError):
+            await producer.flush()
+        await producer.abort()
+    assert len(inits) == 2 and inits[1].get("expected_epoch") == 0, inits  # a new epoch, naming the old one
+    assert producer.epoch == 1
