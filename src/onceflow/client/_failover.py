@@ -178,11 +178,17 @@ class NoServerError(httpx.ConnectError, OnceflowError):
     """Every configured server refused the connection or answered 503 ``not_leader``. None of
     them stored the request (a follower does nothing), so, as after a refused connection (it is
     an ``httpx.ConnectError`` for code that handles those), it is safe to send again once a
-    leader is up: retriable. ``tried``: ``(server, what it did)`` in the order tried."""
+    leader is up: retriable. ``tried``: ``(server, what it did)`` in the order tried.
+
+    ``answered``: some server answered (a follower), so the request was carried to it. A writer
+    that must know whether a request can still land (a transactional producer deciding how to
+    abort) counts that as reaching a server: a copy of it sent again by something on the way (a
+    proxy) may land once a leader is up. Only refused connections mean it went nowhere."""
 
     retriable = True
 
-    def __init__(self, tried: Sequence[tuple[str, str]], *, request: httpx.Request) -> None:
+    def __init__(self, tried: Sequence[tuple[str, str]], *, request: httpx.Request, answered: bool = False) -> None:
+        self.answered = answered
         self.tried = tuple(tried)
         what = "; ".join(f"{server}: {outcome}" for server, outcome in self.tried)
         super().__init__(f"no onceflow server took the request (tried {what})", request=request)
@@ -234,6 +240,7 @@ class _Attempt:
         self.request = request
         self.at = route.current
         self.tried: list[tuple[str, str]] = []  # (server, what it did), for NoServerError
+        self.answered = False  # a server answered (a follower): the request was carried to it
         self._done: set[int] = set()
 
     def refused(self, exc: httpx.TransportError) -> int:
@@ -242,6 +249,7 @@ class _Attempt:
 
     def not_leader(self, leader: str | None) -> int:
         """The server at hand is a follower: the next one to try (the leader it names, if ours)."""
+        self.answered = True
         hint = self.route.index_of(leader) if leader else None
         if not leader:
             note = "not the leader (it knows no leader)"
@@ -264,7 +272,7 @@ class _Attempt:
             if j not in self._done:
                 self.at = j
                 return j
-        raise NoServerError(self.tried, request=self.request)
+        raise NoServerError(self.tried, request=self.request, answered=self.answered)
 
 
 # transport errors raised before a byte of the request could have reached the server (a full

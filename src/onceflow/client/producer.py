@@ -443,7 +443,8 @@ class AsyncIdempotentProducer:
                 resp = await self._client.post(self._target, content=batch.body, headers=headers)
             except httpx.TransportError as exc:
                 err = TransportError(f"append to {self.url}: {exc!r}")
-                if not isinstance(exc, _NOT_SENT):
+                # a follower's answer (NoServerError.answered) means it was carried to a server
+                if not isinstance(exc, _NOT_SENT) or getattr(exc, "answered", False):
                     reached = True
                     self._note_maybe_stored(epoch)
             else:

@@ -150,7 +150,8 @@ class AsyncTransactionalProducer:
                 reached = True
             except httpx.TransportError as exc:
                 err = TransportError(f"{what}: {exc!r}")
-                reached = reached or not isinstance(exc, _NOT_SENT)
+                # a follower's answer (NoServerError.answered) means it was carried to a server
+                reached = reached or not isinstance(exc, _NOT_SENT) or getattr(exc, "answered", False)
             if loop.time() > deadline:
                 if write and reached:
                     raise OutcomeUnknownError(
