@@ -7,7 +7,10 @@ find nothing."""
 from __future__ import annotations
 
 import errno
+import json
 import random
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -215,3 +218,56 @@ def test_each_hole_put_back_is_found_by_its_seed_and_the_seed_is_clean_without_i
     )
     clean = run_cluster_seed(seed)
     assert clean.ok, clean.check.anomalies[:3]
+
+
+CI_CLUSTER_SEEDS = 200
+
+
+@pytest.mark.slow
+def test_a_bounded_batch_of_cluster_seeds_from_the_command_line_finds_nothing() -> None:
+    """What CI runs of the cluster (about a minute on two cores); soaks run more:
+    ``onceflow sim --cluster --seeds 2000 --start K --jobs 2``."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "onceflow.cli",
+            "sim",
+            "--cluster",
+            "--seeds",
+            str(CI_CLUSTER_SEEDS),
+            "--jobs",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    summary = json.loads(out.stdout)
+    assert summary["seeds"] == CI_CLUSTER_SEEDS
+    assert summary["failed"] == 0, (
+        f"failing seeds {summary['failing_seeds']} ({summary['anomalies_by_kind']}); "
+        "replay one with onceflow sim --cluster --seed S"
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_mutate_needs_the_cluster_and_names_a_known_hole() -> None:
+    alone = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", "sim", "--mutate", "guess-lost-commits", "--seeds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert alone.returncode == 2 and "--mutate needs --cluster" in alone.stdout
+    unknown = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", "sim", "--cluster", "--mutate", "no-such-hole"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert unknown.returncode == 2 and "guess-lost-commits" in unknown.stderr  # argparse lists the choices
