@@ -21,6 +21,6 @@ echo "== conformance (PostgreSQL store)"
 echo "== conformance (PostgreSQL store, through a follower that passes requests on to the leader)"
 .venv/bin/python scripts/conformance.py --store postgresql --via-follower
 echo "== tests (pytest)"
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest --durations=20 "$@"  # the 20 slowest: where CI's time goes
 echo "== the in-process server's tests again, on the PostgreSQL store (ONCEFLOW_TEST_STORE=postgresql)"
 ONCEFLOW_TEST_STORE=postgresql .venv/bin/python -m pytest -q "$@"

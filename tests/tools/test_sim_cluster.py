@@ -220,12 +220,12 @@ def test_each_hole_put_back_is_found_by_its_seed_and_the_seed_is_clean_without_i
     assert clean.ok, clean.check.anomalies[:3]
 
 
-CI_CLUSTER_SEEDS = 200
+CI_CLUSTER_SEEDS = 100
 
 
 @pytest.mark.slow
 def test_a_bounded_batch_of_cluster_seeds_from_the_command_line_finds_nothing() -> None:
-    """What CI runs of the cluster (about a minute on two cores); soaks run more:
+    """What CI runs of the cluster (about 30 s on two cores); soaks run more:
     ``onceflow sim --cluster --seeds 2000 --start K --jobs 2``."""
     out = subprocess.run(
         [
