@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from helpers.servers import InProcess, ServerProcess
+from helpers.txn import T, Txn
 from onceflow.storage import log as storage_log
 from onceflow.storage.fs import File
 
@@ -284,3 +285,50 @@ async def test_a_delete_that_could_not_be_stored_is_a_503_and_changes_nothing(
     assert (await c.get(S + "keep?offset=-1")).json() == [{"n": 0}]
     assert (await c.delete(S + "keep")).status_code == 204
     assert (await c.head(S + "keep")).status_code == 404
+
+
+@pytest.mark.local_store  # fails the local store's own writes
+@pytest.mark.anyio
+async def test_a_write_whose_outcome_the_store_cannot_learn_is_never_answered_as_refused(
+    onceflow: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30, hole 2's class: when the store says a write's outcome is unknown (the PostgreSQL
+    store after a lost answer to COMMIT), every request that wrote is answered 503 ``outcome_unknown``
+    (or succeeded), on every path: never ``unavailable``, which clients read as "not stored", and
+    never a 500. Here every durable step of the local store says the outcome is unknown."""
+    from onceflow.storage.fs import OsFileSystem, OutcomeUnknown, _OsFile
+
+    c = onceflow.client
+    for name in ("s", "parent", "gone", "closing"):
+        assert (await c.put(S + name, headers=JSON)).status_code == 201
+    assert (await c.put(S + "child", headers={**JSON, "stream-forked-from": "parent"})).status_code == 201
+    t = Txn(c, "tx")
+    await t.init()
+
+    def unknown(*a: object, **k: object) -> None:
+        raise OutcomeUnknown("the answer to COMMIT was lost (injected)")
+
+    for cls, names in ((_OsFile, ("sync",)), (OsFileSystem, ("rename", "replace_file", "sync_dir", "unlink"))):
+        for n in names:
+            monkeypatch.setattr(cls, n, unknown)
+    requests: list[tuple[str, httpx.Response]] = [
+        ("create", await c.put(S + "new", headers=JSON)),
+        ("fork", await c.put(S + "fork2", headers={**JSON, "stream-forked-from": "s"})),
+        ("append", await c.post(S + "s", content=b'{"n":0}', headers=JSON)),
+        ("idempotent append", await c.post(S + "s", content=b'{"n":1}', headers=producer("p", 0))),
+        ("close", await c.post(S + "closing", headers={**JSON, "stream-closed": "true"})),
+        ("delete", await c.delete(S + "gone")),
+        ("delete of a forked stream", await c.delete(S + "parent")),
+        (
+            "group offsets",
+            await c.post("/v1/groups/g/offsets", json={"offsets": {"s": "0000000000000000_0000000000000000"}}),
+        ),
+        ("transactional append", await t.send("s", {"n": 2})),
+        ("transaction init", await c.post(T + "tx2/init", json={})),
+    ]
+    wrong = [
+        (what, r.status_code, r.text[:200])
+        for what, r in requests
+        if r.status_code >= 300 and (r.status_code != 503 or r.json()["error"]["code"] != "outcome_unknown")
+    ]
+    assert not wrong, wrong

@@ -31,6 +31,7 @@ from ..core.broker import (
     StreamState,
     parse_retention,
     txn_outcome,
+    unstored,
     validate_name,
 )
 from ..core.jsonmode import wrap_payloads
@@ -305,14 +306,15 @@ class App:
                 status, h, body = _outcome_response(txn_outcome(exc))
             except OffsetGone as exc:  # a group reset whose scan retention overtook
                 status, h, body = _gone(exc)
-            except OSError as exc:  # the coordinator log could not be written (disk full, I/O error)
+            except OSError as exc:  # the coordinator log could not be written (disk full, I/O error),
+                # or its outcome is unknown (a lost answer to COMMIT): unstored() tells which
                 log.error("%s %s: %s", method, path, exc)
-                status, h, body = _error(
-                    503,
-                    "unavailable",
-                    f"the transaction log could not be written ({exc.strerror or exc}); "
-                    "retry: a logged decision is finished on recovery",
-                    [(b"retry-after", b"1")],
+                status, h, body = _outcome_response(
+                    unstored(
+                        "transaction log write",
+                        exc,
+                        refused="the transaction log could not be written (a logged decision is finished on recovery)",
+                    )
                 )
             await _send(send, status, h, body)
             return
@@ -370,11 +372,8 @@ class App:
             # the store failed, or did not answer within its bound (a cold read on the PostgreSQL
             # store: its read_timeout, storage/pgfs.py): a 503, never a 500, and the client retries
             log.error("%s %s: %s", method, path, exc)
-            status, h, body = _error(
-                503,
-                "unavailable",
-                f"the store could not serve this request ({exc.strerror or exc}); retry",
-                [(b"retry-after", b"1")],
+            status, h, body = _outcome_response(
+                unstored("request", exc, refused="the store could not serve this request")
             )
             if method == "HEAD":
                 body = b""
