@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,9 +24,11 @@ pytest.importorskip("psycopg_pool", reason="the PostgreSQL store needs psycopg_p
 import psycopg  # noqa: E402
 
 from onceflow.storage.pgfs import TAIL_CACHE, PgFile, PgFileSystem  # noqa: E402
+from onceflow.testing.services import PostgresServer  # noqa: E402
 
 ROOT = Path("/onceflow")
 READ_TIMEOUT = 0.3  # seconds: short, so that the tests below end soon once it works
+OCTETS = {"Content-Type": "application/octet-stream"}
 
 
 @pytest.fixture
@@ -109,3 +112,97 @@ async def test_a_client_whose_cold_read_timed_out_is_answered_503_with_retry_aft
         error = answer.json()["error"]
         assert error["code"] == "unavailable" and "read_timeout" in error["message"], error
     assert after.status_code == 200 and after.content.startswith(body)
+
+
+@contextmanager
+def commits_hang(conninfo: str) -> Iterator[None]:
+    """Every commit that writes waits for a synchronous standby that does not exist (as when the
+    only standby is lost: PostgreSQL makes writers wait, which no statement_timeout ends) while the
+    block runs; reads are served. Then the standby is no longer required and the waits end."""
+
+    def standby(name: str) -> None:
+        with psycopg.connect(conninfo, autocommit=True) as admin:
+            admin.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{name}'")
+            admin.execute("SELECT pg_reload_conf()")
+        for _ in range(200):  # the reload reaches new sessions within moments
+            with psycopg.connect(conninfo, autocommit=True) as probe:
+                row = probe.execute("SHOW synchronous_standby_names").fetchone()
+            if row is not None and row[0] == name:
+                return
+            threading.Event().wait(0.02)
+
+    standby("ghost")
+    try:
+        yield
+    finally:
+        standby("")
+
+
+@pytest.fixture
+def own_server() -> Iterator[PostgresServer]:
+    """A PostgreSQL server of this test's own: the faults below act on the whole server."""
+    with PostgresServer() as server:
+        yield server
+
+
+@pytest.mark.timeout(90)  # the loop held for as long as the database takes: the test fails here
+@pytest.mark.anyio
+async def test_a_write_the_database_does_not_finish_holds_the_loop_no_longer_than_the_write_timeout(
+    own_server: PostgresServer,
+) -> None:
+    """Issue 30: "no database call on the event loop without a bound". A create is written on the
+    loop (it is one step there, so that no request sees a stream half made); when its commit waits
+    in the database without end, the loop, and with it every client, waited too. Now the call runs
+    in a worker thread and the loop waits for it at most ``write_timeout``: the create is answered
+    503 ``outcome_unknown`` (its commit may still land), the store refuses further writes and tells
+    its holder (``on_unsure``: the leader steps down), and the other clients are served again."""
+    fs = PgFileSystem(own_server.conninfo(), read_timeout=READ_TIMEOUT, write_timeout=0.5)
+    told: list[str] = []
+    fs.on_unsure = told.append
+    fs.mkdir(ROOT)
+    try:
+        async with served_on(fs, ROOT / "data") as c:
+            assert (await c.put("/v1/stream/ready", content=b"kept", headers=OCTETS)).status_code == 201
+            with commits_hang(own_server.conninfo()):
+                create = asyncio.ensure_future(c.put("/v1/stream/new", headers=OCTETS))
+                read = await c.get("/v1/stream/ready", params={"offset": "-1"})  # from memory
+                answer = await create
+            assert read.status_code == 200 and read.content == b"kept"
+            assert answer.status_code == 503, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "outcome_unknown" and "write_timeout" in error["message"], error
+            assert told and "write_timeout" in told[0], told
+            # and nothing more is written by this server: its memory may disagree with the database
+            refused = await c.post("/v1/stream/ready", content=b"more", headers=OCTETS)
+            assert refused.status_code == 503, refused.text
+    finally:
+        fs.close()
+
+
+@pytest.mark.timeout(90)  # the loop held for as long as the database is frozen: the test fails here
+def test_a_cold_read_from_a_frozen_database_ends_at_the_read_timeout(own_server: PostgresServer) -> None:
+    """A database that is frozen (SIGSTOP, a paused VM) accepts the connection's bytes and answers
+    nothing, so its statement_timeout never fires: the read's bound is kept on this side."""
+    fs = PgFileSystem(own_server.conninfo(), read_timeout=READ_TIMEOUT)
+    try:
+        fs.mkdir(ROOT)
+        f = cast(PgFile, fs.open_file(ROOT / "old.log", create=True))
+        blob = bytes(range(256)) * (TAIL_CACHE // 256)
+        for i in range(2):  # twice the memory cache: the first half is read from the database
+            f.pwrite(blob, i * len(blob))
+            f.sync()
+
+        async def on_a_loop() -> bytes:
+            return f.pread(100, 0)  # as the server reads: synchronously, on its event loop's thread
+
+        assert own_server.node is not None
+        own_server.node.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(OSError) as raised:
+                asyncio.run(on_a_loop())
+        finally:
+            own_server.node.signal(signal.SIGCONT)
+        assert raised.value.errno == errno.ETIMEDOUT and "read_timeout" in str(raised.value), raised.value
+        assert f.pread(100, 0) == blob[:100]  # the store works again once the database does
+    finally:
+        fs.close()

@@ -940,8 +940,8 @@ class Broker:
         directory = self._dir_for(spec.name)
         # On the loop, as the whole create (so no other request sees it half made): on the PostgreSQL
         # store its look-ups (exists, the new log's listing) are reads bounded by the store's
-        # read_timeout; its writes (directory, first segment and its sync, meta) are bounded only by
-        # the pool's connect_timeout for a connection and by the database for their statements.
+        # read_timeout, and its writes (directory, first segment and its sync, meta) by its
+        # write_timeout: past it, the create's outcome is unknown (storage/pgfs.py).
         if self.fs.exists(directory):  # debris of an expired or unfinished stream
             self._trash(directory)
         flags = FLAG_JSON if is_json else 0
@@ -1591,8 +1591,8 @@ class Broker:
         target = self.trash_dir / f"{directory.name}-{uuid.uuid4().hex}"
         try:
             # on the loop (a delete is answered only once it is stored): on the PostgreSQL store a
-            # write, bounded only by the pool's connect_timeout and the database; the rmtree below
-            # runs in a worker thread
+            # write bounded by its write_timeout (storage/pgfs.py); the rmtree below runs in a
+            # worker thread
             self.fs.rename(directory, target)
         except OSError as exc:
             if required:

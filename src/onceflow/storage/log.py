@@ -747,8 +747,8 @@ class StreamLog:
         del self._segments[:n]  # in place: a roll may be appending in a worker thread; reads see the new start at once
         for seg in gone:
             seg.file.close()
-            # on the loop (by name, see above): on the PostgreSQL store a write, bounded only by the
-            # pool's connect_timeout for a connection and by the database for its DELETE and COMMIT
+            # on the loop (by name, see above): on the PostgreSQL store a write the loop waits for at
+            # most the store's write_timeout (storage/pgfs.py: past it, its outcome is unknown)
             self.fs.unlink(seg.path)
         await loop.run_in_executor(self._executor, self.fs.sync_dir, self.directory)
         return sum(seg.size for seg in gone)

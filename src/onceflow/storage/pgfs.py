@@ -35,14 +35,24 @@ Semantics, against the :class:`~onceflow.storage.fs.FileSystem` contract:
   holder's memory may disagree with the database, and it must step down.
 
 Reads of a file's recent bytes are served from memory (the last :data:`TAIL_CACHE` bytes written);
-older ranges are read from the database. A read made on an event loop's thread (the server's cold
-reads, the retention sweep's segment headers, a create's look-ups) is bounded: it waits at most
-:attr:`PgFileSystem.read_timeout` seconds for a connection of the pool and as long again for each
-statement (``statement_timeout``, lock waits included), then fails with :class:`ReadTimedOut`, so no
-database stall holds the loop, and with it every other client, for longer. Reads in worker threads
-(recovery, the logs' syncs) wait as long as the database takes. Writes are never given a statement
-timeout: one on a ``COMMIT`` that waits for a synchronous standby cancels that wait and reports a
-commit the standby may not hold.
+older ranges are read from the database. No call made on an event loop's thread waits for the
+database longer than a bound, whatever the database does (a lock, a commit waiting for a lost
+synchronous standby, a frozen or cut-off primary), so no database stall holds the loop, and with
+it every other client, for longer (:func:`_loop_bound`): such a call runs in a thread of its own,
+and the loop waits for it
+
+- at most :attr:`PgFileSystem.read_timeout` seconds for a read (the server's cold reads, the
+  retention sweep's segment headers, a create's look-ups), which then fails with
+  :class:`ReadTimedOut` (nothing changed; retry); its thread gives up as soon (the pool's wait and
+  each statement's ``statement_timeout``, lock waits included);
+- at most :attr:`PgFileSystem.write_timeout` seconds for a write (a create, a delete, retention's
+  removal of a segment), whose outcome is then unknown: it may still commit. It is
+  :class:`~onceflow.storage.fs.OutcomeUnknown`, handled as a lost answer to ``COMMIT`` is (no more
+  writes; the leader steps down). A write is never given a statement timeout: a ``COMMIT`` waiting
+  for a synchronous standby is not ended by one (PostgreSQL turns it off before the commit), and a
+  cancel would end that wait and report a commit the standby may not hold.
+
+Calls in worker threads (recovery, the logs' syncs) wait as long as the database takes.
 """
 
 from __future__ import annotations
@@ -60,7 +70,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 try:
     import psycopg
@@ -187,6 +197,44 @@ def _on_loop() -> bool:
     return True
 
 
+_CALL = threading.local()  # .bounded: this thread runs a call the event loop waits for (Connector.bounded)
+
+
+def _bounded() -> bool:
+    """Whether a wait in this thread holds up an event loop: the loop's own thread, or a call the loop
+    waits for (:meth:`Connector.bounded`)."""
+    return bool(getattr(_CALL, "bounded", False)) or _on_loop()
+
+
+class Overran(Exception):
+    """:meth:`Connector.bounded`: the call did not return within its bound (it may still be running)."""
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _loop_bound(kind: Literal["read", "write", "open"]) -> Callable[[_Method], _Method]:
+    """A call into the database made on an event loop's thread runs in a thread of its own, and the
+    loop waits for it at most the store's ``read_timeout`` (a read) or ``write_timeout`` (a write;
+    ``open``: a write with ``create=True``), whatever the database does: a statement_timeout does
+    not end a commit that waits for a synchronous standby, nor a query to a database that is frozen
+    (SIGSTOP, a paused VM) or cut off, and no client would be served meanwhile
+    (:meth:`PgFileSystem._off_loop` says what a call that overran is)."""
+
+    def wrap(method: _Method) -> _Method:
+        @functools.wraps(method)
+        def run(self: PgFileSystem, *args: Any, **kwargs: Any) -> Any:
+            if not _on_loop() or getattr(_CALL, "bounded", False):
+                return method(self, *args, **kwargs)
+            write = kind == "write" or (kind == "open" and bool(kwargs.get("create")))
+            what = f"{method.__name__.strip('_')} {args[0]}" if args else method.__name__.strip("_")
+            return self._off_loop(functools.partial(method, self, *args, **kwargs), what, write=write)
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
 def _io_error(exc: Exception, what: str) -> OSError:
     return OSError(errno.EIO, f"PostgreSQL store: {what} failed: {exc}")
 
@@ -216,6 +264,31 @@ class Connector:
 
     def pool(self, conninfo: str, **kwargs: Any) -> Any:
         return ConnectionPool(conninfo, **kwargs)
+
+    def bounded(self, call: Callable[[], Any], seconds: float) -> Any:
+        """``call()`` in a thread of its own (a daemon: one stuck in a frozen database never holds up
+        the process's exit), waiting for it at most ``seconds``; :class:`Overran` past them (the call
+        goes on, and its connection goes back to the pool when it ends). The thread's waits are
+        bounded in turn (:func:`_bounded`), so a call that overran does not linger for long."""
+        done = threading.Event()
+        result: list[Any] = []
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            _CALL.bounded = True
+            try:
+                result.append(call())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="onceflow-store-call", daemon=True).start()
+        if not done.wait(seconds):
+            raise Overran
+        if failed:
+            raise failed[0]
+        return result[0]
 
 
 class _Gone(Exception):
@@ -442,6 +515,7 @@ class PgFileSystem:
         cache_budget: int = 256 << 20,
         idle_timeout: float = 5.0,
         read_timeout: float = 2.0,
+        write_timeout: float = 5.0,
         connector: Connector | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -452,6 +526,9 @@ class PgFileSystem:
         self._sleep = sleep
         # how long a read on the event loop may wait: for a connection, and for each statement
         self.read_timeout = read_timeout
+        # how long the event loop waits for a write made on its thread (a create, a delete, a small
+        # file): past it the write's outcome is unknown (_off_loop)
+        self.write_timeout = write_timeout
         self.token: int | None = None  # the lease this server holds; None: no fencing (tests, tools)
         self.session = uuid.uuid4().hex[:16]  # names this process's connections (application_name)
         self.connect_timeout = connect_timeout
@@ -688,6 +765,7 @@ class PgFileSystem:
             self._lease_conns.append(conn)
         return renewed
 
+    @_loop_bound("write")
     def release(self, token: int) -> None:
         """Give the lease up at once (a clean shutdown): another server need not wait for it to expire."""
         with self._tx("release the lease", fence=False) as cur:
@@ -696,6 +774,7 @@ class PgFileSystem:
                 (token,),
             )
 
+    @_loop_bound("read")
     def holder(self) -> tuple[str, str | None, int] | None:
         """Who holds the lease (holder, address, token), if anyone does."""
         with self._tx("read the lease", fence=False) as cur:
@@ -717,10 +796,15 @@ class PgFileSystem:
         docstring), raising :class:`ReadTimedOut` past it."""
         if fence:
             self._refuse_if_unsure(what)
-        bound = self.read_timeout if read and not fence and _on_loop() else None
+        held = _bounded()
+        bound = self.read_timeout if read and not fence and held else None
+        wait = bound if bound is not None else (self.write_timeout if held else None)
         try:
-            # the wait for a connection: at most read_timeout on the loop, else connect_timeout
-            with self._pool.connection(timeout=bound) as conn:
+            # the wait for a connection: at most read_timeout (write_timeout) when it holds up an
+            # event loop, else connect_timeout
+            with self._pool.connection(timeout=wait) as conn:
+                if fence:  # an earlier write's outcome became unknown while this one waited
+                    self._refuse_if_unsure(what)
                 mark = None
                 try:
                     with conn.cursor() as cur:
@@ -744,6 +828,7 @@ class PgFileSystem:
         except psycopg.Error as exc:
             raise _io_error(exc, what) from exc
 
+    @_loop_bound("write")
     def write_range(self, f: PgFile, start: int, data: bytes, size: int) -> None:
         """Make the file's bytes from ``start`` on be ``data`` and its size ``size``, durably: one
         transaction, its statements pipelined (one round trip before the commit's)."""
@@ -842,12 +927,33 @@ class PgFileSystem:
             self._sleep(pause)
             pause = min(0.5, pause * 2)
         reason = f"the outcome of the {what} is unknown: the answer to its COMMIT was lost ({exc}) and could not be read back ({why})"
+        raise self._unknown(reason) from exc
+
+    def _unknown(self, reason: str) -> OutcomeUnknown:
+        """A write's outcome stays unknown (``reason``): no more writes, and the holder is told once."""
         log.error("PostgreSQL store: %s; this server writes nothing more", reason)
         first = self.unsure is None
         self.unsure = reason
         if first and self.on_unsure is not None:
             self.on_unsure(reason)
-        raise OutcomeUnknown(f"PostgreSQL store: {reason}") from exc
+        return OutcomeUnknown(f"PostgreSQL store: {reason}")
+
+    def _off_loop(self, call: Callable[[], Any], what: str, *, write: bool) -> Any:
+        """``call`` (a call into the database made on an event loop's thread: :func:`_loop_bound`),
+        waited for at most :attr:`write_timeout` (``write``) or :attr:`read_timeout`. A read that
+        overran is :class:`ReadTimedOut` (nothing changed: retry). A write that overran may still
+        commit: its outcome is unknown, so the store refuses every later write and tells its holder
+        (:meth:`_unknown`: a leader steps down, and the next one's recovery reads what committed)."""
+        seconds = self.write_timeout if write else self.read_timeout
+        try:
+            return self._connector.bounded(call, seconds)
+        except Overran:
+            if not write:
+                raise ReadTimedOut(what, seconds) from None
+            raise self._unknown(
+                f"the outcome of the {what} is unknown: the database did not finish it within the store's "
+                f"write_timeout ({seconds:g} s), and it may still commit"
+            ) from None
 
     def _refuse_if_unsure(self, what: str) -> None:
         if self.unsure is not None:
@@ -868,6 +974,7 @@ class PgFileSystem:
         if now != self.token:
             raise LeaseLost(self.token, now)
 
+    @_loop_bound("read")
     def read_range(self, ident: int, at: int, n: int) -> bytes:
         """Bytes [at, at + n) of file ``ident`` as the database holds them (short at its end).
 
@@ -1027,6 +1134,7 @@ class PgFileSystem:
 
     # ------------------------------------------------------------------ the FileSystem protocol
 
+    @_loop_bound("open")
     def open_file(self, path: Path, *, create: bool) -> File:
         key = str(path)
         pre = self._preload_for(key)
@@ -1055,6 +1163,7 @@ class PgFileSystem:
         assert row is not None
         return PgFile(self, path, int(row[0]), int(row[1]))
 
+    @_loop_bound("read")
     def listdir(self, path: Path) -> list[str]:
         key = str(path)
         pre = self._preload_for(key)
@@ -1075,6 +1184,7 @@ class PgFileSystem:
             cur.execute("SELECT path FROM onceflow_files WHERE parent = %s AND path <> parent", (key,))
             return [Path(p).name for (p,) in cur.fetchall()]
 
+    @_loop_bound("write")
     def mkdir(self, path: Path) -> None:
         key = str(path)
         pre = self._preload_for(key)
@@ -1091,6 +1201,7 @@ class PgFileSystem:
                 [(p, _parent(p)) for p in chain],
             )
 
+    @_loop_bound("read")
     def exists(self, path: Path) -> bool:
         pre = self._preload_for(str(path))
         if pre is not None:
@@ -1099,6 +1210,7 @@ class PgFileSystem:
             cur.execute("SELECT 1 FROM onceflow_files WHERE path = %s", (str(path),))
             return cur.fetchone() is not None
 
+    @_loop_bound("write")
     def unlink(self, path: Path) -> None:
         key = str(path)
         self._tree_changed(key)
@@ -1108,6 +1220,7 @@ class PgFileSystem:
             if row is not None:
                 cur.execute("DELETE FROM onceflow_chunks WHERE file = %s", (row[0],))
 
+    @_loop_bound("write")
     def rename(self, src: Path, dst: Path) -> None:
         s, d = str(src), str(dst)
         if s == d:
@@ -1143,23 +1256,27 @@ class PgFileSystem:
                 )
 
     def rmtree(self, path: Path) -> None:
-        key = str(path)
         try:
-            self._tree_changed(key)
-            with self._tx(f"rmtree {key}") as cur:
-                cur.execute(
-                    "DELETE FROM onceflow_files WHERE path = %s OR starts_with(path, %s) RETURNING id",
-                    (key, key.rstrip("/") + "/"),
-                )
-                ids = [i for (i,) in cur.fetchall() if i is not None]
-                if ids:
-                    cur.execute("DELETE FROM onceflow_chunks WHERE file = ANY(%s)", (ids,))
+            self._rmtree(str(path))
         except OSError as exc:  # best effort, as the protocol says
-            log.warning("could not remove %s: %s", key, exc)
+            log.warning("could not remove %s: %s", path, exc)
+
+    @_loop_bound("write")
+    def _rmtree(self, key: str) -> None:
+        self._tree_changed(key)
+        with self._tx(f"rmtree {key}") as cur:
+            cur.execute(
+                "DELETE FROM onceflow_files WHERE path = %s OR starts_with(path, %s) RETURNING id",
+                (key, key.rstrip("/") + "/"),
+            )
+            ids = [i for (i,) in cur.fetchall() if i is not None]
+            if ids:
+                cur.execute("DELETE FROM onceflow_chunks WHERE file = ANY(%s)", (ids,))
 
     def sync_dir(self, path: Path) -> None:
         """Nothing to do: a directory operation is durable when it returns."""
 
+    @_loop_bound("read")
     def read_bytes(self, path: Path) -> bytes:
         key = str(path)
         pre = self._preload_for(key)
@@ -1179,6 +1296,7 @@ class PgFileSystem:
         data = self.read_range(int(row[0]), 0, int(row[1]))
         return data + bytes(int(row[1]) - len(data))
 
+    @_loop_bound("write")
     def replace_file(
         self, path: Path, data: bytes, *, sync: bool = True, sync_dir: bool = True, mode: int = 0o666
     ) -> None:

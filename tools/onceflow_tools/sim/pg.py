@@ -254,6 +254,16 @@ class _Connector(pgfs.Connector):
     def pool(self, conninfo: str, **kwargs: Any) -> Any:
         return _Pool(self, conninfo, **kwargs)
 
+    def bounded(self, call: Callable[[], Any], seconds: float) -> Any:
+        """The call, made at once (no threads: the run stays deterministic); one whose waits took
+        longer than ``seconds`` of simulated time is reported as overrun, after it ended: its effect
+        happened, and its caller does not know (a real call that overran may commit or not)."""
+        began = self.db.time()
+        result = call()
+        if self.db.time() - began > seconds:
+            raise pgfs.Overran
+        return result
+
 
 class SimPostgres:
     """The database (module docstring)."""
