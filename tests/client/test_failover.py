@@ -24,7 +24,13 @@ import pytest
 from helpers.servers import ServerProcess, free_port
 from onceflow.admin import AdminClient
 from onceflow.client import Consumer, IdempotentProducer, OnceflowError, Stream, TransactionalProducer, TransportError
-from onceflow.client._failover import AsyncFailoverTransport, FailoverTransport, Servers, parse_servers
+from onceflow.client._failover import (
+    SILENT_SERVER,
+    AsyncFailoverTransport,
+    FailoverTransport,
+    Servers,
+    parse_servers,
+)
 from onceflow.client.lowlevel import (
     NoServerError,
     async_http_client,
@@ -305,6 +311,31 @@ def test_requests_to_other_urls_pass_untouched(connect: Callable[[str, Fleet], C
     client = connect("http://a:1,b:2", fleet)
     assert client.request("GET", "http://other:9/hook").json() == {"server": "other"}
     assert fleet.calls == ["other:9"]
+
+
+def test_a_silent_server_is_given_up_on_in_a_few_terms_not_a_minute(connect: Callable[[str, Fleet], Client]) -> None:
+    """Issue 30, item 7: a frozen leader (SIGSTOP, a paused VM) takes the connection (its kernel
+    does) and answers nothing; a client given several servers waited its whole read timeout
+    (``Stream``'s 60 s) before moving on. Its waits for a server are now at most
+    ``SILENT_SERVER`` seconds, a few lease terms (another server leads by then), unless the caller
+    asked for less; a live read (long-poll, SSE) waits by design and keeps its own."""
+    seen: list[tuple[str, dict[str, float | None]]] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.params.get("live", ""), dict(request.extensions["timeout"])))
+        return httpx.Response(200, json={})
+
+    fleet = Fleet(a_1=record, b_2=record)
+    client = connect("http://a:1,b:2/v1/stream/s", fleet)
+    client.request("POST", content=b"[1]", timeout=httpx.Timeout(30.0, read=60.0))
+    client.request("GET", params={"offset": "-1"}, timeout=httpx.Timeout(5.0, read=2.0))
+    client.request("GET", params={"offset": "-1", "live": "long-poll"}, timeout=httpx.Timeout(30.0, read=60.0))
+    client.request("GET", params={"offset": "-1", "live": "sse"}, timeout=httpx.Timeout(30.0, read=None))
+    waits = {kind: [t[kind] for _, t in seen] for kind in ("connect", "read", "write")}
+    assert waits["read"] == [SILENT_SERVER, 2.0, 60.0, None], seen
+    assert waits["connect"] == [SILENT_SERVER, 5.0, SILENT_SERVER, SILENT_SERVER], seen
+    assert waits["write"] == [SILENT_SERVER, 5.0, SILENT_SERVER, SILENT_SERVER], seen
+    assert SILENT_SERVER <= 15.0  # a few terms of the default 3 s lease
 
 
 def test_a_body_that_cannot_be_sent_again_gets_the_followers_answer() -> None:

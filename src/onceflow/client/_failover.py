@@ -15,7 +15,9 @@ keeps the index of the one it last found serving and sends each request there:
 - Any other transport error (read timeout, connection reset, also while reading the body): the
   request may have reached the server. It is raised unchanged, for the caller's own retry rules
   (the producers resend with the same Producer-Id/Epoch/Seq and transaction ids, which the server
-  deduplicates), and the *next* request starts at the next server.
+  deduplicates), and the *next* request starts at the next server. A silent server (a frozen one)
+  is given up on after at most :data:`SILENT_SERVER` seconds, whatever longer timeout the request
+  has, except a live read's wait for data.
 
 Each request tries each server at most once. When every server refused it or was a follower, it
 raises :class:`NoServerError` (an ``httpx.ConnectError``: like a refused connection, the request
@@ -41,6 +43,7 @@ from ..errors import OnceflowError
 
 __all__ = [
     "LEADER_HEADER",
+    "SILENT_SERVER",
     "AsyncFailoverTransport",
     "FailoverTransport",
     "NoServerError",
@@ -55,6 +58,14 @@ ServerURL = str | Sequence[str]
 """A server URL (``http://a:4437`` or ``http://a:4437,b:4437``), or a list of single-server URLs."""
 
 LEADER_HEADER = "onceflow-leader"
+SILENT_SERVER = 10.0
+"""Seconds a client given several servers waits for one of them (to connect, to send, for a piece
+of the answer) before it gives up on it, whatever longer timeout it was given: a frozen leader (SIGSTOP,
+a paused VM) takes connections, as its kernel still does, and answers nothing, while another server
+leads after a term (3 s by default) and its recovery. The request then fails as any read timeout does
+(it may have reached the server: producers resend it, deduplicated) and the next one goes to the next
+server. Live reads (``live=long-poll``, ``live=sse``) wait for data by design: their reads keep their
+own timeout."""
 NOT_LEADER = "not_leader"
 _SCHEME_AFTER_COMMA = re.compile(r",\s*[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -280,6 +291,18 @@ class _Attempt:
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
+def _bound_silence(request: httpx.Request) -> None:
+    """At most :data:`SILENT_SERVER` for each wait of ``request`` on a server (a live read's wait
+    for data excepted); a shorter timeout the caller gave, or none at all (``None``), stays."""
+    timeouts = dict(request.extensions.get("timeout", {}))
+    live = bool(request.url.params.get("live"))
+    for kind in ("connect", "write") if live else ("connect", "write", "read"):
+        wait = timeouts.get(kind)
+        if wait is not None and wait > SILENT_SERVER:
+            timeouts[kind] = SILENT_SERVER
+    request.extensions["timeout"] = timeouts
+
+
 def _leader_of(response: httpx.Response, raw: bytes) -> tuple[bool, str | None]:
     """Whether a 503 (its headers and raw body) is a follower's, and the leader's URL it names
     (None when it knows none). A follower's 503 has the error code ``not_leader`` in its body or,
@@ -356,6 +379,7 @@ class FailoverTransport(httpx.BaseTransport):
         at = route.addressed(request.url)
         if at is None:
             return self._inner.handle_request(request)
+        _bound_silence(request)
         attempt = _Attempt(route, request)
         i = attempt.at
         while True:
@@ -411,6 +435,7 @@ class AsyncFailoverTransport(httpx.AsyncBaseTransport):
         at = route.addressed(request.url)
         if at is None:
             return await self._inner.handle_async_request(request)
+        _bound_silence(request)
         attempt = _Attempt(route, request)
         i = attempt.at
         while True:
