@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,8 +18,9 @@ pytest.importorskip("psycopg_pool", reason="the PostgreSQL store needs psycopg_p
 
 from onceflow.core.broker import Broker  # noqa: E402
 from onceflow.server import leader  # noqa: E402
-from onceflow.server.app import AppConfig  # noqa: E402
+from onceflow.server.app import App, AppConfig  # noqa: E402
 from onceflow.server.http import HttpLimits  # noqa: E402
+from onceflow.server.instrument import Instrumented  # noqa: E402
 from onceflow.server.leader import serve_store  # noqa: E402
 from onceflow.server.run import build_handler  # noqa: E402
 from onceflow.storage.fs import FileSystem  # noqa: E402
@@ -461,7 +464,8 @@ async def test_a_read_that_outlives_the_lease_is_not_answered_from_memory() -> N
         await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})  # type: ignore[operator]
 
     sent, exc = await _asgi(leader.Leading(live_tail, follower, lease), "GET", None)
-    assert exc is not None and len(sent) == 2  # broken off before the event sent after the lease ran out
+    assert exc is None and len(sent) == 2  # broken off before the event sent after the lease ran out
+    assert sent[-1].get("more_body") is True  # unfinished: the server closes the connection
 
 
 @pytest.mark.anyio
@@ -505,3 +509,45 @@ async def test_a_server_started_while_the_database_cannot_be_reached_waits_for_i
             stop.set()
             await asyncio.wait_for(serving, 30)
             probe.close()
+
+
+@pytest.mark.anyio
+async def test_a_read_refused_because_the_lease_ran_out_is_no_error_and_no_answer_in_the_metrics(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stop 27's note: a read whose lease ran out as it was answered was logged by the app as an
+    unhandled error (with a traceback), and the metrics counted the answer it never sent (a 204, or
+    the 500 it then tried). The client gets 503 ``not_leader``; the app's withdrawn answer is counted
+    as none, and nothing is logged as an error."""
+    broker = Broker(tmp_path / "data")
+    broker.open()
+    await broker.start()
+    inner = App(broker, AppConfig(long_poll_timeout=0.2))
+    lease = leader.Lease(token=1, term=0.1, began=leader._clock())  # runs out while the long-poll waits
+
+    async def follower(scope: object, receive: object, send: object) -> None:
+        raise AssertionError("began while the lease was valid: the leader's handler takes it")
+
+    try:
+        tail = broker.create("s", content_type="application/json").next
+        assert tail is not None
+        app = leader.Leading(Instrumented(inner, inner.metrics), follower, lease)
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        query = f"offset={tail.token()}&live=long-poll".encode()
+        scope = {"type": "http", "method": "GET", "path": "/v1/stream/s", "headers": [], "query_string": query}
+        with caplog.at_level(logging.ERROR):
+            await app(scope, receive, send)
+    finally:
+        await inner.subscriptions.close()
+        await broker.close()
+    assert sent[0]["status"] == 503 and b"not_leader" in sent[1]["body"], sent
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    counted = {labels[1] for labels in inner.metrics.requests if labels[0].startswith("stream.")}
+    assert counted == {"none"}, inner.metrics.requests.keys()

@@ -47,6 +47,7 @@ from .metrics import Metrics
 from .subscriptions import SubscriptionAPI
 
 __all__ = [
+    "AnswerWithdrawn",
     "App",
     "AppConfig",
     "BadRequest",
@@ -231,6 +232,12 @@ class _ReadQuery:
     max_bytes: int | None
 
 
+class AnswerWithdrawn(Exception):
+    """Raised by a ``send`` wrapped around the app (the leader's, once its lease ran out) to withdraw
+    the answer being sent: the app stops handling the request, as after a client that went away, with
+    no error of its own; the wrapper answers instead."""
+
+
 class App:
     """ASGI application serving one :class:`Broker`."""
 
@@ -251,6 +258,8 @@ class App:
             return
         try:
             await self._http(scope, receive, send)
+        except AnswerWithdrawn:
+            raise
         except Exception:
             log.exception("unhandled error for %s %s", scope.get("method"), scope.get("path"))
             status, headers, body = _error(500, "internal", "internal server error")

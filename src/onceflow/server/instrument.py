@@ -97,6 +97,7 @@ class Instrumented:
 
         async def sending(message: ASGIMessage) -> None:
             nonlocal status, code, sent
+            await send(message)  # first: an answer withdrawn (AnswerWithdrawn) or not sent is not counted
             if message["type"] == "http.response.start":
                 status = message["status"]
                 if append and status == 204 and _duplicate(message.get("headers", [])):
@@ -108,7 +109,6 @@ class Instrumented:
                         code = _error_code(body)
                     if counts_out:
                         sent += len(body)
-            await send(message)
 
         async def receiving() -> ASGIMessage:
             nonlocal got

@@ -58,7 +58,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ..core.broker import Broker
 from ..storage.fs import FileSystem
 from ..storage.pgfs import PgFileSystem
-from .app import App
+from .app import AnswerWithdrawn, App
 from .http import HttpLimits, HttpServerProtocol, start_server
 from .instrument import Instrumented
 from .run import shut_down
@@ -200,8 +200,8 @@ class Leading:
         try:
             await self.handler(scope, receive, while_valid)
         except _LeaseRanOut:
-            if started:
-                raise  # a live tail broken off: the client reads on from another server
+            if started:  # a live tail broken off: left unfinished, so the server closes the
+                return  # connection (no error: the client reads on from another server)
             await _error(
                 send,
                 503,
@@ -211,7 +211,7 @@ class Leading:
             )
 
 
-class _LeaseRanOut(Exception):
+class _LeaseRanOut(AnswerWithdrawn):
     """A read's answer was about to go out after this server's lease ran out."""
 
 
