@@ -202,13 +202,7 @@ class Leading:
         except _LeaseRanOut:
             if started:  # a live tail broken off: left unfinished, so the server closes the
                 return  # connection (no error: the client reads on from another server)
-            await _error(
-                send,
-                503,
-                "not_leader",
-                "this server's lease ran out while it answered the read; ask again",
-                headers=((b"onceflow-leader", b""), (b"retry-after", b"1"), (b"cache-control", b"no-store")),
-            )
+            await _not_leader(send, "this server's lease ran out while it answered the read; ask again", None)
 
 
 class _LeaseRanOut(AnswerWithdrawn):
@@ -413,17 +407,7 @@ class NotLeader:
             if leader
             else f"no onceflow server holds the store's lease now; one takes it within {self._lease_seconds:g} s"
         )
-        body = json.dumps({"error": {"code": "not_leader", "message": message, "leader": leader}}).encode()
-        # the header always, empty when no leader is known: a HEAD's answer has no body to tell a
-        # follower's 503 from another one (clients move to the next server on it)
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"retry-after", b"1"),
-            (b"cache-control", b"no-store"),
-            (b"onceflow-leader", (leader or "").encode()),
-        ]
-        await send({"type": "http.response.start", "status": 503, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await _not_leader(send, message, leader)
 
     async def _pass_on(self, leader: str, scope: Any, receive: Any, send: Any) -> None:
         body = bytearray()
@@ -494,12 +478,25 @@ class NotLeader:
 
 
 async def _error(
-    send: Any, status: int, code: str, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()
+    send: Any,
+    status: int,
+    code: str,
+    message: str,
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+    **more: str | None,
 ) -> None:
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    body = json.dumps({"error": {"code": code, "message": message, **more}}).encode()
     start = [(b"content-type", b"application/json"), *headers]
     await send({"type": "http.response.start", "status": status, "headers": start})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _not_leader(send: Any, message: str, leader: str | None) -> None:
+    """503 ``not_leader``, naming the leader when one is known. The header always, empty when no
+    leader is known: a HEAD's answer has no body to tell a follower's 503 from another one (clients
+    move to the next server on it)."""
+    headers = ((b"retry-after", b"1"), (b"cache-control", b"no-store"), (b"onceflow-leader", (leader or "").encode()))
+    await _error(send, 503, "not_leader", message, headers, leader=leader)
 
 
 async def _starting(scope: Any, receive: Any, send: Any) -> None:
