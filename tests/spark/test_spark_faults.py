@@ -1,8 +1,9 @@
 """kill -9 of the Spark driver at the worst moments, through `onceflow demo` (the README's main job).
 
-Five driver crashes per run: right after the sink committed batch N but before Spark wrote its
-commit log (Spark re-runs N with the same offsets), inside ``write()`` with rows written in an open
-transaction, and three at random moments. The data is then checked here, independently of the
+Three driver crashes per run, as ``./run.sh`` makes them: right after the sink committed batch N but
+before Spark wrote its commit log (Spark re-runs N with the same offsets), inside ``write()`` with
+rows written in an open transaction, and one at a random moment (each restart costs CI about half a
+minute of JVM start: more crashes are the soak's). The data is then checked here, independently of the
 demo's own report: the output holds every input event exactly once. The soak is
 ``onceflow demo --crashes 20``.
 """
@@ -38,7 +39,7 @@ def test_driver_kill9_after_commit_inside_write_and_at_random_is_exactly_once(tm
             "--events",
             "3000",
             "--crashes",
-            "5",
+            "3",
             "--drop-acks",
             "0.3",
             "--max-records-per-trigger",
@@ -61,9 +62,9 @@ def test_driver_kill9_after_commit_inside_write_and_at_random_is_exactly_once(tm
     # the planned crashes really happened where they were meant to
     assert "crashing on purpose: after the sink committed batch" in crashes
     assert "crashing on purpose: inside write() of batch" in crashes
-    # 5 killed and 1 to finish; more if Spark failed by itself before a planned crash (the demo then
+    # 3 killed and 1 to finish; more if Spark failed by itself before a planned crash (the demo then
     # restarts it and plans that crash again: see "exited by itself" in its report)
-    assert log.count("=== driver start") >= 6
+    assert log.count("=== driver start") >= 4
 
     # check the data again here, from the server's files
     srv = ServerProcess(work / "data")
