@@ -46,6 +46,22 @@ def again(fs: PgFileSystem) -> PgFileSystem:
     return PgFileSystem(fs.conninfo)
 
 
+def test_the_servers_share_one_secret_also_on_a_store_made_before_its_table(fs: PgFileSystem) -> None:
+    """The secret that seals the headers a follower passes on lives in the store's schema; a store
+    made by a version without its table gets it at the next start, and every server reads the same."""
+    import psycopg
+
+    with psycopg.connect(fs.conninfo, autocommit=True) as admin:
+        admin.execute("DROP TABLE onceflow_cluster")  # as a store made before it
+    first, second = again(fs), again(fs)
+    try:
+        secret = first.cluster_secret()
+        assert len(secret) == 32 and second.cluster_secret() == secret == fs.cluster_secret()
+    finally:
+        first.close()
+        second.close()
+
+
 def test_synced_bytes_survive_and_unsynced_ones_do_not(fs: PgFileSystem) -> None:
     f = fs.open_file(ROOT / "a.log", create=True)
     f.pwrite(b"hello ", 0)

@@ -72,7 +72,6 @@ __all__ = [
     "NotLeader",
     "Seal",
     "Switch",
-    "cluster_secret",
     "serve_store",
 ]
 
@@ -227,32 +226,9 @@ SEALED = b"onceflow-sealed"  # a passed-on request's headers, sealed with the cl
 IN_CLEAR = frozenset({b"host", b"content-type"})  # also sent in clear (content-type: for no one's sake but logs')
 
 
-def cluster_secret(conninfo: str) -> bytes:
-    """The secret the servers of the store ``conninfo`` share (:class:`Seal`): 32 random bytes in the
-    table ``onceflow_cluster``, made by the first server that needs them. Whoever can read the
-    database can read them; nobody else can."""
-    with psycopg.connect(conninfo, connect_timeout=10) as conn, conn.cursor() as cur:
-        cur.execute("SELECT to_regclass('onceflow_cluster') IS NOT NULL")
-        row = cur.fetchone()
-        if row is None or not row[0]:
-            cur.execute("SELECT pg_advisory_xact_lock(4437002)")  # concurrent first starts: one creates
-            cur.execute(
-                "CREATE TABLE IF NOT EXISTS onceflow_cluster "
-                "(id int PRIMARY KEY CHECK (id = 1), secret bytea NOT NULL)"  # one row
-            )
-        cur.execute(
-            "INSERT INTO onceflow_cluster (id, secret) VALUES (1, %s) ON CONFLICT (id) DO NOTHING",
-            (secrets.token_bytes(32),),
-        )
-        cur.execute("SELECT secret FROM onceflow_cluster WHERE id = 1")
-        row = cur.fetchone()
-        assert row is not None
-        return bytes(row[0])
-
-
 class Seal:
     """A follower passes a request on with its headers (the bearer token and cookies among them)
-    sealed, AES-GCM with the secret the servers of one store share (:func:`cluster_secret`), so that
+    sealed, AES-GCM with the secret the servers of one store share (``PgFileSystem.cluster_secret``), so that
     a listener at the address in the lease's row that is not a server of the store (a stale or wrong
     ``--advertise``, a port another process took) learns nothing of them. Only ``Host`` and
     ``Content-Type`` travel in clear besides.
@@ -662,7 +638,7 @@ async def _reach_store(store: str, lease_seconds: float, stop: asyncio.Event) ->
                 # a transaction this process left open (paused, SIGSTOP) ends after half a term: the
                 # lease's row lock it holds does not keep the next leader out
                 fs = await _off_loop(functools.partial(PgFileSystem, store, idle_timeout=lease_seconds / 2))
-            return fs, await _off_loop(cluster_secret, store)
+            return fs, await _off_loop(fs.cluster_secret)
         except (OSError, psycopg.Error) as exc:
             log.warning("could not reach the store (trying again): %s", exc)
         if await _wait(stop, min(1.0, lease_seconds / 4)):

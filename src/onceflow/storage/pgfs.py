@@ -136,7 +136,15 @@ CREATE TABLE IF NOT EXISTS onceflow_commits (
     seq     bigint NOT NULL            -- how many writing transactions of the connection committed
 );
 """
-SCHEMA = _TABLES + _COMPRESSION + _LEASE + _COMMITS
+_CLUSTER = """
+CREATE TABLE IF NOT EXISTS onceflow_cluster (
+    id     int PRIMARY KEY CHECK (id = 1),
+    secret bytea NOT NULL              -- what the servers seal the headers they pass on with (server/leader.py)
+);
+"""
+SCHEMA = _TABLES + _COMPRESSION + _LEASE + _COMMITS + _CLUSTER
+# what a store made by an earlier version gains at a start (no statement of it waits for a table's lock)
+_UPGRADE = _COMPRESSION + _CLUSTER
 _SCHEMA_OBJECTS = (
     "onceflow_files",
     "onceflow_files_parent",
@@ -595,10 +603,28 @@ class PgFileSystem:
                     # up every write after it (CREATE ... IF NOT EXISTS locks a table even when it
                     # exists); lz4 for a store made before it is tried, and given up at once if busy
                     cur.execute("SET LOCAL lock_timeout = '100ms'")
-                    cur.execute(_COMPRESSION)
+                    cur.execute(_UPGRADE)
                 conn.commit()
         except psycopg.Error as exc:
             raise _io_error(exc, "create the schema") from exc
+
+    def cluster_secret(self) -> bytes:
+        """The secret the servers of this store share (server/leader.py's ``Seal``): 32 random bytes,
+        made by the first server that asks. Whoever can read the database can read them; nobody else
+        can."""
+        try:
+            with self._connect() as conn, conn.cursor() as cur:
+                cur.execute(
+                    "INSERT INTO onceflow_cluster (id, secret) VALUES (1, %s) ON CONFLICT (id) DO NOTHING",
+                    (secrets.token_bytes(32),),
+                )
+                cur.execute("SELECT secret FROM onceflow_cluster WHERE id = 1")
+                row = cur.fetchone()
+                conn.commit()
+        except psycopg.Error as exc:
+            raise _io_error(exc, "read the servers' shared secret") from exc
+        assert row is not None
+        return bytes(row[0])
 
     def close(self) -> None:
         self._pool.close()

@@ -406,9 +406,9 @@ def _create(db: SimPostgres, c: _Conn, text: str, p: Any) -> tuple[Rows, int]:
     return [], 0
 
 
-@_sql(pgfs._COMPRESSION)
-def _compression(db: SimPostgres, c: _Conn, text: str, p: Any) -> tuple[Rows, int]:
-    return [], 0
+@_sql(pgfs._UPGRADE)
+def _upgrade(db: SimPostgres, c: _Conn, text: str, p: Any) -> tuple[Rows, int]:
+    return [], 0  # lz4 and the servers' secret: nothing the simulation looks at
 
 
 @_sql("INSERT INTO onceflow_commits (conn, session, seq) VALUES (%s, %s, 0)")
