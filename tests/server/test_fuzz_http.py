@@ -94,12 +94,14 @@ async def snapshot(c: InProcess) -> dict[str, Any]:
     return out
 
 
-text = st.text(max_size=12)
+# lone UTF-16 surrogates too (issue 28, item 10): JSON can spell them ("\\ud800"), Unicode text cannot
+plain = st.text(max_size=12)  # also in query strings, which cannot carry a lone surrogate at all
+text = plain | st.sampled_from(["\ud800", "a\udfff", "\udc00z"])  # the bodies' strings
 ints = st.one_of(st.integers(-3, 5), st.sampled_from([2**53, -(2**63), 10**30]))
 scalars = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=False), text)
 offsets_like = st.one_of(
     st.sampled_from(["-1", "now", "0000000000000000_0000000000000000", "0000000000000001_0000000000000008", "zz"]),
-    text,
+    plain,
 )
 json_values = st.recursive(
     scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3), max_leaves=6
@@ -161,6 +163,7 @@ bodies = st.one_of(
             "streams": st.lists(st.sampled_from(["fz", "nope", ""]) | text, max_size=2) | scalars,
             "time_ms": ints | scalars,
             "dry_run": st.booleans() | scalars,
+            "request_id": text | scalars,
         },
     ).map(lambda d: json.dumps(d).encode()),
     json_values.map(lambda v: json.dumps(v).encode()),

@@ -344,3 +344,26 @@ async def test_a_duplicated_protocol_header_is_400_without_a_guard_too(onceflow:
         S + "s", content=b"{}", headers=[*base, ("producer-id", "a"), ("x-trace", "1"), ("x-trace", "2")]
     )
     assert r.status_code == 200  # other headers may repeat
+
+
+@pytest.mark.anyio
+async def test_a_lone_surrogate_in_a_control_body_is_400(onceflow: InProcess) -> None:
+    """Issue 28, item 10: JSON can spell a lone UTF-16 surrogate ("\\ud800"), Unicode text cannot; a
+    transaction's request id and a subscription's pattern holding one were a 500 where they were
+    encoded. Every control body's strings must be text: a 400 that says so, and nothing created."""
+    c = onceflow.client
+    lone = b'"\\ud800"'
+    for path, method, body in (
+        ("/v1/txn/tx/init", "POST", b'{"request_id": ' + lone + b"}"),
+        ("/v1/groups/g/offsets", "POST", b'{"offsets": {' + lone + b': "-1"}}'),
+        (
+            "/v1/stream/__ds/subscriptions/s1",
+            "PUT",
+            b'{"type": "pull-wake", "pattern": "a' + lone[1:] + b', "wake_stream": "w"}',
+        ),
+    ):
+        r = await c.request(method, path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, r.status_code, r.text[:300])
+        assert "surrogate" in r.text, (path, r.text[:300])
+    assert (await c.get("/v1/txn/tx")).status_code == 404
+    assert (await c.get("/v1/stream/__ds/subscriptions/s1")).status_code == 404

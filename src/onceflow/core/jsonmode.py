@@ -10,7 +10,7 @@ import msgspec
 
 from ..errors import OnceflowError
 
-__all__ = ["JsonError", "encode_messages", "first_messages", "wrap_payloads"]
+__all__ = ["JsonError", "encode_messages", "first_messages", "parse_control", "wrap_payloads"]
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
@@ -31,6 +31,24 @@ _decode = json.JSONDecoder(parse_constant=_reject_constant).decode
 _STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _WHITESPACE = re.compile(rb"[ \t\n\r]")
 _STRINGS_KEPT = re.compile(b"(" + _STRINGS.pattern + b")")  # split() keeps what a group matched
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_control(raw: bytes) -> Any:
+    """The JSON of a control request's body (a transaction's init, a group's offsets, a
+    subscription, a guard's look at either): its strings become names and ids, so they must be
+    Unicode text. JSON can spell a lone UTF-16 surrogate (``"\\ud800"``) and text cannot: such a body
+    is refused here (:class:`JsonError`, a ``ValueError``, as for any JSON the json module refuses),
+    not wherever one of its strings is first encoded."""
+    value = json.loads(raw)
+    if _SURROGATE_ESCAPE.search(raw):  # rare: only then is every string looked at
+        try:
+            json.dumps(value, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise JsonError("a string holds a lone UTF-16 surrogate (\\ud800 to \\udfff unpaired): not text") from None
+    return value
 
 
 def _is_compact(body: bytes) -> bool:

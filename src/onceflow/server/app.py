@@ -34,7 +34,7 @@ from ..core.broker import (
     unstored,
     validate_name,
 )
-from ..core.jsonmode import wrap_payloads
+from ..core.jsonmode import parse_control, wrap_payloads
 from ..core.refusal import Refusal
 from ..core.subscriptions import WebhookTargets
 from ..core.txn import SinkState, TxnError, TxnMeta, TxnStatus
@@ -437,7 +437,7 @@ class App:
         if not raw:
             return {}
         try:
-            value = json.loads(raw)
+            value = parse_control(raw)
         except ValueError as exc:
             raise BadRequest(f"the body must be a JSON object: {exc}") from None
         except RecursionError:

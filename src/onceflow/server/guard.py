@@ -58,6 +58,7 @@ from typing import Any, Literal
 from urllib.parse import parse_qs
 
 from ..core.broker import Broker
+from ..core.jsonmode import parse_control
 from ..core.subscriptions import Subscription, SubscriptionError, glob_prefix
 from ..errors import OnceflowError
 from .answers import answer_for
@@ -791,7 +792,7 @@ def _parse(raw: bytes) -> Any:
     if not raw.strip():
         return {}
     try:
-        return json.loads(raw)
+        return parse_control(raw)
     except ValueError as exc:
         raise _Refused(400, "bad_request", f"the body is not valid JSON: {exc}") from None
     except RecursionError:

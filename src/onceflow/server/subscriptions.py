@@ -33,6 +33,7 @@ from urllib.parse import unquote
 import httpx
 
 from ..core.broker import Broker
+from ..core.jsonmode import parse_control
 from ..core.refusal import Refusal
 from ..core.subscriptions import (
     DeliveryError,
@@ -332,7 +333,7 @@ async def _read_json(headers: dict[str, str], receive: Receive) -> object:
     if not raw.strip():
         return {}
     try:
-        return json.loads(raw)
+        return parse_control(raw)
     except ValueError as exc:
         raise _BodyError(400, "INVALID_REQUEST", f"the body is not valid JSON: {exc}") from None
     except RecursionError:
