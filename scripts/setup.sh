@@ -4,7 +4,8 @@
 #   scripts/setup.sh ha     runtime plus what `onceflow demo --ha` needs: psycopg (onceflow[postgresql])
 #                           and PostgreSQL's server binaries (Debian's postgresql package)
 #   scripts/setup.sh dev    plus the dev tools (tools/: onceflow bench|chaos|sim), the test, lint and
-#                           type-check tools, and Node.js for conformance
+#                           type-check tools, Node.js for conformance, and Patroni and etcd (chaos
+#                           --failover-manager patroni)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want=${1:-runtime}
@@ -65,6 +66,13 @@ fi
 if [ "$want" = dev ] && ! ls /usr/lib/*/faketime/libfaketime.so.1 >/dev/null 2>&1; then
   echo "setup: libfaketime is missing (the clock-step test runs PostgreSQL under it); installing from Debian's packages"
   apt_install faketime
+fi
+
+# `onceflow chaos --store postgresql --failover-manager patroni` and its test (tests/tools/test_chaos_patroni.py)
+# run the database as a Patroni cluster over etcd (docs/ha.md, "Running with Patroni")
+if [ "$want" = dev ] && { ! command -v patroni >/dev/null 2>&1 || ! command -v etcd >/dev/null 2>&1; }; then
+  echo "setup: Patroni or etcd is missing (the Patroni chaos test runs them); installing patroni and etcd-server from Debian's packages"
+  apt_install patroni etcd-server
 fi
 
 if [ "$want" = dev ] && ! command -v npx >/dev/null 2>&1; then

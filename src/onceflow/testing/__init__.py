@@ -21,6 +21,9 @@ acknowledgements with it.
 - :class:`HaCluster`: the highly available set-up of docs/ha.md on loopback, onceflow servers
   (:class:`HaServer`) over a :class:`PostgresCluster`, with its faults (kill a server, fail the
   database over, pause the primary, cut a server off from the database, step a clock).
+- :class:`PatroniCluster`: the database of :class:`HaCluster` managed by Patroni over a one-member
+  etcd (Debian's ``patroni`` and ``etcd-server``): a crashed primary is failed over by Patroni, not by
+  hand, and comes back as the standby; :func:`patroni_missing` says why it cannot run here.
 - :class:`SteppableClock`: a wall clock of processes started under libfaketime that a test steps
   while they run; :func:`clock_step_missing` says why it cannot be used here.
 - :class:`FaultProxy`: an HTTP/1.1 proxy that drops, delays and reorders (lost acknowledgements).
@@ -29,6 +32,7 @@ acknowledgements with it.
 from .faketime import SteppableClock, clock_step_missing
 from .faultproxy import FaultProxy
 from .ha import HaCluster, HaServer
+from .patroni import PatroniCluster, patroni_missing
 from .processes import OnceflowProcess, ServerFailure, ServerProcess, free_port, onceflow_server
 from .services import (
     PostgresCluster,
@@ -45,6 +49,7 @@ __all__ = [
     "HaCluster",
     "HaServer",
     "OnceflowProcess",
+    "PatroniCluster",
     "PostgresCluster",
     "PostgresNode",
     "PostgresRole",
@@ -57,5 +62,6 @@ __all__ = [
     "clock_step_missing",
     "free_port",
     "onceflow_server",
+    "patroni_missing",
     "postgres_bindir",
 ]

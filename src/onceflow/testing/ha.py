@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from .faketime import SteppableClock
+from .patroni import PatroniCluster
 from .pgproxy import PgFaultProxy
 from .processes import free_port
 from .services import PostgresCluster, PostgresNode
@@ -103,7 +104,13 @@ class HaCluster:
     the server) and :meth:`partition` / :meth:`heal` (one server cut off from the database: nothing
     answered, nothing refused). With ``clock_faults`` every server and the database run on a
     :class:`~onceflow.testing.faketime.SteppableClock` of their own (:attr:`clocks`, by server name
-    and ``"database"`` for both nodes): :meth:`step_clock` steps one's wall clock."""
+    and ``"database"`` for both nodes): :meth:`step_clock` steps one's wall clock.
+
+    ``failover_manager="patroni"``: the database is a :class:`~onceflow.testing.patroni.PatroniCluster`
+    (etcd and two Patroni-managed nodes, synchronous mode) instead: :meth:`fail_over_database` kills
+    the primary's postgres and waits for Patroni to promote the standby (nothing by hand), and Patroni
+    brings the old node back as the new standby, so the database can fail over again. With
+    ``clock_faults`` the database's clock is that of both Patronis too (one machine's clock)."""
 
     def __init__(
         self,
@@ -114,8 +121,10 @@ class HaCluster:
         extra: tuple[str, ...] = (),
         commit_faults: bool = False,
         clock_faults: bool = False,
+        failover_manager: Literal["none", "patroni"] = "none",
     ) -> None:
         self.n = servers
+        self.failover_manager = failover_manager
         self.lease_seconds = lease_seconds
         self.extra = extra
         self.commit_faults = commit_faults  # each server reaches each node through a PgFaultProxy of its own
@@ -133,7 +142,12 @@ class HaCluster:
             for name in [f"server-{i}" for i in range(servers)] + ["database"]:
                 self.clocks[name] = SteppableClock(self._clock_dir / name)
         db_clock = self.clocks.get("database")
-        self.pg = PostgresCluster(env=None if db_clock is None else db_clock.env())
+        db_env = None if db_clock is None else db_clock.env()
+        self.pg: PostgresCluster | PatroniCluster = (
+            PatroniCluster(env=db_env, keep_logs=None if self._own_work else self.work)
+            if failover_manager == "patroni"
+            else PostgresCluster(env=db_env)
+        )
         self.servers: list[HaServer] = []
 
     @property
@@ -243,7 +257,13 @@ class HaCluster:
             node.signal(signal.SIGCONT)
 
     def fail_over_database(self) -> float:
-        """``kill -9`` of the PostgreSQL primary, then promotion of the standby; the seconds promotion took."""
+        """``kill -9`` of the PostgreSQL primary, then promotion of the standby (by ``pg_ctl promote``, or
+        with Patroni by Patroni: then waited for); the seconds the promotion took (with Patroni: from
+        the kill)."""
+        if isinstance(self.pg, PatroniCluster):
+            began = time.perf_counter()
+            self.pg.wait_promoted(self.pg.kill_primary())
+            return time.perf_counter() - began
         self.pg.kill_primary()
         return self.pg.promote()
 

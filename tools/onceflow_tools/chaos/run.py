@@ -84,7 +84,20 @@ that keeps leading past the term, two servers leading at once, no takeover while
 cut off, or no append acknowledged within 60 s of a fault fail the run.
 
 garble-tail, disk-full and read-only act on a local data directory: there is none in this mode, so
-they are left out (the summary says so). A server that exits with any status but 3 is an
+they are left out (the summary says so).
+
+``--failover-manager patroni`` runs the database as a Patroni cluster instead
+(:class:`~onceflow.testing.PatroniCluster`: a one-member etcd and two Patroni-managed nodes in
+``synchronous_mode``, the servers given both nodes in a multi-host URL with
+``target_session_attrs=read-write``; docs/ha.md, "Running with Patroni"). fail-over-database then
+waits until the standby is Patroni's synchronous standby, ``kill -9``s the primary's postgres (its
+Patroni lives on) and waits for Patroni to promote the standby (``primary_start_timeout: 0``: a
+crashed primary is failed over, not restarted in place); nothing is promoted by hand. The summary
+gives, per failover, the seconds from the kill to the promotion, from the kill and from the
+promotion to the first acknowledged append, and until Patroni had the old node back as the
+synchronous standby (``pg_rewind``). As the old node comes back, the fault may strike again
+(it is no longer once per run). Every other fault works as above; clock-step of the database
+steps the clock of both Patronis too (one machine's clock). A server that exits with any status but 3 is an
 unexpected exit, as in the local mode.
 
 At the end every client is stopped, every transactional id is initialised once more (which aborts
@@ -120,12 +133,20 @@ import httpx
 from onceflow._progress import Display, progress_display
 from onceflow.client.lowlevel import http_client, request_url
 from onceflow.demo import check_pipeline, sink_batch, spark_missing
-from onceflow.testing import FaultProxy, HaCluster, HaServer, ServiceUnavailable, clock_step_missing, free_port
+from onceflow.testing import (
+    FaultProxy,
+    HaCluster,
+    HaServer,
+    PatroniCluster,
+    ServiceUnavailable,
+    clock_step_missing,
+    free_port,
+)
 
 from .history import Anomaly, HistoryWriter, check, load_history
 from .worker import parse_records
 
-__all__ = ["FAULT_KINDS", "HA_FAULT_KINDS", "LOCAL_ONLY_FAULTS", "add_chaos_parser", "run_chaos"]
+__all__ = ["FAILOVER_MANAGERS", "FAULT_KINDS", "HA_FAULT_KINDS", "LOCAL_ONLY_FAULTS", "add_chaos_parser", "run_chaos"]
 
 FAULT_KINDS = (
     "kill-server",
@@ -154,7 +175,8 @@ HA_FAULT_KINDS = (
     "fail-over-database",
 )
 LOCAL_ONLY_FAULTS = tuple(k for k in FAULT_KINDS if k not in HA_FAULT_KINDS)
-ONCE_PER_RUN = ("fail-over-database",)
+ONCE_PER_RUN = ("fail-over-database",)  # without a failover manager: the old primary stays down
+FAILOVER_MANAGERS = ("none", "patroni")
 FAILOVER_GOAL = 5.0  # seconds from a promotion to the first acknowledged append (docs/ha.md)
 CLOCK_SEEN = 2.1  # seconds until every process on a SteppableClock runs on its new offset
 CLOCK_STEP_MAX = 25  # seconds; the servers' seals allow 30 s of disagreement between their clocks (docs/ha.md)
@@ -463,6 +485,7 @@ class Chaos:
                 extra=extra,
                 commit_faults=True,
                 clock_faults="clock-step" in self.kinds,
+                failover_manager=args.failover_manager,
             )
         else:
             self.server = Server(self.data, self.logs / "server.log", txn_timeout=args.txn_timeout)
@@ -483,7 +506,7 @@ class Chaos:
         self.probes = 0  # probe appends made
         self.probe_producer, self.probe_seq = "chaos-probe", 0
         self.after_leader_kill: list[float] = []  # seconds from a leader's kill -9 to the first ack
-        self.failover: dict[str, Any] = {}  # the database failover's figures
+        self.failovers: list[dict[str, Any]] = []  # each database failover's figures
         self.started = time.monotonic()  # when the faults began (run() sets it)
         # every fault injected: its kind, when (seconds into the run and wall clock), what it hit, and
         # (--store postgresql) the seconds from the injection to the next acknowledged append
@@ -920,9 +943,14 @@ class Chaos:
                     time.sleep(0.1)
 
     def _fail_over_database(self) -> None:
-        """Once per run: the PostgreSQL primary killed, the standby promoted; then how long appends
-        stopped after the promotion."""
+        """The PostgreSQL primary killed, the standby promoted; then how long appends stopped after the
+        promotion. Without a failover manager once per run, the standby promoted by ``pg_ctl
+        promote`` (the old primary stays down); with Patroni (:meth:`_fail_over_with_patroni`) Patroni
+        promotes, and brings the old node back."""
         assert self.ha is not None
+        if isinstance(self.ha.pg, PatroniCluster):
+            self._fail_over_with_patroni(self.ha.pg)
+            return
         # Step 1: kill -9 of the primary (it stays down) and promotion of the standby
         killed_at = time.monotonic()
         self.ha.pg.kill_primary()  # (finding the primary first takes a few psql round trips)
@@ -931,16 +959,85 @@ class Chaos:
         promoted_at = time.monotonic()
         # Step 2: the first acknowledged append after the promotion, through both servers
         took = self._probe_append("database-failover", since=promoted_at)
-        self.failover = {
-            "promotion_s": round(promotion, 3),
-            "primary_killed_to_promoted_s": round(promoted_at - killed_at, 3),
-            "first_ack_after_promotion_s": None if took is None else round(took, 3),
-            "goal_s": FAILOVER_GOAL,
-            "goal_met": took is not None and took <= FAILOVER_GOAL,
-        }
+        self.failovers.append(
+            {
+                "promotion_s": round(promotion, 3),
+                "primary_killed_to_promoted_s": round(promoted_at - killed_at, 3),
+                "first_ack_after_promotion_s": None if took is None else round(took, 3),
+                "goal_s": FAILOVER_GOAL,
+                "goal_met": took is not None and took <= FAILOVER_GOAL,
+            }
+        )
         if took is None:
             self.effects["no append acknowledged after the promotion"] += 1
         _say(f"  ... fail-over-database: standby promoted in {promotion:.2f} s; " + _acked_after(took, "promotion"))
+
+    def _fail_over_with_patroni(self, pg: PatroniCluster) -> None:
+        """``kill -9`` of the primary's postgres; Patroni promotes the standby and brings the old node
+        back (``pg_rewind``) as the new primary's synchronous standby.
+
+        1. Wait (up to 60 s) until a synchronous standby is there (the node a previous failover
+           killed may still be coming back); without one Patroni would not fail over: skipped.
+        2. ``kill -9`` of the primary's postmaster and children; Patroni on that node sees it within
+           ``loop_wait``, releases the leader key, and the standby's Patroni promotes.
+        3. Wait for the promotion, then a probe append through both servers, resent until
+           acknowledged.
+        4. Wait (up to 60 s) until Patroni has the old node back as the synchronous standby.
+        """
+        # Step 1: a synchronous standby to fail over to
+        try:
+            pg.wait_synchronous(60.0)
+        except RuntimeError as exc:
+            _say(f"  ... fail-over-database: not injected, {exc}")
+            self.effects["no synchronous standby to fail over to"] += 1
+            return
+        # Step 2: the crash (timed from when it is over: finding the primary takes a few psql round trips)
+        old = pg.kill_primary()
+        killed_at = time.monotonic()
+        self._injected("fail-over-database")
+        # Step 3: Patroni's promotion, and the first acknowledged append
+        try:
+            new = pg.wait_promoted(old, timeout=UNAVAILABLE_LIMIT)
+        except RuntimeError as exc:
+            _say(f"  ... fail-over-database: {exc}")
+            self.effects["no promotion by Patroni within 60 s"] += 1
+            return
+        promoted_at = time.monotonic()
+        took = self._probe_append("database-failover", since=promoted_at)
+        acked_at = None if took is None else promoted_at + took
+        # Step 4: the old node back as the synchronous standby
+        try:
+            pg.wait_synchronous(60.0)
+            rejoined: float | None = time.monotonic() - promoted_at
+        except RuntimeError:
+            rejoined = None
+            self.effects["old primary not back as the synchronous standby within 60 s"] += 1
+        self.detail.update(target=old.name, promoted=new.name)
+        self.failovers.append(
+            {
+                "manager": "patroni",
+                "killed": old.name,
+                "promoted": new.name,
+                "primary_killed_to_promoted_s": round(promoted_at - killed_at, 3),
+                "first_ack_after_promotion_s": _rounded(took),
+                "first_ack_after_kill_s": None if acked_at is None else round(acked_at - killed_at, 3),
+                "old_primary_back_as_sync_standby_s": _rounded(rejoined),
+                "goal_s": FAILOVER_GOAL,
+                "goal_met": took is not None and took <= FAILOVER_GOAL,
+            }
+        )
+        if took is None:
+            self.effects["no append acknowledged after the promotion"] += 1
+        _say(
+            f"  ... fail-over-database: {old.name}'s postgres killed, Patroni promoted {new.name} after "
+            f"{promoted_at - killed_at:.2f} s; "
+            + _acked_after(took, "promotion")
+            + (
+                f"; {old.name} back as the synchronous standby {rejoined:.1f} s after the promotion"
+                if rejoined is not None
+                else f"; {old.name} NOT back within 60 s"
+            )
+        )
 
     def _partition(self) -> None:
         """One server cut off from the database (the leader the first time, a follower the second, then
@@ -1194,7 +1291,9 @@ class Chaos:
         self.set_up()
         if self.ha is not None:
             where = (
-                f"servers {self.url} over PostgreSQL (a primary and its synchronous standby; logs in {self.logs}), "
+                f"servers {self.url} over PostgreSQL (a primary and its synchronous standby"
+                + (", managed by Patroni over etcd" if self.args.failover_manager == "patroni" else "")
+                + f"; logs in {self.logs}), "
                 f"lease {self.args.lease_seconds:g} s, proxies {', '.join(p.url for p in self.proxies)}, "
                 f"no {', '.join(LOCAL_ONLY_FAULTS)} (no local data directory)"
             )
@@ -1210,7 +1309,8 @@ class Chaos:
         self.started = started
         schedule = list(self.kinds)
         self.rng.shuffle(schedule)
-        again = tuple(k for k in self.kinds if k not in ONCE_PER_RUN)  # drawn after the first round
+        once = ONCE_PER_RUN if self.args.failover_manager == "none" else ()  # Patroni brings the old primary back
+        again = tuple(k for k in self.kinds if k not in once)  # drawn after the first round
         end = started + self.args.duration
         # a bar of the duration on stderr when both stdout and stderr are a terminal (the fault lines go
         # above it); in logs, only the lines, as before
@@ -1359,6 +1459,8 @@ class Chaos:
             "garbled tails kept after recovery",
             "unexpected server exits",
             "no append acknowledged after the promotion",
+            "old primary not back as the synchronous standby within 60 s",
+            "no promotion by Patroni within 60 s",
             "no append acknowledged after a leader's kill",
             "no append acknowledged within 60 s of a fault",
             "two servers leading at once",
@@ -1453,7 +1555,9 @@ class Chaos:
                 "lease_seconds": self.args.lease_seconds,
                 "starts": {srv.name: srv.starts for srv in self.ha.servers},
             },
-            "database_failover": self.failover,
+            "failover_manager": self.args.failover_manager,
+            "database_failover": self.failovers[0] if self.failovers else {},  # the first
+            "database_failovers": self.failovers,
             "leader_kills": {
                 "count": self.effects["leaders killed"],
                 "first_ack_after_kill_s": [round(t, 3) for t in self.after_leader_kill],
@@ -1463,20 +1567,30 @@ class Chaos:
     def _print_ha_figures(self, summary: dict[str, Any]) -> None:
         print("not applicable here: " + ", ".join(LOCAL_ONLY_FAULTS) + " (no local data directory)")
         print("servers: " + ", ".join(f"{k} x{v}" for k, v in summary["servers"]["starts"].items()))
-        fo = self.failover
-        if not fo:
+        if not self.failovers:
             print("database failover: none (the run ended before it)")
-        else:
+        for fo in self.failovers:
             after = fo["first_ack_after_promotion_s"]
-            print(
-                f"database failover: primary killed, standby promoted in {fo['promotion_s']:.2f} s; "
-                + (
-                    "no append acknowledged after it"
-                    if after is None
-                    else f"first append acknowledged {after:.2f} s after the promotion "
-                    f"(goal <= {FAILOVER_GOAL:g} s: {'met' if fo['goal_met'] else 'MISSED'})"
-                )
+            acked = (
+                "no append acknowledged after it"
+                if after is None
+                else f"first append acknowledged {after:.2f} s after the promotion "
+                f"(goal <= {FAILOVER_GOAL:g} s: {'met' if fo['goal_met'] else 'MISSED'})"
             )
+            if fo.get("manager") == "patroni":
+                back = fo["old_primary_back_as_sync_standby_s"]
+                print(
+                    f"database failover (Patroni): {fo['killed']}'s postgres killed, {fo['promoted']} promoted "
+                    f"{fo['primary_killed_to_promoted_s']:.2f} s later; {acked}"
+                    + ("" if after is None else f", {fo['first_ack_after_kill_s']:.2f} s after the kill")
+                    + (
+                        "; old primary not back"
+                        if back is None
+                        else f"; old primary back as sync standby after {back:.1f} s"
+                    )
+                )
+            else:
+                print(f"database failover: primary killed, standby promoted in {fo['promotion_s']:.2f} s; {acked}")
         kills = summary["leader_kills"]["first_ack_after_kill_s"]
         if kills:
             print("leader kills: first append acknowledged " + ", ".join(f"{t:.2f}" for t in kills) + " s after")
@@ -1529,6 +1643,9 @@ def run_chaos(args: argparse.Namespace) -> int:
     if args.store == "postgresql" and args.sabotage is not None:
         print("error: --sabotage acts on a local data directory: leave out --store postgresql", file=sys.stderr)
         return 2
+    if args.failover_manager != "none" and args.store != "postgresql":
+        print("error: --failover-manager manages the database of --store postgresql: add it", file=sys.stderr)
+        return 2
     if args.lease_seconds < 1.0:
         print("error: --lease-seconds must be at least 1", file=sys.stderr)
         return 2
@@ -1553,7 +1670,8 @@ def run_chaos(args: argparse.Namespace) -> int:
     try:
         chaos = Chaos(args, root)
     except ServiceUnavailable as exc:
-        print(f"error: --store postgresql needs PostgreSQL: {exc}", file=sys.stderr)
+        needs = "Patroni and etcd" if args.failover_manager == "patroni" else "PostgreSQL"
+        print(f"error: --store postgresql needs {needs}: {exc}", file=sys.stderr)
         return 2
     try:
         return chaos.run()
@@ -1629,6 +1747,18 @@ def add_chaos_parser(sub: Any) -> None:
         "kill-client, stop-client, drop-acks and delay-acks; the summary gives each fault's "
         "unavailability (seconds from injection to the next acknowledged append); "
         "garble-tail, disk-full and read-only act on a local data directory and are left out",
+    )
+    c.add_argument(
+        "--failover-manager",
+        choices=list(FAILOVER_MANAGERS),
+        default="none",
+        help="with --store postgresql: what fails the database over. none (default): the harness, by "
+        "pg_ctl promote (fail-over-database once: the old primary stays down). patroni: a Patroni "
+        "cluster over a one-member etcd (Debian's patroni and etcd-server; synchronous_mode on; docs/ha.md, "
+        "'Running with Patroni'): fail-over-database kills -9 the primary's postgres and Patroni promotes "
+        "the standby and brings the old node back (pg_rewind), so it may strike again; the summary gives "
+        "the seconds from the kill to the promotion and to the first acknowledged append. Every other "
+        "fault works as without; clock-step of the database steps the clock of both Patronis too",
     )
     c.add_argument(
         "--lease-seconds",
