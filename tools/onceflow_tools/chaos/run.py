@@ -1287,8 +1287,8 @@ class Chaos:
     # ------------------------------------------------------------------ the run
 
     def run(self) -> int:
-        started = time.monotonic()
         self.set_up()
+        started = time.monotonic()  # --duration is seconds of faults: the set-up (Patroni's: ~20 s) is not counted
         if self.ha is not None:
             where = (
                 f"servers {self.url} over PostgreSQL (a primary and its synchronous standby"
