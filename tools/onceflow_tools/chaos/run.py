@@ -127,7 +127,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 
@@ -197,6 +197,7 @@ SPARK_PREFIX = "spark/"
 SPARK_SINK_PREFIX = "chaos-spark-"
 SPARK_EVENTS, SPARK_ENRICHED, SPARK_COUNTS = (f"{SPARK_PREFIX}{s}" for s in ("events", "enriched", "counts"))
 SPARK_STREAMS = [SPARK_EVENTS, SPARK_ENRICHED, SPARK_COUNTS]
+_T = TypeVar("_T")
 _PR_CAPBSET_DROP = 24
 _CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 1, 2
 
@@ -984,10 +985,14 @@ class Chaos:
         3. Wait for the promotion, then a probe append through both servers, resent until
            acknowledged.
         4. Wait (up to 60 s) until Patroni has the old node back as the synchronous standby.
+
+        Every wait goes on restarting the servers and clients that exit meanwhile
+        (:meth:`_supervised`): a leader that cannot renew its lease while the database fails over
+        exits with status 3, and a supervisor would restart it at once.
         """
         # Step 1: a synchronous standby to fail over to
         try:
-            pg.wait_synchronous(60.0)
+            self._supervised(lambda: pg.wait_synchronous(60.0))
         except RuntimeError as exc:
             _say(f"  ... fail-over-database: not injected, {exc}")
             self.effects["no synchronous standby to fail over to"] += 1
@@ -998,17 +1003,18 @@ class Chaos:
         self._injected("fail-over-database")
         # Step 3: Patroni's promotion, and the first acknowledged append
         try:
-            new = pg.wait_promoted(old, timeout=UNAVAILABLE_LIMIT)
+            new, promoted_at = self._supervised(
+                lambda: (pg.wait_promoted(old, timeout=UNAVAILABLE_LIMIT), time.monotonic())
+            )
         except RuntimeError as exc:
             _say(f"  ... fail-over-database: {exc}")
             self.effects["no promotion by Patroni within 60 s"] += 1
             return
-        promoted_at = time.monotonic()
-        took = self._probe_append("database-failover", since=promoted_at)
+        took = self._supervised(lambda: self._probe_append("database-failover", since=promoted_at))
         # Step 4: the old node back as the synchronous standby
         try:
-            pg.wait_synchronous(60.0)
-            rejoined: float | None = time.monotonic() - promoted_at
+            back_at = self._supervised(lambda: (pg.wait_synchronous(60.0), time.monotonic())[1])
+            rejoined: float | None = back_at - promoted_at
         except RuntimeError:
             rejoined = None
             self.effects["old primary not back as the synchronous standby within 60 s"] += 1
@@ -1037,6 +1043,27 @@ class Chaos:
                 else f"; {old.name} NOT back within 60 s"
             )
         )
+
+    def _supervised(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` in a thread while this one goes on restarting the servers and clients that exit
+        (:meth:`supervise`, every 0.2 s), as a supervisor would; its result, or its exception raised here."""
+        result: list[_T] = []
+        error: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                result.append(fn())
+            except BaseException as exc:  # noqa: BLE001 - raised again below, in this thread
+                error.append(exc)
+
+        thread = threading.Thread(target=run, name="supervised", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            self.supervise()
+        if error:
+            raise error[0]
+        return result[0]
 
     def _partition(self) -> None:
         """One server cut off from the database (the leader the first time, a follower the second, then
