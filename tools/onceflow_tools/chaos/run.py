@@ -84,7 +84,8 @@ that keeps leading past the term, two servers leading at once, no takeover while
 cut off, or no append acknowledged within 60 s of a fault fail the run.
 
 garble-tail, disk-full and read-only act on a local data directory: there is none in this mode, so
-they are left out (the summary says so).
+they are left out (the summary says so). A server that exits with any status but 3 is an
+unexpected exit, as in the local mode.
 
 ``--failover-manager patroni`` runs the database as a Patroni cluster instead
 (:class:`~onceflow.testing.PatroniCluster`: a one-member etcd and two Patroni-managed nodes in
@@ -98,8 +99,7 @@ acknowledged append (a probe sent once the promotion is seen), and until Patroni
 back as the synchronous standby (``pg_rewind``); the fault's ``unavailable_s`` is the seconds from
 the kill to the first acknowledged append. As the old node comes back, the fault may strike again
 (it is no longer once per run). Every other fault works as above; clock-step of the database
-steps the clock of both Patronis too (one machine's clock). A server that exits with any status but 3 is an
-unexpected exit, as in the local mode.
+steps the clock of both Patronis too (one machine's clock).
 
 At the end every client is stopped, every transactional id is initialised once more (which aborts
 whatever was left open), the copier, the sink and the Spark pipeline are given time to catch up,
