@@ -5,7 +5,7 @@ by hand of :class:`~onceflow.testing.PostgresCluster`.
 Debian's packages (``patroni``, ``etcd-server``; ``scripts/setup.sh dev`` installs them): etcd
 listens on two free loopback ports, each Patroni on one for its REST API, each PostgreSQL on one
 (fixed in its ``patroni.yml``: a proxy in front of a node keeps its address while Patroni restarts
-it). As root, Patroni (and so PostgreSQL, which it starts) runs as ``nobody``.
+it). As root, etcd and Patroni (and so PostgreSQL, which Patroni starts) run as ``nobody``.
 :func:`patroni_missing` says why it cannot run here (None when it can).
 """
 
@@ -31,7 +31,7 @@ __all__ = ["PATRONI_TIMING", "PatroniCluster", "patroni_missing"]
 
 PATRONI_TIMING = {
     # Patroni's global (DCS) settings that decide how fast it fails over; docs/ha.md explains each
-    "ttl": 20,  # seconds the leader key lives without an update (Patroni's smallest allowed)
+    "ttl": 20,  # seconds the leader key lives without an update: a lost machine (> loop_wait + 2 * retry_timeout)
     "loop_wait": 1,  # seconds between two runs of Patroni's loop: how soon a crashed primary is seen
     "retry_timeout": 5,  # seconds Patroni retries etcd and PostgreSQL before it gives up on them
     "primary_start_timeout": 0,  # a crashed primary is failed over at once, not restarted in place
@@ -113,7 +113,8 @@ class PatroniCluster:
        started at once: one wins the race to initialise the cluster (``initdb``), the other clones it
        (``pg_basebackup``).
     3. Wait until one node is primary and the other its ``streaming`` ``sync`` standby (Patroni sets
-       ``synchronous_standby_names`` once the standby streams).
+       ``synchronous_standby_names`` once the standby streams) and Patroni names it ``sync_standby``
+       (only then would it promote it).
     """
 
     SCOPE = "onceflow"
