@@ -367,3 +367,29 @@ async def test_a_lone_surrogate_in_a_control_body_is_400(onceflow: InProcess) ->
         assert "surrogate" in r.text, (path, r.text[:300])
     assert (await c.get("/v1/txn/tx")).status_code == 404
     assert (await c.get("/v1/stream/__ds/subscriptions/s1")).status_code == 404
+
+
+@pytest.mark.anyio
+async def test_headers_that_carry_names_are_utf8(onceflow: InProcess) -> None:
+    """Issue 28, item 9: ``Stream-Retention-Keep-Groups`` was decoded as Latin-1, so a group named
+    with a non-ASCII letter never matched and retention kept everything for that stream. Names are
+    UTF-8 in paths and bodies; so are the headers that carry them (a fork's source, the groups
+    retention keeps for, a transactional id), and bytes that are not UTF-8 there are a 400."""
+    c = onceflow.client
+    octets = (b"content-type", b"application/octet-stream")
+    r = await c.put(S + "kept", headers=[octets, (b"stream-retention-keep-groups", "grüppe,b".encode())])
+    assert r.status_code == 201, r.text
+    listed = {s["name"]: s for s in (await c.get("/v1/streams")).json()["streams"]}
+    assert listed["kept"]["retention_keep_groups"] == ["grüppe", "b"], listed["kept"]
+    assert (await c.put(S + "qüelle", headers=[octets])).status_code == 201
+    r = await c.put(S + "fork", headers=[octets, (b"stream-forked-from", "qüelle".encode())])
+    assert r.status_code == 201, r.text
+    assert {s["name"]: s for s in (await c.get("/v1/streams")).json()["streams"]}["fork"]["forked_from"] == "qüelle"
+    for name, value in (
+        (b"stream-retention-keep-groups", b"gr\xfcppe"),
+        (b"stream-forked-from", b"q\xfcelle"),
+        (b"transaction-id", b"t\xff"),
+    ):
+        r = await c.put(S + "bad", headers=[octets, (name, value)])
+        assert r.status_code == 400 and "UTF-8" in r.text, (name, r.status_code, r.text)
+    assert (await c.head(S + "bad")).status_code == 404

@@ -134,8 +134,14 @@ _SINGLE_HEADERS = frozenset(
 )
 
 
+# headers whose values are names (a stream, groups, a transactional id): UTF-8, as names in paths and
+# bodies are; every other value is Latin-1, as HTTP has it
+_NAME_HEADERS = frozenset({"stream-forked-from", "stream-retention-keep-groups", "transaction-id"})
+
+
 def request_headers(scope: Scope) -> dict[str, str]:
-    """The request's headers by lower-case name (latin-1). A protocol header given more than once
+    """The request's headers by lower-case name (latin-1; UTF-8 for the headers that carry names,
+    a :class:`BadRequest` when they are not). A protocol header given more than once
     is a :class:`BadRequest` (every ``Stream-*``, ``Producer-*`` and ``Transaction-*`` header,
     ``If-Match``, ``If-None-Match``, ``Content-Type``, ``Content-Length``, ``Transfer-Encoding``,
     ``Authorization`` and ``Host``); of any other repeated header the first counts. The guard
@@ -147,7 +153,13 @@ def request_headers(scope: Scope) -> dict[str, str]:
             if key in _SINGLE_HEADERS or key.startswith(_SINGLE_HEADER_PREFIXES):
                 raise BadRequest(f"the header {key!r} is given more than once; send each protocol header once")
             continue
-        headers[key] = v.decode("latin-1")
+        if key in _NAME_HEADERS:
+            try:
+                headers[key] = v.decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadRequest(f"the header {key!r} carries names: its value must be UTF-8") from None
+        else:
+            headers[key] = v.decode("latin-1")
     return headers
 
 
