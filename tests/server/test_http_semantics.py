@@ -332,3 +332,29 @@ async def test_a_write_whose_outcome_the_store_cannot_learn_is_never_answered_as
         if r.status_code >= 300 and (r.status_code != 503 or r.json()["error"]["code"] != "outcome_unknown")
     ]
     assert not wrong, wrong
+
+
+@pytest.mark.anyio
+async def test_stream_data_is_never_active_content_on_the_servers_origin(onceflow: InProcess) -> None:
+    """Issue 28, item 7: a stream created as ``text/html`` (or SVG) whose data holds a ``<script>``
+    ran it when opened in a browser, on the origin of the dashboard and the admin endpoints. Every
+    read of a stream's data is sandboxed (``Content-Security-Policy: sandbox``: no script, a unique
+    origin) and not sniffed into something else."""
+    c = onceflow.client
+    page = b"<html><script>fetch('/v1/streams')</script></html>"
+    created = await c.put(S + "page", content=page, headers={"content-type": "text/html", "stream-closed": "true"})
+    assert created.status_code == 201  # closed: the live reads below end at once
+    tail = (await c.head(S + "page")).headers["stream-next-offset"]
+    reads = {
+        "catch-up": await c.get(S + "page", params={"offset": "-1"}),
+        "records": await c.get(S + "page", params={"offset": "-1", "format": "records"}),
+        "tail": await c.get(S + "page", params={"offset": "now"}),
+        "long-poll": await c.get(S + "page", params={"offset": tail, "live": "long-poll"}),
+    }
+    async with c.stream("GET", S + "page", params={"offset": "-1", "live": "sse"}) as sse:
+        reads["sse"] = sse
+    assert reads["catch-up"].content == page
+    for kind, r in reads.items():
+        assert r.status_code in (200, 204), (kind, r.status_code)
+        assert "sandbox" in r.headers.get("content-security-policy", ""), (kind, dict(r.headers))
+        assert r.headers.get("x-content-type-options") == "nosniff", (kind, dict(r.headers))

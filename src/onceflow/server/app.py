@@ -100,6 +100,23 @@ COMMON = [
 ]
 
 
+# A stream's data is a client's, in whatever content type it was created with (text/html, SVG): a read
+# of it is never active content on this server's origin, which the dashboard and the admin endpoints
+# share (no script, a unique origin; nosniff is in COMMON). The dashboard has a policy of its own.
+_SANDBOX = (b"content-security-policy", b"sandbox")
+
+
+def _sandboxed(send: Send) -> Send:
+    """``send``, with :data:`_SANDBOX` on the answer's headers."""
+
+    async def sending(message: ASGIMessage) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message["headers"], _SANDBOX]}
+        await send(message)
+
+    return sending
+
+
 @dataclass(slots=True)
 class AppConfig:
     long_poll_timeout: float = 20.0
@@ -969,6 +986,7 @@ class App:
     # ------------------------------------------------------------------ GET
 
     async def _get(self, name: str, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
+        send = _sandboxed(send)
         params = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
         q = self._read_query(params)
         s = self.broker.get(name)
