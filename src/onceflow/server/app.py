@@ -261,7 +261,7 @@ class _ReadQuery:
     max_bytes: int | None
 
 
-class AnswerWithdrawn(Exception):
+class AnswerWithdrawn(OnceflowError):
     """Raised by a ``send`` wrapped around the app (the leader's, once its lease ran out) to withdraw
     the answer being sent: the app stops handling the request, as after a client that went away, with
     no error of its own; the wrapper answers instead."""

@@ -214,7 +214,7 @@ def _bounded() -> bool:
     return bool(getattr(_CALL, "bounded", False)) or _on_loop()
 
 
-class Overran(Exception):
+class Overran(OnceflowError):
     """:meth:`Connector.bounded`: the call did not return within its bound (it may still be running)."""
 
 
