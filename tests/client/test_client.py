@@ -64,6 +64,7 @@ def test_public_surface_is_what_the_docs_promise() -> None:
         "ContentTypeMismatchError",
         "Delivery",
         "FileOffsetStore",
+        "ForbiddenError",
         "GroupOffsetStore",
         "IdempotentProducer",
         "TransactionalProducer",
@@ -88,6 +89,7 @@ def test_public_surface_is_what_the_docs_promise() -> None:
         "StreamNotFoundError",
         "TopicProducer",
         "TransportError",
+        "UnknownTransactionalIdError",
         "partition_for",
         "partition_names",
     }

@@ -10,6 +10,7 @@ from ._errors import (
     CommitOutcomeUnknownError,
     ConflictError,
     ContentTypeMismatchError,
+    ForbiddenError,
     OffsetGoneError,
     OnceflowError,
     OutcomeUnknownError,
@@ -22,6 +23,7 @@ from ._errors import (
     StreamGoneError,
     StreamNotFoundError,
     TransportError,
+    UnknownTransactionalIdError,
 )
 from ._types import AppendResult, Chunk, Delivery, LiveMode, Message, Retention, StreamInfo
 from .consumer import AsyncConsumer, AsyncOffsetStore, Consumer, FileOffsetStore, MemoryOffsetStore, OffsetStore
@@ -44,6 +46,7 @@ __all__ = [
     "ConflictError",
     "Consumer",
     "ContentTypeMismatchError",
+    "ForbiddenError",
     "Delivery",
     "FileOffsetStore",
     "GroupOffsetStore",
@@ -70,6 +73,7 @@ __all__ = [
     "TopicProducer",
     "TransactionalProducer",
     "TransportError",
+    "UnknownTransactionalIdError",
     "partition_for",
     "partition_names",
 ]

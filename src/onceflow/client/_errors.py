@@ -15,6 +15,7 @@ __all__ = [
     "CommitOutcomeUnknownError",
     "ConflictError",
     "ContentTypeMismatchError",
+    "ForbiddenError",
     "OffsetGoneError",
     "OnceflowError",
     "OutcomeUnknownError",
@@ -27,6 +28,7 @@ __all__ = [
     "StreamGoneError",
     "StreamNotFoundError",
     "TransportError",
+    "UnknownTransactionalIdError",
     "error_from_response",
 ]
 
@@ -118,6 +120,16 @@ class ProducerFencedError(OnceflowError):
         self.current_epoch = current_epoch
 
 
+class ForbiddenError(OnceflowError):
+    """403 ``forbidden``: the server's guard does not let this token do this (docs/security.md);
+    sending it again with the same token fails again. Not a fenced producer."""
+
+
+class UnknownTransactionalIdError(OnceflowError):
+    """404 ``unknown_transactional_id``: the server knows no transactional id of this name (it was
+    never initialised there, or its state was removed); ``init`` it first."""
+
+
 class PreconditionFailedError(OnceflowError):
     """412: If-Match named a tail that is no longer the stream's tail (``next_offset`` is)."""
 
@@ -202,17 +214,23 @@ def _message(resp: httpx.Response) -> tuple[str, str]:
 
 
 def error_from_response(resp: httpx.Response, what: str = "") -> OnceflowError:
-    """The exception for a non-success response."""
+    """The exception for a non-success response: by the answer's error ``code`` where it tells more
+    than its status (server/answers.py has the server's table; tests/client/test_error_mapping.py
+    checks every code), else by its status."""
     status = resp.status_code
     message, code = _message(resp)
     msg = f"{what}: {message}" if what else message
     h = resp.headers
+    if code == "forbidden":  # the guard's: the token may not; never a fenced producer
+        return ForbiddenError(msg, status=status, code=code, retriable=False)
+    if code == "unknown_transactional_id":
+        return UnknownTransactionalIdError(msg, status=status, code=code, retriable=False)
     if status == 400:
         return BadRequestError(msg, status=status, code=code)
     if status == 401:
         hint = "the server wants a bearer token it knows: set $ONCEFLOW_TOKEN (in Spark, the option token)"
         return OnceflowError(f"{msg} (401: {hint})", status=status, code=code or "unauthorized")
-    if status == 403:
+    if status == 403 and code in ("stale_epoch", ""):
         epoch = h.get("producer-epoch")
         return ProducerFencedError(
             msg,
@@ -220,7 +238,7 @@ def error_from_response(resp: httpx.Response, what: str = "") -> OnceflowError:
             code=code or "stale_epoch",
             current_epoch=int(epoch) if epoch and epoch.isdigit() else None,
         )
-    if status == 404:
+    if status == 404 and code in ("not_found", ""):
         return StreamNotFoundError(msg, status=status, code=code or "not_found")
     if status == 409:
         if h.get("stream-closed", "").lower() == "true":
@@ -244,6 +262,8 @@ def error_from_response(resp: httpx.Response, what: str = "") -> OnceflowError:
         return PreconditionFailedError(
             msg, status=status, code=code or "tail_mismatch", next_offset=h.get("stream-next-offset")
         )
+    if status == 400:
+        return BadRequestError(msg, status=status, code=code)
     if status == 413:
         return PayloadTooLargeError(msg, status=status, code=code or "payload_too_large")
     if status == 429 or status >= 500:

@@ -61,10 +61,11 @@ ANSWERS: dict[Refusal, Answer] = {
     R.OUTCOME_UNKNOWN: Answer(503, "outcome_unknown", retry_after=True),
     R.LIMIT: Answer(429, "limit"),
     # transactions and group offsets: answered in the stream protocol's words (a fenced epoch is a
-    # stale one, an unknown id is not found; a transaction that cannot go on is txn_refused)
+    # stale one; a transaction that cannot go on is txn_refused); an unknown id has a code of its own,
+    # so that clients do not take it for a missing stream
     R.FENCED: Answer(403, "stale_epoch"),
     R.BAD_EPOCH: Answer(400, "bad_request"),
-    R.UNKNOWN_TRANSACTIONAL_ID: Answer(404, "not_found"),
+    R.UNKNOWN_TRANSACTIONAL_ID: Answer(404, "unknown_transactional_id"),
     R.STALE_TRANSACTION: Answer(409, "txn_refused"),
     R.INVALID_STATE: Answer(409, "txn_refused"),
     R.OFFSET_REGRESSION: Answer(409, "txn_refused"),
