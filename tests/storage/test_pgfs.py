@@ -62,6 +62,28 @@ def test_the_servers_share_one_secret_also_on_a_store_made_before_its_table(fs: 
         second.close()
 
 
+def test_a_role_with_data_access_only_opens_a_store_made_for_it(fs: PgFileSystem) -> None:
+    """Found by review: the start's upgrade ran CREATE TABLE IF NOT EXISTS, which PostgreSQL refuses
+    without CREATE on the schema even when the table exists; since PostgreSQL 15 ordinary roles
+    have none on ``public``, so a server whose role may only use the store's tables never started."""
+    import psycopg
+
+    role = f"app{next(_files)}"
+    with psycopg.connect(fs.conninfo, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+        admin.execute(f"GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA public TO {role}")
+        admin.execute(f"REVOKE CREATE ON SCHEMA public FROM PUBLIC, {role}")
+    opened = PgFileSystem(fs.conninfo.replace("user=postgres", f"user={role}"))
+    try:
+        assert len(opened.cluster_secret()) == 32
+        f = opened.open_file(ROOT / "by-app.log", create=True)
+        f.pwrite(b"ok", 0)
+        f.sync()
+    finally:
+        opened.close()
+
+
 def test_synced_bytes_survive_and_unsynced_ones_do_not(fs: PgFileSystem) -> None:
     f = fs.open_file(ROOT / "a.log", create=True)
     f.pwrite(b"hello ", 0)

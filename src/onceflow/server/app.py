@@ -351,7 +351,7 @@ class App:
                     unstored(
                         "transaction log write",
                         exc,
-                        refused="the transaction log could not be written (a logged decision is finished on recovery)",
+                        refused="the transaction log could not be read or written (a logged decision is finished on recovery)",
                     )
                 )
             await _send(send, status, h, body)

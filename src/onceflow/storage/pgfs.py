@@ -61,6 +61,7 @@ import asyncio
 import errno
 import functools
 import logging
+import queue
 import re
 import secrets
 import threading
@@ -143,8 +144,21 @@ CREATE TABLE IF NOT EXISTS onceflow_cluster (
 );
 """
 SCHEMA = _TABLES + _COMPRESSION + _LEASE + _COMMITS + _CLUSTER
-# what a store made by an earlier version gains at a start (no statement of it waits for a table's lock)
-_UPGRADE = _COMPRESSION + _CLUSTER
+# what a store made by an earlier version gains at a start: no statement of it waits for a table's
+# lock, and none needs a privilege the store's tables do not (CREATE TABLE IF NOT EXISTS checks CREATE
+# on the schema even when the table is there: a role with data access only could not start)
+_UPGRADE = (
+    _COMPRESSION
+    + """
+DO $$ BEGIN
+    IF to_regclass('onceflow_cluster') IS NULL THEN
+        EXECUTE $t$"""
+    + _CLUSTER.strip().rstrip(";")
+    + """$t$;
+    END IF;
+END $$;
+"""
+)
 _SCHEMA_OBJECTS = (
     "onceflow_files",
     "onceflow_files_parent",
@@ -274,29 +288,59 @@ class Connector:
         return ConnectionPool(conninfo, **kwargs)
 
     def bounded(self, call: Callable[[], Any], seconds: float) -> Any:
-        """``call()`` in a thread of its own (a daemon: one stuck in a frozen database never holds up
-        the process's exit), waiting for it at most ``seconds``; :class:`Overran` past them (the call
-        goes on, and its connection goes back to the pool when it ends). The thread's waits are
-        bounded in turn (:func:`_bounded`), so a call that overran does not linger for long."""
+        """``call()`` in another thread (:class:`_CallThreads`), waiting for it at most ``seconds``;
+        :class:`Overran` past them (the call goes on, and its connection goes back to the pool when
+        it ends). A read's waits in that thread are bounded in turn (:func:`_bounded`: the pool's
+        wait, each statement's ``statement_timeout``), so one that overran does not linger for long;
+        a write's commit is given no bound (the module docstring)."""
+        return _THREADS.run(call, seconds)
+
+
+class _CallThreads:
+    """Daemon threads (one stuck in a frozen database never holds up the process's exit) that run
+    calls for event loops, kept for the next call once done (a thread's start costs more than the
+    hand-over): as many as calls run at once, at most :attr:`KEEP` kept idle."""
+
+    KEEP = 8
+
+    def __init__(self) -> None:
+        self._idle: list[queue.SimpleQueue[tuple[Callable[[], Any], threading.Event, list[Any]]]] = []
+        self._lock = threading.Lock()
+
+    def run(self, call: Callable[[], Any], seconds: float) -> Any:
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="onceflow-store-call", daemon=True).start()
         done = threading.Event()
-        result: list[Any] = []
-        failed: list[BaseException] = []
-
-        def run() -> None:
-            _CALL.bounded = True
-            try:
-                result.append(call())
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                failed.append(exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name="onceflow-store-call", daemon=True).start()
+        box: list[tuple[bool, Any]] = []  # (returned, its value or what it raised)
+        inbox.put((call, done, box))
         if not done.wait(seconds):
             raise Overran
-        if failed:
-            raise failed[0]
-        return result[0]
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def _serve(self, inbox: queue.SimpleQueue[tuple[Callable[[], Any], threading.Event, list[Any]]]) -> None:
+        _CALL.bounded = True
+        while True:
+            call, done, box = inbox.get()
+            try:
+                box.append((True, call()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box.append((False, exc))
+            finally:
+                done.set()
+            del call, done, box  # nothing of a finished call is kept while idle
+            with self._lock:
+                if len(self._idle) >= self.KEEP:
+                    return
+                self._idle.append(inbox)
+
+
+_THREADS = _CallThreads()
 
 
 class _Gone(Exception):
@@ -862,6 +906,7 @@ class PgFileSystem:
         self._refuse_if_unsure(what)
         try:
             with self._pool.connection() as conn:
+                self._refuse_if_unsure(what)  # an earlier write's outcome became unknown while this one waited
                 try:
                     with conn.pipeline():
                         marked = conn.execute(_MARK)
