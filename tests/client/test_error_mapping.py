@@ -79,6 +79,7 @@ EXPECTED: dict[tuple[int, str], type[OnceflowError]] = {
     (503, "lease_changed"): ServerError,
     (503, "starting"): ServerError,
     (503, "UNAVAILABLE"): ServerError,
+    (503, "OUTCOME_UNKNOWN"): ServerError,
 }
 
 HEADERS: dict[str, dict[str, str]] = {

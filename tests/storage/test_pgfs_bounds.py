@@ -15,9 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
 
+import httpx
 import pytest
 
 from helpers.servers import served_on
+from onceflow.core.broker import Broker
+from onceflow.server.app import App, AppConfig
 
 pytest.importorskip("psycopg_pool", reason="the PostgreSQL store needs psycopg_pool (onceflow[postgresql])")
 
@@ -206,3 +209,43 @@ def test_a_cold_read_from_a_frozen_database_ends_at_the_read_timeout(own_server:
         assert f.pread(100, 0) == blob[:100]  # the store works again once the database does
     finally:
         fs.close()
+
+
+@pytest.mark.anyio
+async def test_a_subscription_whose_file_cannot_be_read_at_start_is_not_dropped(fs: PgFileSystem) -> None:
+    """Found by review: a leader's start read each subscription's file on the event loop, and a
+    read that failed or timed out (a slow database, as often at a takeover) skipped it as if the
+    file were corrupt: the subscription was answered 404 and a client's PUT wrote over its stored
+    state (its links, generation and uid). Now a file that cannot be read fails the start (a leader
+    steps down and the next try reads it), and the leader reads them in a worker thread."""
+    subs = "/v1/stream/__ds/subscriptions"
+    config = {"type": "pull-wake", "pattern": "events/**", "wake_stream": "wake/a"}
+
+    async def serving() -> tuple[Broker, App]:
+        broker = Broker(ROOT / "data", fs=fs)
+        await asyncio.get_running_loop().run_in_executor(None, broker.open)
+        await broker.start()
+        return broker, App(broker, AppConfig(long_poll_timeout=0.2))
+
+    broker, app = await serving()
+    app.subscriptions.start()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        assert (await c.put(f"{subs}/s1", json=config)).status_code == 201
+        assert (await c.post(f"{subs}/s1/streams", json={"streams": ["other/x"]})).status_code in (200, 204)
+        before = (await c.get(f"{subs}/s1")).json()
+    await app.subscriptions.close()
+    await broker.close()
+
+    broker, app = await serving()  # the next leader; its database stalls while it starts
+    with chunks_locked(fs.conninfo), pytest.raises(OSError):
+        app.subscriptions.start()  # on the loop: bounded, and a failure, not a skipped file
+    await broker.close()
+
+    broker, app = await serving()
+    await asyncio.get_running_loop().run_in_executor(None, app.subscriptions.load)  # as a leader does
+    app.subscriptions.start()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        after = await c.get(f"{subs}/s1")
+    await app.subscriptions.close()
+    await broker.close()
+    assert after.status_code == 200 and after.json() == before, (before, after.text)

@@ -63,6 +63,7 @@ class Refusal(enum.StrEnum):
     NO_PENDING_WORK = "NO_PENDING_WORK"
     INVALID_OFFSET = "INVALID_OFFSET"
     SUBSCRIPTION_UNAVAILABLE = "UNAVAILABLE"  # the subscription state could not be stored or signed
+    SUBSCRIPTION_OUTCOME_UNKNOWN = "OUTCOME_UNKNOWN"  # whether its state was stored is not known
 
     @property
     def retriable(self) -> bool:
@@ -77,6 +78,7 @@ _RETRIABLE = frozenset(
         Refusal.CONCURRENT_TRANSACTIONS,
         Refusal.LIMIT,
         Refusal.SUBSCRIPTION_UNAVAILABLE,
+        Refusal.SUBSCRIPTION_OUTCOME_UNKNOWN,
     }
 )
 

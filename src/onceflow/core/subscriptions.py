@@ -44,6 +44,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..errors import OnceflowError
+from ..storage.fs import OutcomeUnknown
 from ..storage.log import InvalidPosition, StreamLog
 from ..storage.position import ZERO, Position, parse_token
 from .broker import Broker, StreamState, validate_name
@@ -100,6 +101,18 @@ class DeliveryError(OnceflowError):
 class SubscriptionError(Refused):
     """A refused subscription request: ``refusal`` says why (``code`` is its protocol error code),
     ``extra`` what the error body reports besides. ``onceflow.server.answers`` gives its status."""
+
+
+def _unstored(what: str, exc: BaseException) -> SubscriptionError:
+    """The refusal of a change whose write failed (``exc``): "not stored", or, when the store could
+    not learn whether it was (a lost answer to COMMIT), said to be unknown: never "not stored" for
+    state a later read may show."""
+    if isinstance(exc, OutcomeUnknown):
+        return SubscriptionError(
+            Refusal.SUBSCRIPTION_OUTCOME_UNKNOWN,
+            f"whether {what} was stored is unknown: it may have been ({exc}); send the request again",
+        )
+    return SubscriptionError(Refusal.SUBSCRIPTION_UNAVAILABLE, f"{what} could not be stored: {exc}")
 
 
 def _invalid(message: str) -> SubscriptionError:
@@ -647,26 +660,43 @@ class Subscriptions:
         self._dirs_durable = False  # subscriptions/ and subscriptions/subs exist and their names are synced
         self._started = False
         self._closing = False
+        self._loaded: list[Subscription] | None = None  # read from disk (load), for start
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        """Load the subscriptions on disk and resume their wakes, leases and retries. Idempotent."""
-        if self._started or self._closing:
+    def load(self) -> None:
+        """Read the subscriptions on disk, for :meth:`start` (which reads them itself if this was not
+        called). It only reads, so a worker thread may run it (the PostgreSQL store's leader does:
+        there each file is a query, and on the event loop its wait would be bounded). A file that
+        does not parse is skipped with an error logged; one that cannot be *read* (the store failed
+        or timed out) raises ``OSError``: skipped, the subscription would be answered 404 and a
+        client's PUT would write over its stored state."""
+        if self._loaded is not None:
             return
-        self._started = True
         subs_dir = self.directory / "subs"
         try:
             names = self.fs.listdir(subs_dir)
         except (FileNotFoundError, NotADirectoryError):
             names = []  # no subscription was ever stored
+        loaded: list[Subscription] = []
         for name in sorted(n for n in names if n.endswith(".json")):  # not the ``.json.tmp`` of a cut write
             f = subs_dir / name
+            raw = self.fs.read_bytes(f)
             try:
-                sub = Subscription.from_file(json.loads(self.fs.read_bytes(f)))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.error("skipping subscription file %s: %s", f, exc)
-                continue
+                loaded.append(Subscription.from_file(json.loads(raw)))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.error("skipping subscription file %s, which does not parse: %s", f, exc)
+        self._loaded = loaded
+
+    def start(self) -> None:
+        """Load the subscriptions on disk (:meth:`load`) and resume their wakes, leases and
+        retries. Idempotent."""
+        if self._started or self._closing:
+            return
+        self.load()
+        self._started = True
+        assert self._loaded is not None
+        for sub in self._loaded:
             self.subs[sub.id] = sub
             self._index(sub)
             self._version[sub.id] = self._saved[sub.id] = 0
@@ -919,9 +949,7 @@ class Subscriptions:
         try:
             await self._persist(sub.id)
         except (OSError, RuntimeError) as exc:
-            raise SubscriptionError(
-                Refusal.SUBSCRIPTION_UNAVAILABLE, f"the subscription state could not be stored: {exc}"
-            ) from None
+            raise _unstored("the subscription state", exc) from None
 
     # ------------------------------------------------------------------ streams and links
 
@@ -1345,9 +1373,7 @@ class Subscriptions:
         try:
             await self._persist(sid)
         except (OSError, RuntimeError) as exc:
-            raise SubscriptionError(
-                Refusal.SUBSCRIPTION_UNAVAILABLE, f"the deletion could not be stored: {exc}"
-            ) from None
+            raise _unstored("the deletion", exc) from None
 
     async def add_streams(self, sid: str, body: object) -> None:
         sub = self.get(sid)

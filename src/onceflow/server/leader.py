@@ -715,13 +715,14 @@ async def serve_store(
         t = time.monotonic()
         try:
             await _off_loop(broker.open)  # recovery: every stream, from the database
+            app, handler = build(broker)
+            await _off_loop(app.subscriptions.load)  # each file a query: off the loop, unbounded
         except OSError as exc:  # the database failed it: another server (or this one, restarted) tries again
             wake.set()  # no renewal after the release
             with contextlib.suppress(OSError):
                 fs.release(token)  # on the event loop, on purpose: nothing else runs before the exit
             _step_down(f"could not recover the store's streams ({exc})", switch, follower)
         print(f"onceflow recovered {len(broker.streams)} streams in {time.monotonic() - t:.2f} s", flush=True)
-        app, handler = build(broker)
         app.metrics.http_refusals = refusals
         await broker.start()
         app.subscriptions.start()

@@ -95,6 +95,10 @@ class SubscriptionAPI:
         else:
             loop.call_soon(self.manager.start)
 
+    def load(self) -> None:
+        """Read the subscriptions on disk (blocking: for a worker thread); :meth:`start` does it otherwise."""
+        self.manager.load()
+
     def start(self) -> None:
         self.manager.start()
 
