@@ -421,3 +421,41 @@ async def test_a_line_break_in_a_header_is_refused_before_anything_is_sent(
                 await c.post(url + "/v1/stream/s", content=b"{}", headers={"producer-id": bad})
         assert (await c.get(url + "/fine")).content == b"ok"
     assert [h.split(b"\r\n")[0] for h in heads] == [b"GET /fine HTTP/1.1"]
+
+
+async def _reads_slowly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A healthy server on a slow link: takes the body at about 6 MiB/s, then answers at once."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    got = 0
+    while got < length:
+        got += len(await reader.read(min(64 << 10, length - got)))
+        await asyncio.sleep(0.01)
+    writer.write(b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n")
+    await writer.drain()
+    writer.close()
+
+
+@pytest.mark.anyio
+async def test_the_read_timeout_counts_from_the_end_of_the_upload() -> None:
+    """Found by review: the lean transport handed the whole body to asyncio and started the read
+    timer at once, so a body that took longer to send than the read timeout (a big append on a slow
+    link; through several servers the read timeout is at most SILENT_SERVER, 10 s) failed with a
+    read timeout from a healthy server, every time it was sent again. The upload is bounded by the
+    write timeout, per stall, as httpx's own transport does; the read timeout starts after it."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 128 << 10)  # no 32 MiB autotuned buffer to fill
+    listener.bind(("127.0.0.1", 0))
+    server = await asyncio.start_server(_reads_slowly, sock=listener)
+    port = server.sockets[0].getsockname()[1]
+    # the kernel still takes up to 4 MiB (tcp_wmem) at once: those count as waiting for the answer
+    client = async_http_client(f"http://127.0.0.1:{port}", timeout=httpx.Timeout(5.0, read=2.0))
+    try:
+        r = await client.post(f"http://127.0.0.1:{port}/v1/stream/x", content=b"x" * (24 << 20))  # ~4 s to send
+        assert r.status_code == 204
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()

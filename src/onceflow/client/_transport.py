@@ -43,6 +43,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self.sending: asyncio.Future[None] | None = None  # while more is buffered to send than asyncio's mark
         self.idle_since = 0.0
         self.reset()
 
@@ -75,8 +76,17 @@ class _Connection(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         return None  # the transport closes itself
 
+    def pause_writing(self) -> None:
+        self.sending = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        sending, self.sending = self.sending, None
+        if sending is not None and not sending.done():
+            sending.set_result(None)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.resume_writing()
         if (
             exc is None  # closed, not reset: a reset cuts such a body off
             and self.head_done
@@ -118,6 +128,18 @@ class _Connection(asyncio.Protocol):
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    async def sent(self, timeout: float | None) -> None:
+        """Until what was written is (nearly) all handed to the kernel: a body's upload is not the
+        server's silence (the read timeout starts after it); ``httpx.WriteTimeout`` when the server
+        takes nothing for ``timeout`` seconds (per stall, as httpx's own transport counts it)."""
+        while (sending := self.sending) is not None and not self.closed:
+            timer = None if timeout is None else self.loop.call_later(timeout, _write_time_out, sending)
+            try:
+                await sending
+            finally:
+                if timer is not None:
+                    timer.cancel()
 
     async def wait(self, timeout: float | None) -> None:
         """Until something arrives (or the connection ends); ``httpx.ReadTimeout`` after ``timeout``."""
@@ -172,6 +194,11 @@ class _Connection(asyncio.Protocol):
 def _time_out(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_exception(httpx.ReadTimeout("timed out waiting for the server's response"))
+
+
+def _write_time_out(sending: asyncio.Future[None]) -> None:
+    if not sending.done():
+        sending.set_exception(httpx.WriteTimeout("timed out sending the request to the server"))
 
 
 def _pool_time_out(slot: asyncio.Future[None]) -> None:
@@ -252,6 +279,7 @@ class LeanAsyncTransport(httpx.AsyncBaseTransport):
             )
             if body is not None and chunked:  # a streamed body read before (an auth flow, a retry)
                 body = (b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
+            write_timeout = timeouts.get("write")
             if body is not None:
                 conn.transport.write(head + body)
             else:  # a streamed body: httpx has set Content-Length or Transfer-Encoding: chunked
@@ -260,8 +288,10 @@ class LeanAsyncTransport(httpx.AsyncBaseTransport):
                 async for chunk in request.stream:
                     if chunk:
                         conn.transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+                        await conn.sent(write_timeout)  # take no more of the stream than the link does
                 if chunked:
                     conn.transport.write(b"0\r\n\r\n")
+            await conn.sent(write_timeout)
             read_timeout = timeouts.get("read")
             while not conn.head_done:
                 if conn.closed or conn.error is not None:
