@@ -47,6 +47,16 @@ def _lease_seconds(text: str) -> float:
 
 _duration.__name__ = "duration"  # argparse names the type in its error: "invalid duration value"
 _lease_seconds.__name__ = "term (1 to 300 seconds)"
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0.05 <= value <= 3600.0:  # NaN and infinities too
+        raise ValueError(text)
+    return value
+
+
+_seconds.__name__ = "seconds (0.05 to 3600)"
 _positive_size.__name__ = "size"
 
 
@@ -125,6 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 advertise=args.advertise,
                 lease_seconds=args.lease_seconds,
                 forward=not args.no_forward,
+                store_timeouts=(args.store_read_timeout, args.store_write_timeout),
             )
         )
     except KeyboardInterrupt:
@@ -171,6 +182,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --store: the term of the store's lease; a follower takes over this long after it saw "
         "the leader's last renewal (default: 3: appends resume within about 5 s of a leader's death, "
         "10,000 streams included); a follower waits the longer of its own term and the leader's",
+    )
+    s.add_argument(
+        "--store-read-timeout",
+        type=_seconds,
+        default=2.0,
+        metavar="S",
+        help="with --store: how long a read of the database made for the event loop (a read older than the "
+        "memory cache, the retention sweep's) may take; past it the client is answered 503 and retries "
+        "(default: 2)",
+    )
+    s.add_argument(
+        "--store-write-timeout",
+        type=_seconds,
+        default=5.0,
+        metavar="S",
+        help="with --store: how long a write of the database made for the event loop (a create, a delete, "
+        "retention's removal of a segment) may take; past it its outcome is unknown, it is answered "
+        "503 outcome_unknown and the leader steps down (default: 5; raise it for segments of millions "
+        "of chunks)",
     )
     s.add_argument(
         "--no-forward",

@@ -551,3 +551,22 @@ async def test_a_read_refused_because_the_lease_ran_out_is_no_error_and_no_answe
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     counted = {labels[1] for labels in inner.metrics.requests if labels[0].startswith("stream.")}
     assert counted == {"none"}, inner.metrics.requests.keys()
+
+
+@pytest.mark.anyio
+async def test_the_stores_timeouts_are_the_servers_to_set(pg: str) -> None:
+    """``onceflow serve --store-read-timeout/--store-write-timeout`` reach the store: a deployment
+    whose segments hold millions of chunks (retention deletes one on the event loop) raises them."""
+    from onceflow.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--store", pg, "--store-read-timeout", "0.7", "--store-write-timeout", "9"]
+    )
+    assert (args.store_read_timeout, args.store_write_timeout) == (0.7, 9.0)
+    opened = await leader._reach_store(pg, 3.0, asyncio.Event(), (args.store_read_timeout, args.store_write_timeout))
+    assert opened is not None
+    fs, _secret = opened
+    try:
+        assert (fs.read_timeout, fs.write_timeout) == (0.7, 9.0)
+    finally:
+        fs.close()

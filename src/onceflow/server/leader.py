@@ -626,7 +626,9 @@ async def _wait(stop: asyncio.Event, seconds: float) -> bool:
     return True
 
 
-async def _reach_store(store: str, lease_seconds: float, stop: asyncio.Event) -> tuple[PgFileSystem, bytes] | None:
+async def _reach_store(
+    store: str, lease_seconds: float, stop: asyncio.Event, timeouts: tuple[float, float] = (2.0, 5.0)
+) -> tuple[PgFileSystem, bytes] | None:
     """The store and the servers' shared secret, tried again (a warning each time) while the database
     cannot be reached or fails the first transactions (a primary paused or failing over while this
     server starts, as a supervisor restarts it): a server waits for its database as a follower waits
@@ -637,7 +639,15 @@ async def _reach_store(store: str, lease_seconds: float, stop: asyncio.Event) ->
             if fs is None:
                 # a transaction this process left open (paused, SIGSTOP) ends after half a term: the
                 # lease's row lock it holds does not keep the next leader out
-                fs = await _off_loop(functools.partial(PgFileSystem, store, idle_timeout=lease_seconds / 2))
+                fs = await _off_loop(
+                    functools.partial(
+                        PgFileSystem,
+                        store,
+                        idle_timeout=lease_seconds / 2,
+                        read_timeout=timeouts[0],
+                        write_timeout=timeouts[1],
+                    )
+                )
             return fs, await _off_loop(fs.cluster_secret)
         except (OSError, psycopg.Error) as exc:
             log.warning("could not reach the store (trying again): %s", exc)
@@ -661,11 +671,14 @@ async def serve_store(
     forward: bool = True,
     max_body: int = 64 << 20,
     long_poll_timeout: float = 20.0,
+    store_timeouts: tuple[float, float] = (2.0, 5.0),
 ) -> None:
-    """Serve the streams of the PostgreSQL database ``store`` (module docstring) until ``stop``."""
+    """Serve the streams of the PostgreSQL database ``store`` (module docstring) until ``stop``.
+    ``store_timeouts``: how long the event loop waits for one read and one write of the store
+    (``PgFileSystem.read_timeout`` and ``write_timeout``)."""
     if not 1.0 <= lease_seconds <= 300.0:  # followers wait the leader's term: never one without end
         raise ValueError("the lease's term must be 1 to 300 s")
-    opened = await _reach_store(store, lease_seconds, stop)
+    opened = await _reach_store(store, lease_seconds, stop, store_timeouts)
     if opened is None:
         return
     fs, secret = opened
