@@ -501,6 +501,25 @@ async def test_names_get_a_label_only_when_allow_listed(make: Callable[..., Any]
     assert not [labels for name, labels in m if ("stream", "orders/x") in labels]
 
 
+async def test_stream_labels_follow_the_streams_that_exist(make: Callable[..., Any]) -> None:
+    """Issue 28, item 5: with --metrics-allow, 100 create/append/delete cycles left 101 ``stream``
+    label values for no stream at all, in memory and in every scrape. A deleted stream's counters
+    go with it (a stream created again under the name starts again at 0, as a restarted counter)."""
+    srv: Server = await make(allow=("pub/",))
+    c = srv.client
+    await c.put(S + "pub/kept", headers=JSON)
+    await c.post(S + "pub/kept", content=b"[1]", headers=JSON)
+    for i in range(100):
+        await c.put(S + f"pub/s{i}", headers=JSON)
+        await c.post(S + f"pub/s{i}", content=b"[1]", headers=JSON)
+        assert (await c.delete(S + f"pub/s{i}")).status_code == 204
+    m = await srv.scrape()
+    labelled = {dict(labels).get("stream") for name, labels in m if name == "onceflow_appends_total"}
+    assert labelled == {"", "pub/kept"}, sorted(x or "" for x in labelled)
+    assert len(srv.app.metrics.traffic) < 30  # bounded by the streams there are, not by the cycles
+    assert value(m, "onceflow_appends_total", stream="pub/kept") == 1
+
+
 async def test_a_group_name_that_is_not_utf8_is_refused_and_metrics_stay_up(make: Callable[..., Any]) -> None:
     """A group named in a JSON body can hold a lone surrogate (``"\\ud800"``), which no path can
     name: allow-listed, it became a label the scrape could not encode, and /metrics answered 500

@@ -44,11 +44,32 @@ def parse_control(raw: bytes) -> Any:
     not wherever one of its strings is first encoded."""
     value = json.loads(raw)
     if _SURROGATE_ESCAPE.search(raw):  # rare: only then is every string looked at
-        try:
-            json.dumps(value, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise JsonError("a string holds a lone UTF-16 surrogate (\\ud800 to \\udfff unpaired): not text") from None
+        where = _not_text(value, "")
+        if where is not None:
+            raise JsonError(
+                f"{where or 'the body'} holds a lone UTF-16 surrogate (\\ud800 to \\udfff unpaired): not text"
+            )
     return value
+
+
+def _not_text(value: Any, at: str) -> str | None:
+    """Where in ``value`` (``at``: its place, e.g. ``"group"`` or ``"offsets" key``) the first
+    string that is not text is, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return at
+        return None
+    items: Any = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        place = f"{at}[{k!r}]" if at else repr(k)
+        if isinstance(k, str) and _not_text(k, "") is not None:
+            return f"a key of {at or 'the body'}"
+        found = _not_text(v, place)
+        if found is not None:
+            return found
+    return None
 
 
 def _is_compact(body: bytes) -> bool:

@@ -137,8 +137,16 @@ class Metrics:
             return self.traffic[""]
         t = self.traffic.get(stream)
         if t is None:
+            if len(self.traffic) > 2 * len(self.broker.streams) + 16:  # amortized: labels of deleted streams go
+                self.forget_deleted()
             t = self.traffic[stream] = _Traffic()
         return t
+
+    def forget_deleted(self) -> None:
+        """Drop the counters of streams that no longer exist: labels follow the streams there are
+        (a stream created again under a name starts again at 0, as a restarted counter does)."""
+        for name in [n for n in self.traffic if n and self.broker.get(n) is None]:
+            del self.traffic[name]
 
     def appended(self, stream: str, nbytes: int) -> None:
         t = self._traffic(stream)
@@ -167,6 +175,7 @@ class Metrics:
     def scrape(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition (OpenMetrics when the scraper asks for it) and its content type."""
         encode, content_type = choose_encoder(accept or "")
+        self.forget_deleted()
         return encode(self.registry), content_type
 
 
