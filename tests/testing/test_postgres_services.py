@@ -109,6 +109,39 @@ def test_after_the_primary_is_killed_the_promoted_standby_has_every_commit_and_t
     assert root is not None and not root.exists()
 
 
+def test_a_rewound_old_primary_rejoins_as_the_synchronous_standby_and_the_pair_fails_over_again(
+    cluster: PostgresCluster,
+) -> None:
+    node0, node1 = cluster.nodes
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (x int)")
+        conn.execute("INSERT INTO t VALUES (1)")
+    port0 = node0.port
+    cluster.kill_primary()
+    cluster.promote()
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        conn.execute("INSERT INTO t VALUES (2)")  # on one copy: node0 is down
+
+    cluster.rejoin(node0)
+    assert node0.port == port0  # what connection strings and proxies name
+    assert cluster.roles() == {"node0": "standby", "node1": "primary"}
+    assert node1.sql("SELECT application_name, state, sync_state FROM pg_stat_replication") == "node0|streaming|sync"
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        conn.execute("INSERT INTO t VALUES (3)")  # returned once node0 flushed it
+
+    # and back: node1 killed, node0 promoted (its commits do not wait for a standby), node1 rejoins
+    cluster.kill_primary()
+    cluster.promote()
+    assert cluster.roles() == {"node0": "primary", "node1": "down"}
+    assert node0.sql("SHOW synchronous_standby_names") == ""
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        assert conn.execute("SELECT x FROM t ORDER BY x").fetchall() == [(1,), (2,), (3,)]
+        conn.execute("INSERT INTO t VALUES (4)")
+    cluster.rejoin(node1)
+    assert node0.sql("SELECT application_name, state, sync_state FROM pg_stat_replication") == "node1|streaming|sync"
+    assert _eventually("SELECT max(x) FROM t", node1.conninfo(), [(4,)]) == [(4,)]
+
+
 def test_a_server_stops_with_all_its_processes() -> None:
     try:
         server = PostgresServer(fsync=False)

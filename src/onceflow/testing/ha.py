@@ -58,12 +58,13 @@ class HaServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def leads(self) -> bool:
-        """Whether it leads (``GET /v1/leader``: each server's own view, never passed on)."""
+    def leads(self, timeout: float = 2.0) -> bool:
+        """Whether it leads (``GET /v1/leader``: each server's own view, never passed on); False when
+        it does not answer within ``timeout`` s."""
         if not self.alive():
             return False
         try:
-            with urllib.request.urlopen(f"{self.url}/v1/leader", timeout=2) as r:  # noqa: S310 - loopback
+            with urllib.request.urlopen(f"{self.url}/v1/leader", timeout=timeout) as r:  # noqa: S310 - loopback
                 return bool(json.load(r)["leads"])
         except (OSError, ValueError, KeyError):
             return False
@@ -98,7 +99,9 @@ class HaCluster:
     (docs/client.md). ``lease_seconds`` is short by default so that a killed leader is replaced
     quickly. Faults: :meth:`kill` a server, :meth:`restart` it, :meth:`fail_over_database` (kill -9
     of the primary, then promotion of the standby; the old primary stays down),
-    :meth:`pause_database` and :meth:`resume_database` (SIGSTOP and SIGCONT of the primary), and with
+    :meth:`pause_database` and :meth:`resume_database` (SIGSTOP and SIGCONT of the primary),
+    :meth:`lose_standby` and :meth:`restore_standby` (the synchronous standby killed or stopped, then
+    back), :meth:`rejoin_database` (the old primary rewound as the new standby), and with
     ``commit_faults`` (each server reaches each database node through a proxy of its own that reads
     the protocol) :meth:`lose_commit` (the answer to a sync's COMMIT lost, an unknown outcome for
     the server) and :meth:`partition` / :meth:`heal` (one server cut off from the database: nothing
@@ -132,6 +135,7 @@ class HaCluster:
         self.proxies_of: dict[str, list[PgFaultProxy]] = {}  # a server's name -> its proxies, one per node
         self.partitioned: set[str] = set()  # the servers cut off from the database now
         self._paused: PostgresNode | None = None  # the database node pause_database() stopped
+        self._lost: tuple[PostgresNode, str] | None = None  # the standby lose_standby() took away, and how
         self._own_work = work is None
         self.work = Path(tempfile.mkdtemp(prefix="onceflow-ha-")) if work is None else work
         self.clocks: dict[str, SteppableClock] = {}
@@ -267,6 +271,45 @@ class HaCluster:
         self.pg.kill_primary()
         return self.pg.promote()
 
+    def lose_standby(self, how: Literal["kill", "stop"] = "kill") -> str:
+        """The synchronous standby lost: ``kill -9`` of every process of it (``"kill"``) or SIGSTOP
+        (``"stop"``, a frozen VM). The primary's commits then wait for it (``synchronous_commit``):
+        none returns until :meth:`restore_standby`. Its name."""
+        node = self.pg.standby()
+        if node is None:
+            raise RuntimeError(f"no standby to lose: {self.pg.roles()}")
+        if how == "kill":
+            node.kill()
+        else:
+            node.signal(signal.SIGSTOP)
+        self._lost = (node, how)
+        return node.name
+
+    def restore_standby(self, timeout: float = 60.0) -> None:
+        """The standby :meth:`lose_standby` took away back: restarted on its port, or SIGCONT; returns
+        once the primary sees it streaming and synchronous again (the commits that waited return)."""
+        lost, self._lost = self._lost, None
+        if lost is None:
+            return
+        node, how = lost
+        if how == "kill":
+            self.pg.restart(node)
+        else:
+            node.signal(signal.SIGCONT)
+        primary = self.pg.primary()
+        if primary is not None:
+            self.pg._wait_synchronous(primary, node, timeout)
+
+    def rejoin_database(self) -> str:
+        """The old primary, down since :meth:`fail_over_database` (or a kill and a promotion), rewound
+        with ``pg_rewind`` and started as the new primary's synchronous standby
+        (:meth:`PostgresCluster.rejoin`): the database can fail over again. Its name."""
+        down = [node for node in self.pg.nodes if node.role() == "down"]
+        if len(down) != 1:
+            raise RuntimeError(f"no old primary to rejoin: {self.pg.roles()}")
+        self.pg.rejoin(down[0])
+        return down[0].name
+
     def status(self) -> dict[str, object]:
         return {
             "servers": {s.name: {"url": s.url, "alive": s.alive(), "starts": s.starts} for s in self.servers},
@@ -275,6 +318,8 @@ class HaCluster:
 
     def stop(self) -> None:
         self.resume_database()
+        if self._lost is not None and self._lost[1] == "stop":
+            self._lost[0].signal(signal.SIGCONT)
         for s in self.servers:
             s.kill()
         for proxy in self.db_proxies:

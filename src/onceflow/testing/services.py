@@ -217,13 +217,23 @@ class PostgresNode:
             argv += ["-C", "-S", slot]
         self._run(argv)
 
-    def start(self, settings: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None) -> None:
+    def start(
+        self,
+        settings: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
+        *,
+        same_port: bool = False,
+    ) -> None:
         """``pg_ctl start -w`` on a free loopback port; returns once it accepts connections (a standby: read-only).
-        ``env``: variables added to the environment the postmaster runs in (e.g. a faked clock's)."""
+        ``env``: variables added to the environment the postmaster runs in (e.g. a faked clock's).
+        ``same_port``: a restart, on the port it had (what proxies and connection strings name)."""
         opts = " ".join(f"-c {shlex.quote(f'{k}={v}')}" for k, v in (settings or {}).items())
         last: Exception | None = None
-        for _ in range(3):  # a free port can be taken between the probe and the bind
-            self.port = free_port()
+        for attempt in range(3):  # a free port can be taken between the probe and the bind
+            if not (same_port and self.port):
+                self.port = free_port()
+            elif attempt:
+                time.sleep(0.5)  # its old port, still held by a dying process: again
             try:
                 self._run(
                     [
@@ -298,6 +308,26 @@ class PostgresNode:
                 raise RuntimeError(f"PostgreSQL {self.name} is still {role} {timeout:.0f} s after pg_ctl promote")
             time.sleep(0.02)
 
+    def rewind(self, source: PostgresNode) -> None:
+        """Make this node (down: killed, or stopped) a standby of ``source``, which was promoted in its
+        place: ``pg_rewind`` takes back what it wrote after the timelines forked (WAL the standby never
+        flushed, so never acknowledged), copies what ``source`` wrote since, and ``-R`` writes
+        ``standby.signal`` and a ``primary_conninfo`` to ``source`` whose ``application_name`` is
+        this node's name. A node killed without a clean shutdown is first recovered by pg_rewind
+        itself (single-user mode). Needs ``wal_log_hints`` (:class:`PostgresCluster` sets it) and a
+        checkpoint on ``source`` since its promotion (for its new timeline to be in its control file)."""
+        self._run(
+            [
+                str(self.bindir / "pg_rewind"),
+                "--target-pgdata",
+                str(self.data),
+                "--source-server",
+                f"host=127.0.0.1 port={source.port} user=postgres dbname=postgres application_name={self.name}",
+                "--write-recovery-conf",
+                "--no-sync",
+            ]
+        )
+
     def signal(self, sig: int) -> list[int]:
         """``sig`` to every process of the node (the postmaster and its children): SIGSTOP freezes it
         as a paused VM would, SIGCONT thaws it. The pids signalled."""
@@ -322,13 +352,16 @@ class PostgresNode:
 
     def stop(self) -> None:
         """``pg_ctl stop -m immediate`` if it runs, SIGKILL for any process left; a killed node's shared memory
-        segment is removed. The directory stays (its owner removes it)."""
+        segment is removed, and so is ``postmaster.pid``. The directory stays (its owner removes it)."""
         processes = self.processes()
         if self.pid is not None:
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
                 self._run([str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"], 60)
         self._kill_leftovers(processes)
         self._remove_orphaned_shared_memory()
+        # none of its processes is left, but a killed postmaster may linger as a zombie nobody reaps (a
+        # container's init): its pid in postmaster.pid would make the next start refuse to run
+        (self.data / "postmaster.pid").unlink(missing_ok=True)
 
     def _kill_leftovers(self, known: list[int], timeout: float = 10.0) -> None:
         """SIGKILL whatever is left of ``known`` and of the node's processes; return once none is alive."""
@@ -433,9 +466,10 @@ class PostgresCluster:
     :meth:`conninfo` names both nodes with ``target_session_attrs=read-write``: libpq (psycopg)
     connects to whichever takes writes. Faults: :meth:`kill_primary` (its processes SIGKILLed; it
     stays down) and :meth:`promote` (the standby, timed). :meth:`primary`, :meth:`standby` and
-    :meth:`roles` ask the nodes what they are now. Nothing fails over by itself, and a killed node
-    does not rejoin (no ``pg_rewind``); promoting while the primary still runs makes two primaries,
-    which :meth:`primary` refuses to choose between.
+    :meth:`roles` ask the nodes what they are now. Nothing fails over by itself; :meth:`rejoin`
+    brings a killed old primary back as the new primary's synchronous standby (``pg_rewind``), after
+    which the pair can fail over again, and :meth:`restart` starts a killed standby again. Promoting
+    while the primary still runs makes two primaries, which :meth:`primary` refuses to choose between.
     """
 
     REPLICATION_USER = "replicator"
@@ -454,6 +488,7 @@ class PostgresCluster:
         self.max_prepared_transactions = max_prepared_transactions
         self.root: Path | None = None
         self.nodes: tuple[PostgresNode, ...] = ()
+        self.settings: dict[str, str] = {}
 
     def start(self, timeout: float = 60.0) -> None:
         self.root = _make_dir(Path(tempfile.mkdtemp(prefix="onceflow-pgha-")))
@@ -466,10 +501,16 @@ class PostgresCluster:
             "max_wal_senders": "10",
             "hot_standby": "on",
             "synchronous_commit": "on",
+            "wal_log_hints": "on",  # what pg_rewind needs of a cluster without data checksums (rejoin)
         }
+        self.settings = settings  # a standby's, and a promoted node's (no synchronous_standby_names)
         try:
             # Step 1: the primary; its own commits do not wait while it has no standby yet
             primary.initdb()
+            # in the files too (the base backup copies them): pg_rewind's crash recovery of a killed
+            # node runs without the command line's settings, and its checkpoint records this one
+            with open(primary.data / "postgresql.conf", "a") as conf:
+                conf.write("\nwal_log_hints = on\n")
             primary.start({**settings, "synchronous_standby_names": standby.name}, env=self.env)
             primary.sql(f"SET synchronous_commit = local; CREATE ROLE {self.REPLICATION_USER} WITH REPLICATION LOGIN")
             # Step 2: the standby
@@ -533,6 +574,50 @@ class PostgresCluster:
         began = time.perf_counter()
         node.promote(timeout)
         return time.perf_counter() - began
+
+    def restart(self, node: PostgresNode) -> None:
+        """Start ``node`` again after a kill, on its port, with the settings of a standby (a standby
+        resumes streaming from where it was)."""
+        node.stop()  # what a kill left: its shared memory segment
+        node.start(self.settings, env=self.env, same_port=True)
+
+    def rejoin(self, node: PostgresNode, timeout: float = 60.0) -> None:
+        """The old primary ``node`` (down after :meth:`kill_primary` and :meth:`promote`) back as the
+        synchronous standby of the node promoted in its place, so that the pair can fail over again.
+
+        1. A checkpoint on the new primary (its new timeline in its control file, for pg_rewind), and
+           a physical replication slot there named after ``node``.
+        2. ``pg_rewind`` of ``node`` from it (:meth:`PostgresNode.rewind`), which drops what ``node``
+           wrote that its standby never flushed: no commit of it was acknowledged.
+        3. ``node`` started on its port as a hot standby (no ``synchronous_standby_names`` of its own,
+           so that when it is promoted in turn, its commits return).
+        4. ``synchronous_standby_names`` set to ``node`` on the new primary (``ALTER SYSTEM``, a
+           reload); from the moment :meth:`_wait_synchronous` sees it ``sync``, commits wait for it
+           again. Until then, since the promotion, a commit was acknowledged with one copy.
+
+        The new primary's ``postgresql.auto.conf`` is copied by the rewind before step 4 writes it, so
+        no node ever names itself as its own standby."""
+        primary = self.primary()
+        if primary is None or primary is node:
+            raise RuntimeError(f"no other primary to rejoin {node.name} to: {self.roles()}")
+        # Step 1
+        primary.sql("CHECKPOINT")
+        slot = f"'{node.name}'"  # our own node's name, never input
+        primary.sql(
+            f"SELECT pg_create_physical_replication_slot({slot}) WHERE NOT EXISTS "  # noqa: S608
+            f"(SELECT 1 FROM pg_replication_slots WHERE slot_name = {slot})"
+        )
+        # Step 2
+        node.stop()  # nothing of it runs (pg_rewind refuses a running target); its shared memory goes
+        node.rewind(primary)
+        with open(node.data / "postgresql.auto.conf", "a") as conf:  # the copied one names the source's slot
+            conf.write(f"primary_slot_name = '{node.name}'\n")
+        # Step 3
+        node.start(self.settings, env=self.env, same_port=True)
+        # Step 4
+        primary.sql(f"ALTER SYSTEM SET synchronous_standby_names = '{node.name}'")
+        primary.sql("SELECT pg_reload_conf()")
+        self._wait_synchronous(primary, node, timeout)
 
     def stop(self) -> None:
         """Stop every node (:meth:`PostgresNode.stop`: none of their processes is left) and remove the directory."""
