@@ -50,10 +50,28 @@ stop-server         SIGSTOP of the leader, the first time for longer than the le
                     takes the lease; on SIGCONT the fenced leader exits with status 3, which the
                     harness expects here: it restarts it and counts an expected lease loss), later for
                     0.5 s up to the term + 2 s
-fail-over-database  once per run: ``kill -9`` of the PostgreSQL primary and promotion of the standby
-                    (the old primary stays down); then a probe append, retried until acknowledged,
-                    measures the seconds from the promotion to the first acknowledged append (goal:
-                    at most 5 s), reported in the summary
+fail-over-database  ``kill -9`` of the PostgreSQL primary and promotion of the standby; then a probe
+                    append, retried until acknowledged, measures the seconds from the promotion to
+                    the first acknowledged append (goal: at most 5 s), reported in the summary. The
+                    old primary is down until rejoin-old-primary, the next fault; without that kind
+                    in the run it stays down, and the failover happens once per run
+rejoin-old-primary  right after each database failover: the old primary rewound with ``pg_rewind``
+                    from the new one and started as its synchronous standby (the new primary's
+                    ``synchronous_standby_names`` names it); the pair can then fail over again, and
+                    the history check sees that nothing acknowledged was lost across the failovers
+lose-standby        the synchronous standby killed (``kill -9``, then restarted) or stopped (SIGSTOP,
+                    SIGCONT) for 1 s up to the term + 3 s: commits wait for it. A writer sends one
+                    append at a time meanwhile: one sent 0.2 s after the loss and acknowledged
+                    before the standby was back was acknowledged with one copy, and fails the run.
+                    What the servers answered and who led are logged; with rejoin-old-primary, the
+                    first time and one time in two after it, the primary is killed and the standby
+                    promoted as soon as it is synchronous again
+catch-up-load       40 readers read ``load/big`` (several MiB, older than the 1 MiB tail cache, so
+                    read from PostgreSQL) from offset -1 again and again for 3-5 s while 3 MiB
+                    values are appended to it; the leader must keep its lease (never say it does
+                    not lead, nor the other server that it does, nor exit), every read must return
+                    the bytes written there, and the stream must end with every acknowledged
+                    append; the reads' and a small writer's latency are logged
 kill-client         as above
 stop-client         as above
 drop-acks           as above (through both proxies)
@@ -98,7 +116,13 @@ gives, per failover, the seconds from the kill to the promotion, from the promot
 acknowledged append (a probe sent once the promotion is seen), and until Patroni had the old node
 back as the synchronous standby (``pg_rewind``); the fault's ``unavailable_s`` is the seconds from
 the kill to the first acknowledged append. As the old node comes back, the fault may strike again
-(it is no longer once per run). Every other fault works as above; clock-step of the database
+(it is no longer once per run). Two faults are left out (the summary says so, and naming them in
+``--faults`` is a usage error): rejoin-old-primary, since Patroni rewinds and brings the old primary
+back itself (a ``pg_rewind`` by the harness would race it), and lose-standby, since Patroni restarts
+a killed standby's postgres itself and, in ``synchronous_mode`` without ``synchronous_mode_strict``,
+takes a standby it no longer sees out of ``synchronous_standby_names``, so the primary then commits
+with one copy by design (docs/ha.md): the fault's one-copy check would fail every run on Patroni's
+documented choice. Every other fault works as above (catch-up-load too); clock-step of the database
 steps the clock of both Patronis too (one machine's clock).
 
 At the end every client is stopped, every transactional id is initialised once more (which aborts
@@ -113,6 +137,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -161,7 +186,8 @@ FAULT_KINDS = (
     "read-only",
 )
 # --store postgresql: no local data directory, so no garble-tail, disk-full or read-only; the failover
-# of the database instead, once per run (the old primary stays down: there is no standby left after it)
+# of the database instead (once per run without rejoin-old-primary: the old primary stays down, and
+# there is no standby left after it), the loss of the standby and a load of catch-up reads
 HA_FAULT_KINDS = (
     "kill-server",
     "stop-server",
@@ -174,15 +200,40 @@ HA_FAULT_KINDS = (
     "clock-step",
     "sigstop-primary",
     "fail-over-database",
+    "rejoin-old-primary",
+    "lose-standby",
+    "catch-up-load",
 )
 LOCAL_ONLY_FAULTS = tuple(k for k in FAULT_KINDS if k not in HA_FAULT_KINDS)
-ONCE_PER_RUN = ("fail-over-database",)  # without a failover manager: the old primary stays down
 FAILOVER_MANAGERS = ("none", "patroni")
+REJOIN = "rejoin-old-primary"  # scheduled right after each fail-over-database, never drawn by itself
+# --failover-manager patroni: the faults of the harness that would act on what Patroni manages -> why
+PATRONI_LEFT_OUT = {
+    REJOIN: "Patroni rewinds the old primary and brings it back itself",
+    "lose-standby": "Patroni restarts a lost standby itself, and in synchronous_mode (not strict) "
+    "lets the primary commit alone once it sees the standby gone",
+}
 FAILOVER_GOAL = 5.0  # seconds from a promotion to the first acknowledged append (docs/ha.md)
 CLOCK_SEEN = 2.1  # seconds until every process on a SteppableClock runs on its new offset
 CLOCK_STEP_MAX = 25  # seconds; the servers' seals allow 30 s of disagreement between their clocks (docs/ha.md)
 # --store postgresql: the faults that look for their victim first and call Chaos._injected when they strike
-SELF_TIMED = ("kill-server", "stop-server", "fail-over-database", "partition", "clock-step", "sigstop-primary")
+SELF_TIMED = (
+    "kill-server",
+    "stop-server",
+    "fail-over-database",
+    "partition",
+    "clock-step",
+    "sigstop-primary",
+    "lose-standby",
+    "catch-up-load",
+)
+ONE_COPY_MARGIN = 0.2  # s after the standby's loss from which an append sent cannot have reached it
+LOAD_STREAM = "load/big"  # catch-up-load: octet-stream, read back by the fault itself (not the history)
+LOAD_READERS = 40
+LOAD_APPEND = 3 << 20  # bytes of one large append of catch-up-load
+LOAD_READ_LIMIT = 6 << 20  # a reader starts again from -1 after this many bytes (the stream only grows)
+LOAD_APPENDS_MAX = 4  # large appends per catch-up-load
+LOAD_LEADER_TIMEOUT = 5.0  # s: under the load GET /v1/leader may wait its turn on the leader's event loop
 UNAVAILABLE_LIMIT = 60.0  # seconds a fault's probe append is resent before it counts as never acknowledged
 PROBE_STREAM = "probe/ha"  # --store postgresql: the probe appends that time a failover
 INPUTS = ["in/0", "in/1"]
@@ -440,6 +491,36 @@ def _acked_after(took: float | None, what: str) -> str:
     )
 
 
+def _leads_answer(srv: HaServer, timeout: float) -> bool | None:
+    """What ``srv`` says to ``GET /v1/leader`` within ``timeout`` s: whether it leads; None if it
+    did not answer (or is not running)."""
+    if not srv.alive():
+        return None
+    try:
+        r = httpx.get(f"{srv.url}/v1/leader", timeout=timeout)
+        return bool(r.json()["leads"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _load_value(i: int) -> bytes:
+    """catch-up-load's append number ``i``: :data:`LOAD_APPEND` bytes, ``i`` written over and over."""
+    return f"{i:015d}\n".encode() * (LOAD_APPEND // 16)
+
+
+def _is_load_prefix(at: int, data: bytes) -> bool:
+    """Whether ``data``, read at byte ``at`` of :data:`LOAD_STREAM`, is what the appends wrote there."""
+    pos = 0
+    while pos < len(data):
+        i, within = divmod(at + pos, LOAD_APPEND)
+        n = min(len(data) - pos, LOAD_APPEND - within)
+        if data[pos : pos + n] != _load_value(i)[within : within + n]:
+            return False
+        pos += n
+    return True
+
+
 def _retry(
     what: str, fn: Callable[[], httpx.Response], ok: tuple[int, ...] = (200,), deadline: float = 60
 ) -> httpx.Response:
@@ -475,6 +556,13 @@ class Chaos:
             args.faults or (HA_FAULT_KINDS if args.store == "postgresql" else FAULT_KINDS)
         )
         self.faults_skipped: dict[str, str] = {}  # a fault kind that cannot be injected here -> why
+        if args.failover_manager == "patroni":  # Patroni manages the standby and the old primary itself
+            for kind, why in PATRONI_LEFT_OUT.items():
+                if kind in self.kinds:
+                    self.faults_skipped[kind] = why
+            self.kinds = tuple(k for k in self.kinds if k not in PATRONI_LEFT_OUT)
+        if REJOIN in self.kinds and "fail-over-database" not in self.kinds:  # it rejoins what a failover left
+            self.kinds = (*self.kinds, "fail-over-database")
         if "clock-step" in self.kinds and (why := clock_step_missing()) is not None:
             _say(f"no clock-step: {why}")
             self.faults_skipped["clock-step"] = why
@@ -509,6 +597,7 @@ class Chaos:
         self.probe_producer, self.probe_seq = "chaos-probe", 0
         self.after_leader_kill: list[float] = []  # seconds from a leader's kill -9 to the first ack
         self.failovers: list[dict[str, Any]] = []  # each database failover's figures
+        self.rejoin_pending = False  # a database failover left the old primary down (rejoin-old-primary next)
         self.started = time.monotonic()  # when the faults began (run() sets it)
         # every fault injected: its kind, when (seconds into the run and wall clock), what it hit, and
         # (--store postgresql) the seconds from the injection to the next acknowledged append
@@ -757,6 +846,9 @@ class Chaos:
             "partition": self._partition,
             "clock-step": self._clock_step,
             "sigstop-primary": self._sigstop_primary,
+            "lose-standby": self._lose_standby,
+            REJOIN: self._rejoin_old_primary,
+            "catch-up-load": self._catch_up_load,
         }
         if kind in of_the_database:
             of_the_database[kind]()
@@ -944,37 +1036,47 @@ class Chaos:
                 except httpx.TransportError:
                     time.sleep(0.1)
 
-    def _fail_over_database(self) -> None:
+    def _fail_over_database(self, kind: str = "fail-over-database") -> None:
         """The PostgreSQL primary killed, the standby promoted; then how long appends stopped after the
-        promotion. Without a failover manager once per run, the standby promoted by ``pg_ctl
-        promote`` (the old primary stays down); with Patroni (:meth:`_fail_over_with_patroni`) Patroni
-        promotes, and brings the old node back."""
+        promotion. Without a failover manager the standby is promoted by ``pg_ctl promote`` and the old
+        primary stays down until :meth:`_rejoin_old_primary` (the next fault, when the run has it: then
+        this one can come again); with Patroni (:meth:`_fail_over_with_patroni`) Patroni promotes, and
+        brings the old node back."""
         assert self.ha is not None
         if isinstance(self.ha.pg, PatroniCluster):
-            self._fail_over_with_patroni(self.ha.pg)
+            self._fail_over_with_patroni(self.ha.pg, kind)
+            return
+        if self.ha.pg.standby() is None:
+            self.effects["no standby to fail over to"] += 1
+            _say("  ... fail-over-database: no standby to promote")
             return
         # Step 1: kill -9 of the primary (it stays down) and promotion of the standby
         killed_at = time.monotonic()
-        self.ha.pg.kill_primary()  # (finding the primary first takes a few psql round trips)
-        self._injected("fail-over-database")  # from its death: a probe sent before it would get through
+        old = self.ha.pg.kill_primary()  # (finding the primary first takes a few psql round trips)
+        self.rejoin_pending = REJOIN in self.kinds
+        if kind == "fail-over-database":
+            self._injected(kind)  # from its death: a probe sent before it would get through
         promotion = self.ha.pg.promote()
         promoted_at = time.monotonic()
         # Step 2: the first acknowledged append after the promotion, through both servers
         took = self._probe_append("database-failover", since=promoted_at)
-        self.failovers.append(
-            {
-                "promotion_s": round(promotion, 3),
-                "primary_killed_to_promoted_s": round(promoted_at - killed_at, 3),
-                "first_ack_after_promotion_s": None if took is None else round(took, 3),
-                "goal_s": FAILOVER_GOAL,
-                "goal_met": took is not None and took <= FAILOVER_GOAL,
-            }
-        )
+        figures = {
+            "after": kind,
+            "killed": old.name,
+            "promotion_s": round(promotion, 3),
+            "primary_killed_to_promoted_s": round(promoted_at - killed_at, 3),
+            "first_ack_after_promotion_s": None if took is None else round(took, 3),
+            "goal_s": FAILOVER_GOAL,
+            "goal_met": took is not None and took <= FAILOVER_GOAL,
+        }
+        self.failovers.append(figures)
+        self.detail.setdefault("failover", figures)
+        self.effects["database failovers"] += 1
         if took is None:
             self.effects["no append acknowledged after the promotion"] += 1
         _say(f"  ... fail-over-database: standby promoted in {promotion:.2f} s; " + _acked_after(took, "promotion"))
 
-    def _fail_over_with_patroni(self, pg: PatroniCluster) -> None:
+    def _fail_over_with_patroni(self, pg: PatroniCluster, kind: str = "fail-over-database") -> None:
         """``kill -9`` of the primary's postgres; Patroni promotes the standby and brings the old node
         back (``pg_rewind``) as the new primary's synchronous standby.
 
@@ -1000,7 +1102,8 @@ class Chaos:
         # Step 2: the crash (timed from when it is over: finding the primary takes a few psql round trips)
         old = pg.kill_primary()
         killed_at = time.monotonic()
-        self._injected("fail-over-database")
+        if kind == "fail-over-database":
+            self._injected(kind)
         # Step 3: Patroni's promotion, and the first acknowledged append
         try:
             new, promoted_at = self._supervised(
@@ -1019,18 +1122,19 @@ class Chaos:
             rejoined = None
             self.effects["old primary not back as the synchronous standby within 60 s"] += 1
         self.detail.update(target=old.name, promoted=new.name)
-        self.failovers.append(
-            {
-                "manager": "patroni",
-                "killed": old.name,
-                "promoted": new.name,
-                "primary_killed_to_promoted_s": round(promoted_at - killed_at, 3),
-                "first_ack_after_promotion_s": _rounded(took),
-                "old_primary_back_as_sync_standby_s": _rounded(rejoined),
-                "goal_s": FAILOVER_GOAL,
-                "goal_met": took is not None and took <= FAILOVER_GOAL,
-            }
-        )
+        figures = {
+            "after": kind,
+            "manager": "patroni",
+            "killed": old.name,
+            "promoted": new.name,
+            "primary_killed_to_promoted_s": round(promoted_at - killed_at, 3),
+            "first_ack_after_promotion_s": _rounded(took),
+            "old_primary_back_as_sync_standby_s": _rounded(rejoined),
+            "goal_s": FAILOVER_GOAL,
+            "goal_met": took is not None and took <= FAILOVER_GOAL,
+        }
+        self.failovers.append(figures)
+        self.effects["database failovers"] += 1
         if took is None:
             self.effects["no append acknowledged after the promotion"] += 1
         _say(
@@ -1064,6 +1168,25 @@ class Chaos:
         if error:
             raise error[0]
         return result[0]
+
+    def _rejoin_old_primary(self) -> None:
+        """Right after a database failover: the old primary rewound with ``pg_rewind`` from the new one
+        and started as its synchronous standby (:meth:`HaCluster.rejoin_database`), so that the
+        database can fail over again in the same run; the seconds that took, and the check that the
+        new primary reports it ``sync``."""
+        assert self.ha is not None
+        self.rejoin_pending = False
+        began = time.monotonic()
+        try:
+            node = self.ha.rejoin_database()
+        except RuntimeError as exc:
+            _say(f"  ... rejoin-old-primary failed: {str(exc)[-1500:]}")
+            self.effects["old primaries that could not rejoin"] += 1
+            return
+        took = time.monotonic() - began
+        self.effects["old primaries rewound and rejoined"] += 1
+        self.detail.update(target=node, seconds=round(took, 2))
+        _say(f"  ... rejoin-old-primary: {node} rewound and synchronous again after {took:.2f} s")
 
     def _partition(self) -> None:
         """One server cut off from the database (the leader the first time, a follower the second, then
@@ -1193,6 +1316,322 @@ class Chaos:
             self.ha.resume_database()
         self.effects["primaries paused"] += 1
         _say(f"  ... sigstop-primary {node} for {pause:.1f} s")
+
+    def _leaders_now(self, timeout: float = 2.0) -> list[str]:
+        assert self.ha is not None
+        return [srv.name for srv in self.ha.servers if srv.leads(timeout)]
+
+    def _lose_standby(self) -> None:
+        """The synchronous standby killed (``kill -9``, then restarted) or stopped (SIGSTOP, then
+        SIGCONT) for 1 s up to the lease's term + 3 s; then, when the run rejoins old primaries, the
+        first time and one time in two after it, the primary killed and the standby promoted as soon as it is synchronous again
+        (a failover right after its return loses nothing acknowledged: the history check).
+
+        Meanwhile a writer sends one fresh append at a time (its own producer, one try, a 2 s timeout)
+        and the servers are asked who leads. An append sent :data:`ONE_COPY_MARGIN` after the loss and
+        acknowledged before the standby was back was acknowledged with one copy: counted, and a
+        failed run. What the leader answered meanwhile (timeouts, 503s and their codes) and whether
+        it kept its lease are in the fault's log entry."""
+        assert self.ha is not None
+        rng = self.rng
+        term = self.args.lease_seconds
+        how: Literal["kill", "stop"] = "kill" if rng.random() < 0.5 else "stop"
+        hold = rng.uniform(1.0, term + 3.0)
+        # the first time, then one time in two, the primary dies as soon as the standby is back
+        then_fail_over = REJOIN in self.kinds and (not self.effects["standbys lost"] or rng.random() < 0.5)
+        before = self._leaders_now()
+        try:
+            node = self.ha.lose_standby(how)
+        except RuntimeError as exc:
+            _say(f"  ... lose-standby: {exc}")
+            self.effects["no standby to lose"] += 1
+            return
+        lost_at = time.monotonic()
+        self._injected("lose-standby")
+        stop = threading.Event()
+        answers: list[tuple[float, float, str]] = []  # sent, answered, what (monotonic seconds)
+        writer = threading.Thread(target=self._one_try_appends, args=(stop, answers), name="one-copy", daemon=True)
+        writer.start()
+        seen: set[str] = set(before)
+        no_leader = 0.0
+        try:
+            while time.monotonic() < lost_at + hold:
+                t = time.monotonic()
+                leaders = self._leaders_now()
+                seen.update(leaders)
+                if not leaders:
+                    no_leader += time.monotonic() - t + 0.1
+                time.sleep(0.1)
+        finally:
+            back_from = time.monotonic()
+            try:
+                self.ha.restore_standby()
+            except RuntimeError as exc:
+                _say(f"  ... lose-standby: {node} did not come back: {str(exc)[-1500:]}")
+                self.effects["standbys that did not come back"] += 1
+        back = time.monotonic()
+        time.sleep(2.5)  # the appends that waited get their answers (the writer's timeout is 2 s)
+        stop.set()
+        writer.join(10)
+        one_copy = [a for a in answers if a[2] == "ok" and a[0] >= lost_at + ONE_COPY_MARGIN and a[1] < back_from]
+        during = Counter(what for sent, _, what in answers if sent < back_from)
+        after = [answered - back for sent, answered, what in answers if what == "ok" and sent >= back_from]
+        self.effects["standbys lost"] += 1
+        if one_copy:
+            self.effects["appends acknowledged with one copy (standby lost)"] += len(one_copy)
+        after_leaders = self._leaders_now()
+        self.detail.update(
+            target=node,
+            how=how,
+            seconds=round(hold, 2),
+            restore_s=round(back - back_from, 2),
+            answers_while_lost=dict(during),
+            one_copy_acks=len(one_copy),
+            leaders_before=before,
+            leaders_seen=sorted(seen),
+            leaders_after=after_leaders,
+            no_leader_s=round(no_leader, 1),
+            first_ok_after_return_s=_rounded(min(after)) if after else None,
+        )
+        if before and after_leaders and before != after_leaders:
+            self.effects["leaders changed while the standby was lost"] += 1
+        _say(
+            f"  ... lose-standby {node} ({how}) for {hold:.1f} s: answers meanwhile {dict(during)}, "
+            f"{len(one_copy)} acknowledged with one copy; leaders {before} -> {after_leaders}"
+        )
+        if then_fail_over:
+            self.detail["then"] = "fail-over-database"
+            self.faults["fail-over-database"] += 1
+            self._fail_over_database("lose-standby")
+            if self.rejoin_pending:
+                self.faults[REJOIN] += 1
+                self._rejoin_old_primary()
+
+    def _one_try_appends(
+        self, stop: threading.Event, answers: list[tuple[float, float, str]], timeout: float = 2.0
+    ) -> None:
+        """:meth:`_lose_standby`'s writer: until ``stop``, one append at a time to :data:`PROBE_STREAM`
+        from a producer of its own, tried once (``timeout``), recorded in the history (an unanswered
+        one is indeterminate) and in ``answers`` as (sent, answered, ``ok`` / ``HTTP <status> <code>``
+        / ``timeout`` / ``transport error``)."""
+        with self.http(timeout) as c:
+            while not stop.is_set():
+                self.probes += 1
+                n = self.probes
+                value = {"c": "probe", "n": n, "why": "one-copy check"}
+                op_id = self.history.next_id()
+                producer = f"chaos-probe.s{n}"
+                self.history.record("append", id=op_id, stream=PROBE_STREAM, values=[value], producer=producer, seq=0)
+                headers = {
+                    "content-type": "application/json",
+                    "producer-id": producer,
+                    "producer-epoch": "0",
+                    "producer-seq": "0",
+                }
+                sent = time.monotonic()
+                try:
+                    r = c.post(
+                        f"{self.base}/v1/stream/{PROBE_STREAM}", content=json.dumps([value]).encode(), headers=headers
+                    )
+                except httpx.TimeoutException:
+                    answers.append((sent, time.monotonic(), "timeout"))
+                    continue
+                except httpx.TransportError as exc:
+                    answers.append((sent, time.monotonic(), f"transport error {type(exc).__name__}: {str(exc)[:80]}"))
+                    time.sleep(0.1)
+                    continue
+                if r.status_code == 200:
+                    offset = int(r.headers["stream-next-offset"].split("_", 1)[0]) - 1
+                    self.history.record("ack", id=op_id, outcome="ok", offset=offset)
+                    answers.append((sent, time.monotonic(), "ok"))
+                else:
+                    code = ""
+                    with contextlib.suppress(ValueError, AttributeError):
+                        code = str(r.json().get("code", ""))
+                    answers.append((sent, time.monotonic(), f"HTTP {r.status_code} {code}".strip()))
+                time.sleep(0.1)
+
+    def _catch_up_load(self) -> None:
+        """Heavy catch-up reads and large writes on the leader for 3-5 s: :data:`LOAD_READERS` readers
+        reading :data:`LOAD_STREAM` from offset -1 (it holds more than the servers' 1 MiB tail cache,
+        so they read from PostgreSQL), again and again, while a writer appends
+        :data:`LOAD_APPEND`-byte values one after the other (at most :data:`LOAD_APPENDS_MAX`).
+
+        Checked: the lease holds (the same server leads throughout and none exits: a change counts as
+        a leader lost under load and fails the run); every read returns a prefix of the stream the
+        writer built (the values are a pattern of their index); at the end the stream holds every
+        acknowledged append, in order, and nothing else but perhaps the one whose answer was lost.
+        Recorded: reads, bytes, their latency, the appends' latency, and (the unavailability probe)
+        how long other clients' appends waited."""
+        from onceflow.storage.pgfs import TAIL_CACHE  # here: it needs psycopg, the local mode does not
+
+        assert self.ha is not None
+        rng = self.rng
+        seconds = rng.uniform(3.0, 5.0)
+        leader = self._leader()
+        if leader is None:
+            return
+        base = self.base
+        stats: dict[str, Any] = {"reads": 0, "bytes_read": 0, "read_errors": Counter(), "wrong_reads": 0}
+        latencies: list[float] = []
+        lock = threading.Lock()
+        stop = threading.Event()
+        with self.http(30.0) as c:
+            r = _retry("head " + LOAD_STREAM, lambda: c.head(f"{base}/v1/stream/{LOAD_STREAM}"), (200, 404))
+            if r.status_code == 404:
+                _retry(
+                    "create " + LOAD_STREAM,
+                    lambda: c.put(
+                        f"{base}/v1/stream/{LOAD_STREAM}", headers={"content-type": "application/octet-stream"}
+                    ),
+                    (200, 201),
+                )
+                first = 0
+            else:  # the index of the next append: the stream's record count (one record per append)
+                first = int(r.headers["stream-next-offset"].split("_", 1)[0])
+        appends: list[tuple[int, float, str]] = []  # index, seconds, outcome
+
+        def write() -> None:
+            with self.http(60.0) as w:
+                i = first
+                while not stop.is_set() and i < first + LOAD_APPENDS_MAX:
+                    t0 = time.monotonic()
+                    try:
+                        r = w.post(
+                            f"{base}/v1/stream/{LOAD_STREAM}",
+                            content=_load_value(i),
+                            headers={"content-type": "application/octet-stream"},
+                        )
+                        outcome = "ok" if r.status_code in (200, 204) else f"HTTP {r.status_code}"
+                    except httpx.TransportError as exc:
+                        outcome = type(exc).__name__
+                    appends.append((i, time.monotonic() - t0, outcome))
+                    if outcome != "ok":
+                        return  # its outcome may be unknown: nothing after it, so the end check stays exact
+                    i += 1
+
+        def read() -> None:
+            with self.http(30.0) as rc:
+                while not stop.is_set():
+                    offset, got = "-1", 0
+                    while not stop.is_set() and got < LOAD_READ_LIMIT:
+                        t0 = time.monotonic()
+                        try:
+                            r = rc.get(f"{base}/v1/stream/{LOAD_STREAM}", params={"offset": offset})
+                        except httpx.TransportError as exc:
+                            with lock:
+                                stats["read_errors"][type(exc).__name__] += 1
+                            break
+                        took = time.monotonic() - t0
+                        with lock:
+                            latencies.append(took)
+                            stats["reads"] += 1
+                        if r.status_code != 200:
+                            with lock:
+                                stats["read_errors"][f"HTTP {r.status_code}"] += 1
+                            time.sleep(0.2)
+                            break
+                        if not _is_load_prefix(got, r.content):
+                            with lock:
+                                stats["wrong_reads"] += 1
+                        got += len(r.content)
+                        with lock:
+                            stats["bytes_read"] += len(r.content)
+                        nxt = r.headers["stream-next-offset"]
+                        if r.headers.get("stream-up-to-date") == "true" or nxt == offset:
+                            break
+                        offset = nxt
+
+        writer = threading.Thread(target=write, name="load-writer", daemon=True)
+        writer.start()
+        # the readers start once the stream is older than the tail cache (the first time: one append)
+        give_up = time.monotonic() + 60
+        while (
+            LOAD_APPEND * (first + sum(1 for a in appends if a[2] == "ok")) <= TAIL_CACHE and time.monotonic() < give_up
+        ):
+            if appends and appends[-1][2] != "ok":
+                break
+            time.sleep(0.05)
+        starts = {srv.name: srv.starts for srv in self.ha.servers}
+        self._injected("catch-up-load")
+        began = time.monotonic()
+        readers = [threading.Thread(target=read, name=f"load-reader-{i}", daemon=True) for i in range(LOAD_READERS)]
+        for t in readers:
+            t.start()
+        # another client meanwhile: small appends one at a time, each waited for (up to 60 s)
+        small: list[tuple[float, float, str]] = []
+        sampler = threading.Thread(
+            target=self._one_try_appends, args=(stop, small, 60.0), name="load-small", daemon=True
+        )
+        sampler.start()
+        # the lease holds: the leader never says it does not lead (a GET /v1/leader it leaves
+        # unanswered for LOAD_LEADER_TIMEOUT is a slow answer, not a step-down: it is timed), no
+        # other server says it leads, and none exits
+        others = [srv for srv in self.ha.servers if srv is not leader]
+        said_not = 0  # answers of the leader that it does not lead
+        unanswered = 0
+        other_led = 0
+        asked: list[float] = []  # seconds the leader took to answer GET /v1/leader meanwhile
+        while time.monotonic() < began + seconds:
+            t0 = time.monotonic()
+            answer = _leads_answer(leader, LOAD_LEADER_TIMEOUT)
+            asked.append(time.monotonic() - t0)
+            said_not += answer is False
+            unanswered += answer is None
+            other_led += any(srv.leads() for srv in others)
+            time.sleep(0.2)
+        stop.set()
+        for t in [writer, sampler, *readers]:
+            t.join(max(0.1, began + seconds + 70 - time.monotonic()))
+        took_all = time.monotonic() - began
+        exits = {srv.name: srv.starts - starts[srv.name] for srv in self.ha.servers if not srv.alive()}
+        # the end: every acknowledged append there, in order, and perhaps the unanswered one after them
+        acked = sum(1 for a in appends if a[2] == "ok")
+        with self.http(30.0) as c:
+            r = _retry("head " + LOAD_STREAM, lambda: c.head(f"{base}/v1/stream/{LOAD_STREAM}"))
+            end = int(r.headers["stream-next-offset"].split("_", 1)[0])
+        maybe = any(a[2] != "ok" for a in appends)
+        if not (first + acked <= end <= first + acked + (1 if maybe else 0)):
+            self.effects["large appends lost or doubled under load"] += 1
+        if stats["wrong_reads"]:
+            self.effects["wrong bytes read under load"] += stats["wrong_reads"]
+        still = _leads_answer(leader, 30.0)
+        changed = bool(said_not or other_led or exits) or still is not True
+        if changed:
+            self.effects["leaders lost the lease under load"] += 1
+        latencies.sort()
+        self.detail.update(
+            target=leader.name,
+            seconds=round(seconds, 2),
+            took_s=round(took_all, 2),
+            readers=LOAD_READERS,
+            reads=stats["reads"],
+            mib_read=round(stats["bytes_read"] / (1 << 20), 1),
+            read_p50_s=_rounded(latencies[len(latencies) // 2]) if latencies else None,
+            read_max_s=_rounded(latencies[-1]) if latencies else None,
+            read_errors=dict(stats["read_errors"]),
+            wrong_reads=stats["wrong_reads"],
+            appends_mib=[LOAD_APPEND >> 20] * len(appends),
+            append_s=[round(a[1], 2) for a in appends],
+            append_outcomes=[a[2] for a in appends],
+            stream_mib=round(end * LOAD_APPEND / (1 << 20)),
+            leader_said_it_does_not_lead=said_not,
+            other_server_said_it_leads=other_led,
+            leader_unanswered_polls=unanswered,
+            leader_exits=exits,
+            leads_after=still,
+            leader_answer_max_s=_rounded(max(asked)) if asked else None,
+            small_appends=dict(Counter(what for _, _, what in small)),
+            small_append_max_s=_rounded(max(b - a for a, b, _ in small)) if small else None,
+        )
+        _say(
+            f"  ... catch-up-load on {leader.name}: {stats['reads']} reads ({self.detail['mib_read']} MiB, "
+            f"p50 {self.detail['read_p50_s']} s, max {self.detail['read_max_s']} s, errors {dict(stats['read_errors'])}), "
+            f"{acked}/{len(appends)} appends of {LOAD_APPEND >> 20} MiB ({', '.join(f'{a[1]:.1f}' for a in appends)} s); "
+            f"small appends meanwhile {self.detail['small_appends']} (max {self.detail['small_append_max_s']} s); "
+            f"GET /v1/leader answered by the leader within {self.detail['leader_answer_max_s']} s "
+            f"({unanswered} unanswered in {LOAD_LEADER_TIMEOUT:g} s)" + (" LEASE CHANGED" if changed else "")
+        )
 
     def _probe_append(self, why: str, since: float, limit: float = 120.0) -> float | None:
         """Append one value to :data:`PROBE_STREAM` through both servers, resent with the same
@@ -1333,20 +1772,28 @@ class Chaos:
             self._warm_up_spark()
             started = time.monotonic()  # the faults' duration starts now
         self.started = started
-        schedule = list(self.kinds)
+        schedule = [k for k in self.kinds if k != REJOIN]  # that one comes right after each failover
         self.rng.shuffle(schedule)
-        once = ONCE_PER_RUN if self.args.failover_manager == "none" else ()  # Patroni brings the old primary back
-        again = tuple(k for k in self.kinds if k not in once)  # drawn after the first round
+        # drawn after the first round; a failover only if the old primary comes back (rejoin-old-primary,
+        # or Patroni brings it back itself), else no standby is left
+        again = tuple(
+            k
+            for k in schedule
+            if k != "fail-over-database" or REJOIN in self.kinds or self.args.failover_manager == "patroni"
+        )
         end = started + self.args.duration
         # a bar of the duration on stderr when both stdout and stderr are a terminal (the fault lines go
         # above it); in logs, only the lines, as before
         with progress_display(enabled=sys.stdout.isatty()) as display:
             bar = display.task("chaos", self.args.duration, unit="s", rate=False, text="{faults} faults", faults=0)
             faults = 0
-            while schedule or time.monotonic() < end:  # every kind once, even if that outlasts the duration
+            # every kind once, even if that outlasts the duration, and an old primary left down rejoins
+            while schedule or self.rejoin_pending or time.monotonic() < end:
                 time.sleep(self.rng.uniform(0.3, 1.2))
                 victim = self._ready_victim()
-                if victim is not None:  # the sink and the Spark driver are killed once while at work
+                if self.rejoin_pending:  # a failover left the old primary down: it rejoins first
+                    kind, victim = REJOIN, None
+                elif victim is not None:  # the sink and the Spark driver are killed once while at work
                     kind = "kill-client"
                 else:
                     kind = schedule.pop(0) if schedule else self.rng.choice(again)
@@ -1492,6 +1939,12 @@ class Chaos:
             "two servers leading at once",
             "cut-off leaders still leading after the term",
             "no takeover while the leader was cut off",
+            "appends acknowledged with one copy (standby lost)",
+            "standbys that did not come back",
+            "old primaries that could not rejoin",
+            "leaders lost the lease under load",
+            "wrong bytes read under load",
+            "large appends lost or doubled under load",
         )
         healthy = not any(self.effects[k] for k in unhealthy)
         extra = self._evidence(ops, result.anomalies, final, target, spark_batches)
@@ -1582,7 +2035,7 @@ class Chaos:
                 "starts": {srv.name: srv.starts for srv in self.ha.servers},
             },
             "failover_manager": self.args.failover_manager,
-            "database_failover": self.failovers[0] if self.failovers else {},  # the first
+            "database_failover": self.failovers[0] if self.failovers else {},  # the first (as before)
             "database_failovers": self.failovers,
             "leader_kills": {
                 "count": self.effects["leaders killed"],
@@ -1615,7 +2068,10 @@ class Chaos:
                     )
                 )
             else:
-                print(f"database failover: primary killed, standby promoted in {fo['promotion_s']:.2f} s; {acked}")
+                print(
+                    f"database failover ({fo['after']}): primary {fo['killed']} killed, standby promoted in "
+                    f"{fo['promotion_s']:.2f} s; {acked}"
+                )
         kills = summary["leader_kills"]["first_ack_after_kill_s"]
         if kills:
             print("leader kills: first append acknowledged " + ", ".join(f"{t:.2f}" for t in kills) + " s after")
@@ -1673,6 +2129,10 @@ def run_chaos(args: argparse.Namespace) -> int:
         return 2
     if args.lease_seconds < 1.0:
         print("error: --lease-seconds must be at least 1", file=sys.stderr)
+        return 2
+    if args.failover_manager == "patroni" and (named := [k for k in args.faults or () if k in PATRONI_LEFT_OUT]):
+        why = "; ".join(f"{k}: {PATRONI_LEFT_OUT[k]}" for k in named)
+        print(f"error: --faults {','.join(named)} with --failover-manager patroni: {why}", file=sys.stderr)
         return 2
     if args.faults is not None:
         kinds = HA_FAULT_KINDS if args.store == "postgresql" else FAULT_KINDS
@@ -1766,7 +2226,13 @@ def add_chaos_parser(sub: Any) -> None:
         "restarted at once), stop-server (SIGSTOP of the leader, at least once past the lease's term: "
         "fenced, it exits with status 3 on SIGCONT and is restarted), fail-over-database (once: kill -9 "
         "of the primary, promotion of the standby; the summary gives the seconds from the promotion to "
-        "the first acknowledged append, goal <= 5), lose-commit, partition (a server, mostly the leader, "
+        "the first acknowledged append, goal <= 5; once per run unless rejoin-old-primary is among "
+        "the faults), rejoin-old-primary (after each database failover, the old primary rewound with "
+        "pg_rewind and started as the new synchronous standby, so that the database can fail over "
+        "again), lose-standby (the synchronous standby killed or stopped for a while: no append may "
+        "be acknowledged with one copy meanwhile; sometimes followed by a database failover), "
+        "catch-up-load (40 readers reading a stream of several MiB from offset -1 and 3 MiB appends "
+        "on the leader: its lease must hold; the latency is reported), lose-commit, partition (a server, mostly the leader, "
         "cut off from the database, then healed), clock-step (a server's or the database's wall clock "
         "stepped forward or back, with libfaketime), sigstop-primary (the PostgreSQL primary paused), "
         "kill-client, stop-client, drop-acks and delay-acks; the summary gives each fault's "
@@ -1783,7 +2249,10 @@ def add_chaos_parser(sub: Any) -> None:
         "'Running with Patroni'): fail-over-database kills -9 the primary's postgres and Patroni promotes "
         "the standby and brings the old node back (pg_rewind), so it may strike again; the summary gives "
         "the seconds from the kill to the promotion and to the first acknowledged append. Every other "
-        "fault works as without; clock-step of the database steps the clock of both Patronis too",
+        "fault works as without, but rejoin-old-primary (Patroni brings the old primary back itself) and "
+        "lose-standby (Patroni restarts a lost standby, and without synchronous_mode_strict lets the primary "
+        "commit alone meanwhile) are left out, and naming them in --faults is an error; clock-step of the "
+        "database steps the clock of both Patronis too",
     )
     c.add_argument(
         "--lease-seconds",
