@@ -1169,7 +1169,7 @@ class Chaos:
             raise error[0]
         return result[0]
 
-    def _rejoin_old_primary(self) -> None:
+    def _rejoin_old_primary(self, nested: bool = False) -> None:
         """Right after a database failover: the old primary rewound with ``pg_rewind`` from the new one
         and started as its synchronous standby (:meth:`HaCluster.rejoin_database`), so that the
         database can fail over again in the same run; the seconds that took, and the check that the
@@ -1185,7 +1185,11 @@ class Chaos:
             return
         took = time.monotonic() - began
         self.effects["old primaries rewound and rejoined"] += 1
-        self.detail.update(target=node, seconds=round(took, 2))
+        figures = {"target": node, "seconds": round(took, 2)}
+        if nested:  # after lose-standby's failover: its own entry says what it hit and for how long
+            self.detail["rejoin"] = figures
+        else:
+            self.detail.update(figures)
         _say(f"  ... rejoin-old-primary: {node} rewound and synchronous again after {took:.2f} s")
 
     def _partition(self) -> None:
@@ -1349,7 +1353,9 @@ class Chaos:
         lost_at = time.monotonic()
         self._injected("lose-standby")
         stop = threading.Event()
-        answers: list[tuple[float, float, str]] = []  # sent, answered, what (monotonic seconds)
+        # sent, answered (monotonic seconds), what: ok, HTTP <status> <code>, timeout, or the client's
+        # transport error (NoServerError: every server answered 503 not_leader or could not be reached)
+        answers: list[tuple[float, float, str]] = []
         writer = threading.Thread(target=self._one_try_appends, args=(stop, answers), name="one-copy", daemon=True)
         writer.start()
         seen: set[str] = set(before)
@@ -1405,7 +1411,7 @@ class Chaos:
             self._fail_over_database("lose-standby")
             if self.rejoin_pending:
                 self.faults[REJOIN] += 1
-                self._rejoin_old_primary()
+                self._rejoin_old_primary(nested=True)
 
     def _one_try_appends(
         self, stop: threading.Event, answers: list[tuple[float, float, str]], timeout: float = 2.0
@@ -1413,7 +1419,7 @@ class Chaos:
         """:meth:`_lose_standby`'s writer: until ``stop``, one append at a time to :data:`PROBE_STREAM`
         from a producer of its own, tried once (``timeout``), recorded in the history (an unanswered
         one is indeterminate) and in ``answers`` as (sent, answered, ``ok`` / ``HTTP <status> <code>``
-        / ``timeout`` / ``transport error``)."""
+        / ``timeout`` / the transport error's class)."""
         with self.http(timeout) as c:
             while not stop.is_set():
                 self.probes += 1
@@ -1437,7 +1443,7 @@ class Chaos:
                     answers.append((sent, time.monotonic(), "timeout"))
                     continue
                 except httpx.TransportError as exc:
-                    answers.append((sent, time.monotonic(), f"transport error {type(exc).__name__}: {str(exc)[:80]}"))
+                    answers.append((sent, time.monotonic(), type(exc).__name__))
                     time.sleep(0.1)
                     continue
                 if r.status_code == 200:
