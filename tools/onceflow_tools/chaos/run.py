@@ -594,6 +594,7 @@ class Chaos:
         self.leader_killed = False  # kill-server has hit the leader (the first one aims at it)
         self.stopped_past_term = False  # stop-server has paused the leader beyond the lease's term
         self.probes = 0  # probe appends made
+        self._probe_lock = threading.Lock()
         self.probe_producer, self.probe_seq = "chaos-probe", 0
         self.after_leader_kill: list[float] = []  # seconds from a leader's kill -9 to the first ack
         self.failovers: list[dict[str, Any]] = []  # each database failover's figures
@@ -1422,8 +1423,7 @@ class Chaos:
         / ``timeout`` / the transport error's class)."""
         with self.http(timeout) as c:
             while not stop.is_set():
-                self.probes += 1
-                n = self.probes
+                n = self._next_probe()
                 value = {"c": "probe", "n": n, "why": "one-copy check"}
                 op_id = self.history.next_id()
                 producer = f"chaos-probe.s{n}"
@@ -1639,17 +1639,35 @@ class Chaos:
             f"({unanswered} unanswered in {LOAD_LEADER_TIMEOUT:g} s)" + (" LEASE CHANGED" if changed else "")
         )
 
+    def _next_probe(self) -> int:
+        """The number of a new probe append (its value's ``n``; probes are sent from several threads)."""
+        with self._probe_lock:
+            self.probes += 1
+            return self.probes
+
     def _probe_append(self, why: str, since: float, limit: float = 120.0) -> float | None:
         """Append one value to :data:`PROBE_STREAM` through both servers, resent with the same
         ``Producer-Seq`` until acknowledged: the seconds from ``since`` to the acknowledgement, None
         if none came within ``limit``. Recorded in the runner's history as a producer's append is,
         so the history check covers it."""
-        self.probes += 1
-        took = self._send_probe(self.probes, why, self.probe_producer, self.probe_seq, since, limit)
+        result: list[float | None] = [None]
+        args = (self._next_probe(), why, self.probe_producer, self.probe_seq, since, limit)
+
+        def probe() -> None:
+            result[0] = self._send_probe(*args)
+
+        # sent from a thread of its own: meanwhile servers and clients that die are restarted, as a
+        # supervisor would (a leader that stepped down just before a database failover, say)
+        thread = threading.Thread(target=probe, name=f"probe-{args[0]}", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            self.supervise()
+        took = result[0]
         if took is not None:
             self.probe_seq += 1
         else:  # left indeterminate: the next probe comes from a new producer, whose Producer-Seq 0 is its own
-            self.probe_producer, self.probe_seq = f"chaos-probe.{self.probes}", 0
+            self.probe_producer, self.probe_seq = f"chaos-probe.{args[0]}", 0
         return took
 
     def _send_probe(self, n: int, why: str, producer: str, seq: int, since: float, limit: float) -> float | None:
@@ -1694,8 +1712,7 @@ class Chaos:
         stream."""
         if self.ha is None:
             return lambda: None
-        self.probes += 1
-        n, since = self.probes, time.monotonic()
+        n, since = self._next_probe(), time.monotonic()
         result: list[float | None] = [None]
 
         def probe() -> None:
