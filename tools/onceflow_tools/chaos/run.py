@@ -1114,7 +1114,7 @@ class Chaos:
             _say(f"  ... fail-over-database: {exc}")
             self.effects["no promotion by Patroni within 60 s"] += 1
             return
-        took = self._supervised(lambda: self._probe_append("database-failover", since=promoted_at))
+        took = self._probe_append("database-failover", since=promoted_at)  # supervised itself
         # Step 4: the old node back as the synchronous standby
         try:
             back_at = self._supervised(lambda: (pg.wait_synchronous(60.0), time.monotonic())[1])
@@ -1650,24 +1650,15 @@ class Chaos:
         ``Producer-Seq`` until acknowledged: the seconds from ``since`` to the acknowledgement, None
         if none came within ``limit``. Recorded in the runner's history as a producer's append is,
         so the history check covers it."""
-        result: list[float | None] = [None]
-        args = (self._next_probe(), why, self.probe_producer, self.probe_seq, since, limit)
-
-        def probe() -> None:
-            result[0] = self._send_probe(*args)
-
-        # sent from a thread of its own: meanwhile servers and clients that die are restarted, as a
-        # supervisor would (a leader that stepped down just before a database failover, say)
-        thread = threading.Thread(target=probe, name=f"probe-{args[0]}", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.2)
-            self.supervise()
-        took = result[0]
+        n = self._next_probe()
+        # sent from a thread of its own (:meth:`_supervised`): meanwhile servers and clients that die
+        # are restarted, as a supervisor would (a leader that stepped down just before a database
+        # failover, say). Not to be called inside _supervised: one thread supervises at a time
+        took = self._supervised(lambda: self._send_probe(n, why, self.probe_producer, self.probe_seq, since, limit))
         if took is not None:
             self.probe_seq += 1
         else:  # left indeterminate: the next probe comes from a new producer, whose Producer-Seq 0 is its own
-            self.probe_producer, self.probe_seq = f"chaos-probe.{args[0]}", 0
+            self.probe_producer, self.probe_seq = f"chaos-probe.{n}", 0
         return took
 
     def _send_probe(self, n: int, why: str, producer: str, seq: int, since: float, limit: float) -> float | None:
