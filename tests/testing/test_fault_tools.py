@@ -46,6 +46,31 @@ def test_a_partition_answers_nothing_and_refuses_nothing_and_delivers_what_waite
                 assert again.execute("SELECT 3").fetchone() == (3,)
 
 
+def test_a_commit_is_lost_after_a_prepared_statement_as_after_a_parsed_one(
+    postgres_server: PostgresServer, pg: str
+) -> None:
+    """Found by the issue-30 campaign (``lose-commit`` lost nothing in 2 of 3 runs): psycopg prepares
+    a statement it ran 5 times on a connection (``prepare_threshold``) and then sends only its name
+    (Bind, no Parse), so the proxy never saw the SQL of a long-lived connection's sync and never
+    lost its COMMIT."""
+    psycopg = pytest.importorskip("psycopg")
+    from onceflow.testing.pgproxy import PgFaultProxy
+
+    dbname = re.search(r"dbname=(\w+)", pg)
+    assert dbname is not None
+    with PgFaultProxy(postgres_server.port) as proxy:
+        with psycopg.connect(proxy.conninfo(dbname.group(1), user="postgres")) as conn:
+            conn.execute("CREATE TEMPORARY TABLE lose_me (x int)")
+            for x in range(7):  # prepared after the fifth
+                conn.execute("INSERT INTO lose_me VALUES (%s)", (x,))
+                conn.commit()
+            proxy.arm(lambda sql: "INSERT INTO lose_me" in sql, "answer")
+            conn.execute("INSERT INTO lose_me VALUES (%s)", (7,))
+            with pytest.raises(psycopg.OperationalError):
+                conn.commit()
+        assert proxy.lost == 1 and proxy.armed == 0
+
+
 @pytest.mark.skipif(clock_step_missing() is not None, reason=str(clock_step_missing()))
 def test_a_stepped_clock_moves_the_wall_clock_of_a_running_process_and_not_its_monotonic_clock(
     tmp_path: Path,

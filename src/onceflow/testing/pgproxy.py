@@ -216,8 +216,11 @@ class PgFaultProxy:
         server_w: asyncio.StreamWriter,
         dropping: asyncio.Event,
     ) -> None:
-        """Client to server, message by message, noting each transaction's SQL."""
+        """Client to server, message by message, noting each transaction's SQL: a query's, a parsed
+        statement's, and a prepared statement's each time it is bound (psycopg prepares a statement
+        it ran 5 times on a connection and then sends only its name)."""
         sql: list[str] = []
+        prepared: dict[bytes, str] = {}  # this connection's named statements
         while True:
             kind, body = await _typed(client_r)
             text = ""
@@ -226,6 +229,11 @@ class PgFaultProxy:
             elif kind == b"P":  # Parse: name\0 query\0 ...
                 parts = body.split(b"\0", 2)
                 text = parts[1].decode("utf-8", "replace") if len(parts) > 1 else ""
+                if parts[0]:
+                    prepared[parts[0]] = text
+            elif kind == b"B":  # Bind: portal\0 statement\0 ...; the unnamed one was noted at its Parse
+                parts = body.split(b"\0", 2)
+                text = prepared.get(parts[1], "") if len(parts) > 1 and parts[1] else ""
             head = text.strip().upper()
             if kind == b"Q" and head in ("COMMIT", "END"):
                 armed = self._take("\n".join(sql))
