@@ -227,7 +227,7 @@ def test_the_standby_lost_and_the_old_primary_rewound_lose_nothing_acknowledged(
 def test_a_leader_under_catch_up_reads_and_large_writes_keeps_its_lease(tmp_path: Path) -> None:
     """40 readers reading a stream older than the tail cache from offset -1 (from PostgreSQL) and 3 MiB
     appends: the leader keeps its lease, every read returns what was written, every acknowledged
-    append is there; the latency it caused is in the fault's log entry (~55 s)."""
+    append is there; the latency it caused is in the fault's log entry (~30 s)."""
     summary = _ha_chaos(tmp_path, "catch-up-load", seed=6)
     effects = summary["fault_effects"]
     assert effects.get("leaders lost the lease under load", 0) == 0
