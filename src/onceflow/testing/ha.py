@@ -274,8 +274,10 @@ class HaCluster:
     def lose_standby(self, how: Literal["kill", "stop"] = "kill") -> str:
         """The synchronous standby lost: ``kill -9`` of every process of it (``"kill"``) or SIGSTOP
         (``"stop"``, a frozen VM). The primary's commits then wait for it (``synchronous_commit``):
-        none returns until :meth:`restore_standby`. Its name."""
-        node = self.pg.standby()
+        none returns until :meth:`restore_standby`. Its name. Not with Patroni (a ``RuntimeError``):
+        Patroni restarts the standby itself and, in non-strict ``synchronous_mode``, lets the primary
+        commit alone meanwhile."""
+        node = self._by_hand("lose_standby").standby()
         if node is None:
             raise RuntimeError(f"no standby to lose: {self.pg.roles()}")
         if how == "kill":
@@ -292,23 +294,33 @@ class HaCluster:
         if lost is None:
             return
         node, how = lost
+        pg = self._by_hand("restore_standby")
         if how == "kill":
-            self.pg.restart(node)
+            pg.restart(node)
         else:
             node.signal(signal.SIGCONT)
-        primary = self.pg.primary()
+        primary = pg.primary()
         if primary is not None:
-            self.pg._wait_synchronous(primary, node, timeout)
+            pg._wait_synchronous(primary, node, timeout)
 
     def rejoin_database(self) -> str:
         """The old primary, down since :meth:`fail_over_database` (or a kill and a promotion), rewound
         with ``pg_rewind`` and started as the new primary's synchronous standby
-        (:meth:`PostgresCluster.rejoin`): the database can fail over again. Its name."""
-        down = [node for node in self.pg.nodes if node.role() == "down"]
+        (:meth:`PostgresCluster.rejoin`): the database can fail over again. Its name. Not with Patroni
+        (a ``RuntimeError``): Patroni rewinds the old primary itself."""
+        pg = self._by_hand("rejoin_database")
+        down = [node for node in pg.nodes if node.role() == "down"]
         if len(down) != 1:
-            raise RuntimeError(f"no old primary to rejoin: {self.pg.roles()}")
-        self.pg.rejoin(down[0])
+            raise RuntimeError(f"no old primary to rejoin: {pg.roles()}")
+        pg.rejoin(down[0])
         return down[0].name
+
+    def _by_hand(self, what: str) -> PostgresCluster:
+        """The database as a :class:`PostgresCluster`, whose nodes the harness manages itself; with
+        Patroni, which manages them, ``what`` is a ``RuntimeError``."""
+        if isinstance(self.pg, PatroniCluster):
+            raise RuntimeError(f"{what}: Patroni manages the standby and the old primary itself")
+        return self.pg
 
     def status(self) -> dict[str, object]:
         return {

@@ -557,9 +557,9 @@ class Chaos:
         )
         self.faults_skipped: dict[str, str] = {}  # a fault kind that cannot be injected here -> why
         if args.failover_manager == "patroni":  # Patroni manages the standby and the old primary itself
-            for kind, why in PATRONI_LEFT_OUT.items():
+            for kind, reason in PATRONI_LEFT_OUT.items():
                 if kind in self.kinds:
-                    self.faults_skipped[kind] = why
+                    self.faults_skipped[kind] = reason
             self.kinds = tuple(k for k in self.kinds if k not in PATRONI_LEFT_OUT)
         if REJOIN in self.kinds and "fail-over-database" not in self.kinds:  # it rejoins what a failover left
             self.kinds = (*self.kinds, "fail-over-database")
