@@ -84,3 +84,15 @@ def test_failover_manager_option_and_its_bad_combination(tmp_path: Path) -> None
     assert "--failover-manager {none,patroni}" in text and "Running with Patroni" in text
     r = _chaos("--failover-manager", "patroni", "--out", str(tmp_path / "a"), timeout=60)
     assert r.returncode == 2 and "--store postgresql" in r.stderr
+    # the faults of the harness that act on what Patroni manages are left out, and cannot be asked for
+    assert "rejoin-old-primary (Patroni brings the old primary back itself)" in text
+    r = _chaos(
+        "--store", "postgresql", "--failover-manager", "patroni", "--faults", "catch-up-load,lose-standby",
+        "--out", str(tmp_path / "b"), timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--faults lose-standby with --failover-manager patroni" in r.stderr
+    r = _chaos(
+        "--store", "postgresql", "--failover-manager", "patroni", "--faults", "rejoin-old-primary",
+        "--out", str(tmp_path / "c"), timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "rejoin-old-primary: Patroni rewinds the old primary" in r.stderr
