@@ -23,6 +23,14 @@ from onceflow.core.txn import TxnStatus
 pytestmark = pytest.mark.anyio
 
 
+async def _answered(commit: Any) -> int:
+    """An offsets commit made straight to the coordinator, as one the server let through while the
+    stream existed reaches it: the server now refuses offsets for a stream that does not exist, but
+    a delete (and a create) can still come while such a commit's record is being stored."""
+    await commit
+    return 200
+
+
 async def _offsets(c: httpx.AsyncClient, group: str) -> dict[str, str]:
     r = await c.get(f"/v1/groups/{group}/offsets")
     assert r.status_code == 200, r.text
@@ -253,13 +261,13 @@ async def test_an_offsets_commit_written_just_before_the_drop_is_dropped_in_memo
         return done
 
     coord._stage = hold_the_commit_until_the_drop_is_staged  # type: ignore[method-assign]
-    late = asyncio.ensure_future(c.post("/v1/groups/g/offsets", json={"offsets": {"s": end}}))
+    late = asyncio.ensure_future(_answered(coord.commit_offsets("g", {"s": end})))
     for _ in range(1000):  # its record is staged (and waits)
         if coord._awaiting:
             break
         await asyncio.sleep(0.01)
     assert (await c.put(S + "s", headers=JSON)).status_code == 201
-    assert (await asyncio.wait_for(late, 30)).status_code == 200
+    assert await asyncio.wait_for(late, 30) == 200
     in_memory = {g: dict(o) for g, o in coord.groups.items()}
     assert await _groups_after_restart(onceflow) == in_memory
     assert in_memory.get("g", {}) == {}
@@ -359,12 +367,12 @@ async def test_an_offsets_commit_in_flight_when_the_create_looks_is_dropped(once
         return done
 
     coord._stage = hold_the_commit  # type: ignore[method-assign]
-    early = asyncio.ensure_future(c.post("/v1/groups/g/offsets", json={"offsets": {"s": end}}))
+    early = asyncio.ensure_future(_answered(coord.commit_offsets("g", {"s": end})))
     await asyncio.wait_for(staged.wait(), 30)
     gate_was_needed = not gate.is_set()
     assert (await c.put(S + "s", headers=JSON)).status_code == 201
     assert gate_was_needed and gate.is_set()  # a drop was written
-    assert (await asyncio.wait_for(early, 30)).status_code == 200
+    assert await asyncio.wait_for(early, 30) == 200
     assert coord.groups.get("g", {}) == {}
     assert (await _groups_after_restart(onceflow)).get("g", {}) == {}
 
@@ -407,12 +415,10 @@ async def test_a_transactions_offsets_built_before_the_drop_and_stored_after_it_
         return done
 
     coord._stage = interleave  # type: ignore[method-assign]
-    offsets = asyncio.ensure_future(
-        c.post(T + "copier/offsets", json={"epoch": t.epoch, "group": "g", "offsets": {"s": end}})
-    )
+    offsets = asyncio.ensure_future(_answered(coord.add_offsets("copier", t.epoch, "g", {"s": end})))
     await asyncio.wait_for(offsets_staged.wait(), 30)
     put = asyncio.ensure_future(c.put(S + "s", headers=JSON))
-    assert (await asyncio.wait_for(offsets, 30)).status_code == 200
+    assert await asyncio.wait_for(offsets, 30) == 200
     assert (await t.send("out2", {"y": 1})).status_code in (200, 204)
     assert (await asyncio.wait_for(put, 30)).status_code == 201
     assert coord.txns["copier"].offsets == {"g": {}}

@@ -11,9 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers.servers import InProcess
+from helpers.txn import T, Txn
 
 pytestmark = pytest.mark.anyio
 S = "/v1/stream/"
+JSON = {"content-type": "application/json"}
 
 
 async def make(c: InProcess, name: str = "s", ct: str = "application/json") -> None:
@@ -393,3 +395,31 @@ async def test_headers_that_carry_names_are_utf8(onceflow: InProcess) -> None:
         r = await c.put(S + "bad", headers=[octets, (name, value)])
         assert r.status_code == 400 and "UTF-8" in r.text, (name, r.status_code, r.text)
     assert (await c.head(S + "bad")).status_code == 404
+
+
+@pytest.mark.anyio
+async def test_an_offsets_commit_names_streams_that_exist_and_names_of_bounded_size(onceflow: InProcess) -> None:
+    """Issue 28, item 4: an offsets commit took 50,000 offsets for streams that do not exist, and
+    stream or group names of megabytes (names are capped at 1,024 bytes everywhere else); each stayed
+    in the coordinator's memory and log, in every ``GET /v1/groups`` and every scrape. Now a name
+    past the cap is a 400, an offset for a stream that does not exist a 404; nothing is stored."""
+    c = onceflow.client
+    assert (await c.put(S + "real", headers=JSON)).status_code == 201
+    end = (await c.post(S + "real", content=b"[1]", headers=JSON)).headers["stream-next-offset"]
+    long = "x" * 1025
+    many = {f"nope{i}": end for i in range(50)}
+    t = Txn(c, "tx")
+    await t.init()
+    for path, body, status in (
+        ("/v1/groups/g/offsets", {"offsets": many}, 404),
+        ("/v1/groups/g/offsets", {"offsets": {long: end}}, 400),
+        (f"/v1/groups/{long}/offsets", {"offsets": {"real": end}}, 400),
+        (T + "tx/offsets", {"epoch": t.epoch, "group": "g", "offsets": many}, 404),
+        (T + "tx/offsets", {"epoch": t.epoch, "group": long, "offsets": {"real": end}}, 400),
+    ):
+        r = await c.post(path, json=body)
+        assert r.status_code == status, (path[:40], r.status_code, r.text[:200])
+    assert (await c.get("/v1/groups/g/offsets")).json()["offsets"] == {}
+    assert (await c.post("/v1/groups/g/offsets", json={"offsets": {"real": end}})).status_code == 200
+    listed = (await c.get("/v1/groups")).json()["groups"]
+    assert [g["group"] for g in listed] == ["g"], listed

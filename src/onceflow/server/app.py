@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote_to_bytes
 
 from ..core.broker import (
+    MAX_NAME_BYTES,
     Broker,
     Outcome,
     ProducerHeaders,
@@ -482,17 +483,34 @@ class App:
             raise BadRequest(f"the body needs {key!r}: an integer from 0 to 2^53-1")
         return value
 
-    @staticmethod
-    def _offsets_field(body: dict[str, Any]) -> dict[str, str]:
+    def _offsets_field(self, body: dict[str, Any]) -> dict[str, str]:
+        """A body's ``offsets``: positions this server issued, in streams that exist (each is kept in
+        the coordinator, its log, every listing and scrape: a name is capped as every name is, and
+        a commit can name no more streams than there are)."""
         offsets = body.get("offsets")
         if not isinstance(offsets, dict) or not offsets:
             raise BadRequest('the body needs "offsets": {"<stream>": "<offset>", ...}')
         for stream, off in offsets.items():
             if not _utf8(stream):
                 raise BadRequest(f"stream name {stream!r} in offsets is not valid UTF-8 (a lone surrogate escape)")
+            wrong = validate_name(stream)
+            if wrong is not None:
+                raise BadRequest(f"{wrong}: {stream[:80]!r} in offsets")
             if not isinstance(off, str) or parse_token(off) is None:
                 raise BadRequest(f"offset for {stream!r} is not an offset this server issued: {off!r}")
+        missing = [s for s in offsets if (found := self.broker.get(s)) is None or found.meta.soft_deleted]
+        if missing:
+            shown = ", ".join(repr(s) for s in missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
+            raise BadRequest(f"offsets name streams that do not exist: {shown}", 404, "not_found")
         return offsets
+
+    @staticmethod
+    def _group_name(group: str) -> str:
+        if len(group.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            raise BadRequest(f"a group name is at most {MAX_NAME_BYTES} bytes, as every name is")
+        return group
 
     async def _txn(
         self, method: str, rest: str, headers: dict[str, str], receive: Receive
@@ -538,6 +556,7 @@ class App:
             group = body.get("group")
             if not isinstance(group, str) or not group or not _utf8(group):
                 raise BadRequest('the body needs "group": a non-empty string of valid UTF-8')
+            self._group_name(group)
             txn = self._int_field(body, "txn") if body.get("txn") is not None else None
             meta = await coord.add_offsets(
                 tid, self._int_field(body, "epoch"), group, self._offsets_field(body), txn=txn
@@ -556,11 +575,12 @@ class App:
         if group and action == GROUP_RESET:
             if method != "POST":
                 raise BadRequest(f"{method} is not supported here; use POST", 405, "method_not_allowed")
-            return await self._reset_group(group, await self._json_body(headers, receive))
+            return await self._reset_group(self._group_name(group), await self._json_body(headers, receive))
         if not group or action != "offsets":
             raise BadRequest(
                 f"use /v1/groups/<group>/offsets or POST /v1/groups/<group>/{GROUP_RESET}", 404, "not_found"
             )
+        self._group_name(group)
         coord = self.broker.coordinator
         if method == "GET":
             return _json_response(200, {"group": group, "offsets": coord.groups.get(group, {})})
