@@ -10,10 +10,13 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from onceflow_tools.sim.disk import SimDisk
+from onceflow_tools.sim.fast import fast_httpx, response
 from onceflow_tools.sim.run import run_seed
 
 # Seeds that found a hole on the code before its fix (docs/reliability.md, "What the simulator
@@ -165,3 +168,35 @@ def test_a_failed_sync_never_makes_its_writes_durable() -> None:
     assert f.pread(4, 0) == b"lost"
     disk.power_loss()
     assert disk.mount().open_file(Path("/d/f"), create=False).pread(4, 0) == b""
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "body"),
+    [
+        (200, [(b"content-type", b"application/json"), (b"content-length", b"8")], b'{"a": 1}'),
+        (200, [(b"stream-next-offset", b"0000000000000001_0000000000000002")], b"\x00\x01records"),
+        (204, [], b""),
+        (503, [(b"retry-after", b"1"), (b"Content-Type", b"text/plain")], b"not leader"),
+        (200, [(b"content-encoding", b"identity")], b"plain"),
+    ],
+)
+def test_the_simulations_fast_response_is_httpxs_response(status: int, headers: list[Any], body: bytes) -> None:
+    """sim/fast.py builds the servers' answers without httpx's stream machinery: the same response."""
+    fast, plain = response(status, headers, body), httpx.Response(status, headers=headers, content=body)
+    assert (fast.status_code, fast.headers.raw, fast.content) == (plain.status_code, plain.headers.raw, plain.content)
+    assert (fast.is_stream_consumed, fast.is_closed) == (plain.is_stream_consumed, plain.is_closed)
+    assert fast.text == plain.text and fast.encoding == plain.encoding
+    assert {k for k in vars(plain) if k != "_decoder"} <= set(vars(fast))
+
+
+def test_the_simulations_memoized_url_parsing_parses_as_httpx_does() -> None:
+    urls = ["http://onceflow.sim/v1/stream/a%20b?offset=-1&x=%2F", "http://n1.sim", "/v1/streams"]
+    plain = [httpx.URL(u) for u in urls]
+    with fast_httpx():
+        twice = [[httpx.URL(u) for u in urls] for _ in range(2)]
+        moved = [u.copy_with(host="n2.sim") for u in twice[1]]
+        with pytest.raises(httpx.InvalidURL):
+            httpx.URL("http://onceflow.sim/\x00")
+    assert twice[0] == twice[1] == plain
+    assert moved == [u.copy_with(host="n2.sim") for u in plain]
+    assert httpx.URL(urls[0]) == plain[0]  # and the parser is httpx's own again

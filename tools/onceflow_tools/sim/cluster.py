@@ -42,7 +42,7 @@ from .cluster_actors import CLUSTER_ACTORS, ClusterChecks
 from .loop import SimLoop, owner
 from .mutations import mutated
 from .pg import PgFaults, SimPostgres
-from .run import SeedResult, Workload, World, _NoCookies
+from .run import SeedResult, SimClient, Workload, World
 from .world import WALL_ORIGIN, ServerNode, SimNet, SimTransport, Trace
 
 __all__ = ["ClusterNode", "ClusterWorkload", "ClusterWorld", "NodeClock"]
@@ -345,11 +345,10 @@ class ClusterWorld(World):
             servers = Servers("http", self.servers.hosts[first:] + self.servers.hosts[:first])
             inner = _Watched(self.net, name, self, once=name in self._once)
             balanced = name in self._balanced
-            c = self._clients[name] = httpx.AsyncClient(
+            c = self._clients[name] = SimClient(
                 transport=_Balanced(servers, inner, self.rng) if balanced else AsyncFailoverTransport(servers, inner),
                 base_url=actors.URL,
                 timeout=httpx.Timeout(2.0),
-                cookies=_NoCookies(),
             )
         return c
 

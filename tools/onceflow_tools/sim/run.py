@@ -39,6 +39,7 @@ from ..chaos.history import Anomaly, CheckResult, check
 from ..chaos.worker import parse_records
 from . import actors
 from .disk import SimDisk
+from .fast import fast_httpx
 from .loop import SimLoop, Stalled, owner
 from .world import DATA, NetFaults, ServerNode, SimClock, SimNet, SimTransport, Trace
 
@@ -124,6 +125,26 @@ class _NoCookies(http.cookiejar.CookieJar):
         pass
 
 
+class _Cookies(httpx.Cookies):
+    """No cookies, and no urllib request and response built for the jar on every response
+    (``httpx.Cookies.extract_cookies`` builds both before the jar can say it wants nothing)."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        pass
+
+
+class SimClient(httpx.AsyncClient):
+    """An ``httpx.AsyncClient`` whose cookies are :class:`_Cookies` (always none: onceflow sets none)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(cookies=_NoCookies(), **kwargs)
+        self._no_cookies = _Cookies(_NoCookies())
+
+    @property  # type: ignore[misc]
+    def cookies(self) -> httpx.Cookies:
+        return self._no_cookies
+
+
 class World:
     """One seed's world (see the module docstring); :meth:`run` returns its result."""
 
@@ -157,11 +178,8 @@ class World:
     def client(self, name: str) -> httpx.AsyncClient:
         c = self._clients.get(name)
         if c is None:
-            c = self._clients[name] = httpx.AsyncClient(
-                transport=SimTransport(self.net, name),
-                base_url=URL,
-                timeout=httpx.Timeout(2.0),
-                cookies=_NoCookies(),
+            c = self._clients[name] = SimClient(
+                transport=SimTransport(self.net, name), base_url=URL, timeout=httpx.Timeout(2.0)
             )
         return c
 
@@ -198,14 +216,16 @@ class World:
         gc.collect()
         gc.disable()
         try:
-            self.loop.run_until_complete(self._main())
+            with fast_httpx():
+                self.loop.run_until_complete(self._main())
         except Stalled as exc:
             self.extra.append(Anomaly("stuck", None, f"the simulation stalled: {exc}"))
         finally:
             uuid.uuid4 = uuid4
             for lg, level in zip(quiet, levels, strict=True):
                 lg.setLevel(level)
-            self._close_loop()
+            with fast_httpx():  # the tasks left run to their end
+                self._close_loop()
             gc.enable()
         result = check(self.ops)
         result.anomalies.extend(self.extra)

@@ -34,6 +34,7 @@ from onceflow.core.broker import Broker
 from onceflow.server.app import App, AppConfig
 
 from .disk import SimDisk
+from .fast import response
 from .loop import SimLoop, owner
 
 __all__ = ["NetFaults", "ServerNode", "SimClock", "SimNet", "SimTransport", "Trace"]
@@ -221,7 +222,7 @@ class ServerNode:
                 chunks.append(msg.get("body", b""))
 
         await app(scope, receive, send)
-        reply(httpx.Response(status, headers=headers, content=b"".join(chunks)))
+        reply(response(status, headers, b"".join(chunks)))
 
     def watch_reply(self, fut: asyncio.Future[httpx.Response]) -> None:
         self._replies[fut] = None
