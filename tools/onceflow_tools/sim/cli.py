@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib
 import json
 import os
 import sys
@@ -80,6 +82,16 @@ def _deterministic_env() -> None:
         os.execv(sys.executable, [sys.executable, "-m", "onceflow.cli", *sys.argv[1:]])  # noqa: S606
 
 
+def _settle_heap(cluster: bool) -> None:
+    """Load the simulation's modules and move everything alive now out of the collector's sight
+    (``gc.freeze``): each seed starts with a full collection (sim/run.py), which then looks only at
+    what the seeds made, not at every module's objects again (5 % of a seed's time otherwise)."""
+    importlib.import_module(".cluster" if cluster else ".run", __package__)
+
+    gc.collect()
+    gc.freeze()
+
+
 def _one(seed: int, replay: bool, cluster: bool = False, mutations: tuple[str, ...] = ()) -> dict[str, Any]:
     t = time.perf_counter()
     r = _run(seed, cluster, mutations)
@@ -113,12 +125,15 @@ def cmd_sim(args: argparse.Namespace) -> int:
         display = stack.enter_context(progress_display())  # a bar on stderr when it is a terminal, else nothing
         bar = display.task("onceflow sim", len(seeds), unit="seeds", text="{failed} failed", failed=0)
         if args.jobs > 1:
-            pool = stack.enter_context(ProcessPoolExecutor(args.jobs))
+            pool = stack.enter_context(
+                ProcessPoolExecutor(args.jobs, initializer=_settle_heap, initargs=(args.cluster,))
+            )
             n = len(seeds)
             runs: Iterable[dict[str, Any]] = pool.map(
                 _one, seeds, [args.check_replay] * n, [args.cluster] * n, [mutations] * n, chunksize=8
             )
         else:
+            _settle_heap(args.cluster)
             runs = (_one(s, args.check_replay, args.cluster, mutations) for s in seeds)
         bad = 0
         for res in runs:
