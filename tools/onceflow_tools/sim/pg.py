@@ -164,15 +164,12 @@ class _Cursor:
     def execute(self, sql: str, params: Any = None, *, binary: bool = False) -> _Cursor:
         conn = self.conn
         conn._usable(sql)
-        text = " ".join(sql.split())
-        handler = _STATEMENTS.get(text)
-        if handler is None:
-            for pattern, fn in _PATTERNS:
-                if pattern.match(text):
-                    handler = fn
-                    break
-        if handler is None:
-            raise AssertionError(f"the simulated database does not know this statement (teach sim/pg.py): {text}")
+        known = _KNOWN.get(sql)
+        if known is None:
+            if len(_KNOWN) > 10_000:  # statements with a session's name in them come and go
+                _KNOWN.clear()
+            known = _KNOWN[sql] = _statement(sql)
+        text, handler = known
         rows, count = handler(conn.db, conn, text, params)
         self._rows, self.rowcount = list(rows), count
         return self
@@ -355,6 +352,24 @@ class SimPostgres:
 Handler = Callable[[SimPostgres, _Conn, str, Any], tuple[Rows, int]]
 _STATEMENTS: dict[str, Handler] = {}
 _PATTERNS: list[tuple[re.Pattern[str], Handler]] = []
+
+
+_KNOWN: dict[str, tuple[str, Handler]] = {}  # a statement as the store sends it: its text, its handler
+
+
+def _statement(sql: str) -> tuple[str, Handler]:
+    """The text (whitespace aside) and handler of a statement (:data:`_KNOWN` keeps them: the
+    store sends the same few dozen statements, each thousands of times a seed)."""
+    text = " ".join(sql.split())
+    handler = _STATEMENTS.get(text)
+    if handler is None:
+        for pattern, fn in _PATTERNS:
+            if pattern.match(text):
+                handler = fn
+                break
+    if handler is None:
+        raise AssertionError(f"the simulated database does not know this statement (teach sim/pg.py): {text}")
+    return text, handler
 
 
 def _sql(*texts: str) -> Callable[[Handler], Handler]:
