@@ -88,6 +88,7 @@ def test_every_regression_seed_runs_clean() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1300)  # its own subprocesses are bounded (1200 s); pytest's 300 s is not enough on a busy machine
 def test_a_bounded_batch_of_seeds_finds_nothing_and_replays() -> None:
     """What CI runs of the simulator (about two minutes on two cores); soaks run more:
     ``onceflow sim --seeds 100000 --start K --jobs 2``."""
