@@ -224,6 +224,7 @@ CI_CLUSTER_SEEDS = 100
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)  # its subprocess is bounded (900 s); pytest's 300 s is not enough on a busy machine
 def test_a_bounded_batch_of_cluster_seeds_from_the_command_line_finds_nothing() -> None:
     """What CI runs of the cluster (about 30 s on two cores); soaks run more:
     ``onceflow sim --cluster --seeds 2000 --start K --jobs 2``."""
