@@ -211,7 +211,10 @@ class ReadTimedOut(OnceflowError, OSError):
 
 
 def _on_loop() -> bool:
-    """Whether the calling thread runs an event loop (a read there holds up every other task)."""
+    """Whether the calling thread runs an event loop (a read there holds up every other task), and
+    not a worker's call on its behalf (:func:`as_worker`)."""
+    if getattr(_CALL, "worker", False):
+        return False
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -220,6 +223,20 @@ def _on_loop() -> bool:
 
 
 _CALL = threading.local()  # .bounded: this thread runs a call the event loop waits for (Connector.bounded)
+# .worker: it runs an executor's work, on the loop's own thread (the simulator's executor does)
+
+
+@contextmanager
+def as_worker() -> Iterator[None]:
+    """Calls made in the block count as a worker thread's, not the event loop's: for an executor
+    that runs its work on the loop's own thread (the simulator's), so that the store bounds the
+    same calls as when threads run them."""
+    was = getattr(_CALL, "worker", False)
+    _CALL.worker = True
+    try:
+        yield
+    finally:
+        _CALL.worker = was
 
 
 def _bounded() -> bool:

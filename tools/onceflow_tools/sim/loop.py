@@ -28,6 +28,7 @@ happen: a deadlock).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import weakref
 from collections.abc import Callable, Coroutine, Generator
@@ -40,6 +41,14 @@ T = TypeVar("T")
 owner: contextvars.ContextVar[object | None] = contextvars.ContextVar("onceflow_sim_owner", default=None)
 
 START = 1_000.0  # the loop's clock at the start (seconds; an arbitrary origin)
+
+
+def _as_worker() -> contextlib.AbstractContextManager[None]:
+    try:
+        from onceflow.storage.pgfs import as_worker
+    except ImportError:  # no psycopg: no PostgreSQL store to tell
+        return contextlib.nullcontext()
+    return as_worker()
 
 
 class Stalled(Exception):
@@ -161,7 +170,8 @@ class SimLoop(asyncio.BaseEventLoop):
             if fut.cancelled():
                 return
             try:
-                result = func(*args)
+                with _as_worker():  # the store bounds what the loop's own thread calls, not a worker's
+                    result = func(*args)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task, as a thread pool does
                 fut.set_exception(exc)
             else:
