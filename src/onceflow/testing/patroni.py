@@ -25,7 +25,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from .processes import free_port
-from .services import PostgresNode, PostgresRole, ServiceUnavailable, _make_dir, _server_user, postgres_bindir
+from .services import (
+    NodeRoles,
+    PostgresNode,
+    ServiceUnavailable,
+    _make_dir,
+    _server_user,
+    postgres_bindir,
+)
 
 __all__ = ["PATRONI_TIMING", "PatroniCluster", "patroni_missing"]
 
@@ -94,7 +101,7 @@ class _Process:
             self.proc = None
 
 
-class PatroniCluster:
+class PatroniCluster(NodeRoles):
     """etcd (one member) and two Patroni-managed PostgreSQL nodes, ``synchronous_mode: true``.
 
     The same surface as :class:`~onceflow.testing.PostgresCluster` where it makes sense (:attr:`nodes`,
@@ -278,27 +285,6 @@ class PatroniCluster:
 
         self._wait(synchronous, timeout, "primary with a synchronous standby")
         return time.monotonic() - began
-
-    def conninfo(self, dbname: str = "postgres") -> str:
-        """A libpq URL naming every node, ``target_session_attrs=read-write``: it reaches the primary."""
-        assert self.nodes, "start() first"
-        hosts = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
-        return f"postgresql://postgres@{hosts}/{dbname}?target_session_attrs=read-write&connect_timeout=2"
-
-    def roles(self) -> dict[str, PostgresRole]:
-        """Each node's role now, by name (asked of the nodes, not remembered)."""
-        return {node.name: node.role() for node in self.nodes}
-
-    def primary(self) -> PostgresNode | None:
-        """The node that takes writes now; ``None`` if none does. Two that do are a ``RuntimeError``."""
-        found = [node for node in self.nodes if node.role() == "primary"]
-        if len(found) > 1:
-            raise RuntimeError(f"two primaries: {', '.join(node.name for node in found)}")
-        return found[0] if found else None
-
-    def standby(self) -> PostgresNode | None:
-        """A running node in recovery; ``None`` if there is none."""
-        return next((node for node in self.nodes if node.role() == "standby"), None)
 
     def kill_primary(self) -> PostgresNode:
         """SIGKILL the primary's postmaster and its children (a crash of PostgreSQL; its Patroni lives

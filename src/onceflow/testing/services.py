@@ -444,7 +444,36 @@ class PostgresServer:
         self.stop()
 
 
-class PostgresCluster:
+class NodeRoles:
+    """What a cluster of PostgreSQL nodes (:attr:`nodes`) tells about them, asked of the nodes now:
+    the URL that reaches the primary, each node's role, the primary, a standby. Shared by
+    :class:`PostgresCluster` and the Patroni-managed cluster (testing/patroni.py)."""
+
+    nodes: tuple[PostgresNode, ...]
+
+    def conninfo(self, dbname: str = "postgres") -> str:
+        """A libpq URL naming every node, ``target_session_attrs=read-write``: it reaches the primary."""
+        assert self.nodes, "start() first"
+        hosts = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+        return f"postgresql://postgres@{hosts}/{dbname}?target_session_attrs=read-write&connect_timeout=2"
+
+    def roles(self) -> dict[str, PostgresRole]:
+        """Each node's role now, by name (asked of the nodes, not remembered)."""
+        return {node.name: node.role() for node in self.nodes}
+
+    def primary(self) -> PostgresNode | None:
+        """The node that takes writes now; ``None`` if none does. Two that do are a ``RuntimeError``."""
+        found = [node for node in self.nodes if node.role() == "primary"]
+        if len(found) > 1:
+            raise RuntimeError(f"two primaries: {', '.join(node.name for node in found)}")
+        return found[0] if found else None
+
+    def standby(self) -> PostgresNode | None:
+        """A running node in recovery; ``None`` if there is none (after a promotion)."""
+        return next((node for node in self.nodes if node.role() == "standby"), None)
+
+
+class PostgresCluster(NodeRoles):
     """A throwaway PostgreSQL primary and its synchronous standby on loopback, for failover tests and demos.
 
     ``nodes[0]`` (``node0``) starts as the primary, ``nodes[1]`` (``node1``) as its standby, each on a
@@ -533,27 +562,6 @@ class PostgresCluster:
                     f"(pg_stat_replication: {seen!r}); its log:\n{standby._log_tail()}"
                 )
             time.sleep(0.05)
-
-    def conninfo(self, dbname: str = "postgres") -> str:
-        """A libpq URL naming every node, ``target_session_attrs=read-write``: it reaches the primary."""
-        assert self.nodes, "start() first"
-        hosts = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
-        return f"postgresql://postgres@{hosts}/{dbname}?target_session_attrs=read-write&connect_timeout=2"
-
-    def roles(self) -> dict[str, PostgresRole]:
-        """Each node's role now, by name (asked of the nodes, not remembered)."""
-        return {node.name: node.role() for node in self.nodes}
-
-    def primary(self) -> PostgresNode | None:
-        """The node that takes writes now; ``None`` if none does. Two that do are a ``RuntimeError``."""
-        found = [node for node in self.nodes if node.role() == "primary"]
-        if len(found) > 1:
-            raise RuntimeError(f"two primaries: {', '.join(node.name for node in found)}")
-        return found[0] if found else None
-
-    def standby(self) -> PostgresNode | None:
-        """A running node in recovery; ``None`` once there is none (after a promotion)."""
-        return next((node for node in self.nodes if node.role() == "standby"), None)
 
     def kill_primary(self) -> PostgresNode:
         """SIGKILL the primary's postmaster and its children (:meth:`PostgresNode.kill`); returns that node.
