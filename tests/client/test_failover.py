@@ -447,8 +447,9 @@ def test_a_dead_server_first_in_the_list(server: ServerProcess) -> None:
 
 @pytest.mark.slow
 def test_a_transaction_through_a_dead_server_and_a_follower(server: ServerProcess) -> None:
-    with Stream.connect(server.url, "out") as s:
-        s.create("application/json")
+    for name in ("out", "in"):  # the offsets below name "in": offsets name streams that exist
+        with Stream.connect(server.url, name) as s:
+            s.create("application/json")
     with FollowerStandIn(server.url) as follower:
         url = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{follower.port}", server.url]
         with TransactionalProducer(url, "t") as producer:
