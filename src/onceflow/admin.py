@@ -263,6 +263,8 @@ def groups_describe(c: AdminClient, args: argparse.Namespace) -> int:
                 f"{s['stream']}: retention deleted the data at the committed offset (a consumer gets 410 "
                 "offset_gone there); the lag counts what is kept"
             )
+    if g.get("hidden_streams"):
+        print(f"and {g['hidden_streams']} stream(s) this token may not read (not shown, not in the lag)")
     return 0
 
 

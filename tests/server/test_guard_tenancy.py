@@ -31,6 +31,9 @@ TOKENS = {
         "s": [{"prefix": "s", "scopes": ["read", "write", "admin"]}],
         # what an operator had to grant before for subscriptions to work at all: "__ds/" as a name
         "pub+ds": [{"prefix": "pub/", "scopes": ["read", "write"]}, {"prefix": "__ds/", "scopes": ["read", "write"]}],
+        # a consumer reading "orders/" that keeps its group under "pub/", and the operator of "pub/"
+        "consumer": [{"prefix": "pub/", "scopes": ["read", "write"]}, {"prefix": "orders/", "scopes": ["read"]}],
+        "pubops": [{"prefix": "pub/", "scopes": ["read", "write", "admin"]}],
     },
     "limits": {"producers_per_stream": 1},
 }
@@ -43,6 +46,8 @@ def bearer(token: str) -> dict[str, str]:
 PUB = bearer("pub")
 PUBDS = bearer("pub+ds")
 ADMIN = bearer("admin")
+CONSUMER = bearer("consumer")
+PUBOPS = bearer("pubops")
 
 
 @dataclass
@@ -444,3 +449,41 @@ async def test_a_stream_linked_later_counts_among_a_subscriptions_names(g: Guard
     assert forbidden(await c.get(f"{SUBS}/mine", headers=PUB))
     assert forbidden(await c.post(f"{SUBS}/mine/claim", json={"worker": "w"}, headers=PUB))
     assert g.app.subscriptions.manager.subs["mine"].holder is None
+
+
+# ---------------------------------------------------------------------- issue 28, item 6: streams a group holds
+
+
+async def test_an_operator_of_a_prefix_neither_sees_nor_moves_positions_in_streams_it_cannot_read(g: Guarded) -> None:
+    """A group under ``pub/`` may hold a position in ``orders/secret`` (its consumer reads there);
+    the operator of ``pub/`` may not read that stream, so no listing shows it that stream's name,
+    position, ends or lag, and no reset moves the group there. Named streams were checked before;
+    these are the streams a request reaches without naming them."""
+    c = g.client
+    tail = await secret(c)
+    assert (await c.put(S + "pub/open", headers={**JSON, **PUB})).status_code == 201
+    opened = (await c.post(S + "pub/open", content=b'{"n":1}', headers={**JSON, **PUB})).headers["stream-next-offset"]
+    mine = {"orders/secret": tail, "pub/open": opened}
+    r = await c.post("/v1/groups/pub/g/offsets", json={"offsets": mine}, headers=CONSUMER)
+    assert r.status_code == 200, r.text
+    assert r.json()["offsets"] == mine  # the consumer reads both: it sees both
+    await open_txn(c, "pub/t", "orders/secret")  # a transaction of pub/ writing to orders/
+
+    r = await c.post("/v1/groups/pub/g/offsets", json={"offsets": {"pub/open": opened}}, headers=PUBOPS)
+    assert r.status_code == 200, r.text
+    assert r.json()["offsets"] == {"pub/open": opened}
+    assert (await c.get("/v1/groups/pub/g/offsets", headers=PUBOPS)).json()["offsets"] == {"pub/open": opened}
+    listed = (await c.get("/v1/groups?prefix=pub/", headers=PUBOPS)).json()["groups"]
+    assert [[s["stream"] for s in group["streams"]] for group in listed] == [["pub/open"]]
+    assert listed[0]["hidden_streams"] == 1 and listed[0]["lag"] == 0
+    txns = (await c.get("/v1/txn?prefix=pub/", headers=PUBOPS)).json()["transactions"]
+    assert [t["streams"] for t in txns] == [[]], txns
+    assert "orders/secret" not in (await c.get("/v1/txn/pub/t", headers=PUBOPS)).text
+
+    r = await c.post("/v1/groups/pub/g/reset", json={"to": "earliest"}, headers=PUBOPS)
+    assert forbidden(r), r.text  # a reset of all the group's streams reaches orders/secret
+    assert "orders/secret" not in r.text and "1 stream" in r.json()["error"]["message"]
+    r = await c.post("/v1/groups/pub/g/reset", json={"to": "earliest", "streams": ["pub/open"]}, headers=PUBOPS)
+    assert r.status_code == 200 and "orders/secret" not in r.text, r.text
+    moved = (await c.get("/v1/groups/pub/g/offsets", headers=CONSUMER)).json()["offsets"]
+    assert moved["orders/secret"] == tail and moved["pub/open"] != opened  # only the stream it may read moved

@@ -62,6 +62,7 @@ __all__ = [
 log = logging.getLogger("onceflow.server")
 
 Scope = MutableMapping[str, Any]
+Readable = Callable[[str], bool]  # whether the request may read the stream of that name
 ASGIMessage = MutableMapping[str, Any]  # an ASGI event (not the client's Message)
 Receive = Callable[[], Awaitable[ASGIMessage]]
 Send = Callable[[ASGIMessage], Awaitable[None]]
@@ -78,6 +79,10 @@ ADMIN_LISTS = (TXN_LIST_PATH, GROUPS_LIST_PATH, SINKS_LIST_PATH)
 FORCE_ABORT = "force-abort"  # POST /v1/txn/<id>/force-abort: an operator's abort of a hanging transaction
 GROUP_RESET = "reset"  # POST /v1/groups/<group>/reset: rewind (or move) a group to earliest/latest/offsets/a time
 METRICS_PATH = "/metrics"  # Prometheus metrics (docs/operations.md)
+# An ASGI scope key: the guard's test of whether the request's token may read a stream (absent: any
+# stream). Answers that show streams the request did not name (a group's positions, a
+# transaction's streams) show only those; docs/security.md.
+MAY_READ = "onceflow.may_read"
 _DIGITS = re.compile(r"^[0-9]+$")
 _LINES = re.compile(r"\r\n|\r|\n")
 CURSOR_EPOCH = 1728432000.0  # 2024-10-09T00:00:00Z, the protocol's default cursor epoch
@@ -334,11 +339,15 @@ class App:
         if path.startswith(TXN_PREFIX) or path.startswith(GROUPS_PREFIX) or path.startswith(SINKS_PREFIX):
             try:
                 if path.startswith(TXN_PREFIX):
-                    status, h, body = await self._txn(method, path[len(TXN_PREFIX) :], headers, receive)
+                    status, h, body = await self._txn(
+                        method, path[len(TXN_PREFIX) :], headers, receive, may_read(scope)
+                    )
                 elif path.startswith(SINKS_PREFIX):
                     status, h, body = await self._sinks(method, path[len(SINKS_PREFIX) :], headers, receive)
                 else:
-                    status, h, body = await self._groups(method, path[len(GROUPS_PREFIX) :], headers, receive)
+                    status, h, body = await self._groups(
+                        method, path[len(GROUPS_PREFIX) :], headers, receive, may_read(scope)
+                    )
             except BadRequest as exc:
                 status, h, body = _error(exc.status, exc.code, str(exc))
             except TxnError as exc:
@@ -513,7 +522,7 @@ class App:
         return group
 
     async def _txn(
-        self, method: str, rest: str, headers: dict[str, str], receive: Receive
+        self, method: str, rest: str, headers: dict[str, str], receive: Receive, readable: Readable
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         tid, _, action = rest.rpartition("/")
         if method == "GET":  # GET /v1/txn/<tid>: the id itself may contain '/'
@@ -525,12 +534,12 @@ class App:
             meta = coord.txns.get(tid)
             if meta is None:
                 raise BadRequest(f"transactional id {tid!r} was never initialised", 404, "not_found")
-            return _json_response(200, self._txn_state(meta))
+            return _json_response(200, self._txn_state(meta, readable))
         if method != "POST":
             raise BadRequest(f"{method} is not supported here; use POST", 405, "method_not_allowed")
         body = await self._json_body(headers, receive)
         if action == FORCE_ABORT:
-            return await self._force_abort(tid, body)
+            return await self._force_abort(tid, body, readable)
         if action == "init":
             timeout_ms = body.get("timeout_ms")
             if timeout_ms is not None and (
@@ -546,12 +555,12 @@ class App:
             meta = await coord.init(
                 tid, timeout_ms / 1000 if timeout_ms else None, request_id=request_id, expected_epoch=expected
             )
-            return _json_response(200, _txn_json(meta))
+            return _json_response(200, _txn_json(meta, readable))
         if action in ("commit", "abort"):
             meta = await coord.end(
                 tid, self._int_field(body, "epoch"), self._int_field(body, "txn"), commit=action == "commit"
             )
-            return _json_response(200, _txn_json(meta))
+            return _json_response(200, _txn_json(meta, readable))
         if action == "offsets":
             group = body.get("group")
             if not isinstance(group, str) or not group or not _utf8(group):
@@ -561,7 +570,7 @@ class App:
             meta = await coord.add_offsets(
                 tid, self._int_field(body, "epoch"), group, self._offsets_field(body), txn=txn
             )
-            return _json_response(200, _txn_json(meta))
+            return _json_response(200, _txn_json(meta, readable))
         raise BadRequest(
             f"unknown transaction action {action!r}: use init, commit, abort, offsets or {FORCE_ABORT}",
             404,
@@ -569,13 +578,13 @@ class App:
         )
 
     async def _groups(
-        self, method: str, rest: str, headers: dict[str, str], receive: Receive
+        self, method: str, rest: str, headers: dict[str, str], receive: Receive, readable: Readable
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         group, _, action = rest.rpartition("/")
         if group and action == GROUP_RESET:
             if method != "POST":
                 raise BadRequest(f"{method} is not supported here; use POST", 405, "method_not_allowed")
-            return await self._reset_group(self._group_name(group), await self._json_body(headers, receive))
+            return await self._reset_group(self._group_name(group), await self._json_body(headers, receive), readable)
         if not group or action != "offsets":
             raise BadRequest(
                 f"use /v1/groups/<group>/offsets or POST /v1/groups/<group>/{GROUP_RESET}", 404, "not_found"
@@ -583,7 +592,7 @@ class App:
         self._group_name(group)
         coord = self.broker.coordinator
         if method == "GET":
-            return _json_response(200, {"group": group, "offsets": coord.groups.get(group, {})})
+            return _json_response(200, {"group": group, "offsets": _shown(coord.groups.get(group, {}), readable)})
         if method != "POST":
             raise BadRequest(f"{method} is not supported here; use GET or POST", 405, "method_not_allowed")
         body = await self._json_body(headers, receive)
@@ -593,7 +602,7 @@ class App:
         await coord.commit_offsets(
             group, self._offsets_field(body), member_epoch=member_epoch, reset=body.get("reset") is True
         )
-        return _json_response(200, {"group": group, "offsets": coord.groups.get(group, {})})
+        return _json_response(200, {"group": group, "offsets": _shown(coord.groups.get(group, {}), readable)})
 
     async def _sinks(
         self, method: str, rest: str, headers: dict[str, str], receive: Receive
@@ -743,49 +752,53 @@ class App:
         name starts with the ``prefix`` parameter, sorted by name."""
         params = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
         prefix = list_prefix(scope)
+        readable = may_read(scope)
         coord = self.broker.coordinator
         if path == TXN_LIST_PATH:
             raw_open = params.get("open", ["false"])[0]
             if raw_open not in ("true", "false"):
                 raise BadRequest(f"open must be true or false, got {raw_open!r}")
             txns = [
-                self._txn_detail(m)
+                self._txn_detail(m, readable)
                 for tid, m in sorted(coord.txns.items())
                 if tid.startswith(prefix) and m.epoch >= 0 and (raw_open == "false" or _is_open(m))
             ]
             return _json_response(200, {"transactions": txns})
         if path == GROUPS_LIST_PATH:
             names = sorted(g for g in set(coord.groups) | set(coord.member_epochs) if g.startswith(prefix))
-            return _json_response(200, {"groups": [self._group_lag(g) for g in names]})
+            return _json_response(200, {"groups": [self._group_lag(g, readable) for g in names]})
         sinks = [_sink_json(name, state) for name, state in sorted(coord.sinks.items()) if name.startswith(prefix)]
         return _json_response(200, {"sinks": sinks})
 
     @staticmethod
-    def _txn_state(meta: TxnMeta) -> dict[str, object]:
+    def _txn_state(meta: TxnMeta, readable: Readable) -> dict[str, object]:
         """``GET /v1/txn/<id>``: the id's state, whether a transaction is open (or decided and not
         finished: either holds the last stable offset of its streams), and the groups whose
         offsets it carries."""
-        return {**_txn_json(meta), "open": _is_open(meta), "groups": sorted(meta.offsets)}
+        return {**_txn_json(meta, readable), "open": _is_open(meta), "groups": sorted(g for g in meta.offsets if readable(g))}
 
-    def _txn_detail(self, meta: TxnMeta) -> dict[str, object]:
+    def _txn_detail(self, meta: TxnMeta, readable: Readable) -> dict[str, object]:
         """A row of ``GET /v1/txn``: the id's state and, for an open transaction, ``open_ms``: the
         time its timeout counts (since it began, the server's last start, or a sink task's last
         keep-alive, whichever is latest)."""
         age = self.broker.coordinator.clock.monotonic() - meta.started
-        return {**self._txn_state(meta), "open_ms": int(age * 1000) if _is_open(meta) else None}
+        return {**self._txn_state(meta, readable), "open_ms": int(age * 1000) if _is_open(meta) else None}
 
-    def _group_lag(self, group: str) -> dict[str, object]:
+    def _group_lag(self, group: str, readable: Readable) -> dict[str, object]:
         """A group's committed offset in each stream, the stream's ends, and the lag: messages
         (records) from the committed offset to the last stable offset, which is what a
         read_committed consumer of the group has still to read (records of aborted transactions
         in between included); ``lag_bytes`` is the same distance in log bytes. Both are None
         when the stream is gone or the offset is not one of its positions (past its tail). An
         offset whose data retention deleted (``offset_gone``) counts from the earliest offset
-        kept: what is gone cannot be read any more."""
+        kept: what is gone cannot be read any more. Only streams the request may read are shown;
+        ``hidden_streams`` counts the others, and the lag is that of the streams shown."""
         coord = self.broker.coordinator
         streams: list[dict[str, object]] = []
         total: int | None = None
-        for name, token in sorted(coord.groups.get(group, {}).items()):
+        held = coord.groups.get(group, {})
+        shown = _shown(held, readable)
+        for name, token in sorted(shown.items()):
             entry: dict[str, object] = {
                 "stream": name,
                 "offset": token,
@@ -808,18 +821,30 @@ class App:
                     entry["lag_bytes"] = max(0, stable.pos - at.pos)
                     total = (total or 0) + max(0, stable.offset - at.offset)
             streams.append(entry)
-        return {"group": group, "member_epoch": coord.member_epochs.get(group), "lag": total, "streams": streams}
+        return {
+            "group": group,
+            "member_epoch": coord.member_epochs.get(group),
+            "lag": total,
+            "streams": streams,
+            "hidden_streams": len(held) - len(shown),
+        }
 
-    async def _force_abort(self, tid: str, body: dict[str, Any]) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    async def _force_abort(
+        self, tid: str, body: dict[str, Any], readable: Readable
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """``POST /v1/txn/<id>/force-abort``: an operator aborts the id's open transaction and
         fences its epoch (:meth:`~onceflow.core.txn.Coordinator.abort_open`)."""
         epoch = self._int_field(body, "epoch") if body.get("epoch") is not None else None
         txn = self._int_field(body, "txn") if body.get("txn") is not None else None
         aborted_epoch, aborted_txn = await self.broker.coordinator.abort_open(tid, epoch=epoch, txn=txn)
         meta = self.broker.coordinator.txns[tid]
-        return _json_response(200, {**self._txn_state(meta), "aborted": {"epoch": aborted_epoch, "txn": aborted_txn}})
+        return _json_response(
+            200, {**self._txn_state(meta, readable), "aborted": {"epoch": aborted_epoch, "txn": aborted_txn}}
+        )
 
-    async def _reset_group(self, group: str, body: dict[str, Any]) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    async def _reset_group(
+        self, group: str, body: dict[str, Any], readable: Readable
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """``POST /v1/groups/<group>/reset``: move the group's offsets to the start of each stream
         (``earliest``), its last stable offset (``latest``), given offsets (``offsets``) or the
         first batch appended at or after ``time_ms`` (``time``), with one reset commit (or, with
@@ -839,7 +864,7 @@ class App:
             wanted = self._offsets_field(body)
             names = list(wanted)
         else:
-            names = self._reset_streams(body, before, group)
+            names = self._reset_streams(body, before, group, readable)
         time_ms = self._int_field(body, "time_ms") if to == "time" else None
         if to != "time" and body.get("time_ms") is not None:
             raise BadRequest('"time_ms" goes with "to": "time" only')
@@ -890,15 +915,24 @@ class App:
             raise BadRequest(f"{exc}: nothing was reset", 404, "not_found") from None
 
     @staticmethod
-    def _reset_streams(body: dict[str, Any], committed: dict[str, str], group: str) -> list[str]:
-        """The streams a reset moves: ``streams`` in the body, else every stream the group has
-        committed an offset in."""
+    def _reset_streams(body: dict[str, Any], committed: dict[str, str], group: str, readable: Readable) -> list[str]:
+        """The streams a reset moves: ``streams`` in the body (the guard checked them), else every
+        stream the group has committed an offset in, each of which the request must be allowed to
+        read (the guard cannot see them in the request; they are not named in the refusal)."""
         raw = body.get("streams")
         if raw is None:
             if not committed:
                 raise BadRequest(
                     f'group {group!r} has no committed offsets: name the streams to reset ("streams"; '
                     "--stream of onceflow groups reset)"
+                )
+            hidden = len(committed) - len(_shown(committed, readable))
+            if hidden:
+                raise BadRequest(
+                    f"group {group!r} holds offsets in {hidden} stream(s) this token may not read: "
+                    'name the streams to reset ("streams"; --stream of onceflow groups reset)',
+                    403,
+                    "forbidden",
                 )
             return sorted(committed)
         if not isinstance(raw, list) or not raw or not all(isinstance(n, str) and n for n in raw):
@@ -1457,14 +1491,30 @@ def _parse_txn_number(raw: str) -> int:
     return int(text)
 
 
-def _txn_json(meta: TxnMeta) -> dict[str, object]:
+def may_read(scope: Scope) -> Readable:
+    """Whether the request may read a stream: the guard's test (:data:`MAY_READ`), or yes to every
+    stream when no guard checks the request."""
+    readable: Readable | None = scope.get(MAY_READ)
+    return readable if readable is not None else _any_stream
+
+
+def _any_stream(name: str) -> bool:
+    return True
+
+
+def _shown(offsets: dict[str, str], readable: Readable) -> dict[str, str]:
+    """``offsets`` (stream -> position) without the streams the request may not read."""
+    return offsets if readable is _any_stream else {n: t for n, t in offsets.items() if readable(n)}
+
+
+def _txn_json(meta: TxnMeta, readable: Readable) -> dict[str, object]:
     return {
         "transactional_id": meta.tid,
         "producer_id": meta.producer_id,
         "epoch": meta.epoch,
         "txn": meta.txn,
         "status": meta.status.value,
-        "streams": sorted(meta.streams),
+        "streams": sorted(n for n in meta.streams if readable(n)),
         "timeout_ms": int(meta.timeout * 1000),
     }
 

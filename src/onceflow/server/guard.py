@@ -69,6 +69,7 @@ from .app import (
     GROUPS_LIST_PATH,
     GROUPS_PREFIX,
     LIST_PATH,
+    MAY_READ,
     METRICS_PATH,
     PREFIX,
     SINKS_LIST_PATH,
@@ -479,7 +480,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "token",
         (
             Names("admin", "the group", _path_name),
-            Names("read", "body `streams` and the streams of body `offsets`", _reset_streams),
+            Names(
+                "read",
+                "body `streams` and the streams of body `offsets`; with neither, every stream the group "
+                "holds a position in (the app checks those, with the guard's grants)",
+                _reset_streams,
+            ),
         ),
         body="json",
     ),
@@ -691,6 +697,8 @@ class Guard:
             if grants is not None:  # Step 4
                 request = Request(method, name, headers, scope, body, self._subscription(endpoint, name), extra)
                 _authorise(grants, endpoint, request)
+                # and for the streams an answer shows or a reset moves without the request naming them
+                scope = {**scope, MAY_READ: _reader(grants)}
             self._limit(endpoint, name, scope, headers)
         except _Refused as refused:
             await _answer(send, refused.status, refused.code, str(refused), refused.headers, head=method == "HEAD")
@@ -785,6 +793,11 @@ def _authorise(grants: tuple[Grant, ...], endpoint: Endpoint, request: Request) 
                         403, "forbidden", f'this token has no {names.scope!r} scope (a grant on the prefix "" gives it)'
                     )
                 raise _Refused(403, "forbidden", f"this token may not {names.scope} {n!r} ({names.doc})")
+
+
+def _reader(grants: tuple[Grant, ...]) -> Callable[[str], bool]:
+    """The app's test (:data:`~onceflow.server.app.MAY_READ`) of whether these grants read a stream."""
+    return lambda name: any(g.allows(name, "read") for g in grants)
 
 
 def _parse(raw: bytes) -> Any:
