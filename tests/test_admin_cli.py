@@ -295,6 +295,36 @@ def test_an_abort_can_be_pinned_to_the_transaction_listed(run: Run, url: str) ->
         producer.close()
 
 
+def test_a_group_and_an_idle_transactional_id_are_deleted(run: Run, url: str) -> None:
+    """Issue 28, item 3: what a client creates can be removed by an operator."""
+    create(url, "del/in", "del/out")
+    append(url, "del/in", "a", "b")
+    assert consume(url, "del/g", "del/in") == ["a", "b"]
+    assert "del/g" in rows(run.ok("groups", "list", "--prefix", "del/"))
+    assert run.ok("groups", "delete", "del/g") == "deleted group del/g: its offsets and member epoch are gone\n"
+    assert run.ok("groups", "list", "--prefix", "del/") == "no groups under 'del/'\n"
+    assert consume(url, "del/g", "del/in") == ["a", "b"]  # the group starts afresh
+    assert "404 not_found" in run.fails("groups", "delete", "del/nobody")
+
+    producer = TransactionalProducer(url, "del/copier", timeout_ms=3_600_000)
+    try:
+        producer.append("del/out", 1)
+        producer.flush()
+        assert "409 in_use" in run.fails("txn", "delete", "del/copier")  # its transaction is open
+        producer.commit()
+    finally:
+        producer.close()
+    assert run.ok("txn", "delete", "del/copier").startswith("deleted transactional id del/copier")
+    assert "404 unknown_transactional_id" in run.fails("txn", "delete", "del/copier")
+    again = TransactionalProducer(url, "del/copier")
+    try:
+        again.append("del/out", 2)
+        again.commit()  # a new holder at a higher epoch: the stream takes it
+    finally:
+        again.close()
+    assert httpx.get(f"{url}/v1/stream/del/out", params={"offset": "-1"}).json() == [1, 2]
+
+
 # ---------------------------------------------------------------------- sinks
 
 

@@ -54,6 +54,9 @@ class AdminClient:
     def post(self, path: str, body: dict[str, Any]) -> Any:
         return self._send("POST", path, body=body)
 
+    def delete(self, path: str) -> None:
+        self._send("DELETE", path)
+
     def _send(
         self, method: str, path: str, *, params: dict[str, str] | None = None, body: dict[str, Any] | None = None
     ) -> Any:
@@ -67,6 +70,8 @@ class AdminClient:
             raise OnceflowError(
                 f"the server answered {resp.status_code}{code}: {err}", status=err.status, code=err.code
             )
+        if resp.status_code == 204:
+            return None
         try:
             return resp.json()
         except ValueError:
@@ -295,7 +300,19 @@ def groups_reset(c: AdminClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def groups_delete(c: AdminClient, args: argparse.Namespace) -> int:
+    c.delete(f"/v1/groups/{_path(args.group)}")
+    print(f"deleted group {args.group}: its offsets and member epoch are gone")
+    return 0
+
+
 # ---------------------------------------------------------------------- transactions
+
+
+def txn_delete(c: AdminClient, args: argparse.Namespace) -> int:
+    c.delete(f"/v1/txn/{_path(args.id)}")
+    print(f"deleted transactional id {args.id}; initialised again, it begins at a higher epoch than any it had")
+    return 0
 
 
 def txn_list(c: AdminClient, args: argparse.Namespace) -> int:
@@ -535,6 +552,17 @@ def add_admin_parsers(sub: Any) -> None:
     )
     p.add_argument("--dry-run", action="store_true", help="show where the offsets would go; change nothing")
     p.set_defaults(func=_run(groups_reset))
+    p = g.add_parser(
+        "delete",
+        parents=[common],
+        help="forget a group: its offsets and member epoch",
+        description="Delete a consumer group: its committed offsets and member epoch are forgotten, so a "
+        "consumer of it starts by its offset reset policy. Refused (exit 1) while an open transaction "
+        "carries offsets for it. Stop the group's consumers first: a running one commits again and so "
+        "creates the group anew. Needs admin on the group.",
+    )
+    p.add_argument("group", help="the group's name")
+    p.set_defaults(func=_run(groups_delete))
 
     t = _subcommands(
         sub.add_parser(
@@ -575,6 +603,16 @@ def add_admin_parsers(sub: Any) -> None:
     p.add_argument("--epoch", type=int, help="abort only if the open transaction is of this epoch")
     p.add_argument("--txn", type=int, help="abort only if the open transaction has this number")
     p.set_defaults(func=_run(txn_abort))
+    p = t.add_parser(
+        "delete",
+        parents=[common],
+        help="forget an idle transactional id",
+        description="Delete a transactional id that has no transaction open or being decided (txn abort "
+        "first). A producer that still holds it is refused from then on; one that initialises it again "
+        "begins at an epoch above every epoch it had. Needs admin on the id.",
+    )
+    p.add_argument("id", help="the transactional id")
+    p.set_defaults(func=_run(txn_delete))
 
     k = _subcommands(
         sub.add_parser(

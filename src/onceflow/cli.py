@@ -10,6 +10,8 @@ import logging
 import sys
 from pathlib import Path
 
+from .core.limits import StateLimits
+
 __all__ = ["main"]
 
 
@@ -121,6 +123,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 http=args.http,
                 txn_timeout=args.txn_timeout,
                 max_streams=args.max_streams,
+                state_limits=StateLimits(
+                    groups=args.max_groups,
+                    transactional_ids=args.max_transactional_ids,
+                    sinks=args.max_sinks,
+                    subscriptions=args.max_subscriptions,
+                ),
                 max_open_files=args.max_open_files,
                 log_level=args.log_level,
                 guard=guard,
@@ -247,6 +255,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="most streams the server holds; creating one more gets 429 (default: 100000)",
     )
+    defaults = StateLimits()
+    for flag, default, what in (
+        ("--max-groups", defaults.groups, "consumer groups"),
+        (
+            "--max-transactional-ids",
+            defaults.transactional_ids,
+            "transactional ids (those of sinks' tasks not counted)",
+        ),
+        ("--max-sinks", defaults.sinks, "Spark sinks"),
+        ("--max-subscriptions", defaults.subscriptions, "subscriptions"),
+    ):
+        s.add_argument(
+            flag,
+            type=int,
+            default=default,
+            metavar="N",
+            help=f"most {what} the server holds; creating one more gets 429 (default: {default}; "
+            "docs/security.md, Limits)",
+        )
     s.add_argument(
         "--max-open-files",
         type=int,

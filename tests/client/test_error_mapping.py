@@ -56,6 +56,7 @@ EXPECTED: dict[tuple[int, str], type[OnceflowError]] = {
     (409, "sequence_gap"): SequenceGapError,
     (409, "txn_refused"): ConflictError,
     (409, "sink_owned"): ConflictError,
+    (409, "in_use"): ConflictError,
     (409, "replay_mismatch"): ConflictError,
     (409, "SUBSCRIPTION_ALREADY_EXISTS"): ConflictError,
     (409, "FENCED"): ConflictError,

@@ -218,3 +218,55 @@ def test_the_python_clients_send_the_token_from_the_environment(
         assert wrong.value.status == 403
     finally:
         srv.kill()
+
+
+LIMITED = {"groups": 2, "transactional_ids": 2, "sinks": 1, "subscriptions": 1}
+
+
+def limited(r: httpx.Response, what: str) -> bool:
+    return (
+        r.status_code == 429 and r.json()["error"]["code"] == "limit_exceeded" and what in r.json()["error"]["message"]
+    )
+
+
+@pytest.mark.parametrize("guarded", [{"limits": LIMITED}], indirect=True)
+async def test_groups_transactional_ids_sinks_and_subscriptions_have_limits(guarded: httpx.AsyncClient) -> None:
+    """Issue 28, item 3: one token created 1,500 of each. Past the limit a new one is a 429; what
+    exists goes on working, and deleting one makes room."""
+    c = guarded
+    assert (await c.put(S + "s", headers=JSON)).status_code == 201
+    tail = (await c.post(S + "s", content=b"[1]", headers=JSON)).headers["stream-next-offset"]
+    # groups: by an offsets commit, a reset, and a transaction's offsets
+    for g in ("g1", "g2"):
+        assert (await c.post(f"/v1/groups/{g}/offsets", json={"offsets": {"s": tail}})).status_code == 200
+    assert limited(await c.post("/v1/groups/g3/offsets", json={"offsets": {"s": tail}}), "groups")
+    assert limited(await c.post("/v1/groups/g3/reset", json={"to": "earliest", "streams": ["s"]}), "groups")
+    r = await c.post("/v1/groups/g3/reset", json={"to": "earliest", "streams": ["s"], "dry_run": True})
+    assert r.status_code == 200, r.text  # a dry run creates nothing
+    assert (await c.post("/v1/groups/g1/offsets", json={"offsets": {"s": tail}})).status_code == 200
+    # transactional ids
+    epochs = {}
+    for t in ("t1", "t2"):
+        r = await c.post(f"/v1/txn/{t}/init", json={})
+        assert r.status_code == 200, r.text
+        epochs[t] = r.json()["epoch"]
+    assert limited(await c.post("/v1/txn/t3/init", json={}), "transactional ids")
+    assert (await c.post("/v1/txn/t1/init", json={})).status_code == 200  # an existing id inits again
+    r = await c.post("/v1/txn/t2/offsets", json={"epoch": epochs["t2"], "group": "g3", "offsets": {"s": tail}})
+    assert limited(r, "groups")
+    # sinks
+    begin = {"query": "q", "batch": 0, "partition": 0, "task": "a"}
+    assert (await c.post("/v1/sinks/k1/begin", json=begin)).status_code == 200
+    assert limited(await c.post("/v1/sinks/k2/begin", json=begin), "sinks")
+    assert (await c.post("/v1/sinks/k1/begin", json={**begin, "task": "b"})).status_code == 200
+    # subscriptions
+    sub = {"type": "pull-wake", "pattern": "subs/*", "wake_stream": "s"}
+    assert (await c.put(f"{S}__ds/subscriptions/x1", json=sub)).status_code == 201
+    assert limited(await c.put(f"{S}__ds/subscriptions/x2", json=sub), "subscriptions")
+    # deleting one makes room for another
+    assert (await c.delete("/v1/groups/g2")).status_code == 204
+    assert (await c.post("/v1/groups/g3/offsets", json={"offsets": {"s": tail}})).status_code == 200
+    assert (await c.delete("/v1/txn/t2")).status_code == 204
+    assert (await c.post("/v1/txn/t3/init", json={})).status_code == 200
+    assert (await c.delete(f"{S}__ds/subscriptions/x1")).status_code in (200, 204)
+    assert (await c.put(f"{S}__ds/subscriptions/x2", json=sub)).status_code == 201

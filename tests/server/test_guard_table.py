@@ -305,8 +305,9 @@ CASES: list[Case] = [
         lambda w: req("POST", "/v1/txn/pub/t/force-abort", {}),
         {"path": lambda w: req("POST", "/v1/txn/orders/t/force-abort", {})},
     ),
+    Case("txn.other", W, lambda w: req("PUT", "/v1/txn/pub/t"), {"path": lambda w: req("PUT", "/v1/txn/orders/t")}),
     Case(
-        "txn.other", W, lambda w: req("DELETE", "/v1/txn/pub/t"), {"path": lambda w: req("DELETE", "/v1/txn/orders/t")}
+        "txn.delete", A, lambda w: req("DELETE", "/v1/txn/pub/t"), {"path": lambda w: req("DELETE", "/v1/txn/orders/t")}
     ),
     Case(
         "groups.list",
@@ -322,6 +323,12 @@ CASES: list[Case] = [
         R,
         lambda w: req("GET", "/v1/groups/pub/g/offsets"),
         {"path": lambda w: req("GET", "/v1/groups/orders/g/offsets")},
+    ),
+    Case(
+        "group.delete",
+        A,
+        lambda w: req("DELETE", "/v1/groups/pub/g"),
+        {"path": lambda w: req("DELETE", "/v1/groups/orders/g")},
     ),
     Case(
         "group.commit",

@@ -317,10 +317,15 @@ async def test_the_sink_record_survives_a_restart_and_a_compaction(onceflow: InP
     assert await batch(onceflow, job, None, None, [[1]]) == "committed"
     reset = settings("gone")
     assert await batch(onceflow, reset, "Q7", 0, [[2]]) == "committed"
-    assert (await onceflow.client.post("/v1/sinks/gone/reset", json={"owner": "Q7"})).status_code == 200
     coord = onceflow.broker.coordinator
+    tasks = {t for t in coord.txns if t.startswith("spark/")}
+    assert any(t.startswith("spark/gone/") for t in tasks)
+    assert (await onceflow.client.post("/v1/sinks/gone/reset", json={"owner": "Q7"})).status_code == 200
     before = dict(coord.sinks)
     assert set(before) == {"orders", "job-9"}
+    # the reset sink's task ids went with it (issue 28, item 3: nothing a client makes outlives it)
+    kept = {t for t in tasks if not t.startswith("spark/gone/")}
+    assert {t for t in coord.txns if t.startswith("spark/")} == kept
     from onceflow.core.txn import Coordinator
 
     for compact in (False, True):
@@ -329,6 +334,8 @@ async def test_the_sink_record_survives_a_restart_and_a_compaction(onceflow: InP
         )
         again.open()
         assert again.sinks == before
+        assert {t for t in again.txns if t.startswith("spark/")} == kept
+        assert again.epoch_floor == coord.epoch_floor > 0
         await again.close()
 
 

@@ -36,7 +36,7 @@ from ..wire import MAX_SAFE_INT
 from .clock import SYSTEM, Clock
 from .jsonmode import JsonError, encode_messages, first_messages
 from .refusal import Refusal
-from .txn import TXN_PRODUCER_PREFIX, CommitSeen, Coordinator, OpenTxn, TxnError, TxnMeta, TxnStatus
+from .txn import TXN_PRODUCER_PREFIX, CommitSeen, Coordinator, OpenTxn, StateLimits, TxnError, TxnMeta, TxnStatus
 
 __all__ = [
     "MAX_NAME_BYTES",
@@ -402,6 +402,7 @@ class Broker:
         retention_interval: float = 10.0,
         fs: FileSystem | None = None,
         clock: Clock = SYSTEM,
+        state_limits: StateLimits | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         # the default retention of streams that set none of their own (None: keep everything)
@@ -428,6 +429,7 @@ class Broker:
             fs=self.fs,
             clock=clock,
             io=self.io,
+            limits=state_limits,
         )
         self.coordinator.write_marker = self._write_marker
         self._unfinished: list[TxnMeta] = []

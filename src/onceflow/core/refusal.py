@@ -49,6 +49,7 @@ class Refusal(enum.StrEnum):
     STALE_TRANSACTION = "stale_transaction"  # names a transaction other than the current one
     INVALID_STATE = "invalid_state"  # the transaction already ended otherwise
     OFFSET_REGRESSION = "offset_regression"  # group offsets would move backwards
+    IN_USE = "in_use"  # a group or transactional id cannot be deleted while a transaction holds it
     SINK_OWNED = "sink_owned"  # the sink belongs to another query
     REPLAY_MISMATCH = "replay_mismatch"  # a replayed batch carries other rows than its commit did
     # ---- subscriptions (the Durable Streams subscription protocol's codes)

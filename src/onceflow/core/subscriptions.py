@@ -1332,6 +1332,13 @@ class Subscriptions:
                     f"subscription {sid!r} exists with a different configuration; DELETE it first or use another id",
                 )
             return existing, False
+        limit = self.broker.coordinator.limits.subscriptions
+        if len(self.subs) >= limit:
+            raise SubscriptionError(
+                Refusal.LIMIT,
+                f"this server holds its limit of {limit} subscriptions (onceflow serve --max-subscriptions); "
+                "delete subscriptions no longer used or raise the limit",
+            )
         if config.type == "webhook":
             try:
                 self.signing_key()

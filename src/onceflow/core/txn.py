@@ -46,6 +46,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,9 +57,20 @@ from ..storage.fs import FileSystem, OsFileSystem
 from ..storage.log import FsyncPolicy, IoEvents, StreamLog
 from ..storage.position import Position
 from .clock import SYSTEM, Clock
+from .limits import StateLimits
 from .refusal import Refusal, Refused
 
-__all__ = ["CommitSeen", "Coordinator", "Enlisted", "OpenTxn", "SinkState", "TxnError", "TxnMeta", "TxnStatus"]
+__all__ = [
+    "CommitSeen",
+    "Coordinator",
+    "Enlisted",
+    "OpenTxn",
+    "SinkState",
+    "StateLimits",
+    "TxnError",
+    "TxnMeta",
+    "TxnStatus",
+]
 
 log = logging.getLogger("onceflow.txn")
 
@@ -102,6 +114,9 @@ class TxnError(Refused):
     @property
     def kind(self) -> Refusal:
         return self.refusal
+
+
+SINK_TASK_PREFIX = "spark/"  # transactional ids of sinks' tasks: spark/<sink id>/p<n>/s<m> (begin_task)
 
 
 @dataclass
@@ -258,8 +273,10 @@ class Coordinator:
         fs: FileSystem | None = None,
         clock: Clock = SYSTEM,
         io: IoEvents | None = None,
+        limits: StateLimits | None = None,
     ) -> None:
         self.directory = directory
+        self.limits = limits or StateLimits()
         self.fs: FileSystem = fs or OsFileSystem()
         self.clock = clock
         self.io = io  # told of the coordinator log's writes, syncs and failures
@@ -270,6 +287,9 @@ class Coordinator:
         self.groups: dict[str, dict[str, str]] = {}  # group -> stream -> committed offset
         self.member_epochs: dict[str, int] = {}  # group -> highest member epoch seen
         self.sinks: dict[str, SinkState] = {}  # sink id -> what commit_members recorded of it
+        # the lowest epoch an id may begin at: above every epoch of a deleted id (drop_txn), whose
+        # producer state the streams keep (a new holder of the name must not be taken for a zombie)
+        self.epoch_floor = 0
         self._enlisted: dict[str, dict[str, Enlisted]] = {}  # sink id -> tid -> the task holding it
         self._log: StreamLog | None = None
         self._locks: dict[str, asyncio.Lock] = {}
@@ -317,7 +337,8 @@ class Coordinator:
     # as it was.
 
     def _state_records(self) -> list[dict[str, Any]]:
-        recs: list[dict[str, Any]] = [meta.record() for meta in self.txns.values()]
+        recs: list[dict[str, Any]] = [{"kind": "epoch_floor", "floor": self.epoch_floor}] if self.epoch_floor else []
+        recs += [meta.record() for meta in self.txns.values()]
         # after the transactions: a committed transaction's offsets are applied when it replays,
         # and a group's offsets reset below them since must win
         for group in sorted(set(self.groups) | set(self.member_epochs)):
@@ -450,6 +471,12 @@ class Coordinator:
                 )
         elif rec["kind"] == "forget":
             self._forget(rec["stream"])
+        elif rec["kind"] == "drop_group":
+            self._drop_group(rec["group"])
+        elif rec["kind"] == "drop_txn":
+            self._drop_txn(rec["tid"], rec["floor"])
+        elif rec["kind"] == "epoch_floor":
+            self.epoch_floor = max(self.epoch_floor, rec["floor"])
         elif rec["kind"] == "offsets":
             if rec.get("reset"):
                 self.groups.setdefault(rec["group"], {}).update(rec["offsets"])
@@ -636,7 +663,9 @@ class Coordinator:
                 )
             known = meta is not None
             if meta is None:
-                meta = TxnMeta(tid)
+                if not tid.startswith(SINK_TASK_PREFIX):
+                    self._within("transactional_ids", sum(1 for t in self.txns if not t.startswith(SINK_TASK_PREFIX)))
+                meta = TxnMeta(tid, epoch=self.epoch_floor - 1)
             if meta.status is TxnStatus.ONGOING:
                 await self._finish_decided(meta, self._finish(meta, commit=False))
             elif meta.completing:
@@ -750,6 +779,7 @@ class Coordinator:
                         f"these offsets are for transaction {txn} of {tid!r}, but the one they can join is {expected}",
                         txn=meta.txn,
                     )
+            self.new_group(group)
             if meta.status is not TxnStatus.ONGOING:
                 await self._store(
                     meta,
@@ -863,6 +893,29 @@ class Coordinator:
     # operation of the coordinator holds one id's lock at a time and never a sink's, so no two
     # operations can wait on each other in a cycle.
 
+    def _within(self, kind: str, count: int) -> None:
+        """Refuse (``limit``) a new one of ``kind`` when ``count`` of them exist already."""
+        limit: int = getattr(self.limits, kind)
+        if count >= limit:
+            name = kind.replace("_", " ")
+            raise TxnError(
+                Refusal.LIMIT,
+                f"this server holds its limit of {limit} {name} (onceflow serve --max-{kind.replace('_', '-')}); "
+                f"delete {name} no longer used or raise the limit",
+            )
+
+    def new_group(self, group: str) -> None:
+        """Refuse (``limit``) a group that does not exist yet when the server holds its limit."""
+        if group not in self.groups and group not in self.member_epochs:
+            self._within("groups", len(self.groups.keys() | self.member_epochs.keys()))
+
+    def knows_sink(self, sink: str) -> bool:
+        """Whether ``sink`` has a record or a task begun (what the sinks limit counts)."""
+        return sink in self.sinks or bool(self._enlisted.get(sink))
+
+    def sink_count(self) -> int:
+        return len(set(self.sinks) | {s for s, tasks in self._enlisted.items() if tasks})
+
     def _sink_lock(self, sink: str) -> asyncio.Lock:
         return self._lock("sink\0" + sink)
 
@@ -925,6 +978,8 @@ class Coordinator:
         that began before it is no member of anything a commit accepts).
         """
         async with self._sink_lock(sink):
+            if not self.knows_sink(sink):
+                self._within("sinks", self.sink_count())
             state = self.sinks.get(sink)
             self._check_owner(sink, state, query)
             if batch is not None and state is not None and state.batch is not None and batch <= state.batch:
@@ -1119,7 +1174,8 @@ class Coordinator:
         reset is a deliberate act about a known state: a stale or repeated reset after another
         query took the sink is refused (``sink_owned``); one of a sink already forgotten is a no-op.
         Every open transaction of the sink's tasks (``spark/<sink>/``) is aborted and every task
-        begun is fenced first; then a synced record forgets the sink."""
+        begun is fenced first; then a synced record forgets the sink, and one more each of its
+        tasks' transactional ids (:meth:`drop_txn`)."""
         async with self._sink_lock(sink):
             state = self.sinks.get(sink)
             if state is not None and state.owner != owner:
@@ -1131,12 +1187,21 @@ class Coordinator:
                 )
             tasks = dict(self._enlisted.get(sink, {}))
             sweep = self._leftovers(f"spark/{sink}/", set())
-            async with self._locked(sorted(set(tasks) | set(sweep))):
+            ids = [t for t in self.txns if _task_of(t, sink)]
+            async with self._locked(sorted(set(tasks) | set(sweep) | set(ids))):
                 await self._abort_tasks(sink, [], tasks, sweep)
                 if state is not None:
                     await self._write({"kind": "sink", "sink": sink, "reset": True})
                     self.sinks.pop(sink, None)
                 self._enlisted.pop(sink, None)
+                # and its tasks' ids, now that nothing of them is open: each at most once per
+                # partition and slot, but they would outlive the sink (drop_txn)
+                for tid in ids:
+                    meta = self.txns.get(tid)
+                    if meta is not None and _complete(meta):
+                        floor = max(self.epoch_floor, meta.epoch + 1)
+                        await self._write({"kind": "drop_txn", "tid": tid, "floor": floor})
+                        self._drop_txn(tid, floor)
 
     def _leftovers(self, prefix: str | None, others: set[str]) -> list[str]:
         """The open transactions under ``prefix`` (not begun by another query): the leftovers of
@@ -1483,6 +1548,72 @@ class Coordinator:
                 if stream not in g or off > g[stream]:
                     g[stream] = off
 
+    # ------------------------------------------------------------------ deleting groups and ids
+    #
+    # An operator's act (DELETE /v1/groups/<group>, DELETE /v1/txn/<id>), so that what a client
+    # creates can be removed (issue 28). Each is one durable record, applied to memory once it is
+    # durable by the same function replay applies it with. That memory then equals replayed memory
+    # because nothing the record changes can be changed by a record staged before it and applied
+    # after it: a group is dropped only when no record at all is staged or awaiting its caller's
+    # apply (as a compaction), and when no transaction that is not complete holds offsets for it; an
+    # id only under its own lock, with no transaction of it open or being decided.
+
+    async def drop_group(self, group: str, tries: int = 200) -> bool:
+        """Forget ``group``: its committed offsets and member epoch, and the offsets completed
+        transactions carried for it (a compaction writes those transactions again; replaying them
+        must not bring the group back). False when there is no such group. Refused (``in_use``)
+        while a transaction holds offsets for it that are not applied yet, and retriable
+        (``unavailable``) when the log was never idle for ``tries`` tries of 5 ms."""
+        for _ in range(tries):
+            if group not in self.groups and group not in self.member_epochs:
+                return False
+            held = sorted(m.tid for m in self.txns.values() if group in m.offsets and not _complete(m))
+            if held:
+                raise TxnError(
+                    Refusal.IN_USE,
+                    f"group {group!r} has offsets in the open transaction of {held[0]!r}"
+                    + (f" and {len(held) - 1} more" if len(held) > 1 else "")
+                    + "; it can be deleted once they end",
+                )
+            logf = self._log
+            if logf is not None and logf.idle and not self._awaiting:
+                await self._write({"kind": "drop_group", "group": group})
+                self._drop_group(group)
+                return True
+            await asyncio.sleep(0.005)
+        raise TxnError(Refusal.UNAVAILABLE, f"the coordinator was too busy to delete group {group!r}; retry")
+
+    def _drop_group(self, group: str) -> None:
+        self.groups.pop(group, None)
+        self.member_epochs.pop(group, None)
+        for meta in self.txns.values():
+            meta.offsets.pop(group, None)
+
+    async def drop_txn(self, tid: str) -> bool:
+        """Forget the transactional id ``tid`` when it has no transaction open or being decided,
+        nor a sink's batch that enlisted it; False when there is no such id. Its epochs are not
+        forgotten: ``epoch_floor`` moves past them, so the id, initialised again, begins above
+        them, and the streams, which keep the producer state of ``txn:<id>``, take its appends."""
+        async with self._lock(tid):
+            meta = self.txns.get(tid)
+            if meta is None:
+                return False
+            if not _complete(meta) or any(tid in tasks for tasks in self._enlisted.values()):
+                raise TxnError(
+                    Refusal.IN_USE,
+                    f"transactional id {tid!r} has a transaction that is not complete "
+                    f"(transaction {meta.txn}: {meta.status.value}), or a sink's batch holds it; "
+                    "end or abort it first (onceflow txn abort)",
+                )
+            floor = max(self.epoch_floor, meta.epoch + 1)
+            await self._write({"kind": "drop_txn", "tid": tid, "floor": floor})
+            self._drop_txn(tid, floor)
+            return True
+
+    def _drop_txn(self, tid: str, floor: int) -> None:
+        self.txns.pop(tid, None)
+        self.epoch_floor = max(self.epoch_floor, floor)
+
     async def commit_offsets(
         self, group: str, offsets: dict[str, str], *, member_epoch: int | None = None, reset: bool = False
     ) -> None:
@@ -1495,6 +1626,7 @@ class Coordinator:
                 epoch=self.member_epochs[group],
             )
         current = self.groups.get(group, {})
+        self.new_group(group)
         if not reset:
             back = [s for s, off in offsets.items() if s in current and off < current[s]]
             if back:
@@ -1515,6 +1647,21 @@ class Coordinator:
             self.groups.setdefault(group, {}).update(offsets)
         else:
             self._apply_offsets({group: offsets})
+
+
+_TASK_SLOT = re.compile(r"p[0-9]+/s[0-9]+")
+
+
+def _task_of(tid: str, sink: str) -> bool:
+    """Whether ``tid`` is an id :meth:`Coordinator.begin_task` hands out for ``sink``'s tasks
+    (``spark/<sink>/p<n>/s<m>``; not those of a sink whose id ``sink/`` begins)."""
+    prefix = f"{SINK_TASK_PREFIX}{sink}/"
+    return tid.startswith(prefix) and _TASK_SLOT.fullmatch(tid, len(prefix)) is not None
+
+
+def _complete(meta: TxnMeta) -> bool:
+    """Nothing of the id is open or being decided: its offsets, if any, are applied."""
+    return meta.status in (TxnStatus.EMPTY, TxnStatus.COMPLETE_COMMIT, TxnStatus.COMPLETE_ABORT)
 
 
 def _offset_streams(rec: dict[str, Any]) -> list[str]:

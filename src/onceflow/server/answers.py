@@ -69,6 +69,7 @@ ANSWERS: dict[Refusal, Answer] = {
     R.STALE_TRANSACTION: Answer(409, "txn_refused"),
     R.INVALID_STATE: Answer(409, "txn_refused"),
     R.OFFSET_REGRESSION: Answer(409, "txn_refused"),
+    R.IN_USE: Answer(409, "in_use"),
     # sinks: refusals of the sink itself, not of a transaction
     R.SINK_OWNED: Answer(409, "sink_owned"),
     R.REPLAY_MISMATCH: Answer(409, "replay_mismatch"),

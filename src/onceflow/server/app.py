@@ -525,11 +525,15 @@ class App:
         self, method: str, rest: str, headers: dict[str, str], receive: Receive, readable: Readable
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         tid, _, action = rest.rpartition("/")
-        if method == "GET":  # GET /v1/txn/<tid>: the id itself may contain '/'
+        if method in ("GET", "DELETE"):  # GET or DELETE /v1/txn/<tid>: the id itself may contain '/'
             tid, action = rest, ""
         if not tid or validate_name(tid):
             raise BadRequest("use /v1/txn/<transactional id>/(init|commit|abort|offsets)", 404, "not_found")
         coord = self.broker.coordinator
+        if method == "DELETE":
+            if not await coord.drop_txn(tid):
+                raise BadRequest(f"transactional id {tid!r} was never initialised", 404, "unknown_transactional_id")
+            return 204, [], b""
         if method == "GET" and action == "":
             meta = coord.txns.get(tid)
             if meta is None:
@@ -580,6 +584,10 @@ class App:
     async def _groups(
         self, method: str, rest: str, headers: dict[str, str], receive: Receive, readable: Readable
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        if method == "DELETE":  # DELETE /v1/groups/<group>: the group itself may contain '/'
+            if not rest or not await self.broker.coordinator.drop_group(self._group_name(rest)):
+                raise BadRequest(f"no group named {rest!r} (it has no offsets and no member epoch)", 404, "not_found")
+            return 204, [], b""
         group, _, action = rest.rpartition("/")
         if group and action == GROUP_RESET:
             if method != "POST":
@@ -587,7 +595,9 @@ class App:
             return await self._reset_group(self._group_name(group), await self._json_body(headers, receive), readable)
         if not group or action != "offsets":
             raise BadRequest(
-                f"use /v1/groups/<group>/offsets or POST /v1/groups/<group>/{GROUP_RESET}", 404, "not_found"
+                f"use /v1/groups/<group>/offsets, POST /v1/groups/<group>/{GROUP_RESET} or DELETE /v1/groups/<group>",
+                404,
+                "not_found",
             )
         self._group_name(group)
         coord = self.broker.coordinator
@@ -775,7 +785,11 @@ class App:
         """``GET /v1/txn/<id>``: the id's state, whether a transaction is open (or decided and not
         finished: either holds the last stable offset of its streams), and the groups whose
         offsets it carries."""
-        return {**_txn_json(meta, readable), "open": _is_open(meta), "groups": sorted(g for g in meta.offsets if readable(g))}
+        return {
+            **_txn_json(meta, readable),
+            "open": _is_open(meta),
+            "groups": sorted(g for g in meta.offsets if readable(g)),
+        }
 
     def _txn_detail(self, meta: TxnMeta, readable: Readable) -> dict[str, object]:
         """A row of ``GET /v1/txn``: the id's state and, for an open transaction, ``open_ms``: the

@@ -29,7 +29,9 @@ Limits (``limits``), answered ``429`` with ``Retry-After: 1`` (error code ``limi
     ``streams``: creating a stream when this many exist. ``live_reads``: a long-poll or SSE read
     when this many are open at once. ``producers_per_stream``: an append with a ``Producer-Id`` the
     stream does not know yet when it already keeps state for this many producers (retention drops
-    old producers with their batches).
+    old producers with their batches). ``groups``, ``transactional_ids``, ``sinks``,
+    ``subscriptions``: creating a new one when this many exist (:meth:`Guard._limit_state`; the
+    server's own limits, ``onceflow serve --max-groups`` and so on, hold with or without a guard).
 
 How a request passes (:meth:`Guard.__call__`)
     1. Path and headers are read with the app's own functions (:func:`~onceflow.server.app.request_path`,
@@ -60,6 +62,7 @@ from urllib.parse import parse_qs
 from ..core.broker import Broker
 from ..core.jsonmode import parse_control
 from ..core.subscriptions import Subscription, SubscriptionError, glob_prefix
+from ..core.txn import SINK_TASK_PREFIX
 from ..errors import OnceflowError
 from .answers import answer_for
 from .app import (
@@ -127,6 +130,17 @@ class Grant:
         return scope in self.scopes and name.startswith(self.prefix)
 
 
+LIMITS = (
+    "streams",
+    "live_reads",
+    "producers_per_stream",
+    "groups",
+    "transactional_ids",
+    "sinks",
+    "subscriptions",
+)
+
+
 def _limit(raw: Mapping[str, Any], key: str) -> int | None:
     value = raw.get(key)
     if value is None:
@@ -142,6 +156,10 @@ class GuardConfig:
     max_streams: int | None = None
     max_live_reads: int | None = None
     max_producers_per_stream: int | None = None
+    max_groups: int | None = None
+    max_transactional_ids: int | None = None
+    max_sinks: int | None = None
+    max_subscriptions: int | None = None
 
     @classmethod
     def from_json(cls, raw: Any) -> GuardConfig:
@@ -177,10 +195,17 @@ class GuardConfig:
                     parsed.append(Grant(g["prefix"], frozenset(scopes)))
                 tokens[token] = tuple(parsed)
         limits = raw.get("limits") or {}
-        if not isinstance(limits, dict) or set(limits) - {"streams", "live_reads", "producers_per_stream"}:
-            raise GuardConfigError('"limits" may hold "streams", "live_reads" and "producers_per_stream"')
+        if not isinstance(limits, dict) or set(limits) - set(LIMITS):
+            raise GuardConfigError(f'"limits" may hold {", ".join(map(repr, LIMITS))}')
         return cls(
-            tokens, _limit(limits, "streams"), _limit(limits, "live_reads"), _limit(limits, "producers_per_stream")
+            tokens,
+            _limit(limits, "streams"),
+            _limit(limits, "live_reads"),
+            _limit(limits, "producers_per_stream"),
+            _limit(limits, "groups"),
+            _limit(limits, "transactional_ids"),
+            _limit(limits, "sinks"),
+            _limit(limits, "subscriptions"),
         )
 
     @classmethod
@@ -267,7 +292,7 @@ def _offset_streams(r: Request) -> Iterator[str]:
         yield from offsets
 
 
-SINK_TASKS = "spark/"  # transactional ids of sinks' tasks: spark/<sink id>/p<n>/s<m>, handed out by the server
+SINK_TASKS = SINK_TASK_PREFIX  # transactional ids of sinks' tasks: spark/<sink id>/p<n>/s<m>, handed out by the server
 
 
 def as_owned(tid: str) -> str:
@@ -430,6 +455,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     ),
     Endpoint("txn.read", "GET /v1/txn/<id>", "token", (Names("read", "the transactional id", _txn_path),)),
     Endpoint("txn.init", "POST /v1/txn/<id>/init", "token", (Names("write", "the transactional id", _txn_path),)),
+    Endpoint("txn.delete", "DELETE /v1/txn/<id>", "token", (Names("admin", "the transactional id", _txn_path),)),
     Endpoint(
         "txn.end", "POST /v1/txn/<id>/(commit|abort)", "token", (Names("write", "the transactional id", _txn_path),)
     ),
@@ -463,6 +489,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         (Names("admin", '`P` (a prefix; `""` when absent)', _list_prefix),),
     ),
     Endpoint("group.read", "GET /v1/groups/<group>/offsets", "token", (Names("read", "the group", _path_name),)),
+    Endpoint("group.delete", "DELETE /v1/groups/<group>", "token", (Names("admin", "the group", _path_name),)),
     Endpoint(
         "group.commit",
         "POST /v1/groups/<group>/offsets",
@@ -588,6 +615,8 @@ def route(method: str, path: str, scope: ASGIScope) -> tuple[Endpoint, str, str]
         tid, _, action = rest.rpartition("/")
         if method == "GET":
             return _BY_KEY["txn.read"], rest, ""
+        if method == "DELETE":
+            return _BY_KEY["txn.delete"], rest, ""
         if method == "POST" and action == "init":
             return _BY_KEY["txn.init"], tid, ""
         if method == "POST" and action in ("commit", "abort"):
@@ -609,6 +638,8 @@ def route(method: str, path: str, scope: ASGIScope) -> tuple[Endpoint, str, str]
         return _BY_KEY["sink.other"], rest, ""
     if path.startswith(GROUPS_PREFIX):
         rest = path[len(GROUPS_PREFIX) :]
+        if method == "DELETE":
+            return _BY_KEY["group.delete"], rest, ""
         group, _, action = rest.rpartition("/")
         if action == "offsets" and method == "GET":
             return _BY_KEY["group.read"], group, ""
@@ -691,7 +722,7 @@ class Guard:
                 raise _Refused(answer_for(exc.refusal).status, "bad_request", str(exc)) from None
             grants = self._authenticate(headers, endpoint, name)
             body: Any = None
-            if endpoint.body != "none" and grants is not None:
+            if endpoint.body != "none" and (grants is not None or self._limit_reads_body(endpoint)):
                 raw = await _read_body(receive, headers, self._body_limit(endpoint))  # Step 3
                 body = _parse(raw) if endpoint.body == "json" else None
             if grants is not None:  # Step 4
@@ -700,6 +731,7 @@ class Guard:
                 # and for the streams an answer shows or a reset moves without the request naming them
                 scope = {**scope, MAY_READ: _reader(grants)}
             self._limit(endpoint, name, scope, headers)
+            self._limit_state(endpoint, name, body)
         except _Refused as refused:
             await _answer(send, refused.status, refused.code, str(refused), refused.headers, head=method == "HEAD")
             return
@@ -766,6 +798,47 @@ class Guard:
                     f"too many producers on {name!r} (limit {c.max_producers_per_stream})",
                     _RETRY,
                 )
+
+    def _limit_reads_body(self, endpoint: Endpoint) -> bool:
+        """Whether a limit needs the body of ``endpoint``'s requests (the group a transaction's
+        offsets go to, whether a reset is a dry run) when no token is checked (a guard of limits
+        only)."""
+        return endpoint.key in ("txn.offsets", "group.reset") and self.config.max_groups is not None
+
+    def _limit_state(self, endpoint: Endpoint, name: str, body: Any) -> None:
+        """The limits on what a request creates besides streams: a group (an offsets commit, a
+        reset that is not a dry run, a transaction's offsets), a transactional id (an init; the
+        ids of sinks' tasks, ``spark/...``, count among their sink's), a sink (its first
+        ``begin``) and a subscription. What exists already is never refused."""
+        c = self.config
+        coord = self.broker.coordinator
+        key = endpoint.key
+        fields = body if isinstance(body, dict) else {}
+        if c.max_groups is not None:
+            group = None
+            if key == "group.commit" or (key == "group.reset" and fields.get("dry_run") is not True):
+                group = name
+            elif key == "txn.offsets" and isinstance(fields.get("group"), str):
+                group = fields["group"]
+            if group is not None and group not in coord.groups and group not in coord.member_epochs:
+                if len(set(coord.groups) | set(coord.member_epochs)) >= c.max_groups:
+                    raise _Refused(429, "limit_exceeded", f"too many consumer groups (limit {c.max_groups})", _RETRY)
+        if key == "txn.init" and c.max_transactional_ids is not None and name not in coord.txns:
+            if sum(1 for t in coord.txns if not t.startswith(SINK_TASKS)) >= c.max_transactional_ids:
+                raise _Refused(
+                    429,
+                    "limit_exceeded",
+                    f"too many transactional ids (limit {c.max_transactional_ids}); "
+                    "an idle one can be deleted (onceflow txn delete)",
+                    _RETRY,
+                )
+        if key == "sink.post" and c.max_sinks is not None and not coord.knows_sink(name):
+            if coord.sink_count() >= c.max_sinks:
+                raise _Refused(429, "limit_exceeded", f"too many sinks (limit {c.max_sinks})", _RETRY)
+        if key == "subs.create" and c.max_subscriptions is not None:
+            subs = self.app.subscriptions.manager.subs
+            if name not in subs and len(subs) >= c.max_subscriptions:
+                raise _Refused(429, "limit_exceeded", f"too many subscriptions (limit {c.max_subscriptions})", _RETRY)
 
 
 class _Refused(Exception):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..core.broker import Broker
+from ..core.limits import StateLimits
 from ..core.subscriptions import WebhookTargets
 from ..storage.fs import FileSystem, OsFileSystem, raise_open_file_limit
 from ..storage.log import FsyncPolicy
@@ -38,6 +39,7 @@ async def serve(
     http: Literal["native", "uvicorn"] = "native",
     txn_timeout: float = 60.0,
     max_streams: int = 100_000,
+    state_limits: StateLimits | None = None,
     max_open_files: int | None = None,
     log_level: str = "warning",
     guard: GuardConfig | None = None,
@@ -68,7 +70,8 @@ async def serve(
     ``limits`` are the HTTP layer's timeouts and caps (server/http.py); uvicorn applies only
     ``idle_timeout`` and ``max_connections`` of them (docs/security.md, "HTTP layer").
     ``metrics_allow``: name prefixes whose streams, groups and sinks get a label of their own in
-    ``/metrics`` (docs/operations.md).
+    ``/metrics`` (docs/operations.md). ``state_limits``: how many groups, transactional ids, sinks
+    and subscriptions the server holds at most (docs/security.md, "Limits").
     """
     tune_gc()
     soft, _hard = raise_open_file_limit()
@@ -88,6 +91,7 @@ async def serve(
             fsync=fsync,
             txn_timeout=txn_timeout,
             max_streams=max_streams,
+            state_limits=state_limits,
             segment_bytes=segment_bytes,
             retention_seconds=retention_seconds,
             retention_bytes=retention_bytes,
