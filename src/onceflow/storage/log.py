@@ -23,6 +23,13 @@ Recovery
     and offsets, truncate the log at the first torn or corrupt batch (dropping later segments), and
     rebuild the tail and producer state from the batch headers. Recovery run twice gives the same
     state, because the first run leaves only intact batches behind.
+
+Time index
+    Each segment may hold an index of its batches' append times, in memory, built on demand by a
+    lookup by time (the broker's, for a group reset by time), never by the write path: ``index_times``
+    extends it by one read of the batch headers at a time (each byte of the log is indexed once,
+    the caller pauses for the loop in between), ``find_time`` then reads one piece of about
+    :data:`TIME_INDEX_BYTES` bytes. See :class:`_Times`.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import contextlib
 import json
 import logging
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -84,6 +92,9 @@ RECENT_BATCHES = 5  # per producer, to answer duplicates with the original offse
 DEFAULT_SEGMENT_BYTES = 64 << 20
 # Producer state is snapshotted every this many bytes of log, bounding a crash recovery's scan.
 DEFAULT_SNAPSHOT_BYTES = 8 << 20
+# The time index has an entry (16 bytes) per piece of about this many bytes of a segment, and a
+# lookup by time reads one piece: what it reads and what the index holds stay small together.
+TIME_INDEX_BYTES = 64 << 10
 
 
 class InvalidPosition(OnceflowError):
@@ -348,6 +359,30 @@ class _Group:
     tail: TailState | None = None
 
 
+class _Times:
+    """The time index of one segment: where each of its pieces starts (bytes into the segment) and
+    the latest append time of any batch from the segment's start to that piece's end.
+
+    The latest so far, not each piece's own: append times are the server's wall clock, which can
+    step back, so they are not in order, but their running maximum is. The first piece whose
+    running maximum reaches a time T therefore holds the first batch, in log order, appended at or
+    after T (Kafka's time index keeps the same maximum for the same reason), and a binary search
+    finds that piece. A piece begins with the first batch that starts ``time_index_bytes`` (the
+    log's, :data:`TIME_INDEX_BYTES`) or more past the previous piece's start, so every batch header
+    of a piece lies within that many bytes (plus one header) of its start: one read holds them all.
+
+    The index covers the segment's first ``done`` bytes (a batch boundary, whose record offset is
+    ``next_offset``); it only grows, as the segment's data never changes once durable."""
+
+    __slots__ = ("done", "highs", "next_offset", "starts")
+
+    def __init__(self, offset: int) -> None:
+        self.starts = array("q")
+        self.highs = array("q")
+        self.done = 0
+        self.next_offset = offset
+
+
 @dataclass(slots=True)
 class _Segment:
     base: Position
@@ -355,6 +390,7 @@ class _Segment:
     file: File
     size: int
     first_ms: int | None = None  # the append time of its first batch, once read (retention by age)
+    times: _Times | None = None  # its time index, once a lookup by time needed it
 
 
 def _segment_name(base: Position) -> str:
@@ -408,6 +444,7 @@ class StreamLog:
         self.io = io  # told of writes, syncs and failures (see IoEvents)
         self._clock = clock  # wall-clock seconds for batch timestamps (None: the system's)
         self.snapshot_bytes = snapshot_bytes
+        self.time_index_bytes = TIME_INDEX_BYTES  # see _Times (the tests make pieces small)
         self.policy: FsyncPolicy = policy
         self.segment_bytes = segment_bytes
         self._executor = executor
@@ -1086,3 +1123,110 @@ class StreamLog:
                 raise CorruptBatch(f"no whole batch at byte {pos}")
             pos += p
         return out
+
+    # ------------------------------------------------------------------ the time index
+
+    def _unindexed(self, until: Position) -> tuple[_Segment, int] | None:
+        """The first segment whose time index stops short of ``until`` (or of its own end), and how
+        far into it the index must reach; None when the index covers the log up to ``until``."""
+        segs = list(self._segments)  # a roll may append one from a worker thread
+        for i, seg in enumerate(segs):
+            if seg.base.pos >= until.pos:
+                break
+            upto = until.pos - seg.base.pos
+            if i + 1 < len(segs):
+                upto = min(upto, segs[i + 1].base.pos - seg.base.pos)
+            if seg.times is None:
+                seg.times = _Times(seg.base.offset)
+            if seg.times.done < upto:
+                return seg, upto
+        return None
+
+    def times_indexed(self, until: Position) -> bool:
+        """The time index covers the log from :attr:`first` to ``until``: :meth:`find_time` may
+        look up times before ``until`` now."""
+        return self._unindexed(until) is None
+
+    def index_times(self, until: Position, step: int) -> bool:
+        """Extend the time index towards ``until`` (a batch boundary of the durable log) by one read
+        of about ``step`` bytes (at least a batch header), and say whether it now covers the log up
+        to ``until``. Only the batch headers count: a batch longer than the read is stepped over by
+        its length, and the next read starts past it.
+
+        On the loop, one read a call (on the PostgreSQL store, bytes older than the memory cache are
+        a query bounded by its read_timeout): the caller pauses for the loop between calls. Raises
+        CorruptBatch where the bytes are not the batches the log holds (as :meth:`read` would)."""
+        behind = self._unindexed(until)
+        if behind is None:
+            return True
+        seg, upto = behind
+        times = seg.times
+        assert times is not None
+        at = times.done
+        data = seg.file.pread(min(upto - at, max(step, HEADER_SIZE)), at)
+        unpack = HEADER.unpack_from
+        starts, highs, piece = times.starts, times.highs, self.time_index_bytes
+        pieces, last_high = len(starts), highs[-1] if highs else None
+        offset = times.next_offset
+        n, p = len(data), 0
+        try:
+            while n - p >= HEADER_SIZE:
+                length, magic, base, count, ts = _time_fields(unpack(data, p))
+                rel = at + p
+                if magic != MAGIC or base != offset or count < 0 or not HEADER_SIZE <= length <= upto - rel:
+                    raise CorruptBatch(f"{seg.path}: no batch of offset {offset} at byte {rel}")
+                if not starts or rel - starts[-1] >= piece:
+                    starts.append(rel)
+                    highs.append(max(highs[-1], ts) if highs else ts)
+                elif ts > highs[-1]:
+                    highs[-1] = ts
+                offset += count
+                p += length
+            if p == 0:
+                raise CorruptBatch(f"{seg.path}: no whole batch header at byte {at}")
+        except CorruptBatch:  # the index stays as it was, covering what it covered
+            del starts[pieces:], highs[pieces:]
+            if last_high is not None:
+                highs[-1] = last_high
+            raise
+        times.done, times.next_offset = at + p, offset
+        return self._unindexed(until) is None
+
+    def find_time(self, time_ms: int, limit: Position) -> Position | None:
+        """Where the first batch from :attr:`first` to ``limit`` appended at or after ``time_ms``
+        starts, in log order (a batch appended earlier may have been stamped later, see
+        :class:`_Times`); None if no batch before ``limit`` was.
+
+        The time index must cover the log up to ``limit`` (:meth:`index_times` said so, and nothing
+        awaited since). Without a pause: a pass over the segments' indexes in memory, a binary
+        search in one, and one read of at most ``time_index_bytes`` plus a header (on the
+        PostgreSQL store, a query bounded by its read_timeout)."""
+        if not self.times_indexed(limit):
+            raise RuntimeError(f"{self.directory}: the time index does not reach {limit.token()}")
+        for seg in list(self._segments):
+            if seg.base.pos >= limit.pos:
+                return None
+            times = seg.times
+            if times is None or not times.highs or times.highs[-1] < time_ms:
+                continue
+            k = bisect.bisect_left(times.highs, time_ms)
+            start = times.starts[k]
+            end = min(times.starts[k + 1] if k + 1 < len(times.starts) else times.done, limit.pos - seg.base.pos)
+            if start >= end:
+                return None  # the first batch stamped at or after time_ms lies past limit
+            data = seg.file.pread(min(end - start, self.time_index_bytes + HEADER_SIZE), start)
+            p = 0
+            while start + p < end and len(data) - p >= HEADER_SIZE:
+                length, _magic, base, _count, ts = _time_fields(HEADER.unpack_from(data, p))
+                if ts >= time_ms:
+                    return Position(base, seg.base.pos + start + p)
+                p += length
+            if start + p < end:
+                raise CorruptBatch(f"{seg.path}: no whole batch header at byte {start + p}")
+            return None  # that batch lies past limit, in the same piece
+        return None
+
+
+def _time_fields(fields: tuple[Any, ...]) -> tuple[int, int, int, int, int]:
+    """A batch header's length, magic, base offset, record count and append time (of HEADER's fields)."""
+    return fields[1], fields[2], fields[5], fields[6], fields[7]
