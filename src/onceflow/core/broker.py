@@ -1728,28 +1728,51 @@ class Broker:
 
     async def position_at_time(self, s: StreamState, time_ms: int, *, step: int = 1 << 20) -> Position:
         """Where the first batch of ``s`` appended at or after ``time_ms`` (milliseconds since the
-        epoch) starts, by the append time every batch header keeps; the durable tail when none was.
+        epoch) starts, by the append time every batch header keeps; the durable tail (as it was when
+        the lookup began) when none was. Append times are the server's wall clock: if that clock ever
+        went back, the first batch stamped at or after ``time_ms`` in log order is found, even if an
+        earlier one was stamped later: exactly what a scan from the earliest offset kept would find.
 
-        A linear scan from the earliest offset kept (through the source's range for a fork), read in
-        steps of about ``step`` bytes with a pause for the event loop between them, so other
-        requests are served meanwhile; its cost grows with the stream's size. Append times are
-        the server's wall clock: if that clock ever went back, the first batch stamped at or after
-        ``time_ms`` is found, even if an earlier one was stamped later."""
-        at, end = s.earliest, s.tail
-        while at.pos < end.pos:
+        Not a scan: every log whose data ``s`` shows (a fork's source's, up to the fork point) keeps
+        a time index (:meth:`~onceflow.storage.log.StreamLog.find_time`). The lookup first extends
+        the indexes it needs to where it needs them, reading the batch headers not indexed yet in
+        steps of about ``step`` bytes with a pause for the event loop after each (each byte of a log
+        is indexed once while the server runs, and forks of one source share its index); then,
+        without a pause, reads one piece of at most ``TIME_INDEX_BYTES`` per log. It begins with a
+        pause too, so a caller that looks up many streams lets other requests in between two.
+
+        Retention may delete segments while it pauses: what is left is searched, from the earliest
+        offset kept then. Raises :class:`InvalidPosition` when the stream was deleted meanwhile."""
+        await asyncio.sleep(0)
+        end = s.tail
+        while True:
             if s.deleted:
                 raise InvalidPosition(f"stream {s.name!r} was deleted")
-            if at.pos < s.earliest.pos:  # retention deleted segments meanwhile: none of them is the answer now
-                at = s.earliest
-            batches = s.read_range(at, step, end)
-            if not batches:
+            view = self._time_view(s, end)
+            behind = next(((lg, until) for lg, until in view if not lg.times_indexed(until)), None)
+            if behind is None:
                 break
-            for b in batches:
-                if b.header.timestamp >= time_ms:
-                    return b.start
-            at = batches[-1].end
+            behind[0].index_times(behind[1], step)
             await asyncio.sleep(0)
+        for lg, until in view:  # no pause since the check above: the indexes still reach until
+            at = lg.find_time(time_ms, until)
+            if at is not None:
+                return at
         return end
+
+    @staticmethod
+    def _time_view(s: StreamState, end: Position) -> Sequence[tuple[StreamLog, Position]]:
+        """The logs whose batches ``s`` shows from its earliest offset to ``end``, in log order, each
+        with where that view of it ends: a fork whose own log kept its start shows its source's
+        log up to the fork point, as :attr:`StreamState.earliest` and ``read_range`` have it."""
+        view = [(s.log, end)]
+        while s.parent is not None and s.log.first == s.log.base:
+            if s.log.base.pos < end.pos:
+                end = s.log.base
+            s = s.parent
+            view.append((s.log, end))
+        view.reverse()
+        return view
 
     async def wait(self, s: StreamState, after: Position, max_wait: float) -> bool:
         """Wait until the stream has data past ``after``, closes or goes away. False on timeout."""

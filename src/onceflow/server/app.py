@@ -130,6 +130,9 @@ class AppConfig:
     sse_max_seconds: float = 60.0
     webhook_targets: WebhookTargets = "public"  # where webhooks may go (docs/security.md)
     metrics_allow: tuple[str, ...] = ()  # name prefixes that get a label of their own in /metrics
+    # the most streams one group reset by time may move: each is a lookup in a time index, and
+    # streams (forks above all) are free to create (docs/operations.md, "Groups: resets")
+    max_time_reset_streams: int = 1000
 
 
 class BadRequest(OnceflowError):
@@ -862,7 +865,14 @@ class App:
         """``POST /v1/groups/<group>/reset``: move the group's offsets to the start of each stream
         (``earliest``), its last stable offset (``latest``), given offsets (``offsets``) or the
         first batch appended at or after ``time_ms`` (``time``), with one reset commit (or, with
-        ``dry_run``, only say where they would go)."""
+        ``dry_run``, only say where they would go).
+
+        A reset by time moves at most ``max_time_reset_streams`` streams (a 400 before any lookup
+        otherwise) and pauses for the event loop between two streams' lookups
+        (:meth:`~onceflow.core.broker.Broker.position_at_time`): one request's work is bounded by
+        its size, and other requests are served meanwhile. A stream deleted during those pauses
+        fails the reset (404) rather than have its offset committed for whatever stream of that
+        name may exist by then."""
         to = body.get("to")
         if to not in ("earliest", "latest", "offsets", "time"):
             raise BadRequest('the body needs "to": "earliest", "latest", "offsets" or "time"')
@@ -882,12 +892,30 @@ class App:
         time_ms = self._int_field(body, "time_ms") if to == "time" else None
         if to != "time" and body.get("time_ms") is not None:
             raise BadRequest('"time_ms" goes with "to": "time" only')
+        cap = self.config.max_time_reset_streams
+        if to == "time" and len(names) > cap:
+            which = (
+                f"this one names {len(names)}"
+                if body.get("streams") is not None
+                else (f"group {group!r} has offsets in {len(names)}")
+            )
+            raise BadRequest(
+                f'a reset by time moves at most {cap} streams ({which}): name them in "streams", in parts '
+                f"of at most {cap} (--stream of onceflow groups reset); nothing was reset"
+            )
         new: dict[str, str] = {}
+        found: list[StreamState] = []
         for name in names:
             s = self.broker.get(name)
             if s is None or s.meta.soft_deleted:
                 raise BadRequest(f"no stream named {name!r}: nothing was reset", 404, "not_found")
             new[name] = (await self._reset_position(s, to, wanted.get(name), time_ms)).token()
+            found.append(s)
+        for s in found:  # a lookup by time pauses: a stream may have been deleted (and made anew) since
+            if self.broker.get(s.name) is not s or s.meta.soft_deleted:
+                raise BadRequest(
+                    f"stream {s.name!r} was deleted while the reset ran: nothing was reset", 404, "not_found"
+                )
         if not dry_run:
             await coord.commit_offsets(group, new, reset=True)
         return _json_response(
