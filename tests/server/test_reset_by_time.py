@@ -1,8 +1,9 @@
 """A group reset by time (``POST /v1/groups/<g>/reset`` with ``"to": "time"``) is bounded by design
 (issue 28, item 2): it names at most a cap of streams, finds each stream's offset without reading
-the stream from its start, lets other requests in between two streams, and answers exactly what a
-scan from the earliest offset kept would (the first batch appended at or after the time, in log
-order, even where the server's clock stepped back).
+the stream from its start, lets other requests in between two streams (and fails if one of them
+was deleted meanwhile), and answers exactly what a scan from the earliest offset kept would (the
+first batch appended at or after the time, in log order, even where the server's clock stepped
+back).
 
 Forks are free to create and share their source's data, so one reset naming many forks of one long
 stream is the case that once cost minutes of CPU: it is the case measured here. What is counted is
@@ -290,3 +291,36 @@ async def test_a_reset_by_time_finds_what_a_scan_from_the_start_finds_when_the_c
     for time_ms in times:
         want = {n: scanned(s, time_ms) for n, s in zip(names, streams, strict=True) if s is not None}
         assert await reset(server, time_ms, names) == want, time_ms
+
+
+async def test_a_stream_deleted_while_the_reset_pauses_fails_it_and_nothing_is_committed(
+    c: tuple[InProcess, Clock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reset pauses between streams, and a stream it looked up may be deleted and created anew
+    meanwhile: the offset it found is a position of the deleted stream, and committing it would
+    move the group in the new one. The reset fails (404) and the group stays where it was."""
+    server, clock = c
+    for name in ("a", "b"):
+        await create(server, name)
+        clock.now += 1
+        await round_of(server, name, 3)
+    start = ms(clock)
+    clock.now += 1
+    for name in ("a", "b"):
+        await round_of(server, name, 3)
+    offsets = {name: tail(server, name) for name in ("a", "b")}
+    assert (await server.client.post("/v1/groups/g/offsets", json={"offsets": offsets})).status_code == 200
+    real = server.broker.position_at_time
+
+    async def then_replace_a(s: StreamState, time_ms: int, **kw: Any) -> Any:
+        got = await real(s, time_ms, **kw)
+        if s.name == "a":
+            assert (await server.client.delete(S + "a")).status_code == 204
+            await create(server, "a")
+        return got
+
+    monkeypatch.setattr(server.broker, "position_at_time", then_replace_a)
+    r = await server.client.post("/v1/groups/g/reset", json={"to": "time", "time_ms": start, "streams": ["a", "b"]})
+    assert r.status_code == 404, r.text
+    assert "'a' was deleted while the reset ran" in r.json()["error"]["message"]
+    assert (await server.client.get("/v1/groups/g/offsets")).json()["offsets"] == {"b": offsets["b"]}
