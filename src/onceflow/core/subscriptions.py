@@ -48,6 +48,7 @@ from ..storage.fs import OutcomeUnknown
 from ..storage.log import InvalidPosition, StreamLog
 from ..storage.position import ZERO, Position, parse_token
 from .broker import Broker, StreamState, validate_name
+from .locks import KeyedLocks
 from .refusal import Refusal, Refused
 
 __all__ = [
@@ -651,7 +652,7 @@ class Subscriptions:
         self._drain_scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._writes: set[asyncio.Task[None]] = set()  # background state writes (never cancelled)
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks = KeyedLocks()  # by subscription id, while its state is being stored
         self._version: dict[str, int] = {}
         self._saved: dict[str, int] = {}
         self._key: Ed25519PrivateKey | None = None
@@ -911,8 +912,7 @@ class Subscriptions:
     async def _persist(self, sid: str) -> None:
         """Wait until the subscription's current state (or its absence) is on disk."""
         version = self._version.get(sid, 0)
-        lock = self._locks.setdefault(sid, asyncio.Lock())
-        async with lock:
+        async with self._locks.hold(sid):
             if self._saved.get(sid, -1) >= version:
                 return
             version = self._version.get(sid, 0)
@@ -927,6 +927,11 @@ class Subscriptions:
                 await asyncio.wait({write})
                 raise
             self._saved[sid] = version
+            if sub is None and sid not in self.subs and self._version.get(sid, 0) == version:
+                # deleted, and its absence is on disk: nothing of it is left to remember (ids are
+                # the clients' to choose; remembering each one ever deleted grew without bound)
+                self._version.pop(sid, None)
+                del self._saved[sid]
 
     def _write_file(self, path: Path, data: bytes | None) -> None:
         """Store a subscription's file, or remove it (``data`` None); synced, with its directory,

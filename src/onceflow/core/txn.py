@@ -48,6 +48,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ from ..storage.log import FsyncPolicy, IoEvents, StreamLog
 from ..storage.position import Position
 from .clock import SYSTEM, Clock
 from .limits import StateLimits
+from .locks import KeyedLocks
 from .refusal import Refusal, Refused
 
 __all__ = [
@@ -292,7 +294,7 @@ class Coordinator:
         self.epoch_floor = 0
         self._enlisted: dict[str, dict[str, Enlisted]] = {}  # sink id -> tid -> the task holding it
         self._log: StreamLog | None = None
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks = KeyedLocks()  # by transactional id, and "sink\0<id>" by sink
         self._awaiting = 0  # durable writes whose callers have not yet applied them in memory
         # offsets into a deleted stream dropped before a stream of its name is created (forget_stream)
         self._forgotten: list[str] = []  # the stream of each forget staged since no _store was in flight
@@ -578,11 +580,8 @@ class Coordinator:
                 await stack.enter_async_context(self._lock(tid))
             yield
 
-    def _lock(self, tid: str) -> asyncio.Lock:
-        lock = self._locks.get(tid)
-        if lock is None:
-            lock = self._locks[tid] = asyncio.Lock()
-        return lock
+    def _lock(self, tid: str) -> AbstractAsyncContextManager[None]:
+        return self._locks.hold(tid)
 
     # ------------------------------------------------------------------ transactions
 
@@ -726,7 +725,7 @@ class Coordinator:
                 await self._write(meta.record(), durable=False)
             return meta
 
-    def holding(self, tid: str) -> asyncio.Lock:
+    def holding(self, tid: str) -> AbstractAsyncContextManager[None]:
         """The lock of ``tid`` (``async with``): no other request changes its state meanwhile."""
         return self._lock(tid)
 
@@ -916,7 +915,7 @@ class Coordinator:
     def sink_count(self) -> int:
         return len(set(self.sinks) | {s for s, tasks in self._enlisted.items() if tasks})
 
-    def _sink_lock(self, sink: str) -> asyncio.Lock:
+    def _sink_lock(self, sink: str) -> AbstractAsyncContextManager[None]:
         return self._lock("sink\0" + sink)
 
     def _check_owner(self, sink: str, state: SinkState | None, query: str | None) -> None:
@@ -1409,7 +1408,7 @@ class Coordinator:
         # A decision whose markers could not all be written (an I/O error) is finished here rather
         # than only at the next restart, so the last stable offset does not stay stuck.
         for meta in [m for m in self.txns.values() if m.completing]:
-            if self._lock(meta.tid).locked():
+            if self._locks.locked(meta.tid):
                 continue  # being completed right now
             async with self._lock(meta.tid):
                 if meta.completing:
