@@ -180,6 +180,8 @@ class World:
             "subscriptions": len(subs.subs),
             "subscription_locks": len(subs._locks),
             "subscription_versions": len(subs._version) + len(subs._saved),
+            "subscription_indexes": sum(len(t) for t in (subs._by_stream, subs._by_wake, subs._patterns)),
+            "subscription_streams": sum(len(t) for t in (subs._watched, subs._seen, subs._dirty)),
         }
 
 

@@ -987,6 +987,12 @@ class Subscriptions:
             if not ids:
                 del index[key]
 
+    def _forget_stream(self, name: str) -> None:
+        """A stream deleted: keep nothing of it, its log least of all (a stream created again under
+        its name is seen and watched anew)."""
+        self._seen.pop(name, None)
+        self._watched.pop(name, None)
+
     def _watch(self, s: StreamState) -> None:
         if self._watched.get(s.name) is not s.log:
             name = s.name
@@ -1079,11 +1085,15 @@ class Subscriptions:
             self._process(name)
 
     def _process(self, name: str) -> None:
-        if self.closing or not self.subs:
+        if self.closing:
+            return
+        if not self.subs:
+            if (name in self._seen or name in self._watched) and self._live(name) is None:
+                self._forget_stream(name)
             return
         s = self._live(name)
         if s is None:
-            self._seen.pop(name, None)
+            self._forget_stream(name)
         elif self._seen.get(name) is not s.log:
             # first sight of this stream (or of a new stream under this name): the patterns that
             # match it link it from its start, so the append that created it counts as pending
