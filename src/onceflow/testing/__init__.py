@@ -33,7 +33,7 @@ from .faketime import SteppableClock, clock_step_missing
 from .faultproxy import FaultProxy
 from .ha import HaCluster, HaServer
 from .patroni import PatroniCluster, patroni_missing
-from .processes import OnceflowProcess, ServerFailure, ServerProcess, free_port, onceflow_server
+from .processes import OnceflowProcess, ServerFailure, ServerProcess, free_port, kill_now, onceflow_server
 from .services import (
     PostgresCluster,
     PostgresNode,
@@ -61,6 +61,7 @@ __all__ = [
     "SteppableClock",
     "clock_step_missing",
     "free_port",
+    "kill_now",
     "onceflow_server",
     "patroni_missing",
     "postgres_bindir",

@@ -21,7 +21,7 @@ from typing import Literal
 from .faketime import SteppableClock
 from .patroni import PatroniCluster
 from .pgproxy import PgFaultProxy
-from .processes import free_port
+from .processes import free_port, kill_now
 from .services import PostgresCluster, PostgresNode
 
 __all__ = ["HaCluster", "HaServer"]
@@ -71,12 +71,8 @@ class HaServer:
 
     def kill(self) -> None:
         """``kill -9`` (continued first if stopped)."""
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGCONT)
-                self.proc.kill()
-            self.proc.wait()
-            self.proc = None
+        kill_now(self.proc)
+        self.proc = None
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -16,7 +16,6 @@ import json
 import os
 import pwd
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -24,7 +23,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from .processes import free_port
+from .processes import free_port, kill_now
 from .services import (
     NodeRoles,
     PostgresNode,
@@ -93,12 +92,9 @@ class _Process:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGCONT)
-                self.proc.kill()
-            self.proc.wait()
-            self.proc = None
+        """``kill -9`` (continued first if stopped)."""
+        kill_now(self.proc)
+        self.proc = None
 
 
 class PatroniCluster(NodeRoles):

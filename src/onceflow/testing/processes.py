@@ -5,6 +5,7 @@ Public through :mod:`onceflow.testing`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -18,11 +19,22 @@ from pathlib import Path
 
 from ..errors import OnceflowError
 
-__all__ = ["OnceflowProcess", "ServerFailure", "ServerProcess", "free_port", "onceflow_server"]
+__all__ = ["OnceflowProcess", "ServerFailure", "ServerProcess", "free_port", "kill_now", "onceflow_server"]
 
 
 class ServerFailure(OnceflowError):
     """A server process did not become ready (it exited, or printed no ready line in time)."""
+
+
+def kill_now(proc: subprocess.Popen[bytes] | None) -> None:
+    """``kill -9`` ``proc`` and reap it: continued first, in case it is stopped (SIGSTOP), so that
+    it dies now; a process already gone is fine."""
+    if proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+    proc.wait()
 
 
 def free_port() -> int:

@@ -167,6 +167,7 @@ from onceflow.testing import (
     ServiceUnavailable,
     clock_step_missing,
     free_port,
+    kill_now,
 )
 
 from .history import Anomaly, HistoryWriter, check, load_history
@@ -329,12 +330,9 @@ class Server:
         raise RuntimeError(f"the server did not answer within 60 s; see {self.log}")
 
     def kill(self) -> None:
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGCONT)
-                self.proc.kill()
-            self.proc.wait()
-            self.proc = None
+        """``kill -9`` (continued first if stopped)."""
+        kill_now(self.proc)
+        self.proc = None
 
     def signal(self, sig: int) -> None:
         if self.proc is not None:
