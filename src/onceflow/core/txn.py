@@ -286,6 +286,7 @@ class Coordinator:
         self.default_timeout = default_timeout
         self.compact_bytes = compact_bytes  # rewrite the log at open when it is larger than this
         self.txns: dict[str, TxnMeta] = {}
+        self.user_ids = 0  # ids in txns not of sinks' tasks (what --max-transactional-ids counts)
         self.groups: dict[str, dict[str, str]] = {}  # group -> stream -> committed offset
         self.member_epochs: dict[str, int] = {}  # group -> highest member epoch seen
         self.sinks: dict[str, SinkState] = {}  # sink id -> what commit_members recorded of it
@@ -451,7 +452,7 @@ class Coordinator:
                 # be missing (its write failed and was rolled back while later ones reached the
                 # disk): its offsets take effect here, or a copier would copy its input again.
                 self._apply_offsets(prev.offsets)
-            self.txns[meta.tid] = meta
+            self._put_txn(meta)
             if meta.status is TxnStatus.COMPLETE_COMMIT:
                 self._apply_offsets(meta.offsets)
         elif rec["kind"] == "members":
@@ -663,7 +664,7 @@ class Coordinator:
             known = meta is not None
             if meta is None:
                 if not tid.startswith(SINK_TASK_PREFIX):
-                    self._within("transactional_ids", sum(1 for t in self.txns if not t.startswith(SINK_TASK_PREFIX)))
+                    self._within("transactional_ids", self.user_ids)
                 meta = TxnMeta(tid, epoch=self.epoch_floor - 1)
             if meta.status is TxnStatus.ONGOING:
                 await self._finish_decided(meta, self._finish(meta, commit=False))
@@ -684,7 +685,7 @@ class Coordinator:
                 fence=None,
             )
             if not known:
-                self.txns[tid] = meta
+                self._put_txn(meta)
             return meta
 
     async def begin_write(self, tid: str, epoch: int, stream: str, *, commit: int | None = None) -> TxnMeta | None:
@@ -906,7 +907,7 @@ class Coordinator:
     def new_group(self, group: str) -> None:
         """Refuse (``limit``) a group that does not exist yet when the server holds its limit."""
         if group not in self.groups and group not in self.member_epochs:
-            self._within("groups", len(self.groups.keys() | self.member_epochs.keys()))
+            self._within("groups", len(self.groups))  # a group with a member epoch has offsets too
 
     def knows_sink(self, sink: str) -> bool:
         """Whether ``sink`` has a record or a task begun (what the sinks limit counts)."""
@@ -1312,7 +1313,7 @@ class Coordinator:
             async with self._lock(tid):
                 meta = self.txns.get(tid)
                 if meta is None:
-                    meta = self.txns[tid] = TxnMeta(tid, epoch=top, timeout=self.default_timeout)
+                    meta = self._put_txn(TxnMeta(tid, epoch=top, timeout=self.default_timeout))
                 if top >= meta.epoch:
                     log.warning(
                         "fencing epoch %d of %r: it left undecided data in %s",
@@ -1610,8 +1611,16 @@ class Coordinator:
             return True
 
     def _drop_txn(self, tid: str, floor: int) -> None:
-        self.txns.pop(tid, None)
+        if self.txns.pop(tid, None) is not None and not tid.startswith(SINK_TASK_PREFIX):
+            self.user_ids -= 1
         self.epoch_floor = max(self.epoch_floor, floor)
+
+    def _put_txn(self, meta: TxnMeta) -> TxnMeta:
+        """The one way an id enters ``txns`` (``user_ids`` counts those not of sinks' tasks)."""
+        if meta.tid not in self.txns and not meta.tid.startswith(SINK_TASK_PREFIX):
+            self.user_ids += 1
+        self.txns[meta.tid] = meta
+        return meta
 
     async def commit_offsets(
         self, group: str, offsets: dict[str, str], *, member_epoch: int | None = None, reset: bool = False

@@ -821,10 +821,10 @@ class Guard:
             elif key == "txn.offsets" and isinstance(fields.get("group"), str):
                 group = fields["group"]
             if group is not None and group not in coord.groups and group not in coord.member_epochs:
-                if len(set(coord.groups) | set(coord.member_epochs)) >= c.max_groups:
+                if len(coord.groups) >= c.max_groups:
                     raise _Refused(429, "limit_exceeded", f"too many consumer groups (limit {c.max_groups})", _RETRY)
         if key == "txn.init" and c.max_transactional_ids is not None and name not in coord.txns:
-            if sum(1 for t in coord.txns if not t.startswith(SINK_TASKS)) >= c.max_transactional_ids:
+            if coord.user_ids >= c.max_transactional_ids:
                 raise _Refused(
                     429,
                     "limit_exceeded",
