@@ -287,6 +287,22 @@ async def test_a_delete_that_could_not_be_stored_is_a_503_and_changes_nothing(
     assert (await c.head(S + "keep")).status_code == 404
 
 
+@pytest.mark.anyio
+async def test_an_append_racing_the_delete_of_its_stream_is_answered(onceflow: InProcess) -> None:
+    """Found by the cluster simulator (seed 115179): a DELETE handled after an append was staged and
+    before it was written released the stream's files, the log's writer stopped on the missing
+    segment, and the append's request was never answered (until the server process ended). The
+    append is now refused as not stored (the stream is gone either way: a retry gets a 404)."""
+    c = onceflow.client
+    assert (await c.put(S + "racing", headers=JSON)).status_code == 201
+    append, delete = await asyncio.wait_for(
+        asyncio.gather(c.post(S + "racing", content=b'{"n":0}', headers=JSON), c.delete(S + "racing")), 5
+    )
+    assert delete.status_code == 204, delete.text
+    assert append.status_code in (204, 503), append.text
+    assert (await c.post(S + "racing", content=b'{"n":0}', headers=JSON)).status_code == 404
+
+
 @pytest.mark.local_store  # fails the local store's own writes
 @pytest.mark.anyio
 async def test_a_write_whose_outcome_the_store_cannot_learn_is_never_answered_as_refused(

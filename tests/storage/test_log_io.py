@@ -4,7 +4,9 @@ writer going."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import threading
 from pathlib import Path
 from typing import Literal
 
@@ -206,3 +208,40 @@ async def test_an_observer_that_raises_does_not_stop_the_log(tmp_path: Path) -> 
         assert [b.payload for b in log.read(ZERO, 1 << 20)] == [b"z", b"zz", b"zzz"]
     finally:
         await log.close()
+
+
+async def test_an_append_staged_before_its_stream_was_deleted_is_answered(tmp_path: Path) -> None:
+    """Found by the cluster simulator (seed 115179): a DELETE handled after an append was staged
+    and before the log's writer took it released the log's files (``close_files``); the writer then
+    stopped on the missing segment and the append was never answered. Its request waited until
+    the server process ended. It fails now, as after a failed write."""
+    log = StreamLog.open(tmp_path / "s", ZERO, policy="always")
+    staged = log.stage(count=1, payload=b"a")
+    log.close_files()  # the stream's delete, before the writer ran
+    await log.drain()
+    assert staged.done.done(), "the append waits forever: the log's writer stopped"
+    assert isinstance(staged.done.exception(), OSError)
+
+
+async def test_an_append_whose_write_the_delete_cut_short_is_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same delete while the group's write waits in the worker thread: the write fails on the
+    closed file, and the failure, which looked for the segment to cut back, stopped the writer too."""
+    log = StreamLog.open(tmp_path / "s", ZERO, policy="always")
+    entered, go = threading.Event(), threading.Event()
+    write_all = storage_log._write_all
+
+    def held(f: File, data: bytes, at: int, sync: bool) -> float | None:
+        entered.set()
+        go.wait(5)
+        return write_all(f, data, at, sync)
+
+    monkeypatch.setattr(storage_log, "_write_all", held)
+    staged = log.stage(count=1, payload=b"a")
+    assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 5)
+    log.close_files()  # the stream's delete, while the writer's thread holds the group
+    go.set()
+    await log.drain()
+    assert staged.done.done(), "the append waits forever: the log's writer stopped"
+    assert isinstance(staged.done.exception(), OSError)

@@ -1,13 +1,14 @@
 """The simulated multi-server tier (``onceflow sim --cluster``, tools/onceflow_tools/sim/cluster.py):
 its database answers the PostgreSQL store as a real PostgreSQL does (a differential test), a bounded
-batch of cluster seeds finds no anomaly and replays exactly, and with each fixed hole of issue 30 put
-back (sim/mutations.py) a seed finds it: the worlds and checks are strong enough to trust when they
-find nothing."""
+batch of cluster seeds finds no anomaly and replays exactly, every seed that found a hole in onceflow
+runs clean, and with each fixed hole of issue 30 put back (sim/mutations.py) a seed finds it: the
+worlds and checks are strong enough to trust when they find nothing."""
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 import random
 import subprocess
 import sys
@@ -192,6 +193,38 @@ def test_a_batch_of_cluster_seeds_finds_nothing_and_replays_exactly() -> None:
     assert not bad
     assert sum(r.stats["leaderships"] for r in results) > len(results)  # leaders did change hands
     assert run_cluster_seed(3).fingerprint == results[3].fingerprint
+
+
+# Seeds that found a hole in onceflow on the code before its fix (docs/reliability.md, "What it found
+# in onceflow"), with this simulator; each must run clean now. what it found: seed.
+REGRESSION_SEEDS = {
+    "an append staged just before its stream's delete was never answered (stuck)": 115179,
+}
+
+
+def test_every_regression_seed_runs_clean() -> None:
+    """In a fresh interpreter with a fixed string hash seed, as ``onceflow sim`` runs them: a seed
+    replays exactly only where set iteration cannot vary."""
+    code = (
+        "import json, sys\n"
+        "from onceflow_tools.sim.cluster import run_cluster_seed\n"
+        "out = []\n"
+        "for s in json.loads(sys.argv[1]):\n"
+        "    r = run_cluster_seed(s)\n"
+        "    out.append({'seed': s, 'anomalies': [f'{a.kind} [{a.stream}] {a.detail[:300]}' for a in r.check.anomalies[:8]]})\n"
+        "print(json.dumps(out))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(list(REGRESSION_SEEDS.values()))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        check=True,
+    )
+    holes = {seed: hole for hole, seed in REGRESSION_SEEDS.items()}
+    bad = [r for r in json.loads(done.stdout) if r["anomalies"]]
+    assert not bad, "\n\n".join(f"seed {r['seed']} ({holes[r['seed']]}):\n" + "\n".join(r["anomalies"]) for r in bad)
 
 
 # Seeds that find each hole of issue 30 when it is put back (sim/mutations.py), and run clean on

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import errno
 import json
 import logging
 import time
@@ -902,12 +903,16 @@ class StreamLog:
         try:
             while self._group is not None:
                 group, self._group = self._group, None
+                if self._released(group):
+                    continue
                 seg = self._segments[-1]
                 # Between groups the durable state is still, so rolls and snapshots see it whole.
                 op = "roll"
                 try:
                     if seg.size >= self.segment_bytes and seg.base != self.durable.end:
                         await loop.run_in_executor(self._executor, self._roll)
+                        if self._released(group):
+                            continue
                         seg = self._segments[-1]
                     elif self.durable.end.pos - self._snapshot_pos >= self.snapshot_bytes:
                         op = "snapshot"
@@ -952,6 +957,16 @@ class StreamLog:
         for fn in list(self._listeners):
             fn()
 
+    def _released(self, group: _Group) -> bool:
+        """Whether :meth:`close_files` released the files after ``group`` was staged (its stream
+        was deleted meanwhile). The group then fails as after a failed write: nothing will write it,
+        and its appends would otherwise wait for an answer for ever."""
+        if self._segments:
+            return False
+        gone = OSError(errno.ENOENT, "the stream was deleted before the append was written", str(self.directory))
+        self._rollback(group, gone)
+        return True
+
     def _rollback(self, group: _Group, exc: OSError) -> None:
         """A write or sync failed: forget everything not durable and fail its waiters."""
         log.error("append to %s failed, rolling back %d pending batch(es): %s", self.directory, len(group.waiters), exc)
@@ -961,10 +976,11 @@ class StreamLog:
             self._group = None
         self.pending = self.durable
         self._overlay.clear()
-        seg = self._segments[-1]
-        with contextlib.suppress(OSError):
-            seg.file.truncate(self.durable.end.pos - seg.base.pos)
-            seg.size = self.durable.end.pos - seg.base.pos
+        if self._segments:  # There are none once close_files released them, and nothing to cut back.
+            seg = self._segments[-1]
+            with contextlib.suppress(OSError):
+                seg.file.truncate(self.durable.end.pos - seg.base.pos)
+                seg.size = self.durable.end.pos - seg.base.pos
         for g in failed:
             for fut in g.waiters:
                 if not fut.done():
