@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import json
 import random
 import re
@@ -23,6 +24,7 @@ from helpers.servers import ServerProcess
 from onceflow.core.broker import Broker
 from onceflow.core.subscriptions import glob_match
 from onceflow.server.app import App, AppConfig
+from onceflow.storage.fs import OsFileSystem
 from onceflow_tools.sim.disk import SimDisk
 
 pytestmark = pytest.mark.anyio
@@ -870,6 +872,61 @@ async def test_state_lives_on_the_brokers_file_system(tmp_path: Path) -> None:
     finally:
         await stop(broker, app, c)
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_store_that_cannot_read_the_subscriptions_yet_never_turns_an_answer_into_a_500(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the cluster simulator (seed 116471): an app whose subscriptions were not started
+    (left to its first requests: no lifespan, or the start it schedules failed) read them after a
+    stream change had been stored and its answer decided, and when the store failed that read the
+    stored append was answered 500; so was a subscription request. Now the change keeps its answer,
+    a subscription request is a 503, and once the store reads them the changes made meanwhile count:
+    the pattern links the stream created then, and the subscription wakes for it."""
+    data = tmp_path / "data"
+
+    async def serve() -> tuple[Broker, App, httpx.AsyncClient]:
+        broker = Broker(data)
+        broker.open()
+        app = App(broker, AppConfig(long_poll_timeout=0.3))
+        return broker, app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+
+    async def stop(broker: Broker, app: App, c: httpx.AsyncClient) -> None:
+        await c.aclose()
+        await app.subscriptions.close()
+        await broker.close()
+
+    broker, app, c = await serve()
+    await pull_sub(c, "p")  # events/* wakes into wake/pool
+    await stop(broker, app, c)
+
+    failing = True
+    listdir = OsFileSystem.listdir
+
+    def flaky(fs: OsFileSystem, path: Path) -> list[str]:
+        if failing and path.name == "subs":
+            raise OSError(errno.EIO, "Input/output error")
+        return listdir(fs, path)
+
+    monkeypatch.setattr(OsFileSystem, "listdir", flaky)
+    broker, app, c = await serve()
+    try:
+        r = await c.put(f"{ROOT}/events/a", headers=JSON, content=b'{"n":1}')
+        assert r.status_code == 201, r.text
+        r = await c.post(f"{ROOT}/events/a", headers=JSON, content=b'{"n":2}')
+        assert r.status_code == 204, r.text
+        assert (await c.get(f"{ROOT}/events/a", params={"offset": "-1"})).json() == [{"n": 1}, {"n": 2}]
+        r = await c.get(f"{SUBS}/p")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "UNAVAILABLE", r.text
+        failing = False
+        r = await c.get(f"{SUBS}/p")
+        assert r.status_code == 200, r.text
+        assert stream_info(r.json(), "events/a")["acked_offset"] == "-1"  # linked from its start
+        await wait_for(lambda: _has_events(c, "wake/pool", "p", 1))
+        (event,) = await wake_events(c, "wake/pool", "p")
+        assert event["type"] == "wake" and event["stream"] == "events/a"
+    finally:
+        await stop(broker, app, c)
 
 
 async def test_key_files_are_owner_only(tmp_path: Path) -> None:

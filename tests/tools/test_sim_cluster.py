@@ -199,6 +199,7 @@ def test_a_batch_of_cluster_seeds_finds_nothing_and_replays_exactly() -> None:
 # in onceflow"), with this simulator; each must run clean now. what it found: seed.
 REGRESSION_SEEDS = {
     "an append staged just before its stream's delete was never answered (stuck)": 115179,
+    "a stored append answered 500: the subscriptions' start, tried again after it, failed (server-error)": 116471,
 }
 
 

@@ -662,6 +662,7 @@ class Subscriptions:
         self._started = False
         self._closing = False
         self._loaded: list[Subscription] | None = None  # read from disk (load), for start
+        self._changed_before_start: set[str] = set()  # Streams changed before start could read the state.
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -705,6 +706,21 @@ class Subscriptions:
             for link in list(sub.links.values()):
                 self._refresh(sub, link)
             self._resume(sub)
+        changed, self._changed_before_start = self._changed_before_start, set()
+        for name in sorted(changed):
+            self._process(name)
+
+    def try_start(self) -> bool:
+        """:meth:`start`, for a caller that cannot answer with its failure (a stream change, whose
+        request has its answer; the start an app schedules when it is made): False, logged, when
+        the store could not read the subscriptions. The next stream change or subscription request
+        tries again."""
+        try:
+            self.start()
+        except OSError as exc:
+            log.warning("the subscriptions could not be read yet (the next change or request tries again): %s", exc)
+            return False
+        return True
 
     def _resume(self, sub: Subscription) -> None:
         if sub.config.wake_stream is not None:
@@ -1064,9 +1080,13 @@ class Subscriptions:
         return out
 
     def stream_changed(self, name: str) -> None:
-        """A stream was created, appended to, closed or deleted (called after such a request)."""
+        """A stream was created, appended to, closed or deleted (called after such a request, whose
+        answer is decided: nothing here may change it). Before the subscriptions are started, the
+        change waits for the start (:meth:`try_start`), which processes it."""
         if not self._started:
-            self.start()
+            self._changed_before_start.add(name)
+            self.try_start()
+            return
         self._process(name)
 
     def _on_durable(self, name: str) -> None:

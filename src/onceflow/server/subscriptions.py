@@ -93,7 +93,7 @@ class SubscriptionAPI:
         except RuntimeError:
             pass  # started by the first request or stream change instead
         else:
-            loop.call_soon(self.manager.start)
+            loop.call_soon(self.manager.try_start)
 
     def load(self) -> None:
         """Read the subscriptions on disk (blocking: for a worker thread); :meth:`start` does it otherwise."""
@@ -116,8 +116,14 @@ class SubscriptionAPI:
 
     async def handle(self, scope: Scope, headers: dict[str, str], receive: Receive) -> Response:
         """Answer a request whose path is ``/v1/stream/__ds`` or below it."""
-        self.manager.start()
         method: str = scope["method"]
+        try:
+            self.manager.start()
+        except OSError as exc:
+            # The store could not read the subscriptions: a 503, never a 500, and the next request
+            # (or stream change) tries again.
+            refused = SubscriptionError(Refusal.SUBSCRIPTION_UNAVAILABLE, f"the subscriptions could not be read: {exc}")
+            return _error(refused)
         try:
             return await self._route(method, control_segments(scope), scope, headers, receive)
         except SubscriptionError as exc:

@@ -183,6 +183,10 @@ class ClusterNode(ServerNode):
             with contextlib.suppress(OSError):
                 fs.release(lease_token)
             return f"could not recover the store's streams ({exc})"
+        # Unlike serve_store, which reads the subscriptions before it leads and steps down if it
+        # cannot, this server leaves them to the app's own start: scheduled when the app is made,
+        # then tried again at each stream change and subscription request until the store reads
+        # them (the path of an app served without a lifespan start; seed 116471 found a 500 on it).
         app = App(broker, AppConfig(long_poll_timeout=self.long_poll_timeout, max_body_bytes=1 << 20))
         await broker.start()
         self.broker = broker
