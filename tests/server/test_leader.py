@@ -325,6 +325,43 @@ async def test_the_leader_refuses_a_seal_that_does_not_open() -> None:
     assert len(handled) == 1
 
 
+def never() -> object:
+    """A client that sends headers and no body byte, ever: whoever waits for the body waits forever."""
+
+    async def receive() -> dict[str, object]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    return receive
+
+
+@pytest.mark.anyio
+async def test_the_leader_tries_a_seal_before_it_reads_the_body() -> None:
+    """Issue 28, item 1: the leader read a sealed request's whole body (any size, not even bounded by
+    ``--max-body``, which the app checks later) before it tried the seal: anyone could make it hold
+    gigabytes by sending an ``Onceflow-Sealed`` header of any value. A seal that does not open, or
+    is for another lease, is answered before the body's first byte."""
+    seal = leader.Seal(bytes(32))
+    lease = leader.Lease(7, 10.0, leader._clock())
+
+    async def handler(scope: object, receive: object, send: object) -> None:
+        raise AssertionError("a seal that does not open reaches no handler")
+
+    app = leader.Leading(handler, handler, lease, seal)
+    sent: list[dict[str, object]] = []
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    for scope, answer in (
+        (sealed_scope(leader.Seal(bytes(31) + b"\x01"), b"[1]", 7), (400, "bad_seal")),
+        (sealed_scope(seal, b"[1]", 6), (503, "lease_changed")),
+    ):
+        sent.clear()
+        await asyncio.wait_for(app(scope, never(), send), 10.0)
+        assert error_of(sent) == answer
+
+
 @pytest.mark.anyio
 async def test_a_leader_whose_event_loop_is_blocked_for_terms_keeps_its_lease(pg: str) -> None:
     """Items 3 and 5: a retention sweep over thousands of streams, or catch-up reads, held the event

@@ -264,20 +264,14 @@ class Seal:
 
     async def open_request(self, scope: Any, receive: Any, token: int) -> tuple[Any, Any] | str | None:
         """The request with the headers sealed in it and its body as received; or why it does not
-        open; or None when it was sealed for another holder of the lease than ``token``'s."""
+        open; or None when it was sealed for another holder of the lease than ``token``'s.
+
+        Everything but the body's digest is checked before the body is read: anyone may send the
+        header, and a request whose seal does not open is refused without a byte of its body held.
+        Its nonce counts as opened from then on, so a copy sent while this body arrives is refused."""
         value = next(v for k, v in scope["headers"] if k == SEALED)
         path = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
         bound = self._bound(scope["method"], path, scope.get("query_string", b""))
-        messages = []
-        digest = hashlib.sha256()
-        while True:
-            msg = await receive()
-            messages.append(msg)
-            if msg["type"] != "http.request":
-                break
-            digest.update(msg.get("body", b""))
-            if not msg.get("more_body", False):
-                break
         why = "the request's onceflow-sealed header does not open with this store's secret"
         try:
             raw = base64.urlsafe_b64decode(value)
@@ -296,9 +290,19 @@ class Seal:
             self._opened.popitem(last=False)
         if abs(now - made) > self.WINDOW or raw[:12] in self._opened:
             return why + " any more: it was opened before, or made too long ago"
+        self._opened[raw[:12]] = now + 2 * self.WINDOW
+        messages = []
+        digest = hashlib.sha256()
+        while True:
+            msg = await receive()
+            messages.append(msg)
+            if msg["type"] != "http.request":
+                break
+            digest.update(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
         if body_digest != digest.hexdigest():
             return why + " with this body"
-        self._opened[raw[:12]] = now + 2 * self.WINDOW
         framing = [(k, v) for k, v in scope["headers"] if k in (b"content-length", b"transfer-encoding")]
         scope = {**scope, "headers": [*headers, *framing, (FORWARDED, b"1")]}
         replay = iter(messages)
