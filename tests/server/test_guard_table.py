@@ -21,7 +21,7 @@ import pytest
 
 from onceflow.core.broker import Broker
 from onceflow.server.app import App, AppConfig
-from onceflow.server.guard import ENDPOINTS, Guard, GuardConfig, scope_table
+from onceflow.server.guard import ENDPOINTS, Guard, GuardConfig, refused_before_body, scope_table
 
 pytestmark = pytest.mark.anyio
 S = "/v1/stream/"
@@ -609,6 +609,47 @@ async def test_every_name_a_request_carries_is_checked(world: World, case: Case,
     assert await snapshot(world) == before
     r = await send(world, "admin", request)
     assert refused_by_guard(r) is None and r.status_code < 500, (label, r.status_code, r.text)
+
+
+PASSED_ON = 299  # the answer of a stand-in for a follower's forward: the early check let the request through
+EVERY_REQUEST = [(c, label) for c in CASES for label in ("", *c.outside)]
+
+
+@pytest.mark.parametrize(
+    ("case", "label"), EVERY_REQUEST, ids=[f"{c.endpoint}-{label or 'pub'}" for c, label in EVERY_REQUEST]
+)
+async def test_a_follower_refuses_before_the_body_what_the_guard_refuses_and_so(
+    world: World, case: Case, label: str
+) -> None:
+    """Issue 28, item 1: a follower (server/leader.py) refuses what it can tell from a request's path
+    and headers before it reads the body (:func:`refused_before_body`), with the leader's guard's
+    own answer, word for word; and for an endpoint whose names are all in its path and headers (an
+    append, a read) it refuses everything the guard refuses, so that no such body is ever held for a
+    request the leader would refuse. Except a wake token's: which subscription it was issued for
+    only the leader knows (a follower refuses only a missing one)."""
+    config = GuardConfig.from_json({"tokens": GRANTS})
+
+    async def follower(scope: Any, receive: Any, send: Any) -> None:
+        if not await refused_before_body(config, scope, send):
+            await send({"type": "http.response.start", "status": PASSED_ON, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+    request = case.outside[label](world) if label else case.build(world)
+    endpoint = next(e for e in ENDPOINTS if e.key == case.endpoint)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=follower), base_url="http://t") as early:
+        for who in WHO if not label else ["pub-all"]:
+            refused = await send(World(world.broker, world.app, world.raw, early, world.facts), who, request)
+            expected = 403 if label else expected_refusal(case.needs, who)
+            if refused.status_code == PASSED_ON:
+                early_enough = endpoint.body == "none" and endpoint.auth != "wake_token"
+                assert not early_enough or expected is None, (case.endpoint, label, who)
+                continue
+            by_guard = await send(world, who, request)  # refused: nothing changes
+            assert (refused.status_code, refused.headers.raw, refused.content) == (
+                by_guard.status_code,
+                by_guard.headers.raw,
+                by_guard.content,
+            ), (case.endpoint, label, who)
 
 
 async def test_a_wake_token_opens_only_its_own_subscription(world: World) -> None:

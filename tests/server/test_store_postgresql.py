@@ -305,7 +305,11 @@ class Rogue:
 
 def guarded_pair(pg: str, tmp_path: Path) -> tuple[ServerProcess, ServerProcess]:
     cfg = tmp_path / "guard.json"
-    cfg.write_text(json.dumps({"tokens": {"s3cret-ingest": [{"prefix": "", "scopes": ["read", "write"]}]}}))
+    tokens = {
+        "s3cret-ingest": [{"prefix": "", "scopes": ["read", "write"]}],
+        "s3cret-report": [{"prefix": "", "scopes": ["read"]}],
+    }
+    cfg.write_text(json.dumps({"tokens": tokens}))
     store = pg_url(pg)
     return tuple(  # type: ignore[return-value]
         ServerProcess(tmp_path / f"unused{i}", "--store", store, "--lease-seconds", "2", "--guard", str(cfg))
@@ -360,6 +364,58 @@ def test_credentials_reach_the_leader_through_a_follower(pg: str, tmp_path: Path
         assert again.status_code == 204 and again.headers["producer-seq"] == "0"
         read = httpx.get(stream, params={"offset": "-1"}, headers=good)
         assert read.status_code == 200 and read.json() == [1, 2]
+    finally:
+        for s in servers:
+            s.kill()
+
+
+def answer_to_head(server: ServerProcess, head: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+    """``server``'s answer (status, headers, body as sent) to a request of which only ``head`` (the
+    request line and headers) is ever sent: an answer that waits for the body does not come (a
+    timeout). One that comes closes the connection (the body was not read)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(head)
+        answer = b""
+        while more := s.recv(65536):
+            answer += more
+    top, _, body = answer.partition(b"\r\n\r\n")
+    lines = top.split(b"\r\n")
+    return int(lines[0].split()[1]), dict(line.lower().split(b": ", 1) for line in lines[1:]), body
+
+
+def test_a_guarded_follower_refuses_a_request_before_it_reads_the_body(pg: str, tmp_path: Path) -> None:
+    """Issue 28, item 1: six anonymous POSTs of 48 MiB to a follower grew it by ~580 MiB, for it read
+    each body into memory (and copied it) before passing the request on, to be refused by the
+    leader's guard. The follower answers what it can tell from the request's headers as the leader
+    does: a missing or unknown token (401) and a token without the scope for the names in the path
+    and headers (403), with the leader's own answer, before the body's first byte is sent.
+
+    Its leader (issue 28, item 1 too): a request with an ``Onceflow-Sealed`` header was read whole
+    before the seal was tried; one that does not open is now refused before its body."""
+    servers = guarded_pair(pg, tmp_path)
+    try:
+        for s in servers:
+            s.start()
+        leader = wait_for_leader(*servers)
+        follower = servers[1] if leader is servers[0] else servers[0]
+        big = b"content-type: application/octet-stream\r\ncontent-length: %d\r\n" % (48 << 20)
+        ingest = {"Authorization": "Bearer s3cret-ingest"}
+        assert httpx.put(f"{leader.url}/v1/stream/orders", headers={**JSON, **ingest}).status_code == 201
+        for who, status in (
+            (b"", 401),
+            (b"authorization: Bearer wrong\r\n", 401),
+            (b"authorization: Bearer s3cret-report\r\n", 403),  # read only: may not append
+        ):
+            head = b"POST /v1/stream/orders HTTP/1.1\r\nhost: x\r\n" + who + big + b"\r\n"
+            by_leader = answer_to_head(leader, head)
+            assert by_leader[0] == status
+            by_follower = answer_to_head(follower, head)
+            assert by_follower == by_leader, who
+        bogus = b"onceflow-sealed: AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA\r\n"
+        status, _, body = answer_to_head(
+            leader, b"POST /v1/stream/orders HTTP/1.1\r\nhost: x\r\n" + bogus + big + b"\r\n"
+        )
+        assert status == 400 and b'"bad_seal"' in body
     finally:
         for s in servers:
             s.kill()

@@ -47,6 +47,10 @@ How a request passes (:meth:`Guard.__call__`)
        the check read (an existing subscription's configuration), nothing else runs: the body is
        replayed from memory, so the app reaches that state without waiting on the client (a body
        trickling in while another tenant creates the subscription cannot claim it).
+
+A server that passes requests on to the one holding the store's state (a follower on PostgreSQL,
+server/leader.py) checks what it can of them first, before it reads a body:
+:func:`refused_before_body`.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ __all__ = [
     "GuardConfigError",
     "Names",
     "SCOPES",
+    "refused_before_body",
     "scope_table",
 ]
 
@@ -711,15 +716,7 @@ class Guard:
         method: str = scope["method"]
         raw: bytes | None = None
         try:
-            # Step 1: the request as the app will read it; Step 2: its endpoint
-            try:
-                path = request_path(scope)
-                headers = request_headers(scope)
-                endpoint, name, extra = route(method, path, scope)
-            except BadRequest as exc:
-                raise _Refused(exc.status, "bad_request", str(exc)) from None
-            except SubscriptionError as exc:
-                raise _Refused(answer_for(exc.refusal).status, "bad_request", str(exc)) from None
+            headers, endpoint, name, extra = _routed(scope)  # Steps 1 and 2
             grants = self._authenticate(headers, endpoint, name)
             body: Any = None
             if endpoint.body != "none" and (grants is not None or self._limit_reads_body(endpoint)):
@@ -745,29 +742,9 @@ class Guard:
                 self.live_reads -= 1
 
     def _authenticate(self, headers: Mapping[str, str], endpoint: Endpoint, name: str) -> tuple[Grant, ...] | None:
-        """The grants names are checked against, or None when no name is checked (no tokens
-        configured, or an endpoint for anyone or for a wake token). Raises :class:`_Refused`."""
-        if self.config.tokens is None or endpoint.auth == "anyone":
-            return None
-        kind, _, token = headers.get("authorization", "").partition(" ")
-        token = token.strip() if kind.lower() == "bearer" else ""
-        if endpoint.auth == "wake_token":
-            # the protocol's Authorization: Bearer <claim or callback token>, issued for this subscription
-            if token and self.app.subscriptions.manager.token_subscription(token) == name:
-                return None
-            raise _Refused(
-                401,
-                "unauthorized",
-                "callback, ack and release take the wake's own token: "
-                "Authorization: Bearer <claim or callback token> of this subscription",
-                _INVALID_TOKEN,
-            )
-        if not token:
-            raise _Refused(401, "unauthorized", "this server needs Authorization: Bearer <token>", _NO_TOKEN)
-        grants = self.config.tokens.get(token)
-        if grants is None:
-            raise _Refused(401, "unauthorized", "unknown token", _INVALID_TOKEN)
-        return grants
+        return _authenticate(
+            self.config.tokens, headers, endpoint, name, self.app.subscriptions.manager.token_subscription
+        )
 
     def _body_limit(self, endpoint: Endpoint) -> int:
         return CONTROL_MAX_BODY if endpoint.key.startswith("subs.") else self.app.config.max_body_bytes
@@ -839,6 +816,81 @@ class Guard:
             subs = self.app.subscriptions.manager.subs
             if name not in subs and len(subs) >= c.max_subscriptions:
                 raise _Refused(429, "limit_exceeded", f"too many subscriptions (limit {c.max_subscriptions})", _RETRY)
+
+
+async def refused_before_body(config: GuardConfig, scope: ASGIScope, send: Send) -> bool:
+    """Whether ``config`` refuses the request for what its path and headers say, answered here so
+    (True) exactly as the guard in front of the app answers it; False when only the guard of the
+    server that holds the store's state can tell (the request must go there).
+
+    For a server that passes requests on to another (a follower, server/leader.py), and would
+    otherwise read the body to do so: these refusals come before the guard reads any body, so they
+    never depend on it. Checked: Steps 1 and 2 (a ``400``), the token (``401`` when missing or
+    unknown; a wake token only when missing, for which subscription it was issued is the other
+    server's to know), and, for an endpoint whose names are all in its path and headers (an append,
+    a read, a create: ``Endpoint.body == "none"``), every name (``403``). Not checked: names in a
+    body or held by a subscription, and the limits, which need the store's state."""
+    if scope["type"] != "http" or scope["method"] == "OPTIONS":
+        return False
+    method: str = scope["method"]
+    try:
+        headers, endpoint, name, extra = _routed(scope)
+        grants = _authenticate(config.tokens, headers, endpoint, name, None)
+        if grants is not None and endpoint.body == "none":
+            _authorise(grants, endpoint, Request(method, name, headers, scope, extra=extra))
+    except _Refused as refused:
+        await _answer(send, refused.status, refused.code, str(refused), refused.headers, head=method == "HEAD")
+        return True
+    return False
+
+
+def _routed(scope: ASGIScope) -> tuple[Mapping[str, str], Endpoint, str, str]:
+    """Step 1, the request as the app will read it (its headers), and Step 2, its endpoint, with the
+    name and the extra path part of :func:`route`. Raises :class:`_Refused` (a ``400``)."""
+    try:
+        path = request_path(scope)
+        headers = request_headers(scope)
+        endpoint, name, extra = route(scope["method"], path, scope)
+    except BadRequest as exc:
+        raise _Refused(exc.status, "bad_request", str(exc)) from None
+    except SubscriptionError as exc:
+        raise _Refused(answer_for(exc.refusal).status, "bad_request", str(exc)) from None
+    return headers, endpoint, name, extra
+
+
+def _authenticate(
+    tokens: Mapping[str, tuple[Grant, ...]] | None,
+    headers: Mapping[str, str],
+    endpoint: Endpoint,
+    name: str,
+    wake_owner: Callable[[str], str | None] | None,
+) -> tuple[Grant, ...] | None:
+    """The grants names are checked against, or None when no name is checked (no tokens
+    configured, or an endpoint for anyone or for a wake token). Raises :class:`_Refused`.
+
+    ``wake_owner`` tells the subscription a wake token was issued for; None where that cannot be
+    known (a follower holds no subscription): a wake token is then refused only when missing."""
+    if tokens is None or endpoint.auth == "anyone":
+        return None
+    kind, _, token = headers.get("authorization", "").partition(" ")
+    token = token.strip() if kind.lower() == "bearer" else ""
+    if endpoint.auth == "wake_token":
+        # the protocol's Authorization: Bearer <claim or callback token>, issued for this subscription
+        if token and (wake_owner is None or wake_owner(token) == name):
+            return None
+        raise _Refused(
+            401,
+            "unauthorized",
+            "callback, ack and release take the wake's own token: "
+            "Authorization: Bearer <claim or callback token> of this subscription",
+            _INVALID_TOKEN,
+        )
+    if not token:
+        raise _Refused(401, "unauthorized", "this server needs Authorization: Bearer <token>", _NO_TOKEN)
+    grants = tokens.get(token)
+    if grants is None:
+        raise _Refused(401, "unauthorized", "unknown token", _INVALID_TOKEN)
+    return grants
 
 
 class _Refused(Exception):

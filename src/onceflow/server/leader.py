@@ -59,6 +59,7 @@ from ..core.broker import Broker
 from ..storage.fs import FileSystem
 from ..storage.pgfs import PgFileSystem
 from .app import AnswerWithdrawn, App
+from .guard import GuardConfig, refused_before_body
 from .http import HttpLimits, HttpServerProtocol, start_server
 from .instrument import Instrumented
 from .run import shut_down
@@ -324,6 +325,12 @@ class NotLeader:
     ``leader_unreachable``, whose outcome is unknown to the client, as a timeout's is (producers retry
     it and are deduplicated).
 
+    With a guard (``guard``, the leader's own configuration) it refuses what the leader's guard
+    would refuse for the request's path and headers alone (a missing or unknown token, a token
+    without the scope for the names there), with the leader's own answer, before it reads a byte of
+    the body (:func:`~onceflow.server.guard.refused_before_body`): an anonymous client cannot make
+    it hold a body, as it cannot the leader.
+
     In time: a leader that is frozen (SIGSTOP, a paused VM) still accepts connections (its kernel
     does), so a forward waits for its answer at most a term (``lease_seconds``: by then another
     server may lead), between any two bytes of it; a long-poll or SSE read waits ``long_poll_timeout``
@@ -339,8 +346,10 @@ class NotLeader:
         max_body: int,
         long_poll_timeout: float = 20.0,
         seal: Seal | None = None,
+        guard: GuardConfig | None = None,
     ) -> None:
         self.seal = seal
+        self._guard = guard
         self._fs = fs
         self._lease_seconds = lease_seconds
         self._long_poll_timeout = long_poll_timeout
@@ -377,6 +386,8 @@ class NotLeader:
         leader = await self.leader_url()
         forwarded = any(k == FORWARDED for k, _ in scope["headers"])
         if self._forward and leader and leader != self._me and not forwarded:
+            if self._guard is not None and await refused_before_body(self._guard, scope, send):
+                return
             await self._pass_on(leader, scope, receive, send)
             return
         await self._not_leader(leader, send)
@@ -676,10 +687,12 @@ async def serve_store(
     max_body: int = 64 << 20,
     long_poll_timeout: float = 20.0,
     store_timeouts: tuple[float, float] = (2.0, 5.0),
+    guard: GuardConfig | None = None,
 ) -> None:
     """Serve the streams of the PostgreSQL database ``store`` (module docstring) until ``stop``.
     ``store_timeouts``: how long the event loop waits for one read and one write of the store
-    (``PgFileSystem.read_timeout`` and ``write_timeout``)."""
+    (``PgFileSystem.read_timeout`` and ``write_timeout``). ``guard``: the configuration of the guard
+    that ``build`` puts in front of the app, for the checks a follower makes itself (:class:`NotLeader`)."""
     if not 1.0 <= lease_seconds <= 300.0:  # followers wait the leader's term: never one without end
         raise ValueError("the lease's term must be 1 to 300 s")
     opened = await _reach_store(store, lease_seconds, stop, store_timeouts)
@@ -694,7 +707,14 @@ async def serve_store(
     me = advertise or f"http://{host}:{bound}"
     seal = Seal(secret)
     follower = NotLeader(
-        fs, lease_seconds, me=me, forward=forward, max_body=max_body, long_poll_timeout=long_poll_timeout, seal=seal
+        fs,
+        lease_seconds,
+        me=me,
+        forward=forward,
+        max_body=max_body,
+        long_poll_timeout=long_poll_timeout,
+        seal=seal,
+        guard=guard,
     )
     switch.target, switch.me, switch.leader = follower, me, follower.leader_url
     holder = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"

@@ -120,6 +120,7 @@ async def serve(
             max_body=max_body_bytes,
             long_poll_timeout=long_poll_timeout,
             store_timeouts=store_timeouts,
+            guard=guard,
         )
         return
     broker = make_broker(OsFileSystem(max_open_files), data)
