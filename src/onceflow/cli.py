@@ -99,6 +99,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.forward_buffer is not None and args.forward_buffer < args.max_body:
+        print(
+            f"onceflow serve: --forward-buffer {args.forward_buffer} is less than --max-body {args.max_body}: "
+            "a follower could not pass the largest body on",
+            file=sys.stderr,
+        )
+        return 2
     if args.store is not None:
         if not args.store.startswith(("postgresql://", "postgres://")) and "=" not in args.store:
             print(
@@ -143,6 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 advertise=args.advertise,
                 lease_seconds=args.lease_seconds,
                 forward=not args.no_forward,
+                forward_buffer=args.forward_buffer,
                 store_timeouts=(args.store_read_timeout, args.store_write_timeout),
             )
         )
@@ -215,6 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --store: a server that does not lead answers 503 not_leader (naming the leader) instead "
         "of passing requests on to the leader",
+    )
+    s.add_argument(
+        "--forward-buffer",
+        type=_positive_size,
+        default=None,
+        metavar="BYTES",
+        help="with --store: request body bytes a follower holds at once to pass on to the leader, all requests "
+        "together, at least --max-body; a request waits up to 5 s for room, then gets 503 (default: --max-body)",
     )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument(

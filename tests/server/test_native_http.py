@@ -578,3 +578,5 @@ def test_serve_refuses_a_bad_limit(tmp_path: Path) -> None:
     from onceflow.cli import main
 
     assert main(["serve", "--data", str(tmp_path / "d"), "--header-timeout", "0"]) == 2
+    # a follower that could not pass the largest body on
+    assert main(["serve", "--data", str(tmp_path / "d"), "--max-body", "2MiB", "--forward-buffer", "1MiB"]) == 2

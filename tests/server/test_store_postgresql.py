@@ -271,6 +271,45 @@ def test_a_follower_answers_an_asterisk_form_target_as_the_leader_does(
         assert (b'"not_found"' in passed_on[1]) == (b'"not_found"' in body)  # the body chunked through the follower
 
 
+def test_a_follower_that_holds_its_budget_of_bodies_answers_503_to_the_next_until_one_ends(
+    pg: str, tmp_path: Path
+) -> None:
+    """Issue 28, item 1: the bodies a follower holds to pass on share one budget, by default
+    ``--max-body``. A client that declared a body and sends it slowly holds its room meanwhile; a
+    body that finds no room within 5 s is answered ``503 forward_buffer_full`` (``Retry-After``),
+    nothing passed on; once the first body has come and gone on, the next finds room."""
+    store = pg_url(pg)
+    servers = [ServerProcess(tmp_path / f"unused{i}", "--store", store, "--max-body", "1KiB") for i in range(2)]
+    try:
+        for s in servers:
+            s.start()
+        leader = wait_for_leader(*servers)
+        follower = servers[1] if leader is servers[0] else servers[0]
+        assert httpx.put(f"{leader.url}/v1/stream/orders", headers={"content-type": "text/plain"}).status_code == 201
+        with socket.create_connection(("127.0.0.1", follower.port), timeout=30) as slow:
+            slow.sendall(
+                b"POST /v1/stream/orders HTTP/1.1\r\nhost: x\r\ncontent-type: text/plain\r\n"
+                b"content-length: 1000\r\n\r\n" + b"a" * 10
+            )
+            time.sleep(0.5)  # the follower took room for its 1000 bytes
+            r = httpx.post(
+                f"{follower.url}/v1/stream/orders", content=b"b" * 1000, headers={"content-type": "text/plain"}
+            )
+            assert (r.status_code, r.json()["error"]["code"], r.headers["retry-after"]) == (
+                503,
+                "forward_buffer_full",
+                "1",
+            )
+            slow.sendall(b"a" * 990)
+            assert slow.recv(4096).startswith(b"HTTP/1.1 204 ")
+        r = httpx.post(f"{follower.url}/v1/stream/orders", content=b"b" * 1000, headers={"content-type": "text/plain"})
+        assert r.status_code == 204
+        assert httpx.get(f"{leader.url}/v1/stream/orders", params={"offset": "-1"}).content == b"a" * 1000 + b"b" * 1000
+    finally:
+        for s in servers:
+            s.kill()
+
+
 class Rogue:
     """A listener that is no onceflow server: it keeps what it is sent and answers 200."""
 

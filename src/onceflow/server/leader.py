@@ -44,8 +44,8 @@ import socket
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict, deque
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import unquote_to_bytes
@@ -67,6 +67,7 @@ from .run import shut_down
 __all__ = [
     "LEASE_LOST_EXIT",
     "ROOT",
+    "BodyBudget",
     "Lease",
     "Leading",
     "Renewals",
@@ -250,13 +251,14 @@ class Seal:
         return method.encode("latin-1") + b" " + unquote_to_bytes(path) + b"?" + unquote_to_bytes(query)
 
     def close(
-        self, method: str, path: bytes, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes, token: int
+        self, method: str, path: bytes, query: bytes, headers: list[tuple[bytes, bytes]], digest: str, token: int
     ) -> bytes:
-        """The header ``onceflow-sealed`` of a request to the leader holding the lease ``token``."""
+        """The header ``onceflow-sealed`` of a request to the leader holding the lease ``token``, whose
+        body's SHA-256 is ``digest`` (hex: computed as the body came, which is passed on as it came)."""
         sealed = {
             "t": time.time(),
             "token": token,
-            "body": hashlib.sha256(body).hexdigest(),
+            "body": digest,
             "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers],
         }
         nonce = secrets.token_bytes(12)
@@ -314,6 +316,108 @@ class Seal:
         return scope, received
 
 
+class BodyBudget:
+    """Request body bytes that one follower's forwards hold at once: at most ``total``.
+
+    A forward takes its room in one piece, before it reads its body (:meth:`NotLeader._take_body`),
+    and gives it back bit by bit as the body goes on to the leader, the rest when it ends, however
+    it ends. Taking in one piece, never more while holding some, is what keeps forwards from
+    waiting for each other's room for ever. Room that is not free is waited for in the order asked
+    (a large body is not overtaken for ever by smaller ones), at most ``wait`` seconds."""
+
+    def __init__(self, total: int) -> None:
+        if total < 1:
+            raise ValueError("a body budget must be at least 1 byte")
+        self.total = total
+        self.held = 0
+        self._queue: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def take(self, n: int, wait: float) -> bool:
+        """Hold ``n`` bytes more; False when they were not free within ``wait`` seconds (nothing is
+        held then). ``n`` must not be over ``total``."""
+        assert n <= self.total
+        if not self._queue and self.held + n <= self.total:
+            self.held += n
+            return True
+        entry = (n, asyncio.get_running_loop().create_future())
+        self._queue.append(entry)
+        try:
+            await asyncio.wait((entry[1],), timeout=wait)
+        except BaseException:
+            self._leave(entry)
+            raise
+        if entry[1].done():
+            return True
+        self._leave(entry)
+        return False
+
+    def give(self, n: int) -> None:
+        """``n`` bytes held are free again: the first in the queue take them when they fit."""
+        self.held -= n
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._queue and self.held + self._queue[0][0] <= self.total:
+            n, granted = self._queue.popleft()
+            self.held += n
+            granted.set_result(None)
+
+    def _leave(self, entry: tuple[int, asyncio.Future[None]]) -> None:
+        """A waiter gives up (its time ran out, or it was cancelled): room it was granted meanwhile
+        is given back; and those behind it may fit now."""
+        if entry[1].done():
+            self.give(entry[0])
+            return
+        self._queue.remove(entry)
+        entry[1].cancel()
+        self._grant()
+
+
+class _HeldBody:
+    """A body a follower holds to pass it on: the pieces as they came (neither joined nor copied),
+    their SHA-256 for the seal, and the room they hold in the :class:`BodyBudget`."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.pieces: deque[bytes] = deque()
+        self.size = 0
+        self.room = 0  # taken from the budget and not given back yet
+        self.digest = hashlib.sha256()
+
+    async def take(self, n: int, wait: float) -> bool:
+        if not await self.budget.take(n, wait):
+            return False
+        self.room += n
+        return True
+
+    def add(self, piece: bytes) -> None:
+        assert self.size + len(piece) <= self.room
+        self.pieces.append(piece)
+        self.size += len(piece)
+        self.digest.update(piece)
+
+    def trim(self) -> None:
+        """The body has all come: give back the room taken beyond its size."""
+        self._give(self.room - self.size)
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The pieces, each let go (and its room given back) once the HTTP client has written it."""
+        while self.pieces:
+            piece = self.pieces.popleft()
+            yield piece
+            self._give(min(len(piece), self.room))
+
+    def release(self) -> None:
+        """Give back all the room still held (idempotent): the forward ended, however it ended."""
+        self.pieces.clear()
+        self._give(self.room)
+
+    def _give(self, n: int) -> None:
+        if n > 0:
+            self.room -= n
+            self.budget.give(n)
+
+
 class NotLeader:
     """What a server that does not hold the lease does with a request: pass it on to the leader and
     its answer back (streamed: long-polls and SSE too), so that any server answers any request; or,
@@ -331,6 +435,11 @@ class NotLeader:
     the body (:func:`~onceflow.server.guard.refused_before_body`): an anonymous client cannot make
     it hold a body, as it cannot the leader.
 
+    Bounded: a body over ``max_body`` is a ``413`` (at once when its declared length says so), and
+    the bodies of all forwards at once hold at most ``forward_buffer`` bytes (:class:`BodyBudget`;
+    by default ``max_body``: one body of the largest size, or several smaller). A body is held, not
+    streamed through: the seal binds its digest, which must be known before the request is sent.
+
     In time: a leader that is frozen (SIGSTOP, a paused VM) still accepts connections (its kernel
     does), so a forward waits for its answer at most a term (``lease_seconds``: by then another
     server may lead), between any two bytes of it; a long-poll or SSE read waits ``long_poll_timeout``
@@ -347,9 +456,13 @@ class NotLeader:
         long_poll_timeout: float = 20.0,
         seal: Seal | None = None,
         guard: GuardConfig | None = None,
+        forward_buffer: int | None = None,
     ) -> None:
         self.seal = seal
         self._guard = guard
+        self.budget = BodyBudget(forward_buffer if forward_buffer is not None else max_body)
+        if self.budget.total < max_body:
+            raise ValueError("the forward buffer must hold a body of max_body bytes")
         self._fs = fs
         self._lease_seconds = lease_seconds
         self._long_poll_timeout = long_poll_timeout
@@ -400,18 +513,69 @@ class NotLeader:
         )
         await _not_leader(send, message, leader)
 
+    ROOM_WAIT = 5.0  # seconds a forward waits for room in the budget: less than a client's patience (10 s)
+
+    async def _take_body(self, scope: Any, receive: Any, send: Any) -> _HeldBody | None:
+        """The request's body, held within the budget; None when it was answered instead (``413``,
+        ``503 forward_buffer_full``) or the client went away.
+
+        Room is taken before the first byte is read: for the declared ``Content-Length``, or for
+        ``max_body`` when the body is chunked (its size is known once it has all come; the room
+        beyond is then given back). A forward that waits for room reads nothing meanwhile, and the
+        HTTP layer stops reading its connection once it holds ``--body-buffer`` of it."""
+        framing = {k: v for k, v in scope["headers"] if k in (b"content-length", b"transfer-encoding")}
+        declared = framing.get(b"content-length", b"0" if b"transfer-encoding" not in framing else None)
+        length = int(declared) if declared is not None and declared.isdigit() else None
+        if length is not None and length > self._max_body:
+            await self._too_large(send)
+            return None
+        body = _HeldBody(self.budget)
+        try:
+            room = self._max_body if length is None else length
+            if room and not await body.take(room, self.ROOM_WAIT):  # a request without a body never waits
+                await self._full(send)
+                return None
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    body.release()
+                    return None
+                piece = msg.get("body", b"")
+                if body.size + len(piece) > body.room:  # over max_body, or over what it declared
+                    body.release()
+                    await self._too_large(send)
+                    return None
+                if piece:
+                    body.add(piece)
+                if not msg.get("more_body", False):
+                    body.trim()
+                    return body
+        except BaseException:
+            body.release()
+            raise
+
+    async def _too_large(self, send: Any) -> None:
+        """The leader's own answer to a body over ``--max-body`` (server/app.py)."""
+        limit = self._max_body
+        await _error(send, 413, "payload_too_large", f"request body is larger than the server's limit of {limit} bytes")
+
+    async def _full(self, send: Any) -> None:
+        message = (
+            f"this server holds as many request bodies as it may ({self.budget.total} bytes, --forward-buffer) "
+            "to pass on to the leader; try again"
+        )
+        await _error(send, 503, "forward_buffer_full", message, ((b"retry-after", b"1"),))
+
     async def _pass_on(self, leader: str, scope: Any, receive: Any, send: Any) -> None:
-        body = bytearray()
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            if len(body) > self._max_body:
-                await _error(send, 413, "body_too_large", f"the request body is larger than {self._max_body} bytes")
-                return
-            if not msg.get("more_body", False):
-                break
+        body = await self._take_body(scope, receive, send)
+        if body is None:
+            return
+        try:
+            await self._send_on(leader, scope, body, send)
+        finally:
+            body.release()
+
+    async def _send_on(self, leader: str, scope: Any, body: _HeldBody, send: Any) -> None:
         if self._client is None:
             # a connection per request in flight (live reads hold theirs), bounded by the server's
             # own --max-connections, not by a pool
@@ -432,13 +596,15 @@ class NotLeader:
         headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
         if self.seal is not None:  # the leader at that address proves it is of this store by opening them
             query = scope.get("query_string", b"")
-            sealed = self.seal.close(scope["method"], path, query, headers, bytes(body), self._token)
+            sealed = self.seal.close(scope["method"], path, query, headers, body.digest.hexdigest(), self._token)
             headers = [(k, v) for k, v in headers if k in IN_CLEAR]
             headers.append((SEALED, sealed))
         headers.append((FORWARDED, b"1"))
-        request = self._client.build_request(
-            scope["method"], target, headers=headers, content=bytes(body), timeout=timeout
-        )
+        if body.size or any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"]):
+            # the pieces as they came, framed by their length, as the client's were or could have been
+            headers.append((b"content-length", str(body.size).encode()))
+        content = body.stream() if body.size else b""
+        request = self._client.build_request(scope["method"], target, headers=headers, content=content, timeout=timeout)
         try:
             response = await self._client.send(request, stream=True)
         except httpx.ConnectError:  # nothing reached the leader: as if this server had answered
@@ -688,11 +854,13 @@ async def serve_store(
     long_poll_timeout: float = 20.0,
     store_timeouts: tuple[float, float] = (2.0, 5.0),
     guard: GuardConfig | None = None,
+    forward_buffer: int | None = None,
 ) -> None:
     """Serve the streams of the PostgreSQL database ``store`` (module docstring) until ``stop``.
     ``store_timeouts``: how long the event loop waits for one read and one write of the store
     (``PgFileSystem.read_timeout`` and ``write_timeout``). ``guard``: the configuration of the guard
-    that ``build`` puts in front of the app, for the checks a follower makes itself (:class:`NotLeader`)."""
+    that ``build`` puts in front of the app, for the checks a follower makes itself (:class:`NotLeader`); ``forward_buffer``: the body bytes its forwards hold at once (:class:`BodyBudget`,
+    by default ``max_body``)."""
     if not 1.0 <= lease_seconds <= 300.0:  # followers wait the leader's term: never one without end
         raise ValueError("the lease's term must be 1 to 300 s")
     opened = await _reach_store(store, lease_seconds, stop, store_timeouts)
@@ -715,6 +883,7 @@ async def serve_store(
         long_poll_timeout=long_poll_timeout,
         seal=seal,
         guard=guard,
+        forward_buffer=forward_buffer,
     )
     switch.target, switch.me, switch.leader = follower, me, follower.leader_url
     holder = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"

@@ -54,6 +54,7 @@ async def serve(
     advertise: str | None = None,
     lease_seconds: float = 3.0,
     forward: bool = True,
+    forward_buffer: int | None = None,
     store_timeouts: tuple[float, float] = (2.0, 5.0),
 ) -> None:
     """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
@@ -61,7 +62,8 @@ async def serve(
     ``store``: a PostgreSQL URL instead of ``data``: the streams live in that database, and of the
     servers sharing it the one holding its lease serves (server/leader.py, docs/ha.md);
     ``advertise`` is this server's URL as the others tell clients, ``lease_seconds`` the lease's term;
-    ``forward``: a follower passes requests on to the leader (else it answers 503 ``not_leader``);
+    ``forward``: a follower passes requests on to the leader (else it answers 503 ``not_leader``),
+    holding at most ``forward_buffer`` body bytes at once to do so (by default ``max_body_bytes``);
     ``store_timeouts``: how long the event loop waits for one read and one write of the database.
 
     Shutdown: stop accepting, end live reads (long-poll / SSE), let in-flight appends become durable
@@ -121,6 +123,7 @@ async def serve(
             long_poll_timeout=long_poll_timeout,
             store_timeouts=store_timeouts,
             guard=guard,
+            forward_buffer=forward_buffer,
         )
         return
     broker = make_broker(OsFileSystem(max_open_files), data)
