@@ -202,6 +202,35 @@ async def test_http10_and_connection_close_are_honoured(live: Live) -> None:
         writer.close()
 
 
+async def test_an_http10_client_gets_no_chunked_answer(serve: Serve) -> None:
+    """Issue 28, item 8: a live SSE read from an HTTP/1.0 client was answered with
+    ``Transfer-Encoding: chunked``, which RFC 9112 (6.1) forbids to a 1.0 client: it takes the chunk
+    sizes for data. An answer of unknown length goes to it unframed, and the connection's close
+    ends it (6.3). An answer of known length keeps the 1.0 connection open when the client asked
+    for that (``Connection: keep-alive``), and says so."""
+    async with serve(long_poll=0.2, sse_max=1.0) as srv:
+        put = b"PUT /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nhi"
+        assert [r[0] for r in await exchange(srv.port, put)] == [201]
+        reader, writer = await srv.connect()
+        writer.write(b"GET /v1/stream/s?offset=-1&live=sse HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        assert b"transfer-encoding" not in head.lower() and b"content-length" not in head.lower()
+        assert b"\r\nconnection: close" in head.lower()
+        body = await asyncio.wait_for(reader.read(), WAIT)  # to the end: the server closes after sse_max
+        assert body.startswith(b"event: data\ndata:hi\n"), body[:100]
+        assert not body.endswith(b"0\r\n\r\n")
+        reader, writer = await srv.connect()
+        writer.write(b"GET /v1/stream/s?offset=-1 HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\n\r\n" * 2)
+        for _ in range(2):
+            r = await read_response(reader)
+            assert r is not None and (r.status, r.body, r.header("connection")) == (200, b"hi", "keep-alive")
+        writer.write(b"GET /v1/stream/s?offset=-1 HTTP/1.0\r\nHost: x\r\n\r\n")
+        r = await read_response(reader)
+        assert r is not None and (r.status, r.body, r.closes) == (200, b"hi", True)
+        assert await closed_within(reader) == b""
+
+
 async def test_sse_disconnect_releases_the_reader(live: Live) -> None:
     await exchange(
         live.port, b"PUT /v1/stream/s HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 1\r\n\r\na"

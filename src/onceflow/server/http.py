@@ -4,7 +4,10 @@ Why not uvicorn: with one message per request, per-request Python work in the HT
 limits a single stream's throughput (fsync is shared by group commit). This server does only what
 onceflow needs: keep-alive, pipelined requests answered in order, request bodies with Content-Length
 or chunked encoding, fixed-length and streamed (chunked) responses with write flow control, HEAD,
-and disconnect notification for live reads. The app is the same ASGI app that runs under uvicorn and
+and disconnect notification for live reads. To an HTTP/1.0 request a response of unknown length
+goes unframed and the connection's close ends it (RFC 9112 6.1, 6.3: a 1.0 client knows no chunked
+coding); one of known length keeps a 1.0 connection open only when the client asked for that
+(``Connection: keep-alive``), and says so. The app is the same ASGI app that runs under uvicorn and
 in the tests. Parsing is llhttp's (through httptools), as in uvicorn.
 
 Connection management (``HttpLimits``; docs/security.md, "HTTP layer"), all on by default:
@@ -44,7 +47,7 @@ import logging
 import sys
 import termios
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, cast
@@ -137,6 +140,34 @@ def _error_response(status: int, code: str, message: str) -> bytes:
     )
 
 
+def _response_head(
+    status: int, headers: Iterable[tuple[bytes, bytes]], *, body: bool, http10: bool, keep_alive: bool
+) -> tuple[bytes, bool, bool]:
+    """The status line and headers of a response, and how its body goes: (head, chunked, keep
+    alive). ``body``: a body follows (not a HEAD's, a 204's or a 304's). One of unknown length is
+    chunked; to an HTTP/1.0 client, which knows no chunked coding (RFC 9112 6.1), it goes unframed
+    and the connection's close ends it (6.3). A 1.0 client keeps the connection only when told."""
+    out = [_status_line(status)]
+    has_length = False
+    for pair in headers:
+        if pair[0] == b"content-length":
+            has_length = True
+        out.append(_header_line(pair))
+    chunked = False
+    if body and not has_length:
+        if http10:
+            keep_alive = False
+        else:
+            chunked = True
+            out.append(b"transfer-encoding: chunked\r\n")
+    if not keep_alive:
+        out.append(b"connection: close\r\n")
+    elif http10:
+        out.append(b"connection: keep-alive\r\n")
+    out.append(b"\r\n")
+    return b"".join(out), chunked, keep_alive
+
+
 class _Refuse(Exception):
     """Raised inside a parser callback to stop parsing and answer with ``status``."""
 
@@ -165,6 +196,7 @@ class _Request:
         "expect_continue",
         "headers",
         "headers_done",
+        "http10",
         "keep_alive",
         "mark_at",
         "mark_bytes",
@@ -179,11 +211,12 @@ class _Request:
         "waiter",
     )
 
-    method: bytes  # these five are set when the headers are complete
+    method: bytes  # these six are set when the headers are complete
     path: str
     raw_path: bytes
     query: bytes
     keep_alive: bool
+    http10: bool  # an HTTP/1.0 request: no chunked answer, no 100 Continue
 
     def __init__(self, now: float) -> None:
         self.headers: list[tuple[bytes, bytes]] = []
@@ -347,6 +380,7 @@ class HttpServerProtocol(asyncio.Protocol):
         self.head_raw = 0
         req.method = self.parser.get_method()
         req.keep_alive = self.parser.should_keep_alive()
+        req.http10 = self.parser.get_http_version() == "1.0"
         parsed = httptools.parse_url(self.url)
         req.raw_path = parsed.path
         req.query = parsed.query or b""
@@ -355,7 +389,7 @@ class HttpServerProtocol(asyncio.Protocol):
         except ValueError:
             req.path = parsed.path.decode("latin-1")
         for name, value in req.headers:
-            if name == b"expect" and value.lower() == b"100-continue" and self.parser.get_http_version() == "1.1":
+            if name == b"expect" and value.lower() == b"100-continue" and not req.http10:
                 req.expect_continue = True
         req.headers_done = True
         if self.busy:
@@ -557,7 +591,7 @@ class HttpServerProtocol(asyncio.Protocol):
         scope: dict[str, Any] = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
+            "http_version": "1.0" if req.http10 else "1.1",
             "method": method,
             "scheme": "http",
             "path": req.path,
@@ -614,19 +648,14 @@ class HttpServerProtocol(asyncio.Protocol):
                 self.responding = True
                 if not req.complete:
                     keep_alive = False  # answered before its body was read: the rest cannot be parsed as a request
-                out = [_status_line(status)]
-                has_length = False
-                for pair in message.get("headers", ()):
-                    if pair[0] == b"content-length":
-                        has_length = True
-                    out.append(_header_line(pair))
-                if not has_length and status not in (204, 304) and not head:
-                    chunked = True
-                    out.append(b"transfer-encoding: chunked\r\n")
-                if not keep_alive:
-                    out.append(b"connection: close\r\n")
-                out.append(b"\r\n")
-                transport.write(b"".join(out))
+                rendered, chunked, keep_alive = _response_head(
+                    status,
+                    message.get("headers", ()),
+                    body=status not in (204, 304) and not head,
+                    http10=req.http10,
+                    keep_alive=keep_alive,
+                )
+                transport.write(rendered)
                 return
             data = message.get("body", b"")
             more = message.get("more_body", False)
