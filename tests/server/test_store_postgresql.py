@@ -271,6 +271,45 @@ def test_a_follower_answers_an_asterisk_form_target_as_the_leader_does(
         assert (b'"not_found"' in passed_on[1]) == (b'"not_found"' in body)  # the body chunked through the follower
 
 
+def test_an_http10_client_gets_no_chunked_answer_through_a_follower(pair: tuple[ServerProcess, ServerProcess]) -> None:
+    """Issue 28, item 8: the follower dropped the leader's ``Content-Length`` (as hop-by-hop), so every
+    answer it passed on went out chunked, to an HTTP/1.0 client too (RFC 9112 6.1 forbids it). It
+    passes the leader's length on with the leader's body, as it came; an answer without one (a
+    live read) goes to a 1.0 client unframed and ends with the connection."""
+    leader = wait_for_leader(*pair)
+    follower = pair[1] if leader is pair[0] else pair[0]
+    assert httpx.put(f"{leader.url}/v1/stream/orders", headers=JSON).status_code == 201
+    assert httpx.post(f"{leader.url}/v1/stream/orders", content=b"[1, 2]", headers=JSON).status_code == 204
+    read = b"GET /v1/stream/orders?offset=-1 HTTP/1.0\r\nhost: x\r\n\r\n"
+    by_leader, by_follower = (raw_head_and_body(s, read) for s in (leader, follower))
+    assert by_follower[0].startswith(b"http/1.1 200 ") and by_follower[1] == by_leader[1] == b"[1,2]"
+    assert b"transfer-encoding" not in by_follower[0]
+    assert b"\r\ncontent-length: 5\r\n" in by_follower[0] and b"\r\ncontent-length: 5\r\n" in by_leader[0]
+    head = httpx.head(f"{follower.url}/v1/stream/orders")
+    assert head.headers.get("content-length") == httpx.head(f"{leader.url}/v1/stream/orders").headers["content-length"]
+    with socket.create_connection(("127.0.0.1", follower.port), timeout=10) as s:
+        s.sendall(b"GET /v1/stream/orders?offset=-1&live=sse HTTP/1.0\r\nhost: x\r\n\r\n")
+        answer = b""
+        while b"data:" not in answer:
+            more = s.recv(65536)
+            assert more, answer
+            answer += more
+    top, _, body = answer.lower().partition(b"\r\n\r\n")
+    assert b"transfer-encoding" not in top and b"\r\nconnection: close" in top
+    assert body.startswith(b"event: data\n"), body[:100]
+
+
+def raw_head_and_body(server: ServerProcess, request: bytes) -> tuple[bytes, bytes]:
+    """The head (lower case) and body of ``server``'s answer to ``request``, read until it closes."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(request)
+        answer = b""
+        while more := s.recv(65536):
+            answer += more
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head.lower(), body
+
+
 def test_a_follower_that_holds_its_budget_of_bodies_answers_503_to_the_next_until_one_ends(
     pg: str, tmp_path: Path
 ) -> None:

@@ -220,9 +220,12 @@ HOP_BY_HOP = frozenset(
         b"trailer",
         b"transfer-encoding",
         b"upgrade",
-        b"content-length",
     }
 )  # Host is kept: the leader answers for the name the client used (URLs it builds in bodies)
+# Content-Length is not hop-by-hop: a body passed on as it came keeps its length. A request's is the
+# follower's own to set (NotLeader frames the body it holds); an answer's is the leader's, passed on
+# with the leader's body as it came (undecoded), so that a client that cannot read chunked coding
+# (HTTP/1.0) gets a framed answer where the leader framed it.
 FORWARDED = b"onceflow-forwarded"  # set on a request a follower passes on: it is never passed on twice
 SEALED = b"onceflow-sealed"  # a passed-on request's headers, sealed with the cluster's secret
 IN_CLEAR = frozenset({b"host", b"content-type"})  # also sent in clear (content-type: for no one's sake but logs')
@@ -593,7 +596,7 @@ class NotLeader:
             path = b"/"
         target_path = path + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
         target = leader.rstrip("/") + target_path.decode("latin-1")
-        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != b"content-length"]
         if self.seal is not None:  # the leader at that address proves it is of this store by opening them
             query = scope.get("query_string", b"")
             sealed = self.seal.close(scope["method"], path, query, headers, body.digest.hexdigest(), self._token)
@@ -617,6 +620,8 @@ class NotLeader:
         started = False
         try:
             out = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
+            if "transfer-encoding" in response.headers:  # framed by chunks (a length beside them is void)
+                out = [(k, v) for k, v in out if k != b"content-length"]
             await send({"type": "http.response.start", "status": response.status_code, "headers": out})
             started = True
             async for chunk in response.aiter_raw():
