@@ -250,9 +250,13 @@ async def test_a_forward_to_a_frozen_leader_gives_up_after_about_a_term(
     assert error_of(sent) == (502, "leader_unreachable")
 
 
-def sealed_scope(seal: leader.Seal, body: bytes, token: int, *, method: str = "POST") -> dict[str, object]:
+def sealed_scope(
+    seal: leader.Seal, body: bytes, token: int, *, method: str = "POST", size: int | None = None
+) -> dict[str, object]:
+    """A request a follower passed on, ``body`` sealed as of ``size`` bytes (None: no size sealed)."""
     headers = [(b"host", b"a:4437"), (b"authorization", b"Bearer t")]
-    box = seal.close(method, b"/v1/stream/a%20b", b"offset=-1", headers, hashlib.sha256(body).hexdigest(), token)
+    digest = hashlib.sha256(body).hexdigest()
+    box = seal.close(method, b"/v1/stream/a%20b", b"offset=-1", headers, digest, token, size)
     return {
         "type": "http",
         "method": method,
@@ -261,6 +265,12 @@ def sealed_scope(seal: leader.Seal, body: bytes, token: int, *, method: str = "P
         "query_string": b"offset=-1",
         "headers": [(b"host", b"a:4437"), (leader.SEALED, box), (b"content-length", str(len(body)).encode())],
     }
+
+
+def with_a_body_of(length: int, scope: dict[str, object]) -> dict[str, object]:
+    """``scope`` with its ``Content-Length`` changed (sent again, by whoever got it, with another body)."""
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]  # type: ignore[attr-defined]
+    return {**scope, "headers": [*headers, (b"content-length", str(length).encode())]}
 
 
 def bodies(*chunks: bytes) -> object:
@@ -290,6 +300,7 @@ async def test_a_sealed_request_opens_once_with_its_own_body_and_lease() -> None
         {"type": "http.request", "body": b"[", "more_body": True},
         {"type": "http.request", "body": b"1]", "more_body": False},
     ]
+    assert not isinstance(await seal.open_request(sealed_scope(seal, b"[1]", 7, size=3), bodies(b"[1]"), 7), str)
     replayed = sealed_scope(seal, b"[1]", 7)
     assert not isinstance(await seal.open_request(replayed, bodies(b"[1]"), 7), str)
     assert "opened before" in str(await seal.open_request(replayed, bodies(b"[1]"), 7))
@@ -344,7 +355,8 @@ async def test_the_leader_tries_a_seal_before_it_reads_the_body() -> None:
     """Issue 28, item 1: the leader read a sealed request's whole body (any size, not even bounded by
     ``--max-body``, which the app checks later) before it tried the seal: anyone could make it hold
     gigabytes by sending an ``Onceflow-Sealed`` header of any value. A seal that does not open, or
-    is for another lease, is answered before the body's first byte."""
+    is for another lease, is answered before the body's first byte; and so is one whose
+    ``Content-Length`` is not the size sealed."""
     seal = leader.Seal(bytes(32))
     lease = leader.Lease(7, 10.0, leader._clock())
 
@@ -360,6 +372,9 @@ async def test_the_leader_tries_a_seal_before_it_reads_the_body() -> None:
     for scope, answer in (
         (sealed_scope(leader.Seal(bytes(31) + b"\x01"), b"[1]", 7), (400, "bad_seal")),
         (sealed_scope(seal, b"[1]", 6), (503, "lease_changed")),
+        # sent again by whoever got it, with a body of another length (any: nothing else bounds it)
+        (with_a_body_of(2, sealed_scope(seal, b"[1]", 7, size=3)), (400, "bad_seal")),
+        (with_a_body_of(1000, sealed_scope(seal, b"", 7, method="GET", size=0)), (400, "bad_seal")),
     ):
         sent.clear()
         await asyncio.wait_for(app(scope, never(), send), 10.0)

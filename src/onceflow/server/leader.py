@@ -254,13 +254,22 @@ class Seal:
         return method.encode("latin-1") + b" " + unquote_to_bytes(path) + b"?" + unquote_to_bytes(query)
 
     def close(
-        self, method: str, path: bytes, query: bytes, headers: list[tuple[bytes, bytes]], digest: str, token: int
+        self,
+        method: str,
+        path: bytes,
+        query: bytes,
+        headers: list[tuple[bytes, bytes]],
+        digest: str,
+        token: int,
+        size: int | None = None,
     ) -> bytes:
         """The header ``onceflow-sealed`` of a request to the leader holding the lease ``token``, whose
-        body's SHA-256 is ``digest`` (hex: computed as the body came, which is passed on as it came)."""
+        body's SHA-256 is ``digest`` (hex: computed as the body came, which is passed on as it came)
+        and whose ``Content-Length`` is ``size`` (None: not bound, as by followers before it was)."""
         sealed = {
             "t": time.time(),
             "token": token,
+            "size": size,
             "body": digest,
             "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers],
         }
@@ -272,9 +281,11 @@ class Seal:
         """The request with the headers sealed in it and its body as received; or why it does not
         open; or None when it was sealed for another holder of the lease than ``token``'s.
 
-        Everything but the body's digest is checked before the body is read: anyone may send the
-        header, and a request whose seal does not open is refused without a byte of its body held.
-        Its nonce counts as opened from then on, so a copy sent while this body arrives is refused."""
+        Everything but the body's digest is checked before the body is read, its ``Content-Length``
+        against the size sealed (when one is): anyone may send the header, and a request whose seal
+        does not open is refused without a byte of its body held, as is a sealed request sent again
+        with a body of another size (of any size: nothing else bounds it here). Its nonce counts as
+        opened from then on, so a copy sent while this body arrives is refused."""
         value = next(v for k, v in scope["headers"] if k == SEALED)
         path = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
         bound = self._bound(scope["method"], path, scope.get("query_string", b""))
@@ -287,6 +298,7 @@ class Seal:
                 [(k.encode("latin-1"), v.encode("latin-1")) for k, v in sealed["headers"]],
             )
             body_digest, sealed_for = sealed["body"], int(sealed["token"])
+            size = None if sealed.get("size") is None else int(sealed["size"])
         except (ValueError, TypeError, KeyError, InvalidTag, UnicodeError):
             return why
         if sealed_for != token:
@@ -296,6 +308,9 @@ class Seal:
             self._opened.popitem(last=False)
         if abs(now - made) > self.WINDOW or raw[:12] in self._opened:
             return why + " any more: it was opened before, or made too long ago"
+        framing = [(k, v) for k, v in scope["headers"] if k in (b"content-length", b"transfer-encoding")]
+        if size is not None and (framing or [(b"content-length", b"0")]) != [(b"content-length", str(size).encode())]:
+            return why + " with a body of this length"  # a body without framing is empty
         self._opened[raw[:12]] = now + 2 * self.WINDOW
         messages = []
         digest = hashlib.sha256()
@@ -309,7 +324,6 @@ class Seal:
                 break
         if body_digest != digest.hexdigest():
             return why + " with this body"
-        framing = [(k, v) for k, v in scope["headers"] if k in (b"content-length", b"transfer-encoding")]
         scope = {**scope, "headers": [*headers, *framing, (FORWARDED, b"1")]}
         replay = iter(messages)
 
@@ -599,7 +613,8 @@ class NotLeader:
         headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != b"content-length"]
         if self.seal is not None:  # the leader at that address proves it is of this store by opening them
             query = scope.get("query_string", b"")
-            sealed = self.seal.close(scope["method"], path, query, headers, body.digest.hexdigest(), self._token)
+            digest = body.digest.hexdigest()
+            sealed = self.seal.close(scope["method"], path, query, headers, digest, self._token, body.size)
             headers = [(k, v) for k, v in headers if k in IN_CLEAR]
             headers.append((SEALED, sealed))
         headers.append((FORWARDED, b"1"))
@@ -864,8 +879,9 @@ async def serve_store(
     """Serve the streams of the PostgreSQL database ``store`` (module docstring) until ``stop``.
     ``store_timeouts``: how long the event loop waits for one read and one write of the store
     (``PgFileSystem.read_timeout`` and ``write_timeout``). ``guard``: the configuration of the guard
-    that ``build`` puts in front of the app, for the checks a follower makes itself (:class:`NotLeader`); ``forward_buffer``: the body bytes its forwards hold at once (:class:`BodyBudget`,
-    by default ``max_body``)."""
+    that ``build`` puts in front of the app, for the checks a follower makes itself
+    (:class:`NotLeader`); ``forward_buffer``: the body bytes its forwards hold at once
+    (:class:`BodyBudget`, by default ``max_body``)."""
     if not 1.0 <= lease_seconds <= 300.0:  # followers wait the leader's term: never one without end
         raise ValueError("the lease's term must be 1 to 300 s")
     opened = await _reach_store(store, lease_seconds, stop, store_timeouts)
