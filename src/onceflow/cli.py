@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         (
             "--max-transactional-ids",
             defaults.transactional_ids,
-            "transactional ids (those of sinks' tasks not counted)",
+            "transactional ids (those of sinks' tasks included)",
         ),
         ("--max-sinks", defaults.sinks, "Spark sinks"),
         ("--max-subscriptions", defaults.subscriptions, "subscriptions"),

@@ -267,6 +267,8 @@ async def test_groups_transactional_ids_sinks_and_subscriptions_have_limits(guar
     assert (await c.delete("/v1/groups/g2")).status_code == 204
     assert (await c.post("/v1/groups/g3/offsets", json={"offsets": {"s": tail}})).status_code == 200
     assert (await c.delete("/v1/txn/t2")).status_code == 204
+    assert limited(await c.post("/v1/txn/t3/init", json={}), "transactional ids")  # the sink's tasks' ids count
+    assert (await c.post("/v1/sinks/k1/reset", json={"owner": None})).status_code == 200  # they go with it
     assert (await c.post("/v1/txn/t3/init", json={})).status_code == 200
     assert (await c.delete(f"{S}__ds/subscriptions/x1")).status_code in (200, 204)
     assert (await c.put(f"{S}__ds/subscriptions/x2", json=sub)).status_code == 201

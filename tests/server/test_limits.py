@@ -18,9 +18,9 @@ JSON = {"content-type": "application/json"}
 
 def test_groups_transactional_ids_sinks_and_subscriptions_past_the_limit_are_refused_with_429(tmp_path: Path) -> None:
     """Issue 28, item 3: without a guard, nothing bounded them. The server-wide limits (flags) hold
-    for anyone; what exists goes on working and a deletion makes room; sinks' task ids do not
-    count among transactional ids (a sink of many partitions would use them up)."""
-    flags = ("--max-groups", "1", "--max-transactional-ids", "1", "--max-sinks", "1", "--max-subscriptions", "1")
+    for anyone; what exists goes on working and a deletion makes room; a sink's task needs a
+    transactional id like any other."""
+    flags = ("--max-groups", "1", "--max-transactional-ids", "2", "--max-sinks", "1", "--max-subscriptions", "1")
     server = ServerProcess(tmp_path / "data", *flags)
     server.start()
 
@@ -36,13 +36,14 @@ def test_groups_transactional_ids_sinks_and_subscriptions_past_the_limit_are_ref
             assert limited(c.post("/v1/groups/g2/reset", json={"to": "latest", "streams": ["s"]}), "--max-groups")
             assert c.post("/v1/groups/g1/offsets", json={"offsets": {"s": tail}}).status_code == 200
             epoch = c.post("/v1/txn/t1/init", json={}).json()["epoch"]
-            assert limited(c.post("/v1/txn/t2/init", json={}), "--max-transactional-ids")
             r = c.post("/v1/txn/t1/offsets", json={"epoch": epoch, "group": "g2", "offsets": {"s": tail}})
             assert limited(r, "--max-groups")
             begin = {"query": "q", "batch": 0, "partition": 0, "task": "a"}
             assert c.post("/v1/sinks/k1/begin", json=begin).status_code == 200
-            assert c.post("/v1/sinks/k1/begin", json={**begin, "partition": 1, "task": "b"}).status_code == 200
             assert limited(c.post("/v1/sinks/k2/begin", json=begin), "--max-sinks")
+            r = c.post("/v1/sinks/k1/begin", json={**begin, "partition": 1, "task": "b"})  # a third id
+            assert limited(r, "--max-transactional-ids")
+            assert limited(c.post("/v1/txn/t2/init", json={}), "--max-transactional-ids")
             sub = {"type": "pull-wake", "pattern": "subs/*", "wake_stream": "s"}
             assert c.put(f"{S}__ds/subscriptions/x1", json=sub).status_code == 201
             assert limited(c.put(f"{S}__ds/subscriptions/x2", json=sub), "--max-subscriptions")

@@ -435,6 +435,8 @@ class Broker:
         self._unfinished: list[TxnMeta] = []
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="onceflow-io")
         self.streams: dict[str, StreamState] = {}
+        # told the name of each stream deleted, by a request, the expiry sweep or its last fork
+        self.on_delete: list[Callable[[str], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
 
@@ -1193,7 +1195,9 @@ class Broker:
         in between."""
         coord = self.coordinator
         async with coord.holding(tid):
-            meta = coord.txns[tid]
+            meta = coord.txns.get(tid)  # None: an operator deleted the id while this waited
+            if meta is None:
+                return txn_outcome(coord.unknown(tid))
             if meta.epoch == producer.epoch and meta.txn == txn and meta.status is TxnStatus.COMPLETE_COMMIT:
                 found = self._live(name)
                 if isinstance(found, Outcome):
@@ -1261,7 +1265,9 @@ class Broker:
         - Any other ``Transaction-Commit``: refused (``409``; retriable while the id's last
           decision is being completed); a duplicate can begin no transaction."""
         coord = self.coordinator
-        meta = coord.txns[tid]
+        meta = coord.txns.get(tid)
+        if meta is None:
+            return txn_outcome(coord.unknown(tid))
         if commit_txn is not None:
             if commit_txn == meta.txn:
                 if meta.status is TxnStatus.ONGOING and s.name in meta.streams:
@@ -1289,7 +1295,9 @@ class Broker:
         outcome = await self._settle_duplicate(s, producer, closed=False)
         if outcome.kind != "duplicate":
             return outcome
-        meta = coord.txns[tid]
+        meta = coord.txns.get(tid)
+        if meta is None:
+            return txn_outcome(coord.unknown(tid))
         try:
             # its transaction's decision is being finished (an abort of the sweep's may end in a
             # fence): the plain duplicate's answer would let the producer take its append as
@@ -1568,6 +1576,8 @@ class Broker:
         s.deleted = True
         s.log.close_files()
         s.notify()
+        for told in self.on_delete:  # whoever keeps something by a stream's name lets go of it
+            told(s.name)
         parent = s.parent
         if parent is not None:
             parent.children.pop(s, None)

@@ -16,6 +16,6 @@ class StateLimits:
     is refused (``limit``, a 429); what exists goes on working, and deleting one makes room."""
 
     groups: int = 100_000
-    transactional_ids: int = 100_000  # those of sinks' tasks (spark/...) count among their sink's
+    transactional_ids: int = 100_000  # sinks' tasks' ids (spark/<sink>/p<n>/s<m>) included
     sinks: int = 10_000
     subscriptions: int = 10_000

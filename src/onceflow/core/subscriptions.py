@@ -649,6 +649,7 @@ class Subscriptions:
         self._watched: dict[str, StreamLog] = {}  # streams whose log calls us on every durable append
         self._seen: dict[str, StreamLog] = {}  # streams already matched against every pattern
         self._dirty: set[str] = set()
+        broker.on_delete.append(self._forget_stream)
         self._drain_scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._writes: set[asyncio.Task[None]] = set()  # background state writes (never cancelled)
@@ -1004,8 +1005,8 @@ class Subscriptions:
                 del index[key]
 
     def _forget_stream(self, name: str) -> None:
-        """A stream deleted: keep nothing of it, its log least of all (a stream created again under
-        its name is seen and watched anew)."""
+        """A stream deleted (the broker tells, whoever deleted it): keep nothing of it, its log
+        least of all (a stream created again under its name is seen and watched anew)."""
         self._seen.pop(name, None)
         self._watched.pop(name, None)
 
@@ -1105,11 +1106,7 @@ class Subscriptions:
             self._process(name)
 
     def _process(self, name: str) -> None:
-        if self.closing:
-            return
-        if not self.subs:
-            if (name in self._seen or name in self._watched) and self._live(name) is None:
-                self._forget_stream(name)
+        if self.closing or not self.subs:
             return
         s = self._live(name)
         if s is None:

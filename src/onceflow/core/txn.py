@@ -286,7 +286,6 @@ class Coordinator:
         self.default_timeout = default_timeout
         self.compact_bytes = compact_bytes  # rewrite the log at open when it is larger than this
         self.txns: dict[str, TxnMeta] = {}
-        self.user_ids = 0  # ids in txns not of sinks' tasks (what --max-transactional-ids counts)
         self.groups: dict[str, dict[str, str]] = {}  # group -> stream -> committed offset
         self.member_epochs: dict[str, int] = {}  # group -> highest member epoch seen
         self.sinks: dict[str, SinkState] = {}  # sink id -> what commit_members recorded of it
@@ -296,12 +295,14 @@ class Coordinator:
         self._enlisted: dict[str, dict[str, Enlisted]] = {}  # sink id -> tid -> the task holding it
         self._log: StreamLog | None = None
         self._locks = KeyedLocks()  # by transactional id, and "sink\0<id>" by sink
+        self._pending: dict[str, set[str]] = {}  # kind -> names being created now (_creating)
         self._awaiting = 0  # durable writes whose callers have not yet applied them in memory
         # offsets into a deleted stream dropped before a stream of its name is created (forget_stream)
         self._forgotten: list[str] = []  # the stream of each forget staged since no _store was in flight
         self._forgetting: dict[str, asyncio.Task[None]] = {}  # a forget being written, by stream
         self._unsure: set[str] = set()  # dropped in memory; its record not known to be durable
         self._in_flight: dict[str, int] = {}  # streams named by offsets in records not yet durable
+        self._in_flight_groups: dict[str, int] = {}  # groups named by transactions' records not yet durable
         self.compactions = 0
         self.write_marker: MarkerWriter | None = None
 
@@ -452,7 +453,9 @@ class Coordinator:
                 # be missing (its write failed and was rolled back while later ones reached the
                 # disk): its offsets take effect here, or a copier would copy its input again.
                 self._apply_offsets(prev.offsets)
-            self._put_txn(meta)
+            self.txns[meta.tid] = meta
+            for group in meta.offsets:  # named by a transaction's offsets: it exists (add_offsets)
+                self.groups.setdefault(group, {})
             if meta.status is TxnStatus.COMPLETE_COMMIT:
                 self._apply_offsets(meta.offsets)
         elif rec["kind"] == "members":
@@ -509,18 +512,13 @@ class Coordinator:
         ).done
         streams = _offset_streams(rec)
         if streams:  # seen by holds_offsets_of until durable (its caller applies it right after)
-            for st in streams:
-                self._in_flight[st] = self._in_flight.get(st, 0) + 1
-            done.add_done_callback(lambda _: self._landed(streams))
+            _count(self._in_flight, streams, 1)
+            done.add_done_callback(lambda _: _count(self._in_flight, streams, -1))
+        groups = _txn_groups(rec)
+        if groups:  # seen by drop_group until durable (its caller applies it right after)
+            _count(self._in_flight_groups, groups, 1)
+            done.add_done_callback(lambda _: _count(self._in_flight_groups, groups, -1))
         return done
-
-    def _landed(self, streams: list[str]) -> None:
-        for st in streams:
-            left = self._in_flight[st] - 1
-            if left:
-                self._in_flight[st] = left
-            else:
-                del self._in_flight[st]
 
     async def _write(self, rec: dict[str, Any], *, durable: bool = True) -> None:
         """Append a record; wait for its fsync unless ``durable`` is False (then it is only ordered
@@ -603,10 +601,17 @@ class Coordinator:
                 txn=meta.txn,
             )
 
+    @staticmethod
+    def unknown(tid: str) -> TxnError:
+        """The refusal of a request naming an id that was never initialised, or was deleted."""
+        return TxnError(
+            Refusal.UNKNOWN_TRANSACTIONAL_ID, f"transactional id {tid!r} was never initialised, or was deleted"
+        )
+
     def _current(self, tid: str, epoch: int) -> TxnMeta:
         meta = self.txns.get(tid)
         if meta is None or meta.epoch < 0:
-            raise TxnError(Refusal.UNKNOWN_TRANSACTIONAL_ID, f"transactional id {tid!r} was never initialised")
+            raise self.unknown(tid)
         if epoch < meta.epoch:
             raise TxnError(
                 Refusal.FENCED, f"epoch {epoch} of {tid!r} was fenced by epoch {meta.epoch}", epoch=meta.epoch
@@ -661,32 +666,36 @@ class Coordinator:
                     "holder took the id over, or the server fenced it",
                     epoch=current,
                 )
-            known = meta is not None
             if meta is None:
-                if not tid.startswith(SINK_TASK_PREFIX):
-                    self._within("transactional_ids", self.user_ids)
-                meta = TxnMeta(tid, epoch=self.epoch_floor - 1)
+                with self._creating("transactional_ids", tid, len(self.txns)):
+                    meta = TxnMeta(tid, epoch=self.epoch_floor - 1)
+                    await self._new_epoch(meta, txn_timeout, request_id, digest)
+                    self.txns[tid] = meta
+                return meta
             if meta.status is TxnStatus.ONGOING:
                 await self._finish_decided(meta, self._finish(meta, commit=False))
             elif meta.completing:
                 await self._finish_decided(meta, self._complete(meta))
-            await self._store(
-                meta,
-                epoch=meta.epoch + 1,
-                txn=0,
-                timeout=txn_timeout if txn_timeout is not None else self.default_timeout,
-                streams=set(),
-                offsets={},
-                status=TxnStatus.EMPTY,
-                init_id=request_id,
-                inits=meta.inits
-                if digest is None or meta.inits[-1:] == (digest,)
-                else (*meta.inits, digest)[-INIT_HISTORY:],
-                fence=None,
-            )
-            if not known:
-                self._put_txn(meta)
+            await self._new_epoch(meta, txn_timeout, request_id, digest)
             return meta
+
+    async def _new_epoch(
+        self, meta: TxnMeta, txn_timeout: float | None, request_id: str | None, digest: str | None
+    ) -> None:
+        await self._store(
+            meta,
+            epoch=meta.epoch + 1,
+            txn=0,
+            timeout=txn_timeout if txn_timeout is not None else self.default_timeout,
+            streams=set(),
+            offsets={},
+            status=TxnStatus.EMPTY,
+            init_id=request_id,
+            inits=meta.inits
+            if digest is None or meta.inits[-1:] == (digest,)
+            else (*meta.inits, digest)[-INIT_HISTORY:],
+            fence=None,
+        )
 
     async def begin_write(self, tid: str, epoch: int, stream: str, *, commit: int | None = None) -> TxnMeta | None:
         """Called before a transactional append to ``stream``: starts the transaction if idle and
@@ -779,18 +788,23 @@ class Coordinator:
                         f"these offsets are for transaction {txn} of {tid!r}, but the one they can join is {expected}",
                         txn=meta.txn,
                     )
-            self.new_group(group)
-            if meta.status is not TxnStatus.ONGOING:
-                await self._store(
-                    meta,
-                    txn=meta.txn + 1,
-                    streams=set(),
-                    offsets={group: dict(offsets)},
-                    status=TxnStatus.ONGOING,
-                    started=self.clock.monotonic(),
-                )
-            else:
-                await self._store(meta, offsets={**meta.offsets, group: {**meta.offsets.get(group, {}), **offsets}})
+            with contextlib.ExitStack() as new:
+                if not self._group_exists(group):
+                    new.enter_context(self._creating("groups", group, len(self.groups)))
+                if meta.status is not TxnStatus.ONGOING:
+                    await self._store(
+                        meta,
+                        txn=meta.txn + 1,
+                        streams=set(),
+                        offsets={group: dict(offsets)},
+                        status=TxnStatus.ONGOING,
+                        started=self.clock.monotonic(),
+                    )
+                else:
+                    await self._store(meta, offsets={**meta.offsets, group: {**meta.offsets.get(group, {}), **offsets}})
+                # the group exists from now on (with no offsets until the commit), as in replay
+                # (_replay): so it counts against the limit while the transaction is open
+                self.groups.setdefault(group, {})
             return meta
 
     async def end(self, tid: str, epoch: int, txn: int, *, commit: bool) -> TxnMeta:
@@ -904,10 +918,25 @@ class Coordinator:
                 f"delete {name} no longer used or raise the limit",
             )
 
-    def new_group(self, group: str) -> None:
-        """Refuse (``limit``) a group that does not exist yet when the server holds its limit."""
-        if group not in self.groups and group not in self.member_epochs:
-            self._within("groups", len(self.groups))  # a group with a member epoch has offsets too
+    @contextlib.contextmanager
+    def _creating(self, kind: str, name: str, count: int) -> Iterator[None]:
+        """Around the writing of a new ``name`` of ``kind`` (one that does not exist yet; ``count``
+        of the kind do): refused (``limit``) when the limit is reached, counting those being
+        created at this moment, whose place each holds until its write is over (or failed), so
+        that requests creating several at once cannot pass the limit together."""
+        pending = self._pending.setdefault(kind, set())
+        if name in pending:  # the same name, created twice at once: one place
+            yield
+            return
+        self._within(kind, count + len(pending))
+        pending.add(name)
+        try:
+            yield
+        finally:
+            pending.discard(name)
+
+    def _group_exists(self, group: str) -> bool:
+        return group in self.groups or group in self.member_epochs
 
     def knows_sink(self, sink: str) -> bool:
         """Whether ``sink`` has a record or a task begun (what the sinks limit counts)."""
@@ -978,23 +1007,29 @@ class Coordinator:
         that began before it is no member of anything a commit accepts).
         """
         async with self._sink_lock(sink):
-            if not self.knows_sink(sink):
-                self._within("sinks", self.sink_count())
-            state = self.sinks.get(sink)
-            self._check_owner(sink, state, query)
-            if batch is not None and state is not None and state.batch is not None and batch <= state.batch:
-                return None, state
-            tasks = self._enlisted.setdefault(sink, {})
-            tid = next((t for t, e in tasks.items() if e.query == query and e.task == task), None)
-            if tid is None:
-                slot = 0
-                while f"spark/{sink}/p{partition}/s{slot}" in tasks:
-                    slot += 1
-                tid = f"spark/{sink}/p{partition}/s{slot}"
-            meta = await self.init(tid, txn_timeout, request_id=f"sink-task\0{query}\0{task}")
-            tasks[tid] = Enlisted(query, task, batch, meta.epoch)
-            self.keep_alive(sink, query, batch)  # a task of the batch is at work from now on
-            return meta, state
+            with contextlib.ExitStack() as new:
+                if not self.knows_sink(sink):
+                    new.enter_context(self._creating("sinks", sink, self.sink_count()))
+                return await self._begin_task(sink, partition, task, batch, query, txn_timeout)
+
+    async def _begin_task(
+        self, sink: str, partition: int, task: str, batch: int | None, query: str | None, txn_timeout: float | None
+    ) -> tuple[TxnMeta | None, SinkState | None]:
+        state = self.sinks.get(sink)
+        self._check_owner(sink, state, query)
+        if batch is not None and state is not None and state.batch is not None and batch <= state.batch:
+            return None, state
+        tasks = self._enlisted.setdefault(sink, {})
+        tid = next((t for t, e in tasks.items() if e.query == query and e.task == task), None)
+        if tid is None:
+            slot = 0
+            while f"spark/{sink}/p{partition}/s{slot}" in tasks:
+                slot += 1
+            tid = f"spark/{sink}/p{partition}/s{slot}"
+        meta = await self.init(tid, txn_timeout, request_id=f"sink-task\0{query}\0{task}")
+        tasks[tid] = Enlisted(query, task, batch, meta.epoch)
+        self.keep_alive(sink, query, batch)  # a task of the batch is at work from now on
+        return meta, state
 
     def keep_alive(self, sink: str, query: str | None, batch: int | None) -> int:
         """A task of ``batch`` of ``sink`` is still at work: the open transactions of that batch's
@@ -1055,6 +1090,8 @@ class Coordinator:
             raise TxnError(Refusal.BAD_REQUEST, "a transactional id appears twice among the members")
         async with self._sink_lock(sink):
             state = self.sinks.get(sink)
+            if not self.knows_sink(sink):  # a commit of a sink that never began: it creates one
+                self._within("sinks", self.sink_count() + len(self._pending.get("sinks", ())))
             others = self._tasks_of_others(sink, query)
             strangers = sorted(set(tids) & others)
             if strangers:
@@ -1186,8 +1223,8 @@ class Coordinator:
                     batch=state.batch,
                 )
             tasks = dict(self._enlisted.get(sink, {}))
-            sweep = self._leftovers(f"spark/{sink}/", set())
             ids = [t for t in self.txns if _task_of(t, sink)]
+            sweep = [t for t in ids if self.txns[t].status is TxnStatus.ONGOING]  # not another sink's
             async with self._locked(sorted(set(tasks) | set(sweep) | set(ids))):
                 await self._abort_tasks(sink, [], tasks, sweep)
                 if state is not None:
@@ -1238,8 +1275,8 @@ class Coordinator:
                 log.info("fencing task transaction %r of sink %r: not a member of its batch's decision", tid, sink)
                 await self._fence(meta, meta.epoch)
         for tid in sweep:
-            meta = self.txns[tid]
-            if meta.status is TxnStatus.ONGOING:
+            meta = self.txns.get(tid)  # the sweep was taken before the locks: deleted meanwhile?
+            if meta is not None and meta.status is TxnStatus.ONGOING:
                 log.info("aborting transaction %d of %r: a leftover of sink %r", meta.txn, tid, sink)
                 await self._finish(meta, commit=False)
         enlisted = self._enlisted.get(sink, {})
@@ -1313,7 +1350,7 @@ class Coordinator:
             async with self._lock(tid):
                 meta = self.txns.get(tid)
                 if meta is None:
-                    meta = self._put_txn(TxnMeta(tid, epoch=top, timeout=self.default_timeout))
+                    meta = self.txns[tid] = TxnMeta(tid, epoch=top, timeout=self.default_timeout)
                 if top >= meta.epoch:
                     log.warning(
                         "fencing epoch %d of %r: it left undecided data in %s",
@@ -1552,36 +1589,32 @@ class Coordinator:
     #
     # An operator's act (DELETE /v1/groups/<group>, DELETE /v1/txn/<id>), so that what a client
     # creates can be removed (issue 28). Each is one durable record, applied to memory once it is
-    # durable by the same function replay applies it with. That memory then equals replayed memory
-    # because nothing the record changes can be changed by a record staged before it and applied
-    # after it: a group is dropped only when no record at all is staged or awaiting its caller's
-    # apply (as a compaction), and when no transaction that is not complete holds offsets for it; an
-    # id only under its own lock, with no transaction of it open or being decided.
+    # durable by the same function replay applies it with. That memory then equals replayed memory:
+    # the callers of records staged before it apply them before it is applied (their waits end in
+    # staging order), those of records staged after it after; the one record applied when staged,
+    # a transaction's completion, cannot carry a group being dropped (no transaction that is not
+    # complete may hold its offsets, none may be writing a record naming it); an id is dropped
+    # only under its own lock, with no transaction of it open or being decided.
 
-    async def drop_group(self, group: str, tries: int = 200) -> bool:
+    async def drop_group(self, group: str) -> bool:
         """Forget ``group``: its committed offsets and member epoch, and the offsets completed
         transactions carried for it (a compaction writes those transactions again; replaying them
         must not bring the group back). False when there is no such group. Refused (``in_use``)
-        while a transaction holds offsets for it that are not applied yet, and retriable
-        (``unavailable``) when the log was never idle for ``tries`` tries of 5 ms."""
-        for _ in range(tries):
-            if group not in self.groups and group not in self.member_epochs:
-                return False
-            held = sorted(m.tid for m in self.txns.values() if group in m.offsets and not _complete(m))
-            if held:
-                raise TxnError(
-                    Refusal.IN_USE,
-                    f"group {group!r} has offsets in the open transaction of {held[0]!r}"
-                    + (f" and {len(held) - 1} more" if len(held) > 1 else "")
-                    + "; it can be deleted once they end",
-                )
-            logf = self._log
-            if logf is not None and logf.idle and not self._awaiting:
-                await self._write({"kind": "drop_group", "group": group})
-                self._drop_group(group)
-                return True
-            await asyncio.sleep(0.005)
-        raise TxnError(Refusal.UNAVAILABLE, f"the coordinator was too busy to delete group {group!r}; retry")
+        while a transaction holds offsets for it that are not applied yet: one not complete, or
+        one whose record naming the group is being written (its offsets would be dropped under
+        it, and a copier would copy again what it had committed)."""
+        if not self._group_exists(group):
+            return False
+        held = sum(1 for m in self.txns.values() if group in m.offsets and not _complete(m))
+        held += self._in_flight_groups.get(group, 0)
+        if held:
+            raise TxnError(
+                Refusal.IN_USE,
+                f"group {group!r} has offsets in {held} transaction(s) not complete; it can be deleted once they end",
+            )
+        await self._write({"kind": "drop_group", "group": group})
+        self._drop_group(group)
+        return True
 
     def _drop_group(self, group: str) -> None:
         self.groups.pop(group, None)
@@ -1611,16 +1644,13 @@ class Coordinator:
             return True
 
     def _drop_txn(self, tid: str, floor: int) -> None:
-        if self.txns.pop(tid, None) is not None and not tid.startswith(SINK_TASK_PREFIX):
-            self.user_ids -= 1
+        prev = self.txns.pop(tid, None)
+        if prev is not None and prev.status is TxnStatus.PREPARE_COMMIT:
+            # Replay only (live, the id was complete): its commit's completion record was lost,
+            # and the id is dropped after it, as a later record of the id would come after it
+            # (_replay): the commit completed, its offsets take effect.
+            self._apply_offsets(prev.offsets)
         self.epoch_floor = max(self.epoch_floor, floor)
-
-    def _put_txn(self, meta: TxnMeta) -> TxnMeta:
-        """The one way an id enters ``txns`` (``user_ids`` counts those not of sinks' tasks)."""
-        if meta.tid not in self.txns and not meta.tid.startswith(SINK_TASK_PREFIX):
-            self.user_ids += 1
-        self.txns[meta.tid] = meta
-        return meta
 
     async def commit_offsets(
         self, group: str, offsets: dict[str, str], *, member_epoch: int | None = None, reset: bool = False
@@ -1633,8 +1663,13 @@ class Coordinator:
                 f"member epoch {member_epoch} of group {group!r} was fenced by {self.member_epochs[group]}",
                 epoch=self.member_epochs[group],
             )
+        with contextlib.ExitStack() as new:
+            if not self._group_exists(group):
+                new.enter_context(self._creating("groups", group, len(self.groups)))
+            await self._commit_offsets(group, offsets, member_epoch, reset)
+
+    async def _commit_offsets(self, group: str, offsets: dict[str, str], member_epoch: int | None, reset: bool) -> None:
         current = self.groups.get(group, {})
-        self.new_group(group)
         if not reset:
             back = [s for s, off in offsets.items() if s in current and off < current[s]]
             if back:
@@ -1670,6 +1705,30 @@ def _task_of(tid: str, sink: str) -> bool:
 def _complete(meta: TxnMeta) -> bool:
     """Nothing of the id is open or being decided: its offsets, if any, are applied."""
     return meta.status in (TxnStatus.EMPTY, TxnStatus.COMPLETE_COMMIT, TxnStatus.COMPLETE_ABORT)
+
+
+_DONE = frozenset(s.value for s in (TxnStatus.EMPTY, TxnStatus.COMPLETE_COMMIT, TxnStatus.COMPLETE_ABORT))
+
+
+def _count(counts: dict[str, int], names: list[str], by: int) -> None:
+    """Add ``by`` to each name's count; a count that reaches 0 goes."""
+    for name in names:
+        left = counts.get(name, 0) + by
+        if left:
+            counts[name] = left
+        else:
+            del counts[name]
+
+
+def _txn_groups(rec: dict[str, Any]) -> list[str]:
+    """The groups a record of a transaction not complete carries offsets for (a ``members`` record
+    holds such records). A completion's offsets are applied when it is staged: none is pending."""
+    kind = rec.get("kind")
+    if kind == "txn":
+        return [] if rec["status"] in _DONE else list(rec["offsets"])
+    if kind == "members":
+        return [g for m in rec["members"] for g in _txn_groups(m)]
+    return []
 
 
 def _offset_streams(rec: dict[str, Any]) -> list[str]:

@@ -708,6 +708,8 @@ class Guard:
     broker: Broker
     config: GuardConfig
     live_reads: int = field(default=0, init=False)
+    # kind -> names that requests let through are creating now (the app has not answered yet)
+    _creating: dict[str, set[str]] = field(default_factory=dict, init=False)
 
     async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
@@ -728,18 +730,22 @@ class Guard:
                 # and for the streams an answer shows or a reset moves without the request naming them
                 scope = {**scope, MAY_READ: _reader(grants)}
             self._limit(endpoint, name, scope, headers)
-            self._limit_state(endpoint, name, body)
+            creating = self._limit_state(endpoint, name, body, scope)
         except _Refused as refused:
             await _answer(send, refused.status, refused.code, str(refused), refused.headers, head=method == "HEAD")
             return
         live = endpoint.key == "stream.read" and _live(scope)
         if live:
             self.live_reads += 1
+        if creating is not None:  # its place held until the app is done, so that requests at once count it
+            self._creating.setdefault(creating[0], set()).add(creating[1])
         try:  # Step 5
             await self.app(scope, receive if raw is None else _replay(raw, receive), send)
         finally:
             if live:
                 self.live_reads -= 1
+            if creating is not None:
+                self._creating[creating[0]].discard(creating[1])
 
     def _authenticate(self, headers: Mapping[str, str], endpoint: Endpoint, name: str) -> tuple[Grant, ...] | None:
         return _authenticate(
@@ -782,40 +788,43 @@ class Guard:
         only)."""
         return endpoint.key in ("txn.offsets", "group.reset") and self.config.max_groups is not None
 
-    def _limit_state(self, endpoint: Endpoint, name: str, body: Any) -> None:
+    def _limit_state(self, endpoint: Endpoint, name: str, body: Any, scope: ASGIScope) -> tuple[str, str] | None:
         """The limits on what a request creates besides streams: a group (an offsets commit, a
-        reset that is not a dry run, a transaction's offsets), a transactional id (an init; the
-        ids of sinks' tasks, ``spark/...``, count among their sink's), a sink (its first
-        ``begin``) and a subscription. What exists already is never refused."""
+        reset that is not a dry run, a transaction's offsets), a transactional id (an init; a sink
+        task's id counts too, and is the server's to create), a sink (its first ``begin`` or
+        ``commit``) and a subscription. What exists already is never refused; what requests let
+        through are creating at this moment counts. Returns the (kind, name) this one creates."""
         c = self.config
         coord = self.broker.coordinator
         key = endpoint.key
         fields = body if isinstance(body, dict) else {}
-        if c.max_groups is not None:
-            group = None
-            if key == "group.commit" or (key == "group.reset" and fields.get("dry_run") is not True):
-                group = name
-            elif key == "txn.offsets" and isinstance(fields.get("group"), str):
-                group = fields["group"]
-            if group is not None and group not in coord.groups and group not in coord.member_epochs:
-                if len(coord.groups) >= c.max_groups:
-                    raise _Refused(429, "limit_exceeded", f"too many consumer groups (limit {c.max_groups})", _RETRY)
-        if key == "txn.init" and c.max_transactional_ids is not None and name not in coord.txns:
-            if coord.user_ids >= c.max_transactional_ids:
-                raise _Refused(
-                    429,
-                    "limit_exceeded",
-                    f"too many transactional ids (limit {c.max_transactional_ids}); "
-                    "an idle one can be deleted (onceflow txn delete)",
-                    _RETRY,
-                )
-        if key == "sink.post" and c.max_sinks is not None and not coord.knows_sink(name):
-            if coord.sink_count() >= c.max_sinks:
-                raise _Refused(429, "limit_exceeded", f"too many sinks (limit {c.max_sinks})", _RETRY)
-        if key == "subs.create" and c.max_subscriptions is not None:
-            subs = self.app.subscriptions.manager.subs
-            if name not in subs and len(subs) >= c.max_subscriptions:
-                raise _Refused(429, "limit_exceeded", f"too many subscriptions (limit {c.max_subscriptions})", _RETRY)
+        new: tuple[str, str, int, int | None, str] | None = None  # kind, name, count, limit, what
+        if key in ("group.commit", "group.reset", "txn.offsets"):
+            group = name if key != "txn.offsets" else fields.get("group")
+            creates = key != "group.reset" or fields.get("dry_run") is not True
+            if isinstance(group, str) and creates and group not in coord.groups and group not in coord.member_epochs:
+                new = ("groups", group, len(coord.groups), c.max_groups, "consumer groups")
+        elif key == "txn.init" and name not in coord.txns:
+            new = ("transactional_ids", name, len(coord.txns), c.max_transactional_ids, "transactional ids")
+        elif key == "sink.post" and scope["path"].rsplit("/", 1)[-1] in ("begin", "commit"):
+            if not coord.knows_sink(name):
+                new = ("sinks", name, coord.sink_count(), c.max_sinks, "sinks")
+        elif key == "subs.create" and name not in self.app.subscriptions.manager.subs:
+            new = (
+                "subscriptions",
+                name,
+                len(self.app.subscriptions.manager.subs),
+                c.max_subscriptions,
+                "subscriptions",
+            )
+        if new is None:
+            return None
+        kind, what, count, limit, label = new
+        creating = self._creating.get(kind, set())
+        if limit is not None and what not in creating and count + len(creating) >= limit:
+            hint = "; an idle one can be deleted (onceflow txn delete)" if kind == "transactional_ids" else ""
+            raise _Refused(429, "limit_exceeded", f"too many {label} (limit {limit}){hint}", _RETRY)
+        return kind, what
 
 
 async def refused_before_body(config: GuardConfig, scope: ASGIScope, send: Send) -> bool:
