@@ -169,6 +169,22 @@ async def test_a_follower_answers_without_the_database_and_reads_the_lease_one_r
     assert await follower.leader_url() == "http://a:4437"
 
 
+@pytest.mark.anyio
+async def test_a_follower_whose_read_of_the_lease_fails_answers_not_leader() -> None:
+    """A read of the lease that fails (a connection the database dropped, a pool that timed out)
+    went out of the request as an exception: no answer at all, a 500 on a real server (found by
+    the cluster simulator once it reported the server's tracebacks)."""
+
+    class Failing:
+        def holder(self) -> tuple[str, str | None, int] | None:
+            raise OSError(5, "PostgreSQL store: read the lease failed: couldn't get a connection")
+
+    follower = leader.NotLeader(Failing(), 10.0, me="http://b:4437", forward=True, max_body=1 << 20)  # type: ignore[arg-type]
+    sent = await through(follower, "GET", b"/v1/stream/s?offset=-1")
+    assert sent[0]["status"] == 503
+    assert b"not_leader" in b"".join(m.get("body", b"") for m in sent[1:])  # type: ignore[misc]
+
+
 class Holds:
     """A store whose lease names ``address`` as the leader's."""
 

@@ -499,8 +499,9 @@ class NotLeader:
             self._reading = asyncio.ensure_future(_off_loop(self._fs.holder))
             self._reading.add_done_callback(self._read)
         if self._reading is not None:
-            # not waiting long (a database that does not answer): the answer sends clients on at once
-            with contextlib.suppress(TimeoutError):
+            # not waiting long (a database that does not answer): the answer sends clients on at
+            # once; a read that fails leaves no leader known (_read), which is the answer too
+            with contextlib.suppress(TimeoutError, OSError):
                 await asyncio.wait_for(asyncio.shield(self._reading), 1.0)
         return self._leader
 

@@ -208,9 +208,15 @@ class World:
         ids = random.Random(self.seed ^ 0x5EED)
         uuid.uuid4 = lambda: uuid.UUID(int=ids.getrandbits(128), version=4)
         quiet = [logging.getLogger(n) for n in ("onceflow", "asyncio", "httpx")]
-        levels = [lg.level for lg in quiet]
+        levels = [(lg.level, lg.propagate) for lg in quiet]
+        caught = _Tracebacks(self)
         for lg in quiet:
-            lg.setLevel(logging.CRITICAL + 1)
+            # silent, but an error logged with its traceback (an exception nothing expected: the
+            # app's "unhandled error", a task's exception nobody retrieved) is an anomaly, which
+            # a 500 alone would not show when its answer never reached a client
+            lg.setLevel(logging.ERROR)
+            lg.propagate = False
+            lg.addHandler(caught)
         # Garbage of earlier runs is collected now, and no collection runs during this one: a
         # finalizer running at a moment that depends on what ran before would break replays.
         gc.collect()
@@ -222,8 +228,10 @@ class World:
             self.extra.append(Anomaly("stuck", None, f"the simulation stalled: {exc}"))
         finally:
             uuid.uuid4 = uuid4
-            for lg, level in zip(quiet, levels, strict=True):
+            for lg, (level, propagate) in zip(quiet, levels, strict=True):
+                lg.removeHandler(caught)
                 lg.setLevel(level)
+                lg.propagate = propagate
             with fast_httpx():  # the tasks left run to their end
                 self._close_loop()
             gc.enable()
@@ -452,3 +460,19 @@ def awaiting(task: asyncio.Task[Any]) -> str:
 def run_seed(seed: int, workload: Workload | None = None) -> SeedResult:
     """Run one seed (see the module docstring)."""
     return World(seed, workload).run()
+
+
+class _Tracebacks(logging.Handler):
+    """An error logged with a traceback, in a seed's run, is its world's anomaly (``exception``)."""
+
+    def __init__(self, world: World) -> None:
+        super().__init__(logging.ERROR)
+        self.world = world
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info is None or record.exc_info[1] is None:
+            return  # a failure the code reports and handles (a write that failed, rolled back)
+        exc = record.exc_info[1]
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = " < ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(tb[-6:])) or "?"
+        self.world.anomaly("exception", None, f"{record.getMessage()[:120]}: {exc!r} at {where}")
