@@ -34,6 +34,11 @@ from .lowlevel import (
 __all__ = ["AsyncStream", "Stream"]
 
 DEFAULT_TIMEOUT = httpx.Timeout(30.0, read=60.0)
+# A live SSE read that hears nothing for this long gives up (TransportError): the server sends a
+# keep-alive event every --long-poll-timeout (20 s by default) while the stream is idle, so such
+# silence is a server that is gone or frozen (SIGSTOP, a paused VM), whose kernel keeps the
+# connection open (issue 30). Keep --long-poll-timeout well below it.
+SSE_SILENCE = 45.0
 
 
 def _name_of(url: str) -> str:
@@ -246,7 +251,7 @@ class Stream(_Base):
         while True:
             try:
                 with self._client.stream(
-                    "GET", self._target, params=read_params(offset, "sse", None), timeout=httpx.Timeout(30.0, read=None)
+                    "GET", self._target, params=read_params(offset, "sse", None), timeout=_sse_timeout()
                 ) as resp:
                     if resp.status_code != 200:
                         resp.read()
@@ -262,6 +267,10 @@ class Stream(_Base):
             except httpx.TransportError as exc:
                 raise TransportError(f"live read of {self.name}: {exc!r}") from exc
             # the server ends SSE connections about once a minute; resume where we are
+
+
+def _sse_timeout() -> httpx.Timeout:
+    return httpx.Timeout(30.0, read=SSE_SILENCE)
 
 
 class AsyncStream(_Base):
@@ -417,7 +426,7 @@ class AsyncStream(_Base):
         while True:
             try:
                 async with self._client.stream(
-                    "GET", self._target, params=read_params(offset, "sse", None), timeout=httpx.Timeout(30.0, read=None)
+                    "GET", self._target, params=read_params(offset, "sse", None), timeout=_sse_timeout()
                 ) as resp:
                     if resp.status_code != 200:
                         await resp.aread()
