@@ -464,17 +464,7 @@ class Coordinator:
                 self._replay(member)
             self._replay_decision(rec)
         elif rec["kind"] == "sink":
-            if rec.get("reset"):
-                self.sinks.pop(rec["sink"], None)
-            else:
-                decision = rec.get("decision")
-                self.sinks[rec["sink"]] = SinkState(
-                    rec.get("batch"),
-                    rec.get("owner"),
-                    tuple((t, e, n) for t, e, n in decision) if decision is not None else None,
-                    rec.get("fingerprint"),
-                    rec.get("rows"),
-                )
+            self._apply_sink(rec)
         elif rec["kind"] == "forget":
             self._forget(rec["stream"])
         elif rec["kind"] == "drop_group":
@@ -484,22 +474,48 @@ class Coordinator:
         elif rec["kind"] == "epoch_floor":
             self.epoch_floor = max(self.epoch_floor, rec["floor"])
         elif rec["kind"] == "offsets":
-            if rec.get("reset"):
-                self.groups.setdefault(rec["group"], {}).update(rec["offsets"])
-            else:
-                self._apply_offsets({rec["group"]: rec["offsets"]})
-            if rec.get("member_epoch") is not None:
-                self.member_epochs[rec["group"]] = max(self.member_epochs.get(rec["group"], -1), rec["member_epoch"])
+            self._apply_offsets_record(rec)
+
+    # The meaning of a record, written once: each of these applies one kind, in replay (above) and
+    # on the live path once the record is durable (commit_offsets, commit_members, reset_sink).
+
+    def _apply_offsets_record(self, rec: dict[str, Any]) -> None:
+        """An ``offsets`` record (:meth:`commit_offsets`): a group's offsets, moved forward only
+        unless ``reset``, and its member epoch, which only grows."""
+        group = rec["group"]
+        if rec.get("reset"):
+            self.groups.setdefault(group, {}).update(rec["offsets"])
+        else:
+            self._apply_offsets({group: rec["offsets"]})
+        if rec.get("member_epoch") is not None:
+            self.member_epochs[group] = max(self.member_epochs.get(group, -1), rec["member_epoch"])
+
+    def _apply_sink(self, rec: dict[str, Any]) -> None:
+        """A ``sink`` record: a reset forgets the sink (:meth:`reset_sink`); any other (written by
+        a compaction) is the sink's whole state."""
+        if rec.get("reset"):
+            self.sinks.pop(rec["sink"], None)
+            return
+        decision = rec.get("decision")
+        self.sinks[rec["sink"]] = SinkState(
+            rec.get("batch"),
+            rec.get("owner"),
+            tuple((t, e, n) for t, e, n in decision) if decision is not None else None,
+            rec.get("fingerprint"),
+            rec.get("rows"),
+        )
 
     def _replay_decision(self, rec: dict[str, Any]) -> None:
-        """The sink's part of a replayed ``members`` record (a commit of :meth:`commit_members`)."""
+        """The sink's part of a ``members`` record (a commit of :meth:`commit_members`): its batch,
+        the query it belongs to now, the decision and what it wrote."""
         sink, batch, decision = rec["sink"], rec.get("batch"), rec.get("decision")
         if batch is None and decision is None:
             return  # written before sinks recorded their decisions: nothing to learn
         prev = self.sinks.get(sink) or SinkState()
+        query = rec.get("query")
         self.sinks[sink] = SinkState(
             batch=prev.batch if batch is None else (batch if prev.batch is None else max(prev.batch, batch)),
-            owner=rec.get("query") or prev.owner,
+            owner=query if query is not None else prev.owner,
             decision=tuple((t, e, n) for t, e, n in decision) if decision is not None else None,
             fingerprint=rec.get("fingerprint") if batch is not None else prev.fingerprint,
             rows=rec.get("rows"),
@@ -1166,15 +1182,7 @@ class Coordinator:
                         "rows": rows,
                     }
                     await self._write(rec)
-                self.sinks[sink] = SinkState(
-                    batch=batch if batch is not None else done,
-                    owner=query if query is not None else (state.owner if state is not None else None),
-                    decision=decision,
-                    fingerprint=fingerprint
-                    if batch is not None
-                    else (state.fingerprint if state is not None else None),
-                    rows=rows,
-                )
+                self._replay_decision(rec)  # as replay applies it (a batch here is above the last)
                 # Step 4: markers, then the rest of the batch's tasks and the leftovers.
                 await asyncio.gather(*(self._complete(meta) for meta in prepared))
                 await self._abort_tasks(sink, [], {t: e for t, e in mine.items() if t not in tids}, sweep, release=tids)
@@ -1228,8 +1236,9 @@ class Coordinator:
             async with self._locked(sorted(set(tasks) | set(sweep) | set(ids))):
                 await self._abort_tasks(sink, [], tasks, sweep)
                 if state is not None:
-                    await self._write({"kind": "sink", "sink": sink, "reset": True})
-                    self.sinks.pop(sink, None)
+                    forget = {"kind": "sink", "sink": sink, "reset": True}
+                    await self._write(forget)
+                    self._apply_sink(forget)
                 self._enlisted.pop(sink, None)
                 # and its tasks' ids, now that nothing of them is open: each at most once per
                 # partition and slot, but they would outlive the sink (drop_txn)
@@ -1684,12 +1693,7 @@ class Coordinator:
             "reset": reset,
         }
         await self._write(rec)
-        if member_epoch is not None:
-            self.member_epochs[group] = max(self.member_epochs.get(group, -1), member_epoch)
-        if reset:
-            self.groups.setdefault(group, {}).update(offsets)
-        else:
-            self._apply_offsets({group: offsets})
+        self._apply_offsets_record(rec)
 
 
 _TASK_SLOT = re.compile(r"p[0-9]+/s[0-9]+")
