@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ..errors import OnceflowError
 from ._http import Conn
-from .protocol import WriterSettings
+from .protocol import WriterSettings, attempt_timeout
 
 __all__ = ["OptionError", "Options"]
 
@@ -115,7 +115,13 @@ class Options:
 
     def connect(self) -> Conn:
         """A connection to the server these options name."""
-        return Conn(self.url, deadline=self.request_deadline, token=self.token, offset_reset=self.offset_reset)
+        return Conn(
+            self.url,
+            deadline=self.request_deadline,
+            timeout=attempt_timeout(self.request_deadline),  # several attempts fit in the deadline
+            token=self.token,
+            offset_reset=self.offset_reset,
+        )
 
     def writer_settings(self, sink: str) -> WriterSettings:
         """What the sink's tasks and driver need, for sink (or write job) ``sink``."""
