@@ -12,6 +12,7 @@ transactional ids, groups, member epochs, sinks and the epoch floor are what the
 from __future__ import annotations
 
 import asyncio
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers.txn import JSON, S, T, Txn, kill, serve
+from onceflow.core import txn
 from onceflow.core.broker import Broker
+from onceflow.core.txn import RECORDS
 
 TIDS = ("t0", "t1", "t2")
 GROUPS = ("g0", "g1")
@@ -151,3 +154,10 @@ async def _play(rounds: list[list[tuple[str, int, int, int]]]) -> None:
 @given(history)
 def test_replay_gives_back_the_memory_of_any_history(rounds: list[list[tuple[str, int, int, int]]]) -> None:
     asyncio.run(_play(rounds))
+
+
+def test_every_kind_of_record_written_has_the_one_method_that_applies_it() -> None:
+    source = Path(txn.__file__).read_text()
+    written = set(re.findall(r'"kind": "(\w+)"', source))
+    assert written and written <= set(RECORDS), written - set(RECORDS)
+    assert all(callable(getattr(txn.Coordinator, method, None)) for method in RECORDS.values())

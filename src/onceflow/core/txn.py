@@ -429,52 +429,61 @@ class Coordinator:
         fs.rmtree(old)
 
     def _replay(self, rec: dict[str, Any]) -> None:
-        if rec["kind"] == "txn":
-            meta = TxnMeta(
-                tid=rec["tid"],
-                epoch=rec["epoch"],
-                txn=rec["txn"],
-                status=TxnStatus(rec["status"]),
-                streams=set(rec["streams"]),
-                offsets=rec["offsets"],
-                timeout=rec["timeout"],
-                init_id=rec.get("init_id"),
-                inits=tuple(rec.get("inits", ())),
-                fence=rec.get("fence"),
-            )
-            prev = self.txns.get(meta.tid)
-            if (
-                prev is not None
-                and prev.status is TxnStatus.PREPARE_COMMIT
-                and (prev.epoch, prev.txn) != (meta.epoch, meta.txn)
-            ):
-                # The id moved past a commit decision, so that commit completed: no request of an
-                # id gets through while its decision is unfinished. Its completion record may still
-                # be missing (its write failed and was rolled back while later ones reached the
-                # disk): its offsets take effect here, or a copier would copy its input again.
-                self._apply_offsets(prev.offsets)
-            self.txns[meta.tid] = meta
-            for group in meta.offsets:  # named by a transaction's offsets: it exists (add_offsets)
-                self.groups.setdefault(group, {})
-            if meta.status is TxnStatus.COMPLETE_COMMIT:
-                self._apply_offsets(meta.offsets)
-        elif rec["kind"] == "members":
-            # one decision for several transactions: replay each as its own prepared record
-            for member in rec["members"]:
-                self._replay(member)
-            self._replay_decision(rec)
-        elif rec["kind"] == "sink":
-            self._apply_sink(rec)
-        elif rec["kind"] == "forget":
-            self._forget(rec["stream"])
-        elif rec["kind"] == "drop_group":
-            self._drop_group(rec["group"])
-        elif rec["kind"] == "drop_txn":
-            self._drop_txn(rec["tid"], rec["floor"])
-        elif rec["kind"] == "epoch_floor":
-            self.epoch_floor = max(self.epoch_floor, rec["floor"])
-        elif rec["kind"] == "offsets":
-            self._apply_offsets_record(rec)
+        """Apply one record of the log: the function of its kind (:data:`RECORDS`)."""
+        getattr(self, RECORDS[rec["kind"]])(rec)
+
+    def _apply_txn(self, rec: dict[str, Any]) -> None:
+        """A ``txn`` record: a transactional id's whole state after a change (:meth:`_store`,
+        :meth:`_transition`). Live, the change is made in place once the record is durable (a
+        completion's, once staged); its other effects are mirrored here."""
+        meta = TxnMeta(
+            tid=rec["tid"],
+            epoch=rec["epoch"],
+            txn=rec["txn"],
+            status=TxnStatus(rec["status"]),
+            streams=set(rec["streams"]),
+            offsets=rec["offsets"],
+            timeout=rec["timeout"],
+            init_id=rec.get("init_id"),
+            inits=tuple(rec.get("inits", ())),
+            fence=rec.get("fence"),
+        )
+        prev = self.txns.get(meta.tid)
+        if (
+            prev is not None
+            and prev.status is TxnStatus.PREPARE_COMMIT
+            and (prev.epoch, prev.txn) != (meta.epoch, meta.txn)
+        ):
+            # The id moved past a commit decision, so that commit completed: no request of an
+            # id gets through while its decision is unfinished. Its completion record may still
+            # be missing (its write failed and was rolled back while later ones reached the
+            # disk): its offsets take effect here, or a copier would copy its input again.
+            self._apply_offsets(prev.offsets)
+        self.txns[meta.tid] = meta
+        for group in meta.offsets:  # named by a transaction's offsets: it exists (add_offsets)
+            self.groups.setdefault(group, {})
+        if meta.status is TxnStatus.COMPLETE_COMMIT:
+            self._apply_offsets(meta.offsets)
+
+    def _apply_members(self, rec: dict[str, Any]) -> None:
+        """A ``members`` record: one decision for several transactions (:meth:`commit_members`),
+        each member applied as its own record, then the sink's part."""
+        for member in rec["members"]:
+            self._apply_txn(member)
+        self._replay_decision(rec)
+
+    def _apply_forget(self, rec: dict[str, Any]) -> None:
+        self._forget(rec["stream"])
+
+    def _apply_drop_group(self, rec: dict[str, Any]) -> None:
+        self._drop_group(rec["group"])
+
+    def _apply_drop_txn(self, rec: dict[str, Any]) -> None:
+        self._drop_txn(rec["tid"], rec["floor"])
+
+    def _apply_epoch_floor(self, rec: dict[str, Any]) -> None:
+        """An ``epoch_floor`` record, which only a compaction writes (:meth:`_state_records`)."""
+        self.epoch_floor = max(self.epoch_floor, rec["floor"])
 
     # The meaning of a record, written once: each of these applies one kind, in replay (above) and
     # on the live path once the record is durable (commit_offsets, commit_members, reset_sink).
@@ -1712,6 +1721,21 @@ def _complete(meta: TxnMeta) -> bool:
 
 
 _DONE = frozenset(s.value for s in (TxnStatus.EMPTY, TxnStatus.COMPLETE_COMMIT, TxnStatus.COMPLETE_ABORT))
+
+
+# Every kind of coordinator record and the one method that gives it its meaning, in replay and,
+# where the live path applies a record after writing it, there too (docs/transactions.md,
+# "Coordinator records").
+RECORDS: dict[str, str] = {
+    "txn": "_apply_txn",
+    "members": "_apply_members",
+    "offsets": "_apply_offsets_record",
+    "sink": "_apply_sink",
+    "forget": "_apply_forget",
+    "drop_group": "_apply_drop_group",
+    "drop_txn": "_apply_drop_txn",
+    "epoch_floor": "_apply_epoch_floor",
+}
 
 
 def _count(counts: dict[str, int], names: list[str], by: int) -> None:
