@@ -40,6 +40,14 @@ def _positive_size(text: str) -> int:
     return value
 
 
+def _size_or_off(text: str) -> int | None:
+    """A size, or ``off`` (None)."""
+    return None if text.strip().lower() == "off" else _positive_size(text)
+
+
+_size_or_off.__name__ = "size (or off)"
+
+
 def _lease_seconds(text: str) -> float:
     value = float(text)
     if not 1.0 <= value <= 300.0:  # NaN and infinities too: followers wait the leader's term
@@ -127,6 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 fsync=args.fsync,
                 long_poll_timeout=args.long_poll_timeout,
                 max_body_bytes=args.max_body,
+                compress_min_bytes=args.compress_min,
                 http=args.http,
                 txn_timeout=args.txn_timeout,
                 max_streams=args.max_streams,
@@ -255,7 +264,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_size,
         default=64 << 20,
         metavar="BYTES",
-        help="largest request body accepted, e.g. 64MiB (default); larger bodies get 413",
+        help="largest request body accepted, e.g. 64MiB (default); larger bodies get 413, and so do compressed "
+        "ones that decode to more",
+    )
+    s.add_argument(
+        "--compress-min",
+        type=_size_or_off,
+        default=1 << 10,
+        metavar="BYTES",
+        help="smallest read answer sent compressed to a client that accepts gzip or zstd (Accept-Encoding), "
+        "e.g. 1KiB (default); off: none is (docs/protocol.md, Compression)",
     )
     s.add_argument(
         "--txn-timeout",

@@ -42,8 +42,9 @@ from ..core.txn import SinkState, TxnError, TxnMeta, TxnStatus
 from ..errors import OnceflowError
 from ..storage.log import InvalidPosition, OffsetGone
 from ..storage.position import Position, parse_token
-from ..wire import FRAME, MAX_SAFE_INT, RECORDS_MEDIA_TYPE
+from ..wire import CODINGS, COMPRESS_MIN, FRAME, MAX_SAFE_INT, RECORDS_MEDIA_TYPE, Coding, compress
 from .answers import SUCCESS, answer_for
+from .coding import BodyDecoder, DecodedTooLarge, Malformed, UnsupportedCoding, accepted_coding, content_coding
 from .metrics import Metrics
 from .subscriptions import SubscriptionAPI
 
@@ -52,6 +53,7 @@ __all__ = [
     "App",
     "AppConfig",
     "BadRequest",
+    "body_coding",
     "fork_source",
     "list_prefix",
     "request_headers",
@@ -96,7 +98,7 @@ _EXPOSE = (
 _ALLOW_HEADERS = (
     "Content-Type, Authorization, Stream-Seq, Stream-TTL, Stream-Expires-At, Stream-Closed, Producer-Id, "
     "Producer-Epoch, Producer-Seq, Stream-Forked-From, Stream-Fork-Offset, Stream-Fork-Sub-Offset, "
-    "If-None-Match, If-Match, Cache-Control, Transaction-Id, Transaction-Commit"
+    "If-None-Match, If-Match, Cache-Control, Transaction-Id, Transaction-Commit, Content-Encoding"
 )
 COMMON = [
     (b"access-control-allow-origin", b"*"),
@@ -133,15 +135,22 @@ class AppConfig:
     # the most streams one group reset by time may move: each is a lookup in a time index, and
     # streams (forks above all) are free to create (docs/operations.md, "Groups: resets")
     max_time_reset_streams: int = 1000
+    # the smallest read answer sent compressed to a client that accepts gzip or zstd; None: none is
+    # (docs/protocol.md, "Compression")
+    compress_min_bytes: int | None = COMPRESS_MIN
 
 
 class BadRequest(OnceflowError):
-    """A request the server refuses before it reaches the core: ``status`` and ``code`` are its answer."""
+    """A request the server refuses before it reaches the core: ``status``, ``code`` and ``headers``
+    are its answer."""
 
     status: int
 
-    def __init__(self, message: str, status: int = 400, code: str = "bad_request") -> None:
+    def __init__(
+        self, message: str, status: int = 400, code: str = "bad_request", headers: tuple[tuple[bytes, bytes], ...] = ()
+    ) -> None:
         super().__init__(message, status=status, code=code)
+        self.headers = headers
 
 
 # Headers that name resources or carry protocol state: sent twice, a server that reads the first and
@@ -153,6 +162,7 @@ _SINGLE_HEADERS = frozenset(
         "if-none-match",
         "content-type",
         "content-length",
+        "content-encoding",
         "transfer-encoding",
         "authorization",
         "host",
@@ -169,9 +179,9 @@ def request_headers(scope: Scope) -> dict[str, str]:
     """The request's headers by lower-case name (latin-1; UTF-8 for the headers that carry names,
     a :class:`BadRequest` when they are not). A protocol header given more than once
     is a :class:`BadRequest` (every ``Stream-*``, ``Producer-*`` and ``Transaction-*`` header,
-    ``If-Match``, ``If-None-Match``, ``Content-Type``, ``Content-Length``, ``Transfer-Encoding``,
-    ``Authorization`` and ``Host``); of any other repeated header the first counts. The guard
-    reads headers through this function too, so both see the same request."""
+    ``If-Match``, ``If-None-Match``, ``Content-Type``, ``Content-Length``, ``Content-Encoding``,
+    ``Transfer-Encoding``, ``Authorization`` and ``Host``); of any other repeated header the first
+    counts. The guard reads headers through this function too, so both see the same request."""
     headers: dict[str, str] = {}
     for k, v in scope["headers"]:
         key = k.decode("latin-1").lower()
@@ -208,6 +218,39 @@ def request_path(scope: Scope) -> str:
     except UnicodeEncodeError:
         raise BadRequest("the path is not valid UTF-8 once percent-decoded") from None
     return path
+
+
+_ACCEPTED = (b"accept-encoding", ", ".join(CODINGS).encode())  # on a 415: the codings a body may be in
+
+
+def body_coding(method: str, path: str, headers: dict[str, str]) -> Coding | None:
+    """The content coding of the request's body (``Content-Encoding``), None when it has none.
+
+    A coded body is taken where a stream's data is: ``PUT`` and ``POST`` of ``/v1/stream/<name>``
+    (server/coding.py decodes it as it is read). The bodies of the control endpoints (transactions,
+    groups, sinks, subscriptions) are small JSON that the guard reads too: one in a coding is a
+    ``415``, as is an unknown coding anywhere, naming the codings taken (``Accept-Encoding``, RFC
+    9110 12.5.3). Methods whose body is never read (``GET``, ``HEAD``, ``DELETE``) are not refused
+    for the header. The guard calls this too, so both refuse the same requests."""
+    raw = headers.get("content-encoding")
+    if raw is None or method not in ("PUT", "POST"):
+        return None
+    try:
+        coding = content_coding(raw)
+    except UnsupportedCoding as exc:
+        raise BadRequest(str(exc), 415, "unsupported_encoding", (_ACCEPTED,)) from None
+    if coding is None:
+        return None
+    name = path[len(PREFIX) :] if path.startswith(PREFIX) else None
+    if name is None or name == "__ds" or name.startswith("__ds/"):
+        raise BadRequest(
+            f"a {coding} body is taken by appends and creates of streams only ({PREFIX}<name>); "
+            "send this one as it is (without Content-Encoding)",
+            415,
+            "unsupported_encoding",
+            (_ACCEPTED,),
+        )
+    return coding
 
 
 def fork_source(headers: dict[str, str]) -> str | None:
@@ -323,8 +366,9 @@ class App:
         try:
             path = request_path(scope)
             headers = request_headers(scope)
+            coding = body_coding(method, path, headers)
         except BadRequest as exc:
-            status, h, body = _error(exc.status, exc.code, str(exc))
+            status, h, body = _error(exc.status, exc.code, str(exc), list(exc.headers))
             await _send(send, status, h, b"" if method == "HEAD" else body)
             return
         if method == "OPTIONS":
@@ -405,9 +449,9 @@ class App:
                 await _send(send, status, h, b"")
                 return
             if method == "PUT":
-                status, h, body = await self._create(name, scope, headers, receive)
+                status, h, body = await self._create(name, scope, headers, receive, coding)
             elif method == "POST":
-                status, h, body = await self._post(name, headers, receive)
+                status, h, body = await self._post(name, headers, receive, coding)
             elif method == "DELETE":
                 status, h, body = _outcome_response(self.broker.delete(name))
             else:
@@ -433,10 +477,10 @@ class App:
         await _send(send, status, h, body)
 
     async def _create(
-        self, name: str, scope: Scope, headers: dict[str, str], receive: Receive
+        self, name: str, scope: Scope, headers: dict[str, str], receive: Receive, coding: Coding | None
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """A PUT: the stream created (201, with its Location), confirmed, or refused."""
-        body = await self._body(headers, receive)
+        body = await self._body(headers, receive, coding)
         refused = await self.broker.forget_offsets_of_deleted(name)
         if refused is not None:
             return _outcome_response(refused)
@@ -447,29 +491,48 @@ class App:
             h.append((b"location", f"{scope.get('scheme', 'http')}://{host}{PREFIX}{name}".encode()))
         return status, h, body
 
-    async def _body(self, headers: dict[str, str], receive: Receive) -> bytes:
+    async def _body(self, headers: dict[str, str], receive: Receive, coding: Coding | None = None) -> bytes:
+        """The request's body, decoded from ``coding`` as it comes (server/coding.py).
+
+        ``--max-body`` bounds it twice: as sent (a declared ``Content-Length`` at once, a chunked
+        body as it passes the bound) and decoded, so a small body that inflates past the bound is
+        a ``413`` one byte past it, with nothing more decoded, and nothing stored. A body that is
+        not valid in its coding is a ``400`` saying what is wrong with it."""
         limit = self.config.max_body_bytes
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BadRequest(
                 f"request body is larger than the server's limit of {limit} bytes", 413, "payload_too_large"
             )
+        decoder = BodyDecoder(coding, limit) if coding is not None else None
         chunks: list[bytes] = []
         size = 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise BadRequest("client went away", 400, "disconnected")
-            chunk = msg.get("body", b"")
-            if chunk:
-                size += len(chunk)
-                if size > limit:
-                    raise BadRequest(
-                        f"request body is larger than the server's limit of {limit} bytes", 413, "payload_too_large"
-                    )
-                chunks.append(chunk)
-            if not msg.get("more_body", False):
-                break
+        try:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise BadRequest("client went away", 400, "disconnected")
+                chunk = msg.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    if size > limit:
+                        raise BadRequest(
+                            f"request body is larger than the server's limit of {limit} bytes",
+                            413,
+                            "payload_too_large",
+                        )
+                    if decoder is not None:
+                        decoder.feed(chunk)
+                    else:
+                        chunks.append(chunk)
+                if not msg.get("more_body", False):
+                    break
+            if decoder is not None:
+                return decoder.end()
+        except DecodedTooLarge as exc:
+            raise BadRequest(str(exc), 413, "payload_too_large") from None
+        except Malformed as exc:
+            raise BadRequest(str(exc), 400, "bad_encoding") from None
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     # ------------------------------------------------------------------ transactions (extension)
@@ -1019,7 +1082,7 @@ class App:
     # ------------------------------------------------------------------ POST
 
     async def _post(
-        self, name: str, headers: dict[str, str], receive: Receive
+        self, name: str, headers: dict[str, str], receive: Receive, coding: Coding | None
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         close = _is_true(headers.get("stream-closed"))
         producer = _producer_headers(headers)
@@ -1029,7 +1092,7 @@ class App:
             if_match = parse_token(raw_match.strip().strip('"'))
             if if_match is None:
                 raise BadRequest(f"If-Match must be an offset this server issued, got {raw_match!r}")
-        body = await self._body(headers, receive)
+        body = await self._body(headers, receive, coding)
         if not body and not close:
             raise BadRequest("empty body: an append needs data (or Stream-Closed: true to close)")
         content_type = headers.get("content-type")
@@ -1098,7 +1161,8 @@ class App:
         if fmt is not None:
             if q.live is not None:
                 raise BadRequest("format= reads are not live; leave out the live parameter")
-            await _send(send, *await self._framed_read(s, start, fmt, params, q.max_bytes, q.committed))
+            framed = await self._framed_read(s, start, fmt, params, q.max_bytes, q.committed, headers)
+            await _send(send, *await _coded(*framed))
             return
         if q.live == "sse":
             await self._sse(s, start, q.cursor, receive, send, q.committed)
@@ -1112,7 +1176,7 @@ class App:
             if timed_out is not None:
                 await _send(send, *timed_out)
                 return
-        await _send(send, *self._read_answer(s, start, q, headers))
+        await _send(send, *await _coded(*self._read_answer(s, start, q, headers)))
 
     def _read_query(self, params: dict[str, list[str]]) -> _ReadQuery:
         """Decides whether a read's query parameters (offset, live, cursor, isolation, max_bytes) are well formed."""
@@ -1190,30 +1254,47 @@ class App:
             return 204, h, b""
         return None
 
+    def _answer_coding(self, headers: dict[str, str], size: int) -> tuple[Coding | None, list[tuple[bytes, bytes]]]:
+        """The coding a read answer of about ``size`` bytes goes in (None: as it is), and its ``Vary``.
+
+        Only an answer of ``compress_min_bytes`` or more is compressed: below that a coding saves a
+        few hundred bytes at most and costs a compressor's setup on each read. Such an answer
+        carries ``Vary: Accept-Encoding`` whatever the request accepted, so that a cache keeps the
+        plain and the compressed one apart; a smaller one is the same for every client."""
+        least = self.config.compress_min_bytes
+        if least is None or size < least:
+            return None, []
+        return accepted_coding(headers.get("accept-encoding")), [_VARY]
+
     def _read_answer(
         self,
         s: StreamState,
         start: Position,
         q: _ReadQuery,
         headers: dict[str, str],
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes, Coding | None]:
         """Reads from ``start`` and decides the answer: 304 for a matching If-None-Match, else 200 with
-        the data and the caching headers the read allows."""
+        the data and the caching headers the read allows; and the coding its body is to go in
+        (:meth:`_answer_coding`), whose answer's ETag is the plain one's, weak (RFC 9110 8.8.1: the same
+        data in another coding), so that ``If-None-Match`` with either tag revalidates either."""
         try:
             result = self.broker.read(s, start, q.max_bytes, committed=q.committed)
         except OffsetGone:
             raise
         except InvalidPosition as exc:
             raise BadRequest(str(exc)) from None
+        coding, vary = self._answer_coding(headers, sum(len(b.payload) for b in result.batches))
         start_label = q.offset if q.offset is not None else "-1"
         etag = _etag(s, start_label, result.next, result.closed)
+        shown = b"W/" + etag if coding is not None else etag
         inm = headers.get("if-none-match")
-        if inm is not None and etag.decode() in [t.strip() for t in inm.split(",")]:
-            return 304, [(b"etag", etag)], b""
+        if inm is not None and _etag_matches(inm, etag):
+            return 304, [(b"etag", shown), *vary], b"", None
         h = [
             (b"content-type", s.meta.content_type.encode()),
             (b"stream-next-offset", result.next.token().encode()),
-            (b"etag", etag),
+            (b"etag", shown),
+            *vary,
         ]
         if result.up_to_date:
             h.append((b"stream-up-to-date", b"true"))
@@ -1226,7 +1307,7 @@ class App:
             h.append((b"cache-control", b"public, max-age=60, stale-while-revalidate=300"))
         else:
             h.append((b"cache-control", b"no-store"))
-        return 200, h, _body_of(s, result)
+        return 200, h, _body_of(s, result), coding
 
     async def _framed_read(
         self,
@@ -1236,11 +1317,13 @@ class App:
         params: dict[str, list[str]],
         max_bytes: int | None,
         committed: bool,
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        headers: dict[str, str],
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes, Coding | None]:
         """Extension reads for exact-range readers (the Spark source), docs/protocol.md:
 
         - ``format=records``: the batches from ``offset`` up to ``until`` as frames that keep each
-          batch's first record offset, record count and append time.
+          batch's first record offset, record count and append time; compressed as a catch-up
+          read is (:meth:`_answer_coding`).
         - ``format=boundaries``: batch boundaries at least ``every`` records apart, and where a read of
           at most ``max_records`` records ends; no data.
         """
@@ -1265,14 +1348,16 @@ class App:
                     for b in result.batches
                     if b.header.count
                 )
+                coding, vary = self._answer_coding(headers, len(frames))
                 h += [
                     (b"content-type", RECORDS_MEDIA_TYPE),
                     (b"stream-content-type", s.meta.content_type.encode()),
                     (b"stream-next-offset", result.next.token().encode()),
+                    *vary,
                 ]
                 if result.up_to_date:
                     h.append((b"stream-up-to-date", b"true"))
-                return 200, h, frames
+                return 200, h, frames, coding
             if fmt == "boundaries":
                 every = self._positive_param(params, "every") or MAX_SAFE_INT
                 marks, end = await self.broker.boundaries(
@@ -1280,7 +1365,7 @@ class App:
                 )
                 h.append((b"stream-next-offset", end.token().encode()))
                 status, jh, body = _json_response(200, {"boundaries": [m.token() for m in marks], "end": end.token()})
-                return status, jh + h, body
+                return status, jh + h, body, None
         except OffsetGone:
             raise
         except InvalidPosition as exc:
@@ -1596,6 +1681,39 @@ def _producer_headers(headers: dict[str, str]) -> ProducerHeaders | None:
         if not _DIGITS.match(value) or int(value) > MAX_SAFE_INT:
             raise BadRequest(f"{label} must be an integer from 0 to 2^53-1, got {value!r}")
     return ProducerHeaders(pid, int(epoch), int(seq))
+
+
+_VARY = (b"vary", b"accept-encoding")
+_INLINE_CODING = 64 << 10  # a larger answer is compressed off the event loop's thread
+
+
+async def _coded(
+    status: int, h: list[tuple[bytes, bytes]], body: bytes, coding: Coding | None
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The answer with its body in ``coding`` and ``Content-Encoding`` saying so; as it is when
+    ``coding`` is None or does not make it smaller (random bytes, data compressed before), its
+    ETag strong again then.
+
+    A body of more than ``_INLINE_CODING`` bytes (a read answers up to 4 MiB, which gzip takes
+    ~20 ms to compress) is compressed on a thread of the default executor, as zlib and zstd let go
+    of the GIL while they work: the event loop serves other requests meanwhile."""
+    if coding is None or not body:
+        return status, h, body
+    if len(body) <= _INLINE_CODING:
+        packed = compress(body, coding)
+    else:
+        packed = await asyncio.get_running_loop().run_in_executor(None, compress, body, coding)
+    if len(packed) >= len(body):
+        return status, [(k, v.removeprefix(b"W/") if k == b"etag" else v) for k, v in h], body
+    return status, [*h, (b"content-encoding", coding.encode())], packed
+
+
+def _etag_matches(if_none_match: str, etag: bytes) -> bool:
+    """Whether ``If-None-Match`` names ``etag``, by the weak comparison the RFC prescribes for it
+    (9110 13.1.2): ``W/"x"`` matches ``"x"``, so a client that holds the compressed answer (whose
+    tag is weak) revalidates it as one that holds the plain one does."""
+    tag = etag.decode()
+    return any(t.strip().removeprefix("W/") == tag for t in if_none_match.split(","))
 
 
 def _etag(s: StreamState, start: str, end: Position, closed: bool) -> bytes:

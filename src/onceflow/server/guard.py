@@ -36,7 +36,9 @@ Limits (``limits``), answered ``429`` with ``Retry-After: 1`` (error code ``limi
 How a request passes (:meth:`Guard.__call__`)
     1. Path and headers are read with the app's own functions (:func:`~onceflow.server.app.request_path`,
        :func:`~onceflow.server.app.request_headers`): a path that is not UTF-8 or a repeated
-       protocol header is a ``400`` here, as in the app, so both act on the same request.
+       protocol header is a ``400`` here, as in the app, so both act on the same request. So is
+       the body's coding (:func:`~onceflow.server.app.body_coding`): an unknown one, or any on a
+       control endpoint, whose JSON body this guard reads, is the app's ``415``.
     2. The request is routed to its :class:`Endpoint` the way the app dispatches it.
     3. For endpoints whose names are in the JSON body, the body (bounded like the app bounds it)
        is read and parsed; an unparseable one is a ``400`` here. The app gets the same bytes.
@@ -89,6 +91,7 @@ from .app import (
     BadRequest,
     Receive,
     Send,
+    body_coding,
     fork_source,
     list_prefix,
     request_headers,
@@ -834,7 +837,7 @@ async def refused_before_body(config: GuardConfig, scope: ASGIScope, send: Send)
 
     For a server that passes requests on to another (a follower, server/leader.py), and would
     otherwise read the body to do so: these refusals come before the guard reads any body, so they
-    never depend on it. Checked: Steps 1 and 2 (a ``400``), the token (``401`` when missing or
+    never depend on it. Checked: Steps 1 and 2 (a ``400``, a ``415``), the token (``401`` when missing or
     unknown; a wake token only when missing, for which subscription it was issued is the other
     server's to know), and, for an endpoint whose names are all in its path and headers (an append,
     a read, a create: ``Endpoint.body == "none"``), every name (``403``). Not checked: names in a
@@ -854,14 +857,17 @@ async def refused_before_body(config: GuardConfig, scope: ASGIScope, send: Send)
 
 
 def _routed(scope: ASGIScope) -> tuple[Mapping[str, str], Endpoint, str, str]:
-    """Step 1, the request as the app will read it (its headers), and Step 2, its endpoint, with the
-    name and the extra path part of :func:`route`. Raises :class:`_Refused` (a ``400``)."""
+    """Step 1, the request as the app will read it (its headers, and its body's coding: a coded
+    control body, which this guard would have to read, is refused as the app refuses it), and
+    Step 2, its endpoint, with the name and the extra path part of :func:`route`. Raises
+    :class:`_Refused` (a ``400``, or the app's ``415``)."""
     try:
         path = request_path(scope)
         headers = request_headers(scope)
+        body_coding(scope["method"], path, headers)
         endpoint, name, extra = route(scope["method"], path, scope)
     except BadRequest as exc:
-        raise _Refused(exc.status, "bad_request", str(exc)) from None
+        raise _Refused(exc.status, exc.code, str(exc), list(exc.headers)) from None
     except SubscriptionError as exc:
         raise _Refused(answer_for(exc.refusal).status, "bad_request", str(exc)) from None
     return headers, endpoint, name, extra

@@ -36,6 +36,7 @@ async def serve(
     fsync: FsyncPolicy = "always",
     long_poll_timeout: float = 20.0,
     max_body_bytes: int = 64 << 20,
+    compress_min_bytes: int | None = 1 << 10,
     http: Literal["native", "uvicorn"] = "native",
     txn_timeout: float = 60.0,
     max_streams: int = 100_000,
@@ -65,6 +66,8 @@ async def serve(
     ``forward``: a follower passes requests on to the leader (else it answers 503 ``not_leader``),
     holding at most ``forward_buffer`` body bytes at once to do so (by default ``max_body_bytes``);
     ``store_timeouts``: how long the event loop waits for one read and one write of the database.
+    ``compress_min_bytes``: the smallest read answer compressed for a client that accepts a coding
+    (None: none is; docs/protocol.md, "Compression").
 
     Shutdown: stop accepting, end live reads (long-poll / SSE), let in-flight appends become durable
     (up to a few seconds), close connections, then flush and snapshot every stream.
@@ -83,6 +86,7 @@ async def serve(
     config = AppConfig(
         long_poll_timeout=long_poll_timeout,
         max_body_bytes=max_body_bytes,
+        compress_min_bytes=compress_min_bytes,
         webhook_targets=webhook_targets,
         metrics_allow=tuple(metrics_allow),
     )
