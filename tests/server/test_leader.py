@@ -806,3 +806,31 @@ async def test_the_stores_timeouts_are_the_servers_to_set(pg: str) -> None:
         assert (fs.read_timeout, fs.write_timeout) == (0.7, 9.0)
     finally:
         fs.close()
+
+
+@pytest.mark.anyio
+async def test_a_follower_asks_the_leader_for_no_coding_its_client_did_not_ask_for() -> None:
+    """Issue 32, item 2: the follower's HTTP client added its own ``Accept-Encoding: gzip, deflate,
+    zstd`` to every request it passed on: once the leader compresses answers, a client that asked
+    for none would have got a gzip body (passed on undecoded). Only the client's own header goes."""
+    heads: list[bytes] = []
+
+    async def leader_at(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append((await reader.readuntil(b"\r\n\r\n")).lower())
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(leader_at, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    follower = leader.NotLeader(
+        Holds(f"http://127.0.0.1:{port}"), 10.0, me="http://b:4437", forward=True, max_body=1 << 20
+    )  # type: ignore[arg-type]
+    try:
+        await through(follower, "GET", b"/v1/stream/a?offset=-1")
+        await through(follower, "GET", b"/v1/stream/a?offset=-1", headers=[(b"accept-encoding", b"zstd")])
+    finally:
+        await follower.close()
+        server.close()
+    assert b"accept-encoding" not in heads[0], heads[0]
+    assert heads[1].count(b"accept-encoding") == 1 and b"accept-encoding: zstd\r\n" in heads[1]

@@ -22,6 +22,7 @@ pytest.importorskip("psycopg_pool", reason="the PostgreSQL store needs psycopg_p
 
 from helpers.servers import ServerProcess  # noqa: E402
 from onceflow.server.leader import LEASE_LOST_EXIT  # noqa: E402
+from onceflow.wire import compress  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}
 
@@ -297,6 +298,45 @@ def test_an_http10_client_gets_no_chunked_answer_through_a_follower(pair: tuple[
     top, _, body = answer.lower().partition(b"\r\n\r\n")
     assert b"transfer-encoding" not in top and b"\r\nconnection: close" in top
     assert body.startswith(b"event: data\n"), body[:100]
+
+
+def test_compressed_bodies_and_answers_pass_through_a_follower_as_the_leader_takes_and_gives_them(
+    pair: tuple[ServerProcess, ServerProcess],
+) -> None:
+    """Issue 32, item 2: a follower passes a coded body on as it came (its seal binds those bytes, and
+    the sealed headers carry ``Content-Encoding``, so the leader decodes what was sealed and bounds
+    it as it bounds its own) and the leader's coded answer back undecoded, with the leader's
+    ``Content-Encoding``, ``Vary``, weak ``ETag`` and length; a client that asks for no coding
+    gets none through it either."""
+    leader = wait_for_leader(*pair)
+    follower = pair[1] if leader is pair[0] else pair[0]
+    url = f"{follower.url}/v1/stream/orders"
+    values = [{"id": i, "user": f"user-{i % 50}", "event": "click"} for i in range(200)]
+    body = json.dumps(values, separators=(",", ":")).encode()
+    assert httpx.put(url, headers=JSON).status_code == 201
+    for coding in ("gzip", "zstd"):
+        r = httpx.post(url, content=compress(body, coding), headers={**JSON, "content-encoding": coding})
+        assert r.status_code == 204, r.text
+    bomb = compress(b"\0" * (65 << 20), "zstd")  # more than --max-body (64 MiB) once decoded
+    r = httpx.post(url, content=bomb, headers={**JSON, "content-encoding": "zstd"}, timeout=30)
+    assert r.status_code == 413 and "decodes to more than" in r.json()["error"]["message"]
+    r = httpx.post(url, content=b"not gzip", headers={**JSON, "content-encoding": "gzip"})
+    assert r.status_code == 400 and "not valid gzip" in r.json()["error"]["message"]
+    r = httpx.post(url, content=body, headers={**JSON, "content-encoding": "br"})
+    assert r.status_code == 415 and r.headers["accept-encoding"] == "gzip, zstd"
+    plain = httpx.get(
+        f"{leader.url}/v1/stream/orders", params={"offset": "-1"}, headers={"accept-encoding": "identity"}
+    )
+    assert plain.json() == values + values
+    for coding in ("gzip", "zstd"):
+        r = httpx.get(url, params={"offset": "-1"}, headers={"accept-encoding": coding})
+        assert r.headers["content-encoding"] == coding and r.headers["vary"] == "accept-encoding"
+        assert r.headers["etag"] == "W/" + plain.headers["etag"] and r.content == plain.content
+        assert int(r.headers["content-length"]) < len(plain.content) / 3
+    r = httpx.get(url, params={"offset": "-1"}, headers={"accept-encoding": "identity"})
+    assert "content-encoding" not in r.headers and r.content == plain.content
+    head, got = raw_head_and_body(follower, b"GET /v1/stream/orders?offset=-1 HTTP/1.0\r\nhost: x\r\n\r\n")
+    assert b"content-encoding" not in head and got == plain.content  # no Accept-Encoding at all
 
 
 def raw_head_and_body(server: ServerProcess, request: bytes) -> tuple[bytes, bytes]:

@@ -457,6 +457,12 @@ class NotLeader:
     by default ``max_body``: one body of the largest size, or several smaller). A body is held, not
     streamed through: the seal binds its digest, which must be known before the request is sent.
 
+    Compressed bodies and answers (docs/protocol.md, "Compression") pass as they came: the seal binds
+    the body's bytes as sent, coded, which the leader digests before its app decodes them, and
+    ``Content-Encoding`` travels sealed with the other headers; the bound above is on those bytes,
+    the leader bounds them decoded too. The leader's coded answer goes back undecoded, its
+    ``Content-Encoding``, ``Vary`` and length with it.
+
     In time: a leader that is frozen (SIGSTOP, a paused VM) still accepts connections (its kernel
     does), so a forward waits for its answer at most a term (``lease_seconds``: by then another
     server may lead), between any two bytes of it; a long-poll or SSE read waits ``long_poll_timeout``
@@ -601,6 +607,10 @@ class NotLeader:
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
                 trust_env=False,
             )
+            # httpx adds Accept-Encoding to every request: the leader would compress answers the
+            # client did not ask to be compressed, passed on to it undecoded. The client's own
+            # header goes on (sealed, as every header but Host and Content-Type).
+            del self._client.headers["accept-encoding"]
         term = self._lease_seconds
         live = any(p in (b"live=long-poll", b"live=sse") for p in scope.get("query_string", b"").split(b"&"))
         timeout = httpx.Timeout(term, connect=min(2.0, term), read=term + self._long_poll_timeout if live else term)
