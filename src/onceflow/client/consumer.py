@@ -40,7 +40,18 @@ from .._files import replace_file
 from ._errors import OffsetGoneError, OnceflowError, TransportError, error_from_response
 from ._loop import run_sync
 from ._types import Chunk, Delivery, Message
-from .lowlevel import ServerURL, async_http_client, parse_chunk, read_params, request_url, server_url, stream_url
+from .lowlevel import (
+    Coding,
+    ServerURL,
+    accept_headers,
+    async_http_client,
+    check_compression,
+    parse_chunk,
+    read_params,
+    request_url,
+    server_url,
+    stream_url,
+)
 
 __all__ = [
     "AsyncConsumer",
@@ -147,6 +158,8 @@ class AsyncConsumer:
     ``poll()`` returns the messages of one read (from one stream; streams are read concurrently and
     each keeps its order). ``live=None`` stops once every stream is caught up; ``"long-poll"``
     tails for new data (and, with a prefix, for new streams every ``discover_interval`` seconds).
+    ``compression`` (``"gzip"`` or ``"zstd"``): reads ask for answers in that coding, which the
+    server sends for answers of 1 KiB or more and httpx decodes.
     """
 
     def __init__(
@@ -165,7 +178,9 @@ class AsyncConsumer:
         buffer: int = 4,
         max_read_bytes: int | None = None,
         offset_reset: OffsetReset = "error",
+        compression: Coding | None = None,
     ) -> None:
+        self._accept = accept_headers(check_compression(compression))
         if offset_reset not in ("error", "earliest"):
             raise ValueError(f"offset_reset must be error or earliest, not {offset_reset!r}")
         if delivery not in ("at-most-once", "at-least-once", "exactly-once"):
@@ -277,7 +292,9 @@ class AsyncConsumer:
         while True:
             live = self.live if name in self._caught_up else None
             try:
-                resp = await self._client.get(url, params=read_params(offset, live, cursor, self.max_read_bytes))
+                resp = await self._client.get(
+                    url, params=read_params(offset, live, cursor, self.max_read_bytes), headers=self._accept
+                )
                 chunk = parse_chunk(name, offset, resp, f"read {name}")
             except (httpx.TransportError, OnceflowError) as exc:
                 err = exc if isinstance(exc, OnceflowError) else TransportError(f"read {name}: {exc!r}")
@@ -444,6 +461,7 @@ class Consumer:
         buffer: int = 4,
         max_read_bytes: int | None = None,
         offset_reset: OffsetReset = "error",
+        compression: Coding | None = None,
     ) -> None:
         def make() -> AsyncConsumer:  # on the background loop: the consumer's queue belongs to it
             return AsyncConsumer(
@@ -460,6 +478,7 @@ class Consumer:
                 buffer=buffer,
                 max_read_bytes=max_read_bytes,
                 offset_reset=offset_reset,
+                compression=compression,
             )
 
         self._core: AsyncConsumer = run_sync(_start_consumer(make))

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from ..wire import CODINGS, COMPRESS_MIN, Coding, compress
 from ._errors import OnceflowError, error_from_response
 from ._failover import (
     AsyncFailoverTransport,
@@ -33,14 +34,18 @@ from ._types import AppendResult, Chunk, Retention, StreamInfo
 
 __all__ = [
     "TOKEN_ENV",
+    "Coding",
     "NoServerError",
     "SSEParser",
     "ServerURL",
+    "accept_headers",
     "append_headers",
     "async_http_client",
     "auth_headers",
     "background_loop",
+    "check_compression",
     "create_headers",
+    "encode_body",
     "encode_json_messages",
     "error_from_response",
     "http_client",
@@ -78,6 +83,41 @@ def auth_headers(token: str | None = None) -> dict[str, str]:
     else ``$ONCEFLOW_TOKEN``; nothing when neither is set."""
     token = token if token is not None else os.environ.get(TOKEN_ENV)
     return {"authorization": f"Bearer {token}"} if token else {}
+
+
+def check_compression(compression: str | None) -> Coding | None:
+    """``compression`` as the clients take it: ``"gzip"``, ``"zstd"`` or None (a ``ValueError`` else)."""
+    if compression is None or compression in CODINGS:
+        return compression
+    raise ValueError(f"compression must be {' or '.join(repr(c) for c in CODINGS)} or None, got {compression!r}")
+
+
+def encode_body(body: bytes, compression: Coding | None) -> tuple[bytes, dict[str, str]]:
+    """The body of an append or create to send, and its ``Content-Encoding`` header: in
+    ``compression`` when the body is at least :data:`~onceflow.wire.COMPRESS_MIN` bytes and the
+    coding makes it smaller; as it is otherwise (``{}``). The server decodes it before anything
+    else, so a retry may go either way and is deduplicated the same (docs/protocol.md, "Compression")."""
+    if compression is None or len(body) < COMPRESS_MIN:
+        return body, {}
+    packed = compress(body, compression)
+    if len(packed) >= len(body):
+        return body, {}
+    return packed, {"content-encoding": compression}
+
+
+def accept_headers(compression: Coding | None) -> dict[str, str]:
+    """The ``Accept-Encoding`` of a read: ``compression`` when given, else ``identity``, so that a
+    client made otherwise than by :func:`http_client` (whose default is httpx's ``gzip, deflate``)
+    gets plain answers unless told. httpx decodes gzip, and zstd with ``zstandard`` installed (it is
+    onceflow's dependency)."""
+    return {"accept-encoding": compression or "identity"}
+
+
+def _default_headers(token: str | None) -> dict[str, str]:
+    """The headers of every request of a client made here: the bearer token, and
+    ``Accept-Encoding: identity`` (httpx would ask for gzip, deflate and zstd on every request, and
+    the server would compress large answers for it: reads ask for a coding only when told)."""
+    return {"accept-encoding": "identity", **auth_headers(token)}
 
 
 def tls_verify(url: str) -> bool:
@@ -120,10 +160,12 @@ def http_client(
     more: dict[str, Any] = {} if limits is None else {"limits": limits}
     servers = parse_servers(url)
     if servers is None:
-        return _skip_cookie_parsing(httpx.Client(timeout=timeout, verify=verify, headers=auth_headers(token), **more))
+        return _skip_cookie_parsing(
+            httpx.Client(timeout=timeout, verify=verify, headers=_default_headers(token), **more)
+        )
     transport = FailoverTransport(servers, httpx.HTTPTransport(verify=verify, **more))
     return _skip_cookie_parsing(
-        httpx.Client(timeout=timeout, headers=auth_headers(token), transport=transport, trust_env=False)
+        httpx.Client(timeout=timeout, headers=_default_headers(token), transport=transport, trust_env=False)
     )
 
 
@@ -139,12 +181,12 @@ def async_http_client(
         if plain:  # the lean transport (client/_transport.py); https stays with httpx's own
             more = {"transport": LeanAsyncTransport(limits)}
         return _skip_cookie_parsing(
-            httpx.AsyncClient(timeout=timeout, verify=verify, headers=auth_headers(token), **more)
+            httpx.AsyncClient(timeout=timeout, verify=verify, headers=_default_headers(token), **more)
         )
     inner = LeanAsyncTransport(limits) if plain else httpx.AsyncHTTPTransport(verify=verify, **more)
     transport = AsyncFailoverTransport(servers, inner)
     return _skip_cookie_parsing(
-        httpx.AsyncClient(timeout=timeout, headers=auth_headers(token), transport=transport, trust_env=False)
+        httpx.AsyncClient(timeout=timeout, headers=_default_headers(token), transport=transport, trust_env=False)
     )
 
 

@@ -19,6 +19,10 @@ How a message travels
        error is :class:`OutcomeUnknownError`: the batch may be in the stream (its answer was lost)
        or may still land (a request under way). Otherwise it is a plain ``TransportError``: it is not.
 
+``compression`` (``"gzip"`` or ``"zstd"``): each batch of 1 KiB or more is compressed once, before its
+first request, and every retry sends the same bytes (the server deduplicates on the sequence number,
+and decodes before it looks at the content: a retry would be deduplicated either way).
+
 ``idempotent=False`` (Kafka's ``enable.idempotence=false``) sends the same batches without producer
 headers: retries are then at-least-once (a lost acknowledgement means a duplicate) and batches in
 flight together may land in any order. It exists for comparison; keep the default.
@@ -59,7 +63,17 @@ from ._errors import (
     error_from_response,
 )
 from ._loop import background_loop, run_sync
-from .lowlevel import ServerURL, async_http_client, is_json_type, request_url, server_url, stream_url
+from .lowlevel import (
+    Coding,
+    ServerURL,
+    async_http_client,
+    check_compression,
+    encode_body,
+    is_json_type,
+    request_url,
+    server_url,
+    stream_url,
+)
 
 __all__ = ["AsyncIdempotentProducer", "IdempotentProducer", "ProducerStats"]
 
@@ -79,15 +93,33 @@ class ProducerStats:
     duplicates: int = 0  # acknowledgements that said "already stored" (a retry of a lost ack)
     gaps: int = 0  # batches resent because an earlier one had not landed yet
     failed: int = 0  # messages that will never be delivered
+    body_bytes: int = 0  # request body bytes sent, as sent (compressed with compression=), retries included
 
 
 class _Batch:
-    __slots__ = ("body", "count", "seq")
+    __slots__ = ("body", "coded", "count", "seq")
 
     def __init__(self, seq: int, body: bytes, count: int) -> None:
         self.seq = seq
         self.body = body
         self.count = count
+        self.coded: dict[str, str] | None = None  # Content-Encoding once the body is as it is sent
+
+    async def encode(self, compression: Coding | None) -> dict[str, str]:
+        """Compress the body for its first request (:func:`~onceflow.client.lowlevel.encode_body`),
+        on a thread when it is large (zlib and zstd let go of the GIL: the event loop and the
+        threads that append go on meanwhile); the headers that say how it is coded."""
+        if self.coded is not None:
+            return self.coded
+        if compression is not None and len(self.body) > _INLINE_CODING:
+            body, coded = await asyncio.to_thread(encode_body, self.body, compression)
+        else:
+            body, coded = encode_body(self.body, compression)
+        self.body, self.coded = body, coded
+        return coded
+
+
+_INLINE_CODING = 64 << 10  # a larger batch is compressed off the event loop's thread
 
 
 def _epoch_from_file(path: Path) -> int:
@@ -127,9 +159,11 @@ class AsyncIdempotentProducer:
         request_timeout: float = 30.0,
         on_error: ErrorCallback | None = None,
         client: httpx.AsyncClient | None = None,
+        compression: Coding | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
+        self.compression = check_compression(compression)
         url = server_url(url)
         self.url = stream_url(url, stream) if stream is not None else url
         self._target = request_url(self.url)  # what requests are addressed to (the same URL for one server)
@@ -432,12 +466,16 @@ class AsyncIdempotentProducer:
                 self._fail_batch(batch, self._error)
                 return
             epoch = self.epoch
-            headers = {"content-type": self.content_type or "application/octet-stream"}
+            headers = {
+                "content-type": self.content_type or "application/octet-stream",
+                **await batch.encode(self.compression),
+            }
             if self.idempotent:
                 headers["producer-id"] = self.producer_id
                 headers["producer-epoch"] = str(epoch)
                 headers["producer-seq"] = str(batch.seq)
             self.stats.requests += 1
+            self.stats.body_bytes += len(batch.body)
             err: OnceflowError
             try:
                 resp = await self._client.post(self._target, content=batch.body, headers=headers)
@@ -576,6 +614,7 @@ class IdempotentProducer:
         request_timeout: float = 30.0,
         on_error: ErrorCallback | None = None,
         client: httpx.AsyncClient | None = None,
+        compression: Coding | None = None,
     ) -> None:
         background_loop()
         self._core = AsyncIdempotentProducer(
@@ -595,6 +634,7 @@ class IdempotentProducer:
             request_timeout=request_timeout,
             on_error=on_error,
             client=client,
+            compression=compression,
         )
         run_sync(self._core.start())
 

@@ -14,11 +14,15 @@ import httpx
 from ._errors import OnceflowError, TransportError, error_from_response
 from ._types import AppendResult, Chunk, LiveMode, Retention, StreamInfo
 from .lowlevel import (
+    Coding,
     ServerURL,
     SSEParser,
+    accept_headers,
     append_headers,
     async_http_client,
+    check_compression,
     create_headers,
+    encode_body,
     encode_json_messages,
     http_client,
     is_json_type,
@@ -67,11 +71,13 @@ def _sse_parser(name: str, offset: str, content_type: str, resp: httpx.Response)
 
 
 class _Base:
-    def __init__(self, url: ServerURL, content_type: str | None) -> None:
+    def __init__(self, url: ServerURL, content_type: str | None, compression: Coding | None) -> None:
         self.url = server_url(url)
         self.name = _name_of(self.url)
         self._content_type = content_type
         self._target = request_url(self.url)  # what requests are addressed to (the same URL for one server)
+        self.compression = check_compression(compression)
+        self._accept = accept_headers(self.compression)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -86,22 +92,42 @@ class Stream(_Base):
     Use :meth:`connect` to build the URL from a server address and a name. The handle is cheap; it
     holds an ``httpx.Client`` (yours if you pass one, closed by :meth:`close` otherwise).
 
+    ``compression`` (``"gzip"`` or ``"zstd"``; default None): appends (and a create's data) of 1 KiB
+    or more go compressed, and catch-up and long-poll reads ask for compressed answers
+    (``Accept-Encoding``), which httpx decodes; live SSE reads are never compressed
+    (docs/client.md, "Compression").
+
     Several servers (``http://a:4437,b:4437/v1/stream/orders``, or a list of server URLs given to
     :meth:`connect`): the handle's own client fails over between them, and ``url`` keeps them all,
     so it can be handed to another handle or producer as it is. A client of yours fails over only
     if it was made by :func:`onceflow.client.lowlevel.http_client` for the same servers.
     """
 
-    def __init__(self, url: ServerURL, *, client: httpx.Client | None = None, content_type: str | None = None) -> None:
-        super().__init__(url, content_type)
+    def __init__(
+        self,
+        url: ServerURL,
+        *,
+        client: httpx.Client | None = None,
+        content_type: str | None = None,
+        compression: Coding | None = None,
+    ) -> None:
+        super().__init__(url, content_type, compression)
         self._own = client is None
         self._client = client or http_client(self.url, timeout=DEFAULT_TIMEOUT)
 
     @classmethod
     def connect(
-        cls, base_url: ServerURL, name: str, *, client: httpx.Client | None = None, content_type: str | None = None
+        cls,
+        base_url: ServerURL,
+        name: str,
+        *,
+        client: httpx.Client | None = None,
+        content_type: str | None = None,
+        compression: Coding | None = None,
     ) -> Stream:
-        return cls(stream_url(server_url(base_url), name), client=client, content_type=content_type)
+        return cls(
+            stream_url(server_url(base_url), name), client=client, content_type=content_type, compression=compression
+        )
 
     def __enter__(self) -> Stream:
         return self
@@ -134,12 +160,9 @@ class Stream(_Base):
     ) -> StreamInfo:
         """Create the stream, or confirm an identical one exists (idempotent). ``retention``: how
         long and how much of it the server keeps (its default otherwise; docs/operations.md)."""
-        resp = self._request(
-            "PUT",
-            "create",
-            headers=create_headers(content_type, ttl=ttl, expires_at=expires_at, closed=closed, retention=retention),
-            content=data or b"",
-        )
+        body, coded = encode_body(data or b"", self.compression)
+        headers = create_headers(content_type, ttl=ttl, expires_at=expires_at, closed=closed, retention=retention)
+        resp = self._request("PUT", "create", headers={**headers, **coded}, content=body)
         info = parse_info(resp, f"create {self.name}")
         self._content_type = info.content_type
         return info
@@ -195,9 +218,11 @@ class Stream(_Base):
         ``producer`` is ``(id, epoch, seq)`` for a single idempotent append (see IdempotentProducer).
         """
         ct = self._ensure_type()
-        body = _body(data, is_json_type(ct))
+        body, coded = encode_body(_body(data, is_json_type(ct)), self.compression)
         headers = append_headers(ct, seq=seq, close=close, if_match=if_match, producer=producer)
-        return parse_append(self._request("POST", "append", headers=headers, content=body), f"append to {self.name}")
+        return parse_append(
+            self._request("POST", "append", headers={**headers, **coded}, content=body), f"append to {self.name}"
+        )
 
     def append_many(
         self,
@@ -213,16 +238,16 @@ class Stream(_Base):
         if not is_json_type(ct):
             raise TypeError("append_many needs a JSON stream; concatenate bytes for byte streams")
         headers = append_headers(ct, seq=seq, close=close, if_match=if_match, producer=producer)
+        body, coded = encode_body(encode_json_messages(values), self.compression)
         return parse_append(
-            self._request("POST", "append", headers=headers, content=encode_json_messages(values)),
-            f"append to {self.name}",
+            self._request("POST", "append", headers={**headers, **coded}, content=body), f"append to {self.name}"
         )
 
     # -- reads
 
     def read(self, offset: str = "-1") -> Chunk:
         """One catch-up read from ``offset`` (``-1``: the start, ``now``: the tail)."""
-        resp = self._request("GET", "read", params=read_params(offset, None, None))
+        resp = self._request("GET", "read", params=read_params(offset, None, None), headers=self._accept)
         return parse_chunk(self.name, offset, resp, f"read {self.name}")
 
     def chunks(self, offset: str = "-1", *, live: LiveMode | None = None) -> Iterator[Chunk]:
@@ -233,7 +258,7 @@ class Stream(_Base):
             return
         cursor: str | None = None
         while True:
-            resp = self._request("GET", "read", params=read_params(offset, live, cursor))
+            resp = self._request("GET", "read", params=read_params(offset, live, cursor), headers=self._accept)
             chunk = parse_chunk(self.name, offset, resp, f"read {self.name}")
             if chunk.data or chunk.closed or live is None:
                 yield chunk
@@ -277,9 +302,14 @@ class AsyncStream(_Base):
     """The asyncio twin of :class:`Stream`: the same methods, awaited."""
 
     def __init__(
-        self, url: ServerURL, *, client: httpx.AsyncClient | None = None, content_type: str | None = None
+        self,
+        url: ServerURL,
+        *,
+        client: httpx.AsyncClient | None = None,
+        content_type: str | None = None,
+        compression: Coding | None = None,
     ) -> None:
-        super().__init__(url, content_type)
+        super().__init__(url, content_type, compression)
         self._own = client is None
         self._client = client or async_http_client(self.url, timeout=DEFAULT_TIMEOUT)
 
@@ -291,8 +321,11 @@ class AsyncStream(_Base):
         *,
         client: httpx.AsyncClient | None = None,
         content_type: str | None = None,
+        compression: Coding | None = None,
     ) -> AsyncStream:
-        return cls(stream_url(server_url(base_url), name), client=client, content_type=content_type)
+        return cls(
+            stream_url(server_url(base_url), name), client=client, content_type=content_type, compression=compression
+        )
 
     async def __aenter__(self) -> AsyncStream:
         return self
@@ -320,12 +353,9 @@ class AsyncStream(_Base):
         data: bytes | None = None,
         retention: Retention | None = None,
     ) -> StreamInfo:
-        resp = await self._request(
-            "PUT",
-            "create",
-            headers=create_headers(content_type, ttl=ttl, expires_at=expires_at, closed=closed, retention=retention),
-            content=data or b"",
-        )
+        body, coded = encode_body(data or b"", self.compression)
+        headers = create_headers(content_type, ttl=ttl, expires_at=expires_at, closed=closed, retention=retention)
+        resp = await self._request("PUT", "create", headers={**headers, **coded}, content=body)
         info = parse_info(resp, f"create {self.name}")
         self._content_type = info.content_type
         return info
@@ -373,10 +403,10 @@ class AsyncStream(_Base):
         producer: tuple[str, int, int] | None = None,
     ) -> AppendResult:
         ct = await self._ensure_type()
-        body = _body(data, is_json_type(ct))
+        body, coded = encode_body(_body(data, is_json_type(ct)), self.compression)
         headers = append_headers(ct, seq=seq, close=close, if_match=if_match, producer=producer)
         return parse_append(
-            await self._request("POST", "append", headers=headers, content=body), f"append to {self.name}"
+            await self._request("POST", "append", headers={**headers, **coded}, content=body), f"append to {self.name}"
         )
 
     async def append_many(
@@ -392,13 +422,13 @@ class AsyncStream(_Base):
         if not is_json_type(ct):
             raise TypeError("append_many needs a JSON stream; concatenate bytes for byte streams")
         headers = append_headers(ct, seq=seq, close=close, if_match=if_match, producer=producer)
+        body, coded = encode_body(encode_json_messages(values), self.compression)
         return parse_append(
-            await self._request("POST", "append", headers=headers, content=encode_json_messages(values)),
-            f"append to {self.name}",
+            await self._request("POST", "append", headers={**headers, **coded}, content=body), f"append to {self.name}"
         )
 
     async def read(self, offset: str = "-1") -> Chunk:
-        resp = await self._request("GET", "read", params=read_params(offset, None, None))
+        resp = await self._request("GET", "read", params=read_params(offset, None, None), headers=self._accept)
         return parse_chunk(self.name, offset, resp, f"read {self.name}")
 
     async def chunks(self, offset: str = "-1", *, live: LiveMode | None = None) -> AsyncIterator[Chunk]:
@@ -408,7 +438,7 @@ class AsyncStream(_Base):
             return
         cursor: str | None = None
         while True:
-            resp = await self._request("GET", "read", params=read_params(offset, live, cursor))
+            resp = await self._request("GET", "read", params=read_params(offset, live, cursor), headers=self._accept)
             chunk = parse_chunk(self.name, offset, resp, f"read {self.name}")
             if chunk.data or chunk.closed or live is None:
                 yield chunk
