@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from helpers.relay import FreezableRelay
 from helpers.servers import ServerProcess
 from helpers.spark import read_all
 
@@ -245,6 +246,33 @@ def test_batch_write_is_all_or_nothing(registered: Any, srv: ServerProcess) -> N
     df = registered.createDataFrame([(json.dumps({"n": i}),) for i in range(50)], "value STRING").repartition(3)
     df.write.format("onceflow").option("url", srv.url).option("stream", "bw/out").mode("append").save()
     assert sorted(r["n"] for r in read_all(srv.url, "bw/out")) == list(range(50))
+
+
+def test_the_compression_option_compresses_the_sinks_appends_and_the_sources_reads(
+    registered: Any, srv: ServerProcess
+) -> None:
+    """Issue 32, item 2: ``compression`` sends the sink's appends in that coding and asks for the
+    source's reads in it; a relay between Spark and the server shows the codings on the wire."""
+    from onceflow.spark.options import OptionError, Options
+
+    with pytest.raises(OptionError, match="option compression must be gzip or zstd"):
+        Options.parse({"compression": "br"})
+    relay = FreezableRelay(("127.0.0.1", srv.port), record=True)
+    url = f"http://127.0.0.1:{relay.port}"
+    try:
+        rows = [(json.dumps({"n": i, "tag": f"row-{i % 9}"}),) for i in range(300)]
+        df = registered.createDataFrame(rows, "value STRING").repartition(1)
+        df.write.format("onceflow").option("url", url).option("stream", "cz/out").option("compression", "gzip").mode(
+            "append"
+        ).save()
+        read = registered.read.format("onceflow").option("url", url).option("streams", "cz/out")
+        got = read.option("compression", "zstd").load().collect()
+    finally:
+        relay.stop()
+    assert sorted(json.loads(r.value)["n"] for r in got) == list(range(300))
+    up, down = bytes(relay.heard["up"]).lower(), bytes(relay.heard["down"]).lower()
+    assert b"\r\ncontent-encoding: gzip\r\n" in up and b"\r\naccept-encoding: zstd\r\n" in up
+    assert b"\r\ncontent-encoding: zstd\r\n" in down
 
 
 def test_misconfiguration_gets_a_message_that_says_what_to_do(

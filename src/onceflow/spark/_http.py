@@ -18,7 +18,7 @@ from urllib.parse import quote
 import httpx
 
 from ..client import OffsetGoneError, OnceflowError, TransportError
-from ..client.lowlevel import error_from_response, http_client, request_url, stream_url
+from ..client.lowlevel import Coding, accept_headers, error_from_response, http_client, request_url, stream_url
 from ..wire import iter_frames
 
 __all__ = ["Conn", "Frame", "StreamTail", "record_offset"]
@@ -70,8 +70,10 @@ class Conn:
         timeout: float = 30.0,
         token: str | None = None,
         offset_reset: str = "error",
+        compression: Coding | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self._accept = accept_headers(compression)  # of the format=records reads, the connector's data
         self._api = request_url(self.url)  # what requests are addressed to (the same URL for one server)
         self.deadline = deadline
         self.offset_reset = offset_reset  # "error" or "earliest": see _overtaken
@@ -153,6 +155,7 @@ class Conn:
                     stream_url(self._api, stream),
                     f"read {stream}",
                     params={"offset": at, "until": until, "format": "records", "isolation": isolation},
+                    headers=self._accept,
                 )
             except OffsetGoneError as exc:
                 on = self._overtaken(exc, stream, at, until)

@@ -6,6 +6,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..client.lowlevel import Coding, check_compression
 from ..errors import OnceflowError
 from ._http import Conn
 from .protocol import WriterSettings, attempt_timeout
@@ -64,6 +65,7 @@ class Options:
     verify_replay: bool = True
     offset_reset: str = "error"  # "earliest": read on from the earliest offset kept when retention overtook a read
     group: str | None = None  # a consumer group the source commits each finished micro-batch's end to
+    compression: Coding | None = None  # gzip or zstd: the sink's appends and the source's reads (docs/spark.md)
 
     @classmethod
     def parse(cls, raw: Mapping[str, str]) -> Options:
@@ -89,6 +91,12 @@ class Options:
         offset_reset = opts.get("offsetreset", "error")
         if offset_reset not in ("error", "earliest"):
             raise OptionError(f"option offsetReset must be error or earliest, got {offset_reset!r}")
+        try:
+            compression = check_compression(opts.get("compression") or None)
+        except ValueError:
+            raise OptionError(
+                f"option compression must be gzip or zstd (or left out), got {opts['compression']!r}"
+            ) from None
         sink_id = opts.get("sinkid")
         if sink_id is not None and (not sink_id or "/" in sink_id or any(ord(c) < 0x20 for c in sink_id)):
             raise OptionError(f"option sinkId must be a non-empty name without '/', got {sink_id!r}")
@@ -111,6 +119,7 @@ class Options:
             verify_replay=_bool(opts, "verifyreplay", True),
             offset_reset=offset_reset,
             group=opts.get("group") or None,
+            compression=compression,
         )
 
     def connect(self) -> Conn:
@@ -121,6 +130,7 @@ class Options:
             timeout=attempt_timeout(self.request_deadline),  # several attempts fit in the deadline
             token=self.token,
             offset_reset=self.offset_reset,
+            compression=self.compression,
         )
 
     def writer_settings(self, sink: str) -> WriterSettings:
@@ -132,6 +142,7 @@ class Options:
             transaction_timeout_ms=self.transaction_timeout_ms,
             request_deadline=self.request_deadline,
             verify_replay=self.verify_replay,
+            compression=self.compression,
         )
 
     def check_source(self) -> None:

@@ -44,7 +44,7 @@ from urllib.parse import quote
 import httpx
 
 from ..client import OnceflowError, OutcomeUnknownError, TransportError
-from ..client.lowlevel import error_from_response, request_url, stream_url
+from ..client.lowlevel import Coding, error_from_response, request_url, stream_url
 from ..client.transactions import AsyncTransactionalProducer
 
 __all__ = [
@@ -89,6 +89,7 @@ class WriterSettings:
     max_batch_bytes: int = 1 << 20
     retry_backoff: tuple[float, float] = (0.05, 2.0)
     rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)  # jitter of retries
+    compression: Coding | None = None  # the coding of the tasks' appends (option compression)
 
     @property
     def attempt_timeout(self) -> float:
@@ -312,6 +313,7 @@ class SinkTask:
             retry_backoff=settings.retry_backoff,
             delivery_timeout=settings.request_deadline,
             client=client,
+            compression=settings.compression,
         )
         producer.resume(answer["producer_id"], answer["epoch"], answer["txn"])
         task._producer = producer
