@@ -329,3 +329,15 @@ async def test_with_compress_min_off_no_answer_is_compressed(tmp_path: Path) -> 
         r = await c.get(S + "off", params={"offset": "-1"}, headers={"accept-encoding": "gzip"})
         assert r.json() == messages(200) and "content-encoding" not in r.headers and "vary" not in r.headers
     await broker.close()
+
+
+def test_a_zstd_frame_that_needs_a_window_over_8_mib_is_refused() -> None:
+    """RFC 9659: the zstd content coding's window is at most 8 MiB; the decoder allocates what a
+    frame asks for, so a larger one is refused before any of it is decoded."""
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=24, write_content_size=False)  # 16 MiB
+    big = zstandard.ZstdCompressor(compression_params=params).compress(b"\0" * (20 << 20))
+    d = BodyDecoder("zstd", 1 << 30)
+    d.feed(big)
+    with pytest.raises(Malformed, match="not valid zstd"):
+        d.end()
+    assert d.size == 0

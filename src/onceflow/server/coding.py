@@ -4,10 +4,10 @@ The codings are :data:`~onceflow.wire.CODINGS` (gzip and zstd); docs/protocol.md
 says what a client sees. This module knows no routes: it parses the two headers and decodes a body
 within a bound; server/app.py decides where a coded body is taken and maps the errors to answers.
 
-Decoding is incremental and bounded by the *decoded* size (:class:`BodyDecoder`): a body of a few
-kilobytes that inflates to gigabytes (a zip bomb) is stopped one byte past the bound, having
-held no more than that, and is answered ``413`` by the app. A body that is not what its coding says
-(corrupt, truncated, followed by bytes that are no member or frame) is :class:`Malformed`.
+Decoding is bounded by the *decoded* size (:class:`BodyDecoder`): a body of a few kilobytes that
+inflates to gigabytes (a zip bomb) is stopped one byte past the bound, having held no more than
+that, and is answered ``413`` by the app. A body that is not what its coding says (corrupt,
+truncated, followed by bytes that are no member or frame) is :class:`Malformed`.
 """
 
 from __future__ import annotations
@@ -188,14 +188,25 @@ class _Sink:
 
 
 class BodyDecoder:
-    """Decodes a request body in ``coding`` as its pieces come (:meth:`feed`), keeping at most
-    ``limit`` decoded bytes: past that :class:`DecodedTooLarge` at once, before the rest is decoded
-    (or received). :meth:`end` says whether the body was complete and gives it decoded.
+    """Decodes a request body in ``coding`` given piece by piece (:meth:`feed`), keeping at most
+    ``limit`` decoded bytes: past that :class:`DecodedTooLarge`, with nothing more decoded.
+    :meth:`end` says whether the body was complete and gives it decoded.
 
-    gzip: one member or several in a row (RFC 1952 2.2), each inflated ``_SLICE`` bytes at a time.
+    gzip: one member or several in a row (RFC 1952 2.2), inflated as the pieces come, ``_SLICE``
+    bytes at a time: a bomb is stopped before the rest of it is received. An inflater holds its
+    32 KiB window between pieces, as little as the HTTP layer holds for a connection.
+
     zstd: one frame or several (skippable ones too), each needing a window of at most 8 MiB
-    (RFC 9659); the decoder writes its output in pieces of ``_SLICE`` to :class:`_Sink`, which
-    counts them. An empty body is empty in any coding (a close with ``Stream-Closed`` has none)."""
+    (RFC 9659), which the decoder allocates as it reads a frame's header. Decoded as the pieces
+    came would hold a window per request whose body is still coming: a thousand connections that
+    each sent a frame header and trickle the rest would hold gigabytes for a few bytes each. So
+    the pieces are kept as sent (bounded as sent by the app, as a plain body is) while only their
+    frame headers are followed (:class:`_ZstdFrames`: a body that is no zstd is refused at once),
+    and decoded in :meth:`end`, at one go, without a pause for the event loop: one window at a
+    time in the process. The decoder writes its output in pieces of ``_SLICE`` to :class:`_Sink`,
+    which counts them.
+
+    An empty body is empty in any coding (a close with ``Stream-Closed`` has none)."""
 
     def __init__(self, coding: Coding, limit: int) -> None:
         self.coding = coding
@@ -205,13 +216,7 @@ class BodyDecoder:
         self._open = False  # a gzip member began and has not ended
         self._inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
         self._frames = _ZstdFrames()
-        self._zstd = (
-            zstandard.ZstdDecompressor(max_window_size=_ZSTD_WINDOW).stream_writer(
-                cast(IO[bytes], _Sink(self)), write_size=_SLICE, write_return_read=True, closefd=False
-            )
-            if coding == "zstd"
-            else None
-        )
+        self._coded: list[bytes] = []  # zstd: the pieces as sent, decoded in end()
 
     def _add(self, piece: bytes) -> None:
         self.size += len(piece)
@@ -224,12 +229,9 @@ class BodyDecoder:
         """Decode the next piece of the body."""
         if not data:
             return
-        if self._zstd is not None:
+        if self.coding == "zstd":
             self._frames.feed(data)
-            try:
-                self._zstd.write(data)
-            except zstandard.ZstdError as exc:
-                raise Malformed(f"the body is not valid zstd: {exc}") from None
+            self._coded.append(data)
             return
         inflater = self._inflater
         self._open = True
@@ -255,6 +257,16 @@ class BodyDecoder:
         """The whole body decoded; :class:`Malformed` when it stops inside a member or frame."""
         if self._open or not self._frames.complete():
             raise Malformed(f"the body is not valid {self.coding}: it ends before its last {self._unit} does")
+        if self._coded:
+            coded, self._coded = self._coded, []
+            writer = zstandard.ZstdDecompressor(max_window_size=_ZSTD_WINDOW).stream_writer(
+                cast(IO[bytes], _Sink(self)), write_size=_SLICE, write_return_read=True, closefd=False
+            )
+            try:
+                for piece in coded:
+                    writer.write(piece)
+            except zstandard.ZstdError as exc:
+                raise Malformed(f"the body is not valid zstd: {exc}") from None
         pieces = self._pieces
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
