@@ -59,6 +59,13 @@ def add_bench_parser(sub: Any) -> None:
     )
     p.add_argument("--skip-reference", action="store_true", help="measure onceflow only")
     p.add_argument("--no-profile", action="store_true", help="no cProfile run, even when a throughput target is missed")
+    p.add_argument(
+        "--compression",
+        choices=["gzip", "zstd"],
+        default=None,
+        help="also measure the producer with compression= on varied JSON events, plain then compressed, and a "
+        "catch-up read plain then compressed, in the same run: throughput and bytes on the wire as ratios",
+    )
     p.add_argument("--out", default=None, help="also write the results as JSON to this file")
     p.set_defaults(func=_bench_produce)
     s = bsub.add_parser(

@@ -55,6 +55,7 @@ import asyncio
 import contextlib
 import csv
 import io
+import itertools
 import os
 import re
 import shutil
@@ -249,9 +250,10 @@ async def _onceflow_produce(
     server's PostgreSQL store, whose use in both windows is measured too)."""
     from onceflow.client import AsyncIdempotentProducer, AsyncStream, OnceflowError
 
-    from .produce import _drive
+    from .produce import _chunks, _drive
 
     msg = payload(size)
+    chunks = itertools.cycle(_chunks([msg]))
     url = server.url
     ct = "application/octet-stream"
     async with AsyncStream.connect(url, name) as stream:
@@ -272,13 +274,13 @@ async def _onceflow_produce(
     elapsed = 0.0
     try:
         await producer.start()
-        await _drive(producer, msg, time.perf_counter() + WARMUP_SECONDS, max_pending)
+        await _drive(producer, chunks, time.perf_counter() + WARMUP_SECONDS, max_pending)
         await producer.flush()
         acked0 = producer.stats.acked
         db0 = db.sample() if db is not None else None
         cpu0, client0 = server.cpu_seconds(), time.process_time()
         t0 = time.perf_counter()
-        await _drive(producer, msg, t0 + seconds, max_pending)
+        await _drive(producer, chunks, t0 + seconds, max_pending)
         await producer.flush()
         elapsed = time.perf_counter() - t0
         res.server_cpu_pct = _cpu_pct(cpu0, server.cpu_seconds(), elapsed)

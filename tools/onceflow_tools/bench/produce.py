@@ -21,7 +21,14 @@ One run does, in order:
 5. the same latency measurement against the Durable Streams Node reference server
    (``@durable-streams/server``), file-backed (``dataDir``) and in memory, unless ``--skip-reference``
    or Node.js / npm are missing;
-6. a results table (and JSON with ``--out``).
+6. with ``--compression gzip|zstd``: what the coding does (docs/benchmarks.md, "Compression"), in
+   the same run, on JSON events of ~150 B that vary as real ones do (ids, times, users, a random
+   session; :func:`event_messages`, a pool of 32,000 cycled, so no batch and no zstd window holds
+   one twice): the idempotent producer at in-flight 1 and 5, plain then compressed, each checked
+   as in 3 (every message read back and compared), with the request body bytes sent per message;
+   and a catch-up read of one such stream, plain then compressed (``Accept-Encoding``), with the
+   answer bytes as received;
+7. a results table (and JSON with ``--out``).
 """
 
 from __future__ import annotations
@@ -32,13 +39,16 @@ import contextlib
 import cProfile
 import importlib.util
 import itertools
+import json
 import os
 import pstats
+import random
 import shutil
 import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -46,6 +56,7 @@ from typing import Any, Literal
 import httpx
 
 from onceflow.client import AsyncIdempotentProducer, AsyncStream, OnceflowError
+from onceflow.client.lowlevel import Coding, accept_headers, async_http_client, request_url, stream_url
 from onceflow.testing import ServerProcess, onceflow_server
 
 from .append import (
@@ -76,10 +87,15 @@ LATENCY_P99_TARGET_MS = 10.0
 PROFILE_TOP = 15
 PROFILE_MAX_SECONDS = 5.0
 
-Content = Literal["json", "bytes"]
+Content = Literal["json", "bytes", "events"]
 LiveMode = Literal["long-poll", "sse"]
 
-CONTENT_TYPES: dict[Content, str] = {"json": "application/json", "bytes": "application/octet-stream"}
+CONTENT_TYPES: dict[Content, str] = {
+    "json": "application/json",
+    "bytes": "application/octet-stream",
+    "events": "application/json",
+}
+EVENT_POOL = 32 * APPEND_CHUNK  # distinct events, cycled: ~5 MB, more than a batch (1 MiB) or a zstd window
 
 
 def byte_message(size: int = MESSAGE_BYTES) -> bytes:
@@ -89,6 +105,36 @@ def byte_message(size: int = MESSAGE_BYTES) -> bytes:
 
 def message_for(content: Content) -> bytes:
     return make_message(MESSAGE_BYTES) if content == "json" else byte_message(MESSAGE_BYTES)
+
+
+def event_messages(n: int = EVENT_POOL, seed: int = 32) -> list[bytes]:
+    """``n`` JSON events as an application logs them, ~150 B each, compact: a sequence id and time,
+    a user of 100,000, an event kind and path, an amount and a random 48-bit session id (which no
+    coding compresses). Padded repeats (:func:`make_message`) compress a hundredfold: no measure of
+    compression."""
+    rng = random.Random(seed)
+    kinds = ("page_view", "click", "add_to_cart", "purchase", "search", "login")
+    return [
+        json.dumps(
+            {
+                "id": i,
+                "ts": 1_767_225_600_000 + i * 37 + rng.randrange(37),
+                "user": f"u{rng.randrange(100_000):05d}",
+                "session": f"{rng.getrandbits(48):012x}",
+                "event": rng.choice(kinds),
+                "path": f"/products/{rng.randrange(5000)}",
+                "amount": round(rng.random() * 200, 2),
+                "ok": rng.random() < 0.97,
+            },
+            separators=(",", ":"),
+        ).encode()
+        for i in range(n)
+    ]
+
+
+def messages_for(content: Content) -> list[bytes]:
+    """What a throughput run appends, cycled: one message again and again, or the event pool."""
+    return event_messages() if content == "events" else [message_for(content)]
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -117,16 +163,50 @@ class ThroughputResult:
     stored_records: int | None = None  # from HEAD: Stream-Next-Offset's first number
     stored_messages: int | None = None  # read back
     failures: list[str] = field(default_factory=list)
+    compression: str | None = None  # the producer's compression=
+    body_bytes: int = 0  # request body bytes sent in the measured window, as sent (compressed or not)
+    message_bytes: float = 0.0  # the average message, as appended
 
     @property
     def label(self) -> str:
         return (
             f"{self.content}, {'idempotent' if self.idempotent else 'idempotence off'}, in-flight {self.max_in_flight}"
+            + (f", {self.compression}" if self.compression else "")
         )
+
+    @property
+    def wire_bytes_per_msg(self) -> float:
+        return self.body_bytes / self.messages if self.messages else 0.0
 
     @property
     def batch_messages(self) -> float:
         return self.messages / self.batches if self.batches else 0.0
+
+
+@dataclass
+class CatchUpRead:
+    """A catch-up read of a whole stream, in answers of up to 4 MiB (the server's max_read_bytes)."""
+
+    coding: str | None  # what Accept-Encoding asked for (None: identity)
+    seconds: float
+    answers: int
+    data_bytes: int  # as decoded
+    wire_bytes: int  # answer bodies as received
+    coded_answers: int  # answers that came in the coding
+    server_cpu_pct: float | None = None
+    client_cpu_pct: float | None = None
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.data_bytes / self.seconds / 1e6 if self.seconds else 0.0
+
+    @property
+    def server_cpu_seconds(self) -> float | None:
+        return None if self.server_cpu_pct is None else self.server_cpu_pct * self.seconds / 100
+
+    @property
+    def client_cpu_seconds(self) -> float | None:
+        return None if self.client_cpu_pct is None else self.client_cpu_pct * self.seconds / 100
 
 
 @dataclass
@@ -218,23 +298,37 @@ def _tail_records(token: str) -> int:
 # ---------------------------------------------------------------------------------------------- throughput
 
 
-async def _drive(producer: AsyncIdempotentProducer, msg: bytes, until: float, max_pending: int) -> None:
-    """Append ``msg`` as fast as the producer takes it until ``until``, never more than
-    ``max_pending`` messages unacknowledged (the producer itself never pushes back)."""
+def _chunks(msgs: list[bytes]) -> list[list[bytes]]:
+    """``msgs`` in the lists of APPEND_CHUNK that :func:`_drive` appends in turn."""
+    if len(msgs) == 1:
+        return [msgs * APPEND_CHUNK]
+    assert len(msgs) % APPEND_CHUNK == 0
+    return [msgs[i : i + APPEND_CHUNK] for i in range(0, len(msgs), APPEND_CHUNK)]
+
+
+async def _drive(
+    producer: AsyncIdempotentProducer, chunks: Iterator[list[bytes]], until: float, max_pending: int
+) -> None:
+    """Append the next of ``chunks`` (:func:`_chunks`, cycled), and the next, as fast as the
+    producer takes them until ``until``, never more than ``max_pending`` messages unacknowledged
+    (the producer itself never pushes back). The next call goes on where this one stopped."""
     extend = producer.extend
-    chunk = [msg] * APPEND_CHUNK
     clock = time.perf_counter
     while clock() < until:
+        chunk = next(chunks)
         await producer.wait_for_capacity(max_pending)
         extend(chunk)  # the batch API: one lock and wake-up per APPEND_CHUNK messages
         await asyncio.sleep(0)  # let the sender seal and dispatch
 
 
 async def _verify(
-    base_url: str, name: str, content: Content, msg: bytes, acked: int, batches: int
+    base_url: str, name: str, content: Content, msgs: list[bytes], acked: int, batches: int
 ) -> tuple[int, int, list[str]]:
     """(records per HEAD, messages read back, problems) for a stream that should hold ``acked``
-    copies of ``msg`` in ``batches`` POSTs."""
+    copies of ``msgs[0]`` in ``batches`` POSTs, or of ``msgs`` in turn, cycled, when there are several."""
+    if len(msgs) > 1:
+        return await _verify_cycle(base_url, name, msgs, acked)
+    msg = msgs[0]
     problems: list[str] = []
     async with AsyncStream.connect(base_url, name) as stream:
         info = await stream.head()
@@ -269,6 +363,57 @@ async def _verify(
     return records, count, problems
 
 
+async def _verify_cycle(base_url: str, name: str, msgs: list[bytes], acked: int) -> tuple[int, int, list[str]]:
+    """:func:`_verify` of a JSON stream that should hold ``msgs`` in turn, cycled, ``acked`` of them:
+    each answer's array is walked message by message against the one due next."""
+    problems: list[str] = []
+    async with AsyncStream.connect(base_url, name) as stream:
+        records = _tail_records((await stream.head()).next_offset)
+        if records != acked:
+            problems.append(f"HEAD says {records:,} records, expected {acked:,} (acknowledged messages)")
+        count, size = 0, len(msgs)
+        async for chunk in stream.chunks("-1"):
+            inner, at = chunk.data[1:-1], 0
+            while at < len(inner):
+                due = msgs[count % size]
+                if not inner.startswith(due, at):
+                    problems.append(f"message {count:,} read back differs from the one appended")
+                    break
+                at += len(due) + 1
+                count += 1
+            if problems:
+                break
+        if not problems and count != acked:
+            problems.append(f"{count:,} messages read back for {acked:,} acknowledged (lost or duplicated)")
+        await stream.delete()
+    return records, count, problems
+
+
+async def _catch_up(server: ServerProcess, name: str, coding: Coding | None) -> CatchUpRead:
+    """Reads the whole stream ``name`` from the start, asking for answers in ``coding``."""
+    target = request_url(stream_url(server.url, name))
+    res = CatchUpRead(coding, 0.0, 0, 0, 0, 0)
+    async with async_http_client(server.url, timeout=60.0) as client:
+        srv0, cli0, t0 = server.cpu_seconds(), time.process_time(), time.perf_counter()
+        offset = "-1"
+        while True:
+            resp = await client.get(target, params={"offset": offset}, headers=accept_headers(coding))
+            if resp.status_code != 200:
+                raise BenchFailure(f"catch-up read of {name} answered {resp.status_code}: {resp.text[:200]}")
+            res.answers += 1
+            res.data_bytes += len(resp.content)
+            res.wire_bytes += resp.num_bytes_downloaded
+            res.coded_answers += "content-encoding" in resp.headers
+            if resp.headers.get("stream-up-to-date") == "true":
+                break
+            offset = resp.headers["stream-next-offset"]
+        res.seconds = time.perf_counter() - t0
+        srv1 = server.cpu_seconds()
+        res.server_cpu_pct = _cpu_pct(None if srv0 is None or srv1 is None else srv1 - srv0, res.seconds)
+        res.client_cpu_pct = _cpu_pct(time.process_time() - cli0, res.seconds)
+    return res
+
+
 async def _measure_throughput(
     server: ServerProcess,
     content: Content,
@@ -277,8 +422,12 @@ async def _measure_throughput(
     seconds: float,
     run_id: int,
     profiler: cProfile.Profile | None = None,
+    compression: Coding | None = None,
+    reads: list[CatchUpRead] | None = None,
+    read_coding: Coding | None = None,
 ) -> ThroughputResult:
-    msg = message_for(content)
+    msgs = messages_for(content)
+    chunks = itertools.cycle(_chunks(msgs))  # warm-up and measurement: one sequence, which _verify follows
     ct = CONTENT_TYPES[content]
     name = f"produce-{run_id}-{content}-{'idem' if idempotent else 'plain'}-{max_in_flight}"
     async with AsyncStream.connect(server.url, name) as stream:
@@ -293,13 +442,16 @@ async def _measure_throughput(
         max_batch_bytes=BATCH_BYTES,
         linger_ms=0,
         max_in_flight=max_in_flight,
+        compression=compression,
     )
-    per_batch = BATCH_BYTES // (len(msg) + 1)
+    size = sum(map(len, msgs)) / len(msgs)
+    per_batch = int(BATCH_BYTES // (size + 1))
     max_pending = (max_in_flight + 2) * per_batch
     res = ThroughputResult(content, idempotent, max_in_flight, 0.0, 0, 0.0, 0.0, 0, 0)
+    res.compression, res.message_bytes = compression, size
     try:
         await producer.start()
-        await _drive(producer, msg, time.perf_counter() + WARMUP_SECONDS, max_pending)
+        await _drive(producer, chunks, time.perf_counter() + WARMUP_SECONDS, max_pending)
         await producer.flush()
         s0 = (
             producer.stats.acked,
@@ -308,13 +460,14 @@ async def _measure_throughput(
             producer.stats.retries,
             producer.stats.duplicates,
             producer.stats.gaps,
+            producer.stats.body_bytes,
         )
         srv0, cli0, all0 = server.cpu_seconds(), time.process_time(), machine_busy_seconds()
         t0 = time.perf_counter()
         if profiler is not None:
             profiler.enable()
         try:
-            await _drive(producer, msg, t0 + seconds, max_pending)
+            await _drive(producer, chunks, t0 + seconds, max_pending)
             await producer.flush()
         finally:
             if profiler is not None:
@@ -333,8 +486,9 @@ async def _measure_throughput(
     res.batches = st.batches_sent - s0[1]
     res.requests = st.requests - s0[2]
     res.retries, res.duplicates, res.gaps = st.retries - s0[3], st.duplicates - s0[4], st.gaps - s0[5]
+    res.body_bytes = st.body_bytes - s0[6]
     res.msg_per_s = res.messages / elapsed
-    res.mb_per_s = res.messages * len(msg) / elapsed / 1e6
+    res.mb_per_s = res.messages * size / elapsed / 1e6
     srv_cpu = None if srv0 is None or srv1 is None else srv1 - srv0
     res.server_cpu_pct = _cpu_pct(srv_cpu, elapsed)
     res.client_cpu_pct = _cpu_pct(cli1 - cli0, elapsed)
@@ -347,21 +501,45 @@ async def _measure_throughput(
     res.acknowledged = st.acked
     if st.failed:
         res.failures.append(f"{st.failed} messages failed")
-    records, stored, problems = await _verify(server.url, name, content, msg, st.acked, st.batches_sent)
+    if reads is not None:  # the same stream read plain, then in the coding
+        for coding in (None, read_coding):
+            reads.append(await _catch_up(server, name, coding))
+    records, stored, problems = await _verify(server.url, name, content, msgs, st.acked, st.batches_sent)
     res.stored_records, res.stored_messages = records, stored
     res.failures.extend(problems)
     return res
 
 
 def measure_throughput(
-    server: ServerProcess, content: Content, idempotent: bool, max_in_flight: int, seconds: float, run_id: int
+    server: ServerProcess,
+    content: Content,
+    idempotent: bool,
+    max_in_flight: int,
+    seconds: float,
+    run_id: int,
+    compression: Coding | None = None,
+    reads: list[CatchUpRead] | None = None,
+    read_coding: Coding | None = None,
 ) -> ThroughputResult:
     mode = "idempotent" if idempotent else "idempotence off"
     _say(
-        f"throughput: {content} stream, {mode}, max_in_flight {max_in_flight}: "
-        f"{WARMUP_SECONDS:g} s warm-up, then {seconds:g} s"
+        f"throughput: {content} stream, {mode}, max_in_flight {max_in_flight}"
+        + (f", compression {compression}" if compression else "")
+        + f": {WARMUP_SECONDS:g} s warm-up, then {seconds:g} s"
     )
-    res = _run_loop(_measure_throughput(server, content, idempotent, max_in_flight, seconds, run_id))
+    res = _run_loop(
+        _measure_throughput(
+            server,
+            content,
+            idempotent,
+            max_in_flight,
+            seconds,
+            run_id,
+            compression=compression,
+            reads=reads,
+            read_coding=read_coding,
+        )
+    )
     status = "FAILED: " + "; ".join(res.failures) if res.failures else "ok"
     _say(
         f"  {res.msg_per_s:,.0f} msg/s ({res.mb_per_s:,.1f} MB/s), {res.batches:,} POSTs of {res.batch_messages:,.0f} msgs, "
@@ -611,6 +789,89 @@ def _ratio_text(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
+def compression_ratios(coded: list[ThroughputResult], reads: list[CatchUpRead]) -> list[dict[str, Any]]:
+    """Each compressed run against the plain one of the same in-flight, and the compressed catch-up
+    read against the plain one: ratios compressed / plain, measured in the same run."""
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    out: list[dict[str, Any]] = []
+    for r in coded:
+        if r.compression is None or r.failures:
+            continue
+        plain = next(
+            (p for p in coded if p.compression is None and p.max_in_flight == r.max_in_flight and not p.failures), None
+        )
+        if plain is None:
+            continue
+        out.append(
+            {
+                "what": f"produce, in-flight {r.max_in_flight}",
+                "compression": r.compression,
+                "throughput": ratio(r.msg_per_s, plain.msg_per_s),
+                "wire_bytes": ratio(r.wire_bytes_per_msg, plain.wire_bytes_per_msg),
+                "server_cpu_per_msg": ratio(r.server_us_per_msg, plain.server_us_per_msg),
+                "client_cpu_per_msg": ratio(r.client_us_per_msg, plain.client_us_per_msg),
+            }
+        )
+    plain_read = next((x for x in reads if x.coding is None), None)
+    for x in reads:
+        if x.coding is not None and plain_read is not None:
+            out.append(
+                {
+                    "what": "catch-up read",
+                    "compression": x.coding,
+                    "throughput": ratio(x.mb_per_s, plain_read.mb_per_s),
+                    "wire_bytes": ratio(x.wire_bytes, plain_read.wire_bytes),
+                    "server_cpu_per_msg": ratio(x.server_cpu_seconds, plain_read.server_cpu_seconds),
+                    "client_cpu_per_msg": ratio(x.client_cpu_seconds, plain_read.client_cpu_seconds),
+                }
+            )
+    return out
+
+
+def _render_compression(coded: list[ThroughputResult], reads: list[CatchUpRead], seconds: float) -> list[str]:
+    lines = [
+        "",
+        f"COMPRESSION: JSON events of ~{coded[0].message_bytes:.0f} B that vary as real ones do (docs/benchmarks.md), "
+        f"idempotent producer, max_batch_bytes {BATCH_BYTES >> 20} MiB, {seconds:g} s each, plain then compressed, same run",
+    ]
+    lines.append(
+        f"{'in-flight':>9} {'coding':<7} {'msg/s':>11} {'MB/s':>7} {'wire B/msg':>10} {'srv µs/msg':>10} {'cli µs/msg':>10} "
+        f"{'srv CPU':>8} {'cli CPU':>8} {'other':>6}  check"
+    )
+    for r in coded:
+        check = (
+            ("FAILED: " + "; ".join(r.failures)) if r.failures else f"ok ({r.stored_messages:,} read back and compared)"
+        )
+        srv_us = "n/a" if r.server_us_per_msg is None else f"{r.server_us_per_msg:.2f}"
+        cli_us = "n/a" if r.client_us_per_msg is None else f"{r.client_us_per_msg:.2f}"
+        lines.append(
+            f"{r.max_in_flight:>9} {r.compression or 'none':<7} {r.msg_per_s:>11,.0f} {r.mb_per_s:>7.1f} "
+            f"{r.wire_bytes_per_msg:>10.1f} {srv_us:>10} {cli_us:>10} {_pct(r.server_cpu_pct):>8} "
+            f"{_pct(r.client_cpu_pct):>8} {_pct(r.other_cpu_pct):>6}  {check}"
+        )
+    if reads:
+        lines.append(
+            f"catch-up read of the in-flight-5 plain stream ({reads[0].data_bytes / 1e6:,.1f} MB), plain then compressed:"
+        )
+        for x in reads:
+            lines.append(
+                f"  {x.coding or 'none':<7} {x.mb_per_s:>8,.1f} MB/s, {x.answers:,} answers ({x.coded_answers:,} coded), "
+                f"{x.wire_bytes / 1e6:,.1f} MB on the wire, server CPU {_pct(x.server_cpu_pct)}, client CPU {_pct(x.client_cpu_pct)}"
+            )
+    lines.append("ratio compressed / plain (same run):")
+    for q in compression_ratios(coded, reads):
+        lines.append(
+            f"  {q['what']:<22} {q['compression']:<5} throughput {_ratio_text(q['throughput']):>7}   "
+            f"bytes on the wire {_ratio_text(q['wire_bytes']):>7}   server CPU {_ratio_text(q['server_cpu_per_msg']):>7}   "
+            f"client CPU {_ratio_text(q['client_cpu_per_msg']):>7}"
+        )
+    lines.append("(produce: CPU per message; read: CPU for the whole read)")
+    return lines
+
+
 def render(
     loads: list[ThroughputResult],
     lats: list[LatencyResult],
@@ -619,6 +880,8 @@ def render(
     seconds: float,
     latency_count: int,
     latency_rate: float,
+    coded: list[ThroughputResult] | None = None,
+    reads: list[CatchUpRead] | None = None,
 ) -> tuple[str, dict[str, Any]]:
     lines: list[str] = []
     rule = "=" * 118
@@ -685,6 +948,8 @@ def render(
             f"{_pct(lr.other_cpu_pct):>6}  "
             f"{'PASS' if lr.passed else 'MISS':<6}  {check}"
         )
+    if coded:
+        lines += _render_compression(coded, reads or [], seconds)
     ratios = latency_ratios(lats)
     if ratios:
         lines.append("ratio onceflow / reference (same client, same run; < 1 means onceflow delivers sooner):")
@@ -729,6 +994,13 @@ def render(
             "ratios_onceflow_over_reference": ratios,
         },
         "profile": asdict(profile) if profile is not None else None,
+        "compression": None
+        if not coded
+        else {
+            "runs": [{**asdict(r), "label": r.label, "wire_bytes_per_msg": r.wire_bytes_per_msg} for r in coded],
+            "reads": [{**asdict(x), "mb_per_s": x.mb_per_s} for x in reads or []],
+            "ratios_compressed_over_plain": compression_ratios(coded, reads or []),
+        },
     }
     return "\n".join(lines), doc
 
@@ -748,6 +1020,9 @@ def run(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="onceflow-bench-produce-"))
     servers: list[ServerProcess] = []
     loads: list[ThroughputResult] = []
+    coded: list[ThroughputResult] = []  # --compression: the event runs, plain and compressed
+    reads: list[CatchUpRead] = []
+    compression: Coding | None = getattr(args, "compression", None)
     lats: list[LatencyResult] = []
     profile: ProfileResult | None = None
     failures: list[str] = []
@@ -797,6 +1072,23 @@ def run(args: argparse.Namespace) -> int:
                 r = measure_throughput(server, content, idem, inflight, seconds, next(run_ids))
                 loads.append(r)
                 failures.extend(f"throughput {r.label}: {f}" for f in r.failures)
+            if compression is not None:
+                for inflight in (1, 5):
+                    for coding in (None, compression):
+                        read_here = inflight == 5 and coding is None  # one stream read both ways
+                        r = measure_throughput(
+                            server,
+                            "events",
+                            True,
+                            inflight,
+                            seconds,
+                            next(run_ids),
+                            compression=coding,
+                            reads=reads if read_here else None,
+                            read_coding=compression,
+                        )
+                        coded.append(r)
+                        failures.extend(f"throughput {r.label}: {f}" for f in r.failures)
             missed = any(t["verdict"] == "MISS" for t in throughput_targets(loads))
             good = [r for r in loads if r.idempotent and not r.failures]
             if args.no_profile:
@@ -836,7 +1128,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(root, ignore_errors=True)
         signal.signal(signal.SIGTERM, previous)
 
-    text, doc = render(loads, lats, profile, notes, seconds, latency_count, rate)
+    text, doc = render(loads, lats, profile, notes, seconds, latency_count, rate, coded, reads)
     return report(text, doc, failures, args.out)
 
 
