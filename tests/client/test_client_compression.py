@@ -19,6 +19,8 @@ from onceflow.client import (
     Stream,
     TransactionalProducer,
 )
+from onceflow.client._transport import LeanAsyncTransport
+from onceflow.client.lowlevel import async_http_client, stream_url
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +142,17 @@ async def test_a_consumer_with_compression_reads_compressed_answers(base: str) -
     assert got == events(300)
     reads = [w for w in wire.got if w[0] == "GET" and w[2] is not None]
     assert reads and all(w[1:] == ("gzip", "gzip") for w in reads)
+
+
+@pytest.mark.anyio
+async def test_the_lean_transport_reads_compressed_answers(base: str) -> None:
+    """The asyncio clients onceflow makes for http:// go through its own transport (client/_transport.py);
+    httpx decodes above it."""
+    async with AsyncStream.connect(base, "cs-lean", compression="zstd") as s:
+        await s.create("application/json")
+        await s.append_many(events(300))
+        assert (await s.read()).messages() == events(300)
+    async with async_http_client(base, timeout=30) as c:
+        assert isinstance(c._transport, LeanAsyncTransport)
+        r = await c.get(stream_url(base, "cs-lean"), params={"offset": "-1"}, headers={"accept-encoding": "zstd"})
+    assert r.headers["content-encoding"] == "zstd" and r.json() == events(300)

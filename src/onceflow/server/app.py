@@ -492,7 +492,8 @@ class App:
         return status, h, body
 
     async def _body(self, headers: dict[str, str], receive: Receive, coding: Coding | None = None) -> bytes:
-        """The request's body, decoded from ``coding`` as it comes (server/coding.py).
+        """The request's body, decoded from ``coding`` (server/coding.py: gzip as it comes, zstd once
+        it has all come).
 
         ``--max-body`` bounds it twice: as sent (a declared ``Content-Length`` at once, a chunked
         body as it passes the bound) and decoded, so a small body that inflates past the bound is
