@@ -316,6 +316,7 @@ def test_accept_encoding_is_read_by_its_weights() -> None:
     assert accepted_coding("gzip;q=1, zstd;q=0.5") == "gzip"
     assert accepted_coding("zstd;q=0, *") == "gzip" and accepted_coding("*;q=0") is None
     assert accepted_coding("br") is None and accepted_coding("gzip;q=nonsense") is None
+    assert accepted_coding("gzip;q=0.5, identity") is None and accepted_coding("gzip, identity;q=0.5") == "gzip"
 
 
 @pytest.mark.anyio

@@ -80,7 +80,8 @@ def content_coding(value: str | None) -> Coding | None:
 def accepted_coding(value: str | None) -> Coding | None:
     """The coding to answer a read in, of those ``Accept-Encoding`` accepts (RFC 9110 12.5.3):
     the one with the highest ``q``, zstd where they tie; ``*`` stands for any coding not named;
-    None when the header is absent or accepts neither (``identity`` is always acceptable here).
+    None when the header is absent, accepts neither, or names ``identity`` with a higher ``q``
+    (``identity`` is always acceptable here).
 
     An absent header would allow any coding by the RFC's letter; it gets none, as clients that
     decode codings say so and those that do not (``curl`` without ``--compressed``) send nothing."""
@@ -109,6 +110,8 @@ def accepted_coding(value: str | None) -> Coding | None:
         weight = max(named) if named else star
         if weight > best_weight:
             best, best_weight = coding, weight
+    if weights.get("identity", 0.0) > best_weight:
+        return None  # the client prefers the body as it is (identity;q=1, gzip;q=0.5)
     return best
 
 
