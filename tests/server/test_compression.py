@@ -342,3 +342,12 @@ def test_a_zstd_frame_that_needs_a_window_over_8_mib_is_refused() -> None:
     with pytest.raises(Malformed, match="not valid zstd"):
         d.end()
     assert d.size == 0
+
+
+def test_compress_min_takes_a_size_or_off() -> None:
+    from onceflow.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve"]).compress_min == 1024
+    assert parse(["serve", "--compress-min", "4KiB"]).compress_min == 4096
+    assert parse(["serve", "--compress-min", "off"]).compress_min is None
