@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from helpers.servers import InProcess
-from helpers.txn import JSON, S, T, Txn
+from helpers.txn import JSON, S, T, Txn, after_restart
 from onceflow.core.txn import Coordinator
 from onceflow.server.app import App, AppConfig
 
@@ -44,16 +44,7 @@ async def _after_restart(onceflow: InProcess, *, compact: bool) -> dict[str, Any
     if compact:
         coord.compact_bytes = 0
         assert await coord.maybe_compact()
-    onceflow.broker.begin_shutdown()
-    await onceflow.broker.close()
-    again = onceflow.reopen()
-    again.open()
-    await again.start()
-    try:
-        return _state(again.coordinator)
-    finally:
-        again.begin_shutdown()
-        await again.close()
+    return await after_restart(onceflow, lambda b: _state(b.coordinator))
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["restart", "compaction"])

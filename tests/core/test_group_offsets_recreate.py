@@ -17,7 +17,7 @@ import pytest
 
 import onceflow.storage.log as storage_log
 from helpers.servers import InProcess
-from helpers.txn import JSON, S, T, Txn
+from helpers.txn import JSON, S, T, Txn, after_restart
 from onceflow.core.txn import TxnStatus
 
 pytestmark = pytest.mark.anyio
@@ -108,16 +108,7 @@ async def test_a_create_whose_offsets_could_not_be_dropped_creates_nothing(
 
 
 async def _groups_after_restart(onceflow: InProcess) -> dict[str, dict[str, str]]:
-    onceflow.broker.begin_shutdown()
-    await onceflow.broker.close()
-    again = onceflow.reopen()
-    again.open()
-    await again.start()
-    try:
-        return {g: dict(o) for g, o in again.coordinator.groups.items()}
-    finally:
-        again.begin_shutdown()
-        await again.close()
+    return await after_restart(onceflow, lambda b: {g: dict(o) for g, o in b.coordinator.groups.items()})
 
 
 async def _commit_offsets_in_a_transaction(c: httpx.AsyncClient, end: str) -> None:

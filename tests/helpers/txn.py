@@ -10,7 +10,7 @@ import shutil
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -22,6 +22,7 @@ from onceflow.storage.log import StreamLog
 from onceflow.storage.position import Position
 
 Record = dict[str, Any]
+Seen = TypeVar("Seen")
 S = "/v1/stream/"
 T = "/v1/txn/"
 JSON = {"content-type": "application/json"}
@@ -96,6 +97,21 @@ async def serve(data: Path, *, recover: bool = True) -> AsyncIterator[InProcess]
     app = App(broker, AppConfig(long_poll_timeout=0.3))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         yield InProcess(broker, app, client, data)
+
+
+async def after_restart(onceflow: InProcess, look: Callable[[Broker], Seen]) -> Seen:
+    """What ``look`` sees of a broker started again on ``onceflow``'s store, once ``onceflow``'s
+    broker closed as at a clean stop (its own client is of no use afterwards)."""
+    onceflow.broker.begin_shutdown()
+    await onceflow.broker.close()
+    again = onceflow.reopen()
+    again.open()
+    await again.start()
+    try:
+        return look(again)
+    finally:
+        again.begin_shutdown()
+        await again.close()
 
 
 async def kill(broker: Broker) -> None:
