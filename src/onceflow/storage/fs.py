@@ -51,7 +51,11 @@ class OutcomeUnknown(OnceflowError, OSError):
 
 class File(Protocol):
     """An open file of a :class:`FileSystem`. Every method may raise ``OSError``; a write is
-    durable only after :meth:`sync`."""
+    durable only after :meth:`sync`.
+
+    A file whose reads may wait for a network (the PostgreSQL store's ``PgFile``) may also have
+    ``async def apread(n, at) -> bytes``: what :meth:`pread` returns, awaited by an event loop that
+    serves others meanwhile (``StreamLog.aread``); files without it are read with :meth:`pread`."""
 
     @property
     def path(self) -> Path: ...

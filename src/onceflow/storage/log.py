@@ -24,6 +24,15 @@ Recovery
     rebuild the tail and producer state from the batch headers. Recovery run twice gives the same
     state, because the first run leaves only intact batches behind.
 
+Reads
+    A read runs on the event loop: it decides which segments and byte ranges to read, below the
+    durable tail as it is when the read begins (bytes that never change while the log is open), and
+    parses the batches. :meth:`StreamLog.aread` (a client's read) awaits a file that may wait for
+    its bytes (the PostgreSQL store's, for bytes older than its memory cache), and other tasks run
+    meanwhile; after each wait it checks that the segment is still the log's (retention or a delete
+    may have removed it: then the read fails as one begun afterwards would). :meth:`StreamLog.read`
+    reads blocking, for callers that are not a client's read.
+
 Time index
     Each segment may hold an index of its batches' append times, in memory, built on demand by a
     lookup by time (the broker's, for a group reset by time), never by the write path: ``index_times``
@@ -43,11 +52,11 @@ import logging
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import crc32c
 
@@ -73,6 +82,7 @@ __all__ = [
     "InvalidPosition",
     "IoEvents",
     "IoObserver",
+    "LogClosed",
     "OffsetGone",
     "ProducerState",
     "ReadBatch",
@@ -91,6 +101,11 @@ SEGMENT_SUFFIX = ".seg"
 SNAPSHOT_NAME = "producers.snap"
 RECENT_BATCHES = 5  # per producer, to answer duplicates with the original offsets
 DEFAULT_SEGMENT_BYTES = 64 << 20
+# A read's steps (StreamLog._reading, _checking): each yields what it needs next, (segment, n, at):
+# n bytes at byte ``at`` of that segment's file, is sent them, and returns its result at the end. The
+# same steps run blocking (_blocking: the file's pread) or awaited (StreamLog._awaiting).
+_R = TypeVar("_R")
+_Steps = Generator[tuple["_Segment", int, int], bytes, _R]
 # Producer state is snapshotted every this many bytes of log, bounding a crash recovery's scan.
 DEFAULT_SNAPSHOT_BYTES = 8 << 20
 # The time index has an entry (16 bytes) per piece of about this many bytes of a segment, and a
@@ -112,6 +127,20 @@ class OffsetGone(InvalidPosition):
         )
         self.at = at
         self.earliest = earliest
+
+
+class LogClosed(OnceflowError, OSError):
+    """The log's files were released while a read waited for their bytes: its stream was deleted
+    (a read begun after the delete finds no stream), or the server is stopping. Nothing was read;
+    an ``OSError`` (``ENOENT``)."""
+
+    retriable = True
+
+    def __init__(self, directory: Path) -> None:
+        message = f"{directory}: the log was closed while a read waited for its bytes"
+        super().__init__(message, code="log_closed")
+        self.errno = errno.ENOENT
+        self.strerror = message
 
 
 class IoObserver(Protocol):
@@ -1069,7 +1098,19 @@ class StreamLog:
     # ------------------------------------------------------------------ reads
 
     def check_position(self, at: Position) -> None:
-        """Raise InvalidPosition unless ``at`` is a batch boundary of the durable log."""
+        """Raise InvalidPosition unless ``at`` is a batch boundary of the durable log.
+
+        On the loop, its reads too (a header, then that batch): on the PostgreSQL store, bytes older
+        than the memory cache are a query each, bounded by its read_timeout (storage/pgfs.py).
+        :meth:`acheck_position` lets other tasks run while they wait for the database."""
+        _blocking(self._checking(at))
+
+    async def acheck_position(self, at: Position) -> None:
+        """:meth:`check_position` for a client's read: the same checks, its reads as :meth:`aread`
+        makes them."""
+        await self._awaiting(self._checking(at), at)
+
+    def _checking(self, at: Position) -> _Steps[None]:
         end = self.durable.end
         if at == end:
             return
@@ -1077,11 +1118,10 @@ class StreamLog:
             raise InvalidPosition(f"offset {at.token()} is outside this stream")
         if at.pos < self.first.pos:
             raise OffsetGone(at, self.first)
+        self._check_open()
         seg = self._segments[self._segment_index(at.pos)]
         rel = at.pos - seg.base.pos
-        # on the loop: on the PostgreSQL store, bytes older than the memory cache are one query each,
-        # bounded by its read_timeout (storage/pgfs.py), of one header and then one batch
-        raw = seg.file.pread(HEADER_SIZE, rel)
+        raw = yield seg, HEADER_SIZE, rel
         bad = InvalidPosition(f"offset {at.token()} is not a record boundary of this stream")
         if len(raw) < HEADER_SIZE:
             raise bad
@@ -1090,7 +1130,7 @@ class StreamLog:
         if fields[2] != MAGIC or fields[5] != at.offset or not HEADER_SIZE <= length <= end.pos - at.pos:
             raise bad
         try:
-            parse_header(seg.file.pread(length, rel), 0, verify=True)
+            parse_header((yield seg, length, rel), 0, verify=True)
         except CorruptBatch:
             raise bad from None
 
@@ -1099,7 +1139,63 @@ class StreamLog:
 
         ``limit`` caps the read at a position (a fork reading its parent). ``at`` must have passed
         :meth:`check_position`; bytes that still do not parse raise CorruptBatch.
+
+        On the loop, about max_bytes (or one larger batch) a call; on the PostgreSQL store a query
+        per segment for bytes older than the memory cache, bounded by its read_timeout. A client's
+        read uses :meth:`aread`, which lets other tasks run while such a query waits.
         """
+        return _blocking(self._reading(at, max_bytes, limit))
+
+    async def aread(self, at: Position, max_bytes: int, limit: Position | None = None) -> list[ReadBatch]:
+        """:meth:`read`, the same batches, for a client's read: a file that may wait for its bytes
+        (``apread``: the PostgreSQL store's, for bytes older than its memory cache) is awaited, and
+        other tasks run meanwhile; a file that reads at once (the local disk's) is read as
+        :meth:`read` does, and then nothing is awaited at all.
+
+        The log decides on the loop which segments and ranges to read, below the durable end as it
+        is when the read begins (bytes that never change while the log is open), and parses what
+        comes back on the loop. After each wait it checks that the segment read is still the log's:
+        if retention deleted it meanwhile the read raises :class:`OffsetGone`, as a read begun after
+        the deletion would, and if the log's files were released (its stream deleted, the server
+        stopping), :class:`LogClosed`; never bytes of a file that went."""
+        return await self._awaiting(self._reading(at, max_bytes, limit), at)
+
+    async def _awaiting(self, steps: _Steps[_R], at: Position) -> _R:
+        """Run a read's steps (:meth:`_reading`, :meth:`_checking`), each segment's bytes with its
+        file's ``apread`` when it has one (see :meth:`aread`)."""
+        try:
+            need = next(steps)
+            while True:
+                seg, n, rel = need
+                apread = getattr(seg.file, "apread", None)
+                if apread is None:
+                    data = seg.file.pread(n, rel)
+                else:
+                    data = await apread(n, rel)
+                    self._still_holds(seg, at)
+                need = steps.send(data)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        finally:
+            steps.close()
+
+    def _still_holds(self, seg: _Segment, at: Position) -> None:
+        """After a read of ``seg`` waited: raise unless ``seg`` is still one of this log's segments
+        (retention deletes a segment, and a deleted stream releases them all, before removing its
+        file, both on the loop: so a segment still here had its bytes throughout)."""
+        segs = self._segments
+        if segs:
+            i = self._segment_index(seg.base.pos)
+            if segs[i] is seg:
+                return
+            raise OffsetGone(at, self.first)
+        self._check_open()
+
+    def _check_open(self) -> None:
+        if not self._segments:
+            raise LogClosed(self.directory)
+
+    def _reading(self, at: Position, max_bytes: int, limit: Position | None) -> _Steps[list[ReadBatch]]:
         end = self.durable.end
         if limit is not None and limit.pos < end.pos:
             end = limit
@@ -1108,22 +1204,21 @@ class StreamLog:
         out: list[ReadBatch] = []
         pos, offset, budget = at.pos, at.offset, max_bytes
         while pos < end.pos:
+            self._check_open()
             seg_i = self._segment_index(pos)
             seg = self._segments[seg_i]
             seg_end = min(seg.base.pos + seg.size, end.pos)
             if seg_i + 1 < len(self._segments):
                 seg_end = min(seg_end, self._segments[seg_i + 1].base.pos)
             rel = pos - seg.base.pos
-            # on the loop: about max_bytes (or one larger batch) a call; on the PostgreSQL store, a
-            # query per segment for bytes older than the memory cache, bounded by its read_timeout
-            data = seg.file.pread(min(seg_end - pos, max(budget, HEADER_SIZE)), rel)
+            data = yield seg, min(seg_end - pos, max(budget, HEADER_SIZE)), rel
             p = 0
             while len(data) - p >= HEADER_SIZE:
                 length = int.from_bytes(data[p + 4 : p + 8], "little")
                 if len(data) - p < length:
                     if p > 0 or length > seg_end - pos:
                         break
-                    data = seg.file.pread(length, rel)  # one batch larger than the budget
+                    data = yield seg, length, rel  # one batch larger than the budget
                     continue
                 h = parse_header(data, p, verify=False)
                 if h.base_offset != offset:
@@ -1241,6 +1336,19 @@ class StreamLog:
                 raise CorruptBatch(f"{seg.path}: no whole batch header at byte {start + p}")
             return None  # that batch lies past limit, in the same piece
         return None
+
+
+def _blocking(steps: _Steps[_R]) -> _R:
+    """Run a read's steps with each file's blocking ``pread``."""
+    try:
+        need = next(steps)
+        while True:
+            seg, n, rel = need
+            need = steps.send(seg.file.pread(n, rel))
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    finally:
+        steps.close()
 
 
 def _time_fields(fields: tuple[Any, ...]) -> tuple[int, int, int, int, int]:

@@ -35,14 +35,19 @@ Semantics, against the :class:`~onceflow.storage.fs.FileSystem` contract:
   holder's memory may disagree with the database, and it must step down.
 
 Reads of a file's recent bytes are served from memory (the last :data:`TAIL_CACHE` bytes written);
-older ranges are read from the database. No call made on an event loop's thread waits for the
+older ranges are read from the database. A client's read of them (a catch-up read) does not hold the
+event loop while it waits: :meth:`PgFile.apread` takes what memory holds at once and awaits the rest,
+read by file id in a thread (:meth:`PgFileSystem.read_cold`: at most ``cold_reads`` at once, each
+given at most ``read_timeout`` for its turn and as long for its answer), while the loop serves the
+other clients; the log checks afterwards that the file still holds those bytes (storage/log.py,
+``StreamLog.aread``). No call made on an event loop's thread waits for the
 database longer than a bound, whatever the database does (a lock, a commit waiting for a lost
 synchronous standby, a frozen or cut-off primary), so no database stall holds the loop, and with
 it every other client, for longer (:func:`_loop_bound`): such a call runs in a thread of its own,
 and the loop waits for it
 
-- at most :attr:`PgFileSystem.read_timeout` seconds for a read (the server's cold reads, the
-  retention sweep's segment headers, a create's look-ups), which then fails with
+- at most :attr:`PgFileSystem.read_timeout` seconds for a read (the retention sweep's segment
+  headers, a create's look-ups, a fork's or a group reset's check of an offset), which then fails with
   :class:`ReadTimedOut` (nothing changed; retry); its thread gives up as soon (the pool's wait and
   each statement's ``statement_timeout``, lock waits included);
 - at most :attr:`PgFileSystem.write_timeout` seconds for a write (a create, a delete, retention's
@@ -67,8 +72,10 @@ import secrets
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -250,6 +257,7 @@ class Overran(OnceflowError):
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 
 def _loop_bound(kind: Literal["read", "write", "open"]) -> Callable[[_Method], _Method]:
@@ -325,20 +333,25 @@ class _CallThreads:
         self._lock = threading.Lock()
 
     def run(self, call: Callable[[], Any], seconds: float) -> Any:
-        with self._lock:
-            inbox = self._idle.pop() if self._idle else None
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(inbox,), name="onceflow-store-call", daemon=True).start()
         done = threading.Event()
         box: list[tuple[bool, Any]] = []  # (returned, its value or what it raised)
-        inbox.put((call, done, box))
+        self.start(call, done, box)
         if not done.wait(seconds):
             raise Overran
         ok, value = box[0]
         if not ok:
             raise value
         return value
+
+    def start(self, call: Callable[[], Any], done: threading.Event, box: list[Any]) -> None:
+        """Hand ``call`` to a kept thread (a new one if none is idle) and return at once: ``box``
+        gets ``(True, its value)`` or ``(False, what it raised)``, then ``done`` is set."""
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="onceflow-store-call", daemon=True).start()
+        inbox.put((call, done, box))
 
     def _serve(self, inbox: queue.SimpleQueue[tuple[Callable[[], Any], threading.Event, list[Any]]]) -> None:
         _CALL.bounded = True
@@ -358,6 +371,35 @@ class _CallThreads:
 
 
 _THREADS = _CallThreads()
+
+
+class _BoundedCalls(Executor):
+    """An executor over :data:`_THREADS` (``loop.run_in_executor``): each call runs in a kept
+    daemon thread that counts as one the event loop waits for, so the store bounds its waits as
+    it bounds a call made on the loop's thread (:func:`_bounded`: the pool's wait and each
+    statement at most ``read_timeout``), and a thread stuck in a frozen database never holds up
+    the process's exit. It bounds nothing itself: its caller does (:meth:`PgFileSystem.read_cold`)."""
+
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        fut: Future[_T] = Future()
+        if not fut.set_running_or_notify_cancel():
+            return fut
+        done = threading.Event()
+        box: list[Any] = []
+
+        def call() -> None:
+            try:
+                value = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the future's owner
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)
+
+        _THREADS.start(call, done, box)
+        return fut
+
+
+_BOUNDED_CALLS = _BoundedCalls()
 
 
 class _Gone(Exception):
@@ -436,18 +478,37 @@ class PgFile:
             self._size = size
 
     def pread(self, n: int, at: int) -> bytes:
+        cold, tail = self._split(n, at)
+        if not cold:
+            return tail
+        # older bytes come from the database, without the file's lock: they are durable, and a sync
+        # running meanwhile writes only above them
+        return self._from_database(at, cold) + tail
+
+    async def apread(self, n: int, at: int) -> bytes:
+        """:meth:`pread` for an event loop: the same bytes. What memory holds is taken at once; bytes
+        older than that are read from the database in a thread (:meth:`PgFileSystem.read_cold`: at
+        most ``cold_reads`` at once, each waited for at most ``read_timeout``) while the loop serves
+        others. Without a cold part it returns without awaiting anything.
+
+        The caller must know the file still holds those bytes when this returns (the log checks that
+        the segment is still its own): a file removed meanwhile (retention, a deleted stream) may
+        read as zeros, as a shortened one does."""
+        cold, tail = self._split(n, at)
+        if not cold:
+            return tail
+        return await self._fs.read_cold(self, at, cold) + tail
+
+    def _split(self, n: int, at: int) -> tuple[int, bytes]:
+        """Bytes [at, at + n) as :meth:`pread` returns them, in two parts: how many of the first
+        must come from the database (0: none), and the bytes memory holds after them (taken now)."""
         with self._lock:
             self._check()
             end = min(at + n, self._size)
             if at >= end:
-                return b""
+                return 0, b""
             upto = max(at, min(end, self._cache_from))
-            tail = self._in_memory(upto, end)
-        if upto == at:
-            return tail
-        # older bytes come from the database, without the file's lock: they are durable, and a sync
-        # running meanwhile writes only above them
-        return self._from_database(at, upto - at) + tail
+            return upto - at, self._in_memory(upto, end)
 
     def _in_memory(self, lo: int, hi: int) -> bytes:
         """Bytes [lo, hi) from the cache and the pending bytes (which follow it); lo >= _cache_from."""
@@ -531,6 +592,8 @@ class PgFile:
         return self._from_database(at, n)
 
     def _from_database(self, at: int, n: int) -> bytes:
+        """Bytes [at, at + n) as the database holds them. Touches nothing of the file but its id
+        (fixed): safe in any thread."""
         got = self._fs.read_range(self.id, at, n)
         if len(got) < n:  # a hole (or a file another server shortened): zeros, as a sparse file reads
             got += bytes(n - len(got))
@@ -572,8 +635,10 @@ class PgFileSystem:
 
     ``conninfo`` is any libpq connection string or URL (multi-host ones included). ``pool_size``
     bounds the connections: the storage layer's worker threads each take one per operation.
-    ``connector``, ``clock`` (monotonic seconds) and ``sleep`` are the database and the time it
-    runs on: the simulator's, in a simulation."""
+    ``cold_reads``: how many reads for an event loop's clients may wait for the database at once
+    (:meth:`read_cold`); the pool has that many connections more, so that they never take one the
+    writes need. ``connector``, ``clock`` (monotonic seconds) and ``sleep`` are the database and
+    the time it runs on: the simulator's, in a simulation."""
 
     def __init__(
         self,
@@ -585,10 +650,13 @@ class PgFileSystem:
         idle_timeout: float = 5.0,
         read_timeout: float = 2.0,
         write_timeout: float = 5.0,
+        cold_reads: int = 4,
         connector: Connector | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        if cold_reads < 1:
+            raise ValueError("cold_reads must be at least 1")
         self.conninfo = conninfo
         self._connector = connector or Connector()
         self._clock = clock  # judges the lease's holder gone (acquire) and paces read-backs (_settle)
@@ -616,7 +684,7 @@ class PgFileSystem:
         self._pool = self._connector.pool(
             conninfo,
             min_size=1,
-            max_size=pool_size,
+            max_size=pool_size + cold_reads,
             open=False,
             timeout=connect_timeout,
             kwargs={"autocommit": False},
@@ -630,6 +698,13 @@ class PgFileSystem:
             self._pool.close()
             raise
         self.cache_budget = cache_budget
+        self.cold_reads = cold_reads
+        # read_cold's turns, one set per event loop (an asyncio.Semaphore belongs to one loop)
+        self._turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.cold_running = 0  # read_cold: reads in a thread now (their turn is taken until they end)
+        self.cold_waiting = 0  # read_cold: reads waiting for a turn
         self._cached: OrderedDict[PgFile, int] = OrderedDict()  # files' cached bytes, least recent first
         self._cache_total = 0
         self._cache_lock = threading.Lock()
@@ -1066,10 +1141,12 @@ class PgFileSystem:
     def read_range(self, ident: int, at: int, n: int) -> bytes:
         """Bytes [at, at + n) of file ``ident`` as the database holds them (short at its end).
 
-        A cold read (older than the memory cache) comes here from the event loop: its one query is
-        bounded by :attr:`read_timeout` (:meth:`_tx`), and its size by the caller (a client's read:
-        at most the server's ``max_read_bytes``, 4 MiB by default, or one batch larger than that;
-        the sweep: one batch header)."""
+        A client's cold read (older than the memory cache) comes here in a thread of
+        :meth:`read_cold`; other reads of the loop (the sweep's headers, a fork's check of its
+        offset) from the loop's thread. Either way its one query is bounded by :attr:`read_timeout`
+        (:meth:`_tx`), and its size by the caller (a client's read: at most the server's
+        ``max_read_bytes``, 4 MiB by default, or one batch larger than that; the sweep: one batch
+        header)."""
         pre = self._pre
         if pre is not None:
             whole = pre.data.get(ident)
@@ -1093,6 +1170,65 @@ class PgFileSystem:
                 out += bytes(pos - at - len(out))  # a hole
             out += data
         return bytes(out)
+
+    async def read_cold(self, f: PgFile, at: int, n: int) -> bytes:
+        """Bytes [at, at + n) of ``f`` from the database (zeros past what it holds, as
+        :meth:`PgFile.pread`), for a coroutine on the event loop, which serves others meanwhile: a
+        client's catch-up read of bytes older than the memory cache (:meth:`PgFile.apread`).
+
+        1. Wait for one of :attr:`cold_reads` turns, at most :attr:`read_timeout` seconds (past
+           it :class:`ReadTimedOut`: the database is too slow for the reads asked of it; retry).
+        2. Read in a thread of :data:`_THREADS`, which bounds its waits as for a call made on the
+           loop (the pool's wait and the statement: :attr:`read_timeout` each). It touches the
+           file's id and the pool, nothing the loop changes. The turn is taken until the thread
+           is done, whoever still waits for it: never more than :attr:`cold_reads` reads in the
+           database at once, nor connections of the pool.
+        3. Wait for it at most :attr:`read_timeout` seconds (a frozen database answers nothing, so
+           no statement_timeout fires): past it :class:`ReadTimedOut`, and the thread goes on
+           alone. A caller cancelled meanwhile (its client went away) leaves it too.
+
+        The bytes are those the database holds when the thread reads them: the caller checks that
+        the file still has them (removed files read as zeros)."""
+        loop = asyncio.get_running_loop()
+        turns = self._turns.get(loop)
+        if turns is None:
+            turns = self._turns[loop] = asyncio.Semaphore(self.cold_reads)
+        what = f"read of bytes {at} to {at + n} of file {f.id}"
+        # Step 1
+        self.cold_waiting += 1
+        try:
+            async with asyncio.timeout(self.read_timeout) as waited:
+                await turns.acquire()
+        except TimeoutError:
+            if not waited.expired():
+                raise
+            raise ReadTimedOut(f"{what}, waiting for a turn of {self.cold_reads},", self.read_timeout) from None
+        finally:
+            self.cold_waiting -= 1
+        # Step 2
+        self.cold_running += 1
+        try:
+            fut = loop.run_in_executor(_BOUNDED_CALLS, f._from_database, at, n)
+        except BaseException:
+            self.cold_running -= 1
+            turns.release()
+            raise
+        fut.add_done_callback(functools.partial(self._cold_done, turns))
+        # Step 3
+        try:
+            async with asyncio.timeout(self.read_timeout) as waited:
+                return await asyncio.shield(fut)
+        except TimeoutError:
+            if not waited.expired():
+                raise
+            raise ReadTimedOut(what, self.read_timeout) from None
+
+    def _cold_done(self, turns: asyncio.Semaphore, fut: asyncio.Future[bytes]) -> None:
+        """A cold read's thread is done (on the loop): its turn is free."""
+        self.cold_running -= 1
+        turns.release()
+        if not fut.cancelled():
+            fut.exception()  # retrieved: nobody may await it any more (its caller gave up)
 
     # ------------------------------------------------------------------ a tree read at once
 
