@@ -245,6 +245,61 @@ def test_a_leader_cut_off_from_the_database_stops_answering_before_another_takes
         other.kill()
 
 
+def test_a_leader_answers_other_requests_while_a_catch_up_read_waits_for_the_database(pg: str, tmp_path: Path) -> None:
+    """Issue 30, Finding 7: a read of bytes older than the leader's memory cache waited for the
+    database on the event loop, and every other client with it (the leader kept its lease but
+    answered nothing: 10-13 s under forty catch-up readers). Here the database holds the read (the
+    chunks' table locked by another session, within the read's timeout): the leader answers
+    ``GET /v1/leader`` and another read while it waits, and the read gets its bytes once the lock goes."""
+    import psycopg
+
+    piece = bytes(range(256)) * 2048  # 512 KiB
+    octets = {"Content-Type": "application/octet-stream"}
+    leader = ServerProcess(tmp_path / "a", "--store", pg_url(pg), "--store-read-timeout", "60")
+    leader.start()
+    try:
+        assert wait_for_leader(leader) is leader
+        assert httpx.put(f"{leader.url}/v1/stream/old", headers=octets).status_code == 201
+        for _ in range(3):  # 1.5 MiB: the first bytes are out of the 1 MiB memory cache
+            assert httpx.post(f"{leader.url}/v1/stream/old", content=piece, headers=octets).is_success
+        released = threading.Event()
+        with psycopg.connect(pg) as holder, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            holder.execute("LOCK TABLE onceflow_chunks IN ACCESS EXCLUSIVE MODE")
+
+            def release() -> None:
+                released.set()
+                holder.rollback()
+
+            timer = threading.Timer(20.0, release)  # a bound for a failing test, not a goal
+            timer.start()
+            try:
+                read = pool.submit(httpx.get, f"{leader.url}/v1/stream/old", params={"offset": "-1"}, timeout=90)
+                with psycopg.connect(pg, autocommit=True) as watch:
+                    for _ in range(1000):  # until the read waits for the lock in the database
+                        row = watch.execute(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                            "AND query LIKE '%%FROM onceflow_chunks%%'"
+                        ).fetchone()
+                        if row is not None and row[0]:
+                            break
+                        time.sleep(0.01)
+                    else:
+                        raise AssertionError("the read never reached the database")
+                asked = httpx.get(f"{leader.url}/v1/leader", timeout=60)
+                head = httpx.head(f"{leader.url}/v1/stream/old", timeout=60)
+                answered_while_waiting = not released.is_set() and not read.done()
+            finally:
+                timer.cancel()
+                if not released.is_set():
+                    release()
+            r = read.result()
+        assert answered_while_waiting, "the leader answered nothing while the read waited for the database"
+        assert asked.json()["leads"] is True and head.status_code == 200
+        assert r.status_code == 200 and r.content == piece * 3
+    finally:
+        leader.kill()
+
+
 def raw_answer(server: ServerProcess, request: bytes) -> tuple[bytes, bytes]:
     """The status line and body of ``server``'s answer to ``request``, sent as it is."""
     with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10) as s:

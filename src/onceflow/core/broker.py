@@ -29,7 +29,16 @@ from typing import Any, Literal
 
 from ..storage.batch import FLAG_CLOSE, FLAG_COMMIT, FLAG_CONTROL, FLAG_JSON, FLAG_TXN, CorruptBatch
 from ..storage.fs import FileSystem, OsFileSystem, OutcomeUnknown
-from ..storage.log import FsyncPolicy, InvalidPosition, IoEvents, OffsetGone, ReadBatch, Staged, StreamLog
+from ..storage.log import (
+    FsyncPolicy,
+    InvalidPosition,
+    IoEvents,
+    LogClosed,
+    OffsetGone,
+    ReadBatch,
+    Staged,
+    StreamLog,
+)
 from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
 from ..storage.position import Position, parse_token
 from ..wire import MAX_SAFE_INT
@@ -288,20 +297,52 @@ class StreamState:
         else:
             self.log.check_position(at)
 
+    async def acheck_position(self, at: Position) -> None:
+        """:meth:`check_position` with the logs' reads awaited (``StreamLog.acheck_position``)."""
+        if at.pos < self.log.base.pos:
+            if self.parent is None:
+                raise InvalidPosition(f"offset {at.token()} is outside this stream")
+            if at.offset > self.log.base.offset:
+                raise InvalidPosition(f"offset {at.token()} is not a record boundary of this stream")
+            await self.parent.acheck_position(at)
+        else:
+            await self.log.acheck_position(at)
+
     def read_range(self, at: Position, max_bytes: int, limit: Position | None = None) -> list[ReadBatch]:
         if at.pos < self.log.base.pos and self.parent is not None:
-            cap = self.log.base if limit is None or limit.pos > self.log.base.pos else limit
+            cap = self._parent_cap(limit)
             batches = self.parent.read_range(at, max_bytes, cap)
-            used = sum(b.end.pos - b.start.pos for b in batches)
-            if (
-                batches
-                and batches[-1].end.pos >= self.log.base.pos
-                and used < max_bytes
-                and (limit is None or limit.pos > self.log.base.pos)
-            ):
-                batches += self.log.read(self.log.base, max_bytes - used, limit)
+            if self._on_into_own_log(batches, max_bytes, limit):
+                batches += self.log.read(self.log.base, max_bytes - _span(batches), limit)
             return batches
         return self.log.read(at, max_bytes, limit)
+
+    async def aread_range(self, at: Position, max_bytes: int, limit: Position | None = None) -> list[ReadBatch]:
+        """:meth:`read_range`, the same batches, with the logs' reads awaited (``StreamLog.aread``:
+        other tasks run while a read waits for the PostgreSQL store's database)."""
+        if at.pos < self.log.base.pos and self.parent is not None:
+            batches = await self.parent.aread_range(at, max_bytes, self._parent_cap(limit))
+            if self._on_into_own_log(batches, max_bytes, limit):
+                batches += await self.log.aread(self.log.base, max_bytes - _span(batches), limit)
+            return batches
+        return await self.log.aread(at, max_bytes, limit)
+
+    def _parent_cap(self, limit: Position | None) -> Position:
+        """Where a read of this fork's source's range ends: the fork point, or ``limit`` before it."""
+        return self.log.base if limit is None or limit.pos > self.log.base.pos else limit
+
+    def _on_into_own_log(self, batches: list[ReadBatch], max_bytes: int, limit: Position | None) -> bool:
+        """Whether a read that got ``batches`` of the source's range goes on into this fork's own log."""
+        return (
+            bool(batches)
+            and batches[-1].end.pos >= self.log.base.pos
+            and _span(batches) < max_bytes
+            and (limit is None or limit.pos > self.log.base.pos)
+        )
+
+
+def _span(batches: list[ReadBatch]) -> int:
+    return sum(b.end.pos - b.start.pos for b in batches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1630,24 +1671,47 @@ class Broker:
     def resolve_start(self, s: StreamState, offset: str | None, *, committed: bool = True) -> Position | str:
         """The position a read's ``offset`` parameter names, or what is wrong with it; raises
         :class:`OffsetGone` for an offset whose data retention deleted."""
+        at, check = self._start_of(s, offset, committed)
+        if check:
+            assert isinstance(at, Position)
+            try:
+                s.check_position(at)
+            except InvalidPosition as exc:
+                return str(exc)
+        return at
+
+    async def aresolve_start(self, s: StreamState, offset: str | None, *, committed: bool = True) -> Position | str:
+        """:meth:`resolve_start` for a client's read: the check that an offset is a batch boundary
+        (a read of that batch) is awaited (:meth:`StreamState.acheck_position`). Raises as
+        :meth:`aread` does when the stream's data goes meanwhile."""
+        at, check = self._start_of(s, offset, committed)
+        if check:
+            assert isinstance(at, Position)
+            try:
+                await s.acheck_position(at)
+            except InvalidPosition as exc:
+                if isinstance(exc, OffsetGone):
+                    raise OffsetGone(at, s.earliest) from None
+                return str(exc)
+        return at
+
+    @staticmethod
+    def _start_of(s: StreamState, offset: str | None, committed: bool) -> tuple[Position | str, bool]:
+        """:meth:`resolve_start`'s answer, and whether it must still be checked to be a batch boundary."""
         if offset is None or offset == "-1":
-            return s.earliest
+            return s.earliest, False
         if offset == "now":
-            return s.tail if not committed else s.stable()
+            return (s.tail if not committed else s.stable()), False
         at = parse_token(offset)
         if at is None:
-            return f"offset {offset!r} is not an offset this server issued"
+            return f"offset {offset!r} is not an offset this server issued", False
         if s.past_final(at):
-            return s.tail
+            return s.tail, False
         if at.pos > s.tail.pos or at.offset > s.tail.offset:
-            return f"offset {offset!r} is beyond the end of the stream"
+            return f"offset {offset!r} is beyond the end of the stream", False
         if at.pos < s.earliest.pos:
             raise OffsetGone(at, s.earliest)
-        try:
-            s.check_position(at)
-        except InvalidPosition as exc:
-            return str(exc)
-        return at
+        return at, True
 
     @staticmethod
     def visible_end(s: StreamState, committed: bool = True) -> Position:
@@ -1671,28 +1735,54 @@ class Broker:
         ``max_records`` bound the read further (at least one batch is returned when there is any):
         readers that replay exact ranges, such as the Spark source, read the same batches twice.
         """
-        end = self.visible_end(s, committed)
-        if until is not None and until.pos < end.pos:
-            end = until
-        if at.pos < s.earliest.pos:
-            raise OffsetGone(at, s.earliest)  # a reader retention overtook
+        end = self._read_end(s, at, committed, until)
         batches: list[ReadBatch] = []
         if at.pos < end.pos:
             try:
                 batches = s.read_range(at, max_bytes or self.max_read_bytes, end)
             except CorruptBatch as exc:  # only reachable through a forged offset
-                log.warning("read of %r at %s: %s", s.name, at.token(), exc)
-                raise InvalidPosition(f"offset {at.token()} is not a record boundary of this stream") from None
-        if max_records is not None:
-            for i, b in enumerate(batches):
-                if i > 0 and b.end.offset - at.offset > max_records:
-                    batches = batches[:i]
-                    break
-        nxt = batches[-1].end if batches else at
-        if committed:
-            batches = [b for b in batches if not s.is_aborted(b)]
-        up_to_date = nxt.pos >= end.pos
-        return ReadResult(batches, nxt, up_to_date, up_to_date and s.closed and end == s.tail)
+                raise _not_a_boundary(s, at, exc) from None
+        return _read_result(s, at, end, batches, committed, max_records)
+
+    async def aread(
+        self,
+        s: StreamState,
+        at: Position,
+        max_bytes: int | None = None,
+        *,
+        committed: bool = True,
+        until: Position | None = None,
+        max_records: int | None = None,
+    ) -> ReadResult:
+        """:meth:`read` for a client's read, the same answer: the logs' reads are awaited
+        (:meth:`StreamState.aread_range`), so a read that waits for the PostgreSQL store's database
+        holds up no other request; a read the memory or the local disk serves awaits nothing.
+
+        What it returns is the stream as it was when the read began (its end is fixed then, and the
+        bytes below it never change). Retention deleting what it was reading meanwhile raises
+        :class:`OffsetGone` (from the earliest offset kept then), as a read begun after it would;
+        the stream deleted, or the server stopping, raises ``LogClosed`` (the caller answers as it
+        would a read of a stream that is not there)."""
+        end = self._read_end(s, at, committed, until)
+        batches: list[ReadBatch] = []
+        if at.pos < end.pos:
+            try:
+                batches = await s.aread_range(at, max_bytes or self.max_read_bytes, end)
+            except OffsetGone:
+                raise OffsetGone(at, s.earliest) from None
+            except CorruptBatch as exc:  # only reachable through a forged offset
+                raise _not_a_boundary(s, at, exc) from None
+        return _read_result(s, at, end, batches, committed, max_records)
+
+    def _read_end(self, s: StreamState, at: Position, committed: bool, until: Position | None) -> Position:
+        """Where a read from ``at`` ends (:meth:`visible_end`, or ``until`` before it); raises
+        :class:`OffsetGone` for a reader retention overtook."""
+        end = self.visible_end(s, committed)
+        if until is not None and until.pos < end.pos:
+            end = until
+        if at.pos < s.earliest.pos:
+            raise OffsetGone(at, s.earliest)  # a reader retention overtook
+        return end
 
     async def boundaries(
         self,
@@ -1708,9 +1798,9 @@ class Broker:
         most ``max_records`` records (at least one batch) that stops at ``until`` ends.
 
         The range is read about 4 MiB at a time (on the PostgreSQL store, each a query within its
-        read_timeout), with a pause for the event loop after each: a scan of a whole long stream
-        never holds the loop for more than one read. Raises :class:`OffsetGone` when retention
-        deleted the data it was at meanwhile, :class:`InvalidPosition` when the stream went."""
+        read_timeout, awaited: :meth:`aread`), with a pause for the event loop after each: a scan of
+        a whole long stream never holds the loop for more than one read. Raises :class:`OffsetGone`
+        when retention deleted the data it was at meanwhile, ``LogClosed`` when the stream went."""
         end = self.visible_end(s, committed)
         if until is not None and until.pos < end.pos:
             end = until
@@ -1719,7 +1809,10 @@ class Broker:
         marks: list[Position] = []
         last, pos = at, at
         while pos.pos < end.pos:
-            batches = s.read_range(pos, 4 << 20, end)
+            try:
+                batches = await s.aread_range(pos, 4 << 20, end)
+            except OffsetGone:
+                raise OffsetGone(pos, s.earliest) from None  # retention deleted what the scan was reading
             if not batches:
                 break
             for b in batches:
@@ -1730,8 +1823,8 @@ class Broker:
                     marks.append(pos)
                     last = pos
             await asyncio.sleep(0)
-            if s.deleted:
-                raise InvalidPosition(f"stream {s.name!r} was deleted")
+            if s.deleted:  # as a read of it that waited for the store (the caller answers as for no stream)
+                raise LogClosed(s.log.directory)
             if pos.pos < end.pos and pos.pos < s.earliest.pos:
                 raise OffsetGone(pos, s.earliest)  # retention deleted what the scan was to read next
         return marks, pos
@@ -1797,6 +1890,27 @@ class Broker:
             return False
         finally:
             s.waiters.pop(fut, None)
+
+
+def _read_result(
+    s: StreamState, at: Position, end: Position, batches: list[ReadBatch], committed: bool, max_records: int | None
+) -> ReadResult:
+    """The answer of a read from ``at`` to ``end`` that got ``batches`` (:meth:`Broker.read`)."""
+    if max_records is not None:
+        for i, b in enumerate(batches):
+            if i > 0 and b.end.offset - at.offset > max_records:
+                batches = batches[:i]
+                break
+    nxt = batches[-1].end if batches else at
+    if committed:
+        batches = [b for b in batches if not s.is_aborted(b)]
+    up_to_date = nxt.pos >= end.pos
+    return ReadResult(batches, nxt, up_to_date, up_to_date and s.closed and end == s.tail)
+
+
+def _not_a_boundary(s: StreamState, at: Position, exc: CorruptBatch) -> InvalidPosition:
+    log.warning("read of %r at %s: %s", s.name, at.token(), exc)
+    return InvalidPosition(f"offset {at.token()} is not a record boundary of this stream")
 
 
 def txn_outcome(exc: TxnError) -> Outcome:

@@ -40,7 +40,7 @@ from ..core.refusal import Refusal
 from ..core.subscriptions import WebhookTargets
 from ..core.txn import SinkState, TxnError, TxnMeta, TxnStatus
 from ..errors import OnceflowError
-from ..storage.log import InvalidPosition, OffsetGone
+from ..storage.log import InvalidPosition, LogClosed, OffsetGone
 from ..storage.position import Position, parse_token
 from ..wire import CODINGS, COMPRESS_MIN, FRAME, MAX_SAFE_INT, RECORDS_MEDIA_TYPE, Coding, compress
 from .answers import SUCCESS, answer_for
@@ -1154,30 +1154,39 @@ class App:
             raise BadRequest(f"no stream named {name!r}", 404, "not_found")
         if s.meta.soft_deleted:
             raise BadRequest(f"stream {name!r} was deleted", 410, "gone")
-        start = self.broker.resolve_start(s, q.offset, committed=q.committed)
-        if isinstance(start, str):
-            raise BadRequest(start)
-        s.touch()
-        fmt = params.get("format", [None])[0]
-        if fmt is not None:
-            if q.live is not None:
-                raise BadRequest("format= reads are not live; leave out the live parameter")
-            framed = await self._framed_read(s, start, fmt, params, q.max_bytes, q.committed, headers)
-            await _send(send, *await _coded(*framed))
-            return
-        if q.live == "sse":
-            await self._sse(s, start, q.cursor, receive, send, q.committed)
-            return
-        visible = self.broker.visible_end(s, q.committed)
-        if q.offset == "now" and q.live is None:
-            await _send(send, *self._tail_answer(s, visible))
-            return
-        if q.live == "long-poll" and start.pos >= visible.pos:
-            timed_out = await self._long_poll_wait(name, s, start, q)
-            if timed_out is not None:
-                await _send(send, *timed_out)
+        try:
+            # a read of bytes the PostgreSQL store must fetch from its database lets other requests
+            # run while it waits (Broker.aread): the stream may change meanwhile, and be deleted
+            start = await self.broker.aresolve_start(s, q.offset, committed=q.committed)
+            if isinstance(start, str):
+                raise BadRequest(start)
+            s.touch()
+            fmt = params.get("format", [None])[0]
+            if fmt is not None:
+                if q.live is not None:
+                    raise BadRequest("format= reads are not live; leave out the live parameter")
+                framed = await self._framed_read(s, start, fmt, params, q.max_bytes, q.committed, headers)
+                answer = await _coded(*framed)
+            elif q.live == "sse":
+                await self._sse(s, start, q.cursor, receive, send, q.committed)
                 return
-        await _send(send, *await _coded(*self._read_answer(s, start, q, headers)))
+            else:
+                visible = self.broker.visible_end(s, q.committed)
+                if q.offset == "now" and q.live is None:
+                    await _send(send, *self._tail_answer(s, visible))
+                    return
+                if q.live == "long-poll" and start.pos >= visible.pos:
+                    timed_out = await self._long_poll_wait(name, s, start, q)
+                    if timed_out is not None:
+                        await _send(send, *timed_out)
+                        return
+                answer = await _coded(*await self._read_answer(s, start, q, headers))
+        except LogClosed:
+            if not s.deleted:
+                raise  # the server is stopping: 503, retry
+            # deleted while the read waited: answered as a read that began after the delete is
+            raise BadRequest(f"no stream named {name!r}", 404, "not_found") from None
+        await _send(send, *answer)
 
     def _read_query(self, params: dict[str, list[str]]) -> _ReadQuery:
         """Decides whether a read's query parameters (offset, live, cursor, isolation, max_bytes) are well formed."""
@@ -1267,7 +1276,7 @@ class App:
             return None, []
         return accepted_coding(headers.get("accept-encoding")), [_VARY]
 
-    def _read_answer(
+    async def _read_answer(
         self,
         s: StreamState,
         start: Position,
@@ -1279,7 +1288,7 @@ class App:
         (:meth:`_answer_coding`), whose answer's ETag is the plain one's, weak (RFC 9110 8.8.1: the same
         data in another coding), so that ``If-None-Match`` with either tag revalidates either."""
         try:
-            result = self.broker.read(s, start, q.max_bytes, committed=q.committed)
+            result = await self.broker.aread(s, start, q.max_bytes, committed=q.committed)
         except OffsetGone:
             raise
         except InvalidPosition as exc:
@@ -1331,7 +1340,7 @@ class App:
         until: Position | None = None
         raw_until = params.get("until", [None])[0]
         if raw_until is not None:
-            resolved = self.broker.resolve_start(s, raw_until, committed=committed)
+            resolved = await self.broker.aresolve_start(s, raw_until, committed=committed)
             if isinstance(resolved, str) or raw_until in ("-1", "now"):
                 raise BadRequest(f"until must be an offset this server issued for this stream, got {raw_until!r}")
             if resolved.pos < start.pos:
@@ -1341,7 +1350,7 @@ class App:
         h = [(b"cache-control", b"no-store")]
         try:
             if fmt == "records":
-                result = self.broker.read(
+                result = await self.broker.aread(
                     s, start, max_bytes, committed=committed, until=until, max_records=max_records
                 )
                 frames = b"".join(
@@ -1418,10 +1427,12 @@ class App:
             while not gone and not s.deleted and not s.meta.soft_deleted and not self.broker.closing:
                 was_closed = s.closed
                 try:
-                    read = events.read(self.broker, s, at, committed, text)
-                except OSError as exc:  # the store failed or timed out (its read_timeout): the
-                    # response has begun, so it ends here; the client resumes from its last offset
-                    log.error("SSE read of %r at %s: %s", s.name, at.token(), exc)
+                    read = await events.read(self.broker, s, at, committed, text)
+                except OSError as exc:  # the store failed or timed out (its read_timeout), or the
+                    # stream was deleted meanwhile: the response has begun, so it ends here; the
+                    # client resumes from its last offset
+                    if not s.deleted:
+                        log.error("SSE read of %r at %s: %s", s.name, at.token(), exc)
                     break
                 if read is None:
                     break  # not a record boundary
@@ -1512,19 +1523,20 @@ class SseEvents:
         self._bytes = 0
         self._controls: dict[tuple[object, ...], bytes] = {}
 
-    def read(
+    async def read(
         self, broker: Broker, s: StreamState, at: Position, committed: bool, text: bool
     ) -> tuple[Position, bool, bool, bytes] | None:
         """(next, up to date, closed, the data event or b"") of a read at ``at``; None when ``at``
-        is not a record boundary."""
+        is not a record boundary. A read that waits for the store (:meth:`Broker.aread`) is kept
+        under the key it had when it began: what it returns is the stream as it was then."""
         end = broker.visible_end(s, committed)
         key = (s, at.pos, end.pos, s.tail.pos, committed, text, s.closed)
         hit = self._reads.get(key)
         if hit is not None and at.pos >= s.earliest.pos:
             return hit
         try:
-            result = broker.read(s, at, committed=committed)
-        except InvalidPosition:
+            result = await broker.aread(s, at, committed=committed)
+        except InvalidPosition:  # OffsetGone too (retention overtook it): the response ends
             return None
         # a read of only transaction markers (no message: count 0) moves the reader on by its
         # control event alone; a data event of nothing would reach a client as an empty batch
