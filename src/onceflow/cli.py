@@ -67,6 +67,16 @@ def _seconds(text: str) -> float:
 
 
 _seconds.__name__ = "seconds (0.05 to 3600)"
+
+
+def _cold_reads(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 64:
+        raise ValueError(text)
+    return value
+
+
+_cold_reads.__name__ = "count (1 to 64)"
 _positive_size.__name__ = "size"
 
 
@@ -161,6 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 forward=not args.no_forward,
                 forward_buffer=args.forward_buffer,
                 store_timeouts=(args.store_read_timeout, args.store_write_timeout),
+                store_cold_reads=args.store_cold_reads,
             )
         )
     except KeyboardInterrupt:
@@ -216,6 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --store: how long a read of the database made for the event loop (a read older than the "
         "memory cache, the retention sweep's) may take; past it the client is answered 503 and retries "
         "(default: 2)",
+    )
+    s.add_argument(
+        "--store-cold-reads",
+        type=_cold_reads,
+        default=4,
+        metavar="N",
+        help="with --store: how many reads older than the memory cache wait for the database at once; "
+        "the others wait for a turn (at most --store-read-timeout, then 503), and every other request "
+        "is served meanwhile (default: 4)",
     )
     s.add_argument(
         "--store-write-timeout",

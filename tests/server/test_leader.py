@@ -792,20 +792,26 @@ async def test_a_read_refused_because_the_lease_ran_out_is_no_error_and_no_answe
 @pytest.mark.anyio
 async def test_the_stores_timeouts_are_the_servers_to_set(pg: str) -> None:
     """``onceflow serve --store-read-timeout/--store-write-timeout`` reach the store: a deployment
-    whose segments hold millions of chunks (retention deletes one on the event loop) raises them."""
+    whose segments hold millions of chunks (retention deletes one on the event loop) raises them;
+    and ``--store-cold-reads``, how many clients' reads wait for the database at once."""
     from onceflow.cli import build_parser
 
     args = build_parser().parse_args(
-        ["serve", "--store", pg, "--store-read-timeout", "0.7", "--store-write-timeout", "9"]
+        ["serve", "--store", pg, "--store-read-timeout", "0.7", "--store-write-timeout", "9", "--store-cold-reads", "6"]
     )
-    assert (args.store_read_timeout, args.store_write_timeout) == (0.7, 9.0)
-    opened = await leader._reach_store(pg, 3.0, asyncio.Event(), (args.store_read_timeout, args.store_write_timeout))
+    assert (args.store_read_timeout, args.store_write_timeout, args.store_cold_reads) == (0.7, 9.0, 6)
+    opened = await leader._reach_store(
+        pg, 3.0, asyncio.Event(), (args.store_read_timeout, args.store_write_timeout), args.store_cold_reads
+    )
     assert opened is not None
     fs, _secret = opened
     try:
-        assert (fs.read_timeout, fs.write_timeout) == (0.7, 9.0)
+        assert (fs.read_timeout, fs.write_timeout, fs.cold_reads) == (0.7, 9.0, 6)
     finally:
         fs.close()
+    assert build_parser().parse_args(["serve"]).store_cold_reads == 4
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--store-cold-reads", "0"])
 
 
 @pytest.mark.anyio

@@ -839,7 +839,11 @@ async def _wait(stop: asyncio.Event, seconds: float) -> bool:
 
 
 async def _reach_store(
-    store: str, lease_seconds: float, stop: asyncio.Event, timeouts: tuple[float, float] = (2.0, 5.0)
+    store: str,
+    lease_seconds: float,
+    stop: asyncio.Event,
+    timeouts: tuple[float, float] = (2.0, 5.0),
+    cold_reads: int = 4,
 ) -> tuple[PgFileSystem, bytes] | None:
     """The store and the servers' shared secret, tried again (a warning each time) while the database
     cannot be reached or fails the first transactions (a primary paused or failing over while this
@@ -858,6 +862,7 @@ async def _reach_store(
                         idle_timeout=lease_seconds / 2,
                         read_timeout=timeouts[0],
                         write_timeout=timeouts[1],
+                        cold_reads=cold_reads,
                     )
                 )
             return fs, await _off_loop(fs.cluster_secret)
@@ -884,18 +889,20 @@ async def serve_store(
     max_body: int = 64 << 20,
     long_poll_timeout: float = 20.0,
     store_timeouts: tuple[float, float] = (2.0, 5.0),
+    cold_reads: int = 4,
     guard: GuardConfig | None = None,
     forward_buffer: int | None = None,
 ) -> None:
     """Serve the streams of the PostgreSQL database ``store`` (module docstring) until ``stop``.
     ``store_timeouts``: how long the event loop waits for one read and one write of the store
-    (``PgFileSystem.read_timeout`` and ``write_timeout``). ``guard``: the configuration of the guard
+    (``PgFileSystem.read_timeout`` and ``write_timeout``); ``cold_reads``: how many clients' reads
+    wait for the database at once (``PgFileSystem.cold_reads``). ``guard``: the configuration of the guard
     that ``build`` puts in front of the app, for the checks a follower makes itself
     (:class:`NotLeader`); ``forward_buffer``: the body bytes its forwards hold at once
     (:class:`BodyBudget`, by default ``max_body``)."""
     if not 1.0 <= lease_seconds <= 300.0:  # followers wait the leader's term: never one without end
         raise ValueError("the lease's term must be 1 to 300 s")
-    opened = await _reach_store(store, lease_seconds, stop, store_timeouts)
+    opened = await _reach_store(store, lease_seconds, stop, store_timeouts, cold_reads)
     if opened is None:
         return
     fs, secret = opened

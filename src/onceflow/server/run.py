@@ -57,6 +57,7 @@ async def serve(
     forward: bool = True,
     forward_buffer: int | None = None,
     store_timeouts: tuple[float, float] = (2.0, 5.0),
+    store_cold_reads: int = 4,
 ) -> None:
     """Recover the data directory, serve until SIGTERM / SIGINT, then finish appends and close.
 
@@ -65,7 +66,8 @@ async def serve(
     ``advertise`` is this server's URL as the others tell clients, ``lease_seconds`` the lease's term;
     ``forward``: a follower passes requests on to the leader (else it answers 503 ``not_leader``),
     holding at most ``forward_buffer`` body bytes at once to do so (by default ``max_body_bytes``);
-    ``store_timeouts``: how long the event loop waits for one read and one write of the database.
+    ``store_timeouts``: how long the event loop waits for one read and one write of the database;
+    ``store_cold_reads``: how many clients' reads wait for the database at once.
     ``compress_min_bytes``: the smallest read answer compressed for a client that accepts a coding
     (None: none is; docs/protocol.md, "Compression").
 
@@ -126,6 +128,7 @@ async def serve(
             max_body=max_body_bytes,
             long_poll_timeout=long_poll_timeout,
             store_timeouts=store_timeouts,
+            cold_reads=store_cold_reads,
             guard=guard,
             forward_buffer=forward_buffer,
         )
