@@ -17,6 +17,7 @@ import asyncio
 import base64
 import contextlib
 import itertools
+import signal
 import struct
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -33,6 +34,7 @@ from onceflow.core.broker import Broker  # noqa: E402
 from onceflow.server.app import App, AppConfig  # noqa: E402
 from onceflow.storage.pgfs import TAIL_CACHE, Connector, PgFileSystem  # noqa: E402
 from onceflow.storage.position import Position  # noqa: E402
+from onceflow.testing import PostgresServer  # noqa: E402
 from onceflow.wire import FRAME  # noqa: E402
 
 ROOT = Path("/onceflow")
@@ -377,3 +379,32 @@ async def test_a_stream_deleted_during_the_read_answers_as_a_read_after_the_dele
         assert answer.json()["error"]["code"] == "not_found"
     assert answers[2].status_code in (400, 404), answers[2].text[:300]  # a scan says "deleted", as after a pause
     assert broker.get("old") is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.anyio
+async def test_a_read_from_a_frozen_database_is_answered_503_at_the_read_timeout_and_the_rest_is_served() -> None:
+    """A frozen database (SIGSTOP, a paused VM) answers nothing, so no statement_timeout ends the
+    read's query: the loop's own bound on its wait does. The client gets 503 (retry), the others
+    are served meanwhile, and once the database is back the read gets its bytes."""
+    with PostgresServer() as server:
+        fs = PgFileSystem(server.conninfo(), read_timeout=0.5)
+        try:
+            fs.mkdir(ROOT)
+            async with serving(fs) as (_, _app, c):
+                written = await long_stream(c, "old")
+                assert server.node is not None
+                server.node.signal(signal.SIGSTOP)
+                try:
+                    read = asyncio.ensure_future(c.get("/v1/stream/old", params={"offset": "-1"}))
+                    head = await c.head("/v1/stream/old")  # from memory: answered while the read waits
+                    r = await read
+                finally:
+                    server.node.signal(signal.SIGCONT)
+                after = await c.get("/v1/stream/old", params={"offset": "-1"})
+        finally:
+            fs.close()
+    assert head.status_code == 200
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text[:300]
+    assert "read_timeout" in r.json()["error"]["message"]
+    assert after.status_code == 200 and written.startswith(after.content) and after.content

@@ -1434,8 +1434,8 @@ class App:
                     if not s.deleted:
                         log.error("SSE read of %r at %s: %s", s.name, at.token(), exc)
                     break
-                if read is None:
-                    break  # not a record boundary
+                if read is None or gone:
+                    break  # not a record boundary; or the client went while the read waited
                 nxt, up_to_date, closed, data = read
                 out: list[bytes] = []
                 if data:
