@@ -17,9 +17,10 @@ serves at a time: the holder of the store's *lease*, a row of the database with 
   more (fencing by token, not by clocks). Reads are not fenced so: the leader answers a request only
   while its lease is valid by its own clock (0.8 of a term after the last renewal began, which the
   database's term outlasts), else it answers as a follower. A leader that cannot renew for that
-  long (a renewal that hangs is not waited for), or finds the lease taken, exits (status 3): a
-  supervisor restarts it as a follower. So a paused, partitioned or blocked leader never answers
-  from its memory once another server may have taken over.
+  long (a renewal that hangs does not hold up the next) exits (status 3) once no renewal on its way
+  could make the lease valid again (one answered late counts from when it began), and at once when
+  it finds the lease taken: a supervisor restarts it as a follower. So a paused, partitioned or
+  blocked leader never answers from its memory once another server may have taken over.
 - A clean shutdown gives the lease up at once, so a follower takes over without waiting the term.
 
 High availability comes from PostgreSQL's own replication: with a synchronous standby, an append
@@ -704,11 +705,21 @@ class Renewals:
     once, so that one that hangs (a primary gone mid-statement) does not hold up the next.
 
     :meth:`verdict` says why to stop: another server holds the lease, or no renewal succeeded while
-    it was valid, or the store could not learn the outcome of a write (``fs.unsure``: this
-    server's memory may disagree with the store); ``""`` when woken without a reason (a clean
-    stop); None to go on. ``on_taken`` is told, from the attempt, that another server holds it."""
+    it was valid and none on its way could make it valid again, or the store could not learn the
+    outcome of a write (``fs.unsure``: this server's memory may disagree with the store); ``""``
+    when woken without a reason (a clean stop); None to go on. ``on_taken`` is told, from the
+    attempt, that another server holds it.
+
+    Past the deadline the lease is not valid (the server answers as a follower), but a renewal that
+    began before it and is still on its way may yet succeed: the lease is then valid again until
+    0.8 of a term after that renewal *began*, whenever its answer came, as safe as one answered at
+    once (a follower counts its term from a moment after the renewal committed). So the leader
+    steps down only once no renewal on its way could make it valid again, and starts none meanwhile
+    (a database that answers slowly costs a moment of follower answers, not a takeover; one that does
+    not answer, at most 0.8 of a term after the last attempt began)."""
 
     TAKEN = "another server took the store's lease over"
+    LOOK_AGAIN = 0.1  # of a term: how often a leader past its deadline looks for a late answer
 
     def __init__(self, fs: PgFileSystem, lease: Lease, on_taken: Callable[[], None]) -> None:
         self.fs = fs
@@ -716,13 +727,23 @@ class Renewals:
         self.on_taken = on_taken
         self.taken = False
         self.tried = lease.began
-        self._in_flight = 0
+        self._on_the_way: list[float] = []  # when each attempt not yet answered began
         self._lock = threading.Lock()
 
     def wait(self) -> float:
-        """Seconds (of the lease's clock) until the next attempt is due."""
+        """Seconds (of the lease's clock) until the next attempt is due, or, past the deadline, until
+        the next look for a late answer."""
         lease = self.lease
-        return max(0.0, min(self.tried + lease.term / 3, lease.until) - lease.clock())
+        now = lease.clock()
+        if now >= lease.until:  # an answer that comes does not wake this loop: look again soon
+            return max(0.0, min(now + self.LOOK_AGAIN * lease.term, self._hope()) - now)
+        return max(0.0, min(self.tried + lease.term / 3, lease.until) - now)
+
+    def _hope(self) -> float:
+        """Until when a renewal on its way could make the lease valid (-inf: none is on its way)."""
+        with self._lock:
+            youngest = max(self._on_the_way, default=-math.inf)
+        return youngest + Lease.MARGIN * self.lease.term
 
     def verdict(self, woken: bool) -> str | None:
         lease = self.lease
@@ -733,37 +754,41 @@ class Renewals:
         if woken:
             return ""
         self.tried = lease.clock()
-        if self.tried >= lease.until:
+        hope = self._hope()  # before the lease: an attempt leaves the way only once it moved the lease
+        if self.tried >= lease.until and self.tried >= hope:
             with self._lock:
-                hung = self._in_flight
+                hung = len(self._on_the_way)
             return f"could not renew the store's lease for {Lease.MARGIN * lease.term:.1f} s" + (
                 " (no answer)" if hung else ""
             )
         return None
 
     def due(self) -> Callable[[], None] | None:
-        """The attempt to run now (after :meth:`verdict` said to go on); None while three hang."""
+        """The attempt to run now (after :meth:`verdict` said to go on); None while three hang, or
+        past the deadline (waiting for the answers on their way)."""
+        began = self.tried
         with self._lock:
-            if self._in_flight >= 3:
+            if len(self._on_the_way) >= 3 or began >= self.lease.until:
                 return None
-            self._in_flight += 1
-        return functools.partial(self._attempt, self.tried)
+            self._on_the_way.append(began)
+        return functools.partial(self._attempt, began)
 
     def _attempt(self, began: float) -> None:
         try:
-            renewed = self.fs.renew(self.lease.token, self.lease.term)
-        except OSError as exc:
-            log.warning("could not renew the store's lease: %s", exc)
-            return
+            try:
+                renewed = self.fs.renew(self.lease.token, self.lease.term)
+            except OSError as exc:
+                log.warning("could not renew the store's lease: %s", exc)
+                return
+            if renewed:
+                self.lease.renewed(began)
+            else:
+                self.taken = True
+                self.lease.lose()
+                self.on_taken()
         finally:
             with self._lock:
-                self._in_flight -= 1
-        if renewed:
-            self.lease.renewed(began)
-        else:
-            self.taken = True
-            self.lease.lose()
-            self.on_taken()
+                self._on_the_way.remove(began)
 
 
 def _hold(
