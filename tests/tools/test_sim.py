@@ -10,11 +10,14 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
+from onceflow.cli import build_parser
+from onceflow_tools.sim import cli
 from onceflow_tools.sim.disk import SimDisk
 from onceflow_tools.sim.fast import fast_httpx, response
 from onceflow_tools.sim.run import run_seed
@@ -118,6 +121,39 @@ def test_a_bounded_batch_of_seeds_finds_nothing_and_replays() -> None:
     )
     replay = json.loads(again.stdout)
     assert replay["not_replayed"] == [] and replay["failed"] == 0, replay
+
+
+def test_a_seed_whose_run_raises_fails_alone_and_the_run_goes_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Seed 126311 of the cluster once raised out of its run (the final reads met no leader), and
+    took the 999 other seeds of its soak chunk with it. A seed whose run raises is a failing seed
+    (``harness-error``, with the traceback), and the seeds after it run."""
+    ran: list[int] = []
+
+    def run(seed: int, cluster: bool, mutations: tuple[str, ...]) -> Any:
+        ran.append(seed)
+        if seed == 11:
+            raise RuntimeError("the harness broke")
+        return SimpleNamespace(
+            ok=True,
+            check=SimpleNamespace(anomalies=[]),
+            fingerprint=f"f{seed}",
+            sim_seconds=1.0,
+            requests=1,
+            workload=SimpleNamespace(actors=[]),
+        )
+
+    monkeypatch.setattr(cli, "_run", run)
+    monkeypatch.setattr(cli, "_settle_heap", lambda cluster: None)  # no gc.freeze of the test process
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # no re-exec
+    args = build_parser().parse_args(["sim", "--cluster", "--seeds", "3", "--start", "10", "--json"])
+    assert cli.cmd_sim(args) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert ran == [10, 11, 12]
+    assert (summary["seeds"], summary["failed"], summary["failing_seeds"]) == (3, 1, [11])
+    assert summary["anomalies_by_kind"] == {"harness-error": 1}
+    assert cli._one(11, False, True)["anomalies"][0][2].endswith("RuntimeError: the harness broke\n")
 
 
 class _KeepPrefix(random.Random):

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 pytest.importorskip("psycopg_pool", reason="the PostgreSQL store needs psycopg_pool (onceflow[postgresql])")
 
 from onceflow.storage.pgfs import PgFileSystem  # noqa: E402
-from onceflow_tools.sim.cluster import run_cluster_seed  # noqa: E402
+from onceflow_tools.sim.cluster import ClusterWorld, run_cluster_seed  # noqa: E402
 from onceflow_tools.sim.pg import SimPostgres  # noqa: E402
 
 ROOT = Path("/onceflow")
@@ -193,6 +193,39 @@ def test_a_batch_of_cluster_seeds_finds_nothing_and_replays_exactly() -> None:
     assert not bad
     assert sum(r.stats["leaderships"] for r in results) > len(results)  # leaders did change hands
     assert run_cluster_seed(3).fingerprint == results[3].fingerprint
+
+
+class _LeaderGoneAtTheEnd(ClusterWorld):
+    """A world whose leader exits just as the final reads begin (so seed 126311 ended, its leader
+    stepping down at the wrong moment)."""
+
+    async def _read_back(self) -> None:
+        leader = self._leader()
+        assert leader is not None
+        leader.crash(why="kill -9 (the test's, before the final reads)")
+        await super()._read_back()
+
+
+def test_the_final_reads_wait_for_a_leader() -> None:
+    """The final reads are sent once a server leads again (the supervisor restarts the one that
+    exited, and a server takes the lease a term later), not taken for the end of the world: before,
+    the first of them raised ``NoServerError`` out of the run."""
+    world = _LeaderGoneAtTheEnd(3)
+    r = world.run()
+    assert r.ok, r.check.anomalies[:3]
+    assert any("before the final reads" in e for e in r.trace)
+    assert [o for o in world.ops if o["op"] == "read" and o.get("final")]  # every stream read back
+
+
+def test_a_run_that_raises_is_a_failing_seed_with_its_trace() -> None:
+    class Broken(ClusterWorld):
+        async def _read_back(self) -> None:
+            raise RuntimeError("the harness broke")
+
+    r = Broken(3).run()
+    assert [a.kind for a in r.check.anomalies] == ["harness-error"]
+    assert "RuntimeError: the harness broke" in r.check.anomalies[0].detail
+    assert "the run raised RuntimeError('the harness broke')" in r.trace[-1]
 
 
 # Seeds that found a hole in onceflow on the code before its fix (docs/reliability.md, "What it found

@@ -112,6 +112,7 @@ AnomalyKind = Literal[
     "lso-stuck",
     "client-error",
     "spurious-fence",  # a sole producer fenced with nothing of its own open (onceflow_tools.sim)
+    "harness-error",  # a seed's run raised (onceflow_tools.sim): the seed fails, the other seeds run on
 ]
 ANOMALY_KINDS: tuple[AnomalyKind, ...] = get_args(AnomalyKind)  # in the order reports list them
 

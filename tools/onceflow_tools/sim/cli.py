@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
@@ -93,10 +94,25 @@ def _settle_heap(cluster: bool) -> None:
 
 
 def _one(seed: int, replay: bool, cluster: bool = False, mutations: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One seed's summary. A seed whose run raised fails (``harness-error``, with the traceback);
+    the seeds after it run all the same."""
     t = time.perf_counter()
-    r = _run(seed, cluster, mutations)
-    wall = time.perf_counter() - t
-    again = _run(seed, cluster, mutations).fingerprint if replay else r.fingerprint
+    try:
+        r = _run(seed, cluster, mutations)
+        wall = time.perf_counter() - t
+        again = _run(seed, cluster, mutations).fingerprint if replay else r.fingerprint
+    except Exception as exc:  # noqa: BLE001 - one seed's failure, not the whole run's
+        return {
+            "seed": seed,
+            "ok": False,
+            "replayed": True,
+            "anomalies": [["harness-error", None, "".join(traceback.format_exception(exc))[-3000:]]],
+            "wall": time.perf_counter() - t,
+            "sim_seconds": 0.0,
+            "requests": 0,
+            "fingerprint": "",
+            "clients": [],
+        }
     return {
         "seed": seed,
         "ok": r.ok and again == r.fingerprint,

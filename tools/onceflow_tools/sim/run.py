@@ -15,6 +15,10 @@ simulated time:
    liveness: a client that never finished, a request the server never answered, a stream whose last
    stable offset stays short of its tail (``stuck``, ``lso-stuck``), and a simulation that stalled
    with nothing runnable (a deadlock).
+
+A run that raises (the harness's own failure, or one it did not foresee) is the seed's anomaly
+``harness-error``, with its traceback and the trace so far: the seed fails, the run of many seeds
+goes on.
 """
 
 from __future__ import annotations
@@ -226,6 +230,9 @@ class World:
                 self.loop.run_until_complete(self._main())
         except Stalled as exc:
             self.extra.append(Anomaly("stuck", None, f"the simulation stalled: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - the seed fails with it; a run of many seeds goes on
+            self.trace("sim", f"the run raised {exc!r}")
+            self.extra.append(Anomaly("harness-error", None, "".join(traceback.format_exception(exc))[-3000:]))
         finally:
             uuid.uuid4 = uuid4
             for lg, (level, propagate) in zip(quiet, levels, strict=True):
@@ -396,18 +403,29 @@ class World:
                         break
                 except httpx.TransportError:
                     pass
+                await self._serving()
                 await asyncio.sleep(0.2)
         await asyncio.sleep(self.txn_timeout * 2 + 2.0)
 
+    async def _serving(self) -> None:
+        """Return once a server can take the harness's own requests (after the quiet phase). The
+        single server is up by then; the cluster waits for a leader."""
+
+    async def _final(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        """A request of the harness's own after the quiet phase (the final reads). The single
+        server answers it; the cluster sends it again while it finds no leader."""
+        return await self.client("sim").request(method, url, **kwargs)
+
     async def _read_back(self) -> None:
-        c = self.client("sim")
-        r = await c.get(f"{URL}/v1/streams")
+        r = await self._final("GET", f"{URL}/v1/streams")
         names = [s["name"] for s in r.json()["streams"]]
         for name in names:
             at, records = "-1", []
             while True:
-                r = await c.get(
-                    actors.surl(name), params={"offset": at, "format": "records", "isolation": "read_committed"}
+                r = await self._final(
+                    "GET",
+                    actors.surl(name),
+                    params={"offset": at, "format": "records", "isolation": "read_committed"},
                 )
                 if r.status_code != 200:
                     self.extra.append(
@@ -424,7 +442,7 @@ class World:
             self.record(
                 "sim", "read", stream=name, isolation="read_committed", start="-1", next=at, records=records, final=True
             )
-            head = await c.head(actors.surl(name))
+            head = await self._final("HEAD", actors.surl(name))
             if head.status_code == 200 and head.headers.get("stream-last-stable-offset") != head.headers.get(
                 "stream-next-offset"
             ):
