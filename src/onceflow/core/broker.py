@@ -510,8 +510,11 @@ class Broker:
                 continue
             try:
                 metas.append((read_meta(fs, d), d))
-            except (OSError, ValueError, TypeError) as exc:
+            except (ValueError, TypeError) as exc:  # damaged content: no retry would read it
                 log.error("skipping stream directory %s: unreadable metadata: %s", d, exc)
+            # an OSError (a failed read, a connection to the PostgreSQL store reset) is raised: a
+            # start without the stream would serve 404 for it, acknowledged appends and all, and a
+            # create of its name would trash its directory as debris; the next start reads it
         for meta, d in metas:
             self._register(StreamState(meta, d, self._open_log(d, meta.base), clock=self.clock))
         for s in self.streams.values():
