@@ -233,6 +233,7 @@ def test_a_run_that_raises_is_a_failing_seed_with_its_trace() -> None:
 REGRESSION_SEEDS = {
     "an append staged just before its stream's delete was never answered (stuck)": 115179,
     "a stored append answered 500: the subscriptions' start, tried again after it, failed (server-error)": 116471,
+    "a new leader skipped a stream whose metadata read failed, and served 404 for it (lost-write)": 132217,
 }
 
 
