@@ -69,16 +69,7 @@ async def test_the_dropped_offsets_stay_dropped_after_a_restart(onceflow: InProc
     assert (await c.post("/v1/groups/g/offsets", json={"offsets": {"s": old_end}})).status_code == 200
     assert (await c.delete(S + "s")).status_code == 204
     await _fill(c, "s", b"[9]")
-    onceflow.broker.begin_shutdown()
-    await onceflow.broker.close()
-    again = onceflow.reopen()
-    again.open()
-    await again.start()
-    try:
-        assert again.coordinator.groups.get("g", {}) == {}
-    finally:
-        again.begin_shutdown()
-        await again.close()
+    assert (await _groups_after_restart(onceflow)).get("g", {}) == {}
 
 
 async def test_a_create_whose_offsets_could_not_be_dropped_creates_nothing(
