@@ -814,7 +814,7 @@ class Coordinator:
                         txn=meta.txn,
                     )
             with contextlib.ExitStack() as new:
-                if not self._group_exists(group):
+                if not self.group_exists(group):
                     new.enter_context(self._creating("groups", group, len(self.groups)))
                 if meta.status is not TxnStatus.ONGOING:
                     await self._store(
@@ -960,7 +960,8 @@ class Coordinator:
         finally:
             pending.discard(name)
 
-    def _group_exists(self, group: str) -> bool:
+    def group_exists(self, group: str) -> bool:
+        """Whether ``group`` has offsets or a member epoch (what the groups limit counts)."""
         return group in self.groups or group in self.member_epochs
 
     def knows_sink(self, sink: str) -> bool:
@@ -1621,7 +1622,7 @@ class Coordinator:
         while a transaction holds offsets for it that are not applied yet: one not complete, or
         one whose record naming the group is being written (its offsets would be dropped under
         it, and a copier would copy again what it had committed)."""
-        if not self._group_exists(group):
+        if not self.group_exists(group):
             return False
         held = sum(1 for m in self.txns.values() if group in m.offsets and not _complete(m))
         held += self._in_flight_groups.get(group, 0)
@@ -1682,7 +1683,7 @@ class Coordinator:
                 epoch=self.member_epochs[group],
             )
         with contextlib.ExitStack() as new:
-            if not self._group_exists(group):
+            if not self.group_exists(group):
                 new.enter_context(self._creating("groups", group, len(self.groups)))
             await self._commit_offsets(group, offsets, member_epoch, reset)
 

@@ -805,7 +805,7 @@ class Guard:
         if key in ("group.commit", "group.reset", "txn.offsets"):
             group = name if key != "txn.offsets" else fields.get("group")
             creates = key != "group.reset" or fields.get("dry_run") is not True
-            if isinstance(group, str) and creates and group not in coord.groups and group not in coord.member_epochs:
+            if isinstance(group, str) and creates and not coord.group_exists(group):
                 new = ("groups", group, len(coord.groups), c.max_groups, "consumer groups")
         elif key == "txn.init" and name not in coord.txns:
             new = ("transactional_ids", name, len(coord.txns), c.max_transactional_ids, "transactional ids")
