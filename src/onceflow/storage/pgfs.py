@@ -83,6 +83,7 @@ from typing import Any, Literal, TypeVar
 try:
     import psycopg
     from psycopg_pool import ConnectionPool, PoolTimeout
+    from psycopg_pool.base import AttemptWithBackoff
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("the PostgreSQL store needs psycopg 3: pip install 'onceflow[postgresql]'") from exc
 
@@ -94,6 +95,7 @@ __all__ = ["SCHEMA", "TAIL_CACHE", "UNKNOWN", "Connector", "LeaseLost", "PgFile"
 log = logging.getLogger("onceflow.storage")
 
 TAIL_CACHE = 1 << 20  # bytes of a file's end kept in memory for reads
+RECONNECT_MAX = 0.5  # seconds: the longest the store's pool waits between attempts to reconnect
 UNKNOWN = -1  # what a file's size in the database is after a sync that failed
 
 _TABLES = """
@@ -301,6 +303,28 @@ def _configure(conn: Any, *, idle_ms: int, session: str) -> None:
     conn.commit()
 
 
+class _Attempt(AttemptWithBackoff):
+    """psycopg_pool's back-off between attempts to replace a lost connection, capped at
+    :data:`RECONNECT_MAX`. Its own doubles from 1 s (1, 2, 4, 8 s...): after a database failover
+    of a few seconds the leader kept its lease (renewals have connections of their own) but its
+    writes waited up to 4 s more for the pool's next attempt (docs/reliability.md)."""
+
+    INITIAL_DELAY = 0.1
+
+    def update_delay(self, now: float) -> None:
+        super().update_delay(now)
+        self.delay = min(self.delay, RECONNECT_MAX)
+
+
+class _Pool(ConnectionPool):
+    """The store's pool: reconnects at most :data:`RECONNECT_MAX` apart (:class:`_Attempt`).
+    psycopg_pool gives no parameter for it; it makes its attempt object in ``_add_connection``
+    when given none, so this one gives it (tests/storage/test_pgfs_reconnect.py checks it holds)."""
+
+    def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
+        super()._add_connection(attempt or _Attempt(timeout=self.reconnect_timeout), growing)
+
+
 class Connector:
     """How :class:`PgFileSystem` reaches its database: psycopg's connections and psycopg_pool's
     pool. The simulator gives a database of its own here (tools/onceflow_tools/sim/pg.py), which
@@ -310,7 +334,7 @@ class Connector:
         return psycopg.connect(conninfo, **kwargs)
 
     def pool(self, conninfo: str, **kwargs: Any) -> Any:
-        return ConnectionPool(conninfo, **kwargs)
+        return _Pool(conninfo, **kwargs)
 
     def bounded(self, call: Callable[[], Any], seconds: float) -> Any:
         """``call()`` in another thread (:class:`_CallThreads`), waiting for it at most ``seconds``;
