@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import threading
 import time
 import uuid
@@ -52,6 +51,7 @@ from typing import Any
 
 import httpx
 
+from .._backoff import backoff
 from .._files import replace_file
 from ._errors import (
     BadRequestError,
@@ -533,8 +533,7 @@ class AsyncIdempotentProducer:
                 return
             attempt += 1
             self.stats.retries += 1
-            low, high = self.retry_backoff
-            await asyncio.sleep(min(high, low * 2 ** min(attempt, 16)) * (0.8 + 0.4 * random.random()))  # noqa: S311
+            await asyncio.sleep(backoff(attempt, *self.retry_backoff))
 
     def _note_maybe_stored(self, epoch: int) -> None:
         if epoch == self.epoch:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import random
 import uuid
 from bisect import bisect_left
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
@@ -51,6 +50,7 @@ from typing import Any
 
 import httpx
 
+from .._backoff import backoff
 from ._errors import (
     AbortRequiredError,
     CommitOutcomeUnknownError,
@@ -179,8 +179,7 @@ class AsyncTransactionalProducer:
                     )
                 raise err
             attempt += 1
-            low, high = self.retry_backoff
-            await asyncio.sleep(min(high, low * 2 ** min(attempt, 16)) * (0.8 + 0.4 * random.random()))  # noqa: S311
+            await asyncio.sleep(backoff(attempt, *self.retry_backoff))
 
     def _note(self, err: OnceflowError) -> OnceflowError:
         if err.status == 403:

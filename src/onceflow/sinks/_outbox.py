@@ -16,7 +16,6 @@ the effect, answer a repeated key without repeating the effect). Together: each 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from .._backoff import backoff
 from ..client import Message, OnceflowError, Stream, TransactionalProducer, TransportError
 from ..client.lowlevel import ServerURL, error_from_response, http_client, request_url, server_url
 from ._api import Checkpoint, CheckpointAwareSink, IdempotentSink, SinkError
@@ -213,9 +213,8 @@ class WebhookSink(IdempotentSink):
             if time.monotonic() > deadline:
                 raise err
             attempt += 1
-            low, high = self.retry_backoff
             log.debug("retrying outbox entry %s after %r", key, err)
-            time.sleep(min(high, low * 2 ** min(attempt, 16)) * (0.8 + 0.4 * random.random()))  # noqa: S311
+            time.sleep(backoff(attempt, *self.retry_backoff))
 
     def close(self) -> None:
         if self._own:

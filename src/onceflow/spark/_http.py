@@ -8,7 +8,6 @@ transport error or a 5xx is retried until ``deadline`` seconds have passed.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from urllib.parse import quote
 
 import httpx
 
+from .._backoff import backoff
 from ..client import OffsetGoneError, OnceflowError, TransportError
 from ..client.lowlevel import Coding, accept_headers, error_from_response, http_client, request_url, stream_url
 from ..wire import iter_frames
@@ -104,7 +104,7 @@ class Conn:
             if time.monotonic() > give_up:
                 raise err
             attempt += 1
-            time.sleep(min(2.0, 0.05 * 2 ** min(attempt, 8)) * (0.8 + 0.4 * random.random()))  # noqa: S311
+            time.sleep(backoff(attempt))
 
     # ------------------------------------------------------------------ streams
 

@@ -43,6 +43,7 @@ from urllib.parse import quote
 
 import httpx
 
+from .._backoff import backoff
 from ..client import OnceflowError, OutcomeUnknownError, TransportError
 from ..client.lowlevel import Coding, error_from_response, request_url, stream_url
 from ..client.transactions import AsyncTransactionalProducer
@@ -219,8 +220,7 @@ async def _request(
                 )
             raise err
         attempt += 1
-        low, high = settings.retry_backoff
-        pause = min(high, low * 2 ** min(attempt, 8)) * (0.8 + 0.4 * settings.rng.random())
+        pause = backoff(attempt, *settings.retry_backoff, rng=settings.rng)
         await asyncio.sleep(min(pause, max(0.0, give_up - loop.time())))  # a last attempt at the deadline
 
 
