@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from helpers.disk import Disk
 from helpers.servers import InProcess
 from helpers.ticks import ticking
 from helpers.txn import JSON, S, Txn, committed, make, uncommitted
@@ -289,25 +290,22 @@ async def test_a_storage_error_while_committing_is_a_503_not_a_500(onceflow: InP
     assert await committed(onceflow, "y") == [{"from": "b"}]
 
 
-async def test_a_commit_record_that_cannot_be_written_decides_nothing(onceflow: InProcess) -> None:
+async def test_a_commit_record_that_cannot_be_written_decides_nothing(
+    onceflow: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The members record is the commit point: when it cannot be stored, the members stay open
     (the sweep must not carry out a decision that was never logged) and a retry commits them."""
     a, b = await two_tasks(onceflow, "q")
     coord = onceflow.broker.coordinator
-    real_write = coord._write
-
-    async def full_disk_for_decisions(rec: dict[str, Any], *, durable: bool = True) -> None:
-        if rec.get("kind") == "members":
-            raise OSError(28, "No space left on device")
-        await real_write(rec, durable=durable)
-
-    coord._write = full_disk_for_decisions  # type: ignore[method-assign]
+    disk = Disk(monkeypatch)
+    disk.fail(coord.log)  # the coordinator's log: the decision (members) record is its next write
     r = await onceflow.client.post("/v1/sinks/q/commit", json={"batch": 4, "members": members(a, b)})
     assert r.status_code == 503
+    assert disk.failed
+    disk.heal()
     await coord.expire()  # the sweep finishes logged decisions only
     assert await committed(onceflow, "x") == [] and await committed(onceflow, "y") == []
     assert (await onceflow.client.get("/v1/sinks/q")).json()["batch"] is None
-    coord._write = real_write  # type: ignore[method-assign]
     retry = await onceflow.client.post("/v1/sinks/q/commit", json={"batch": 4, "members": members(a, b)})
     assert retry.json()["status"] == "committed"
     assert sorted(m["from"] for m in await committed(onceflow, "x")) == ["a", "b"]

@@ -98,6 +98,46 @@ async def test_a_hanging_transaction_is_aborted_after_its_timeout(onceflow: InPr
     assert await committed(onceflow, "h") == [{"n": "after"}]
 
 
+class _Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("begins_with", ["append", "offsets"])
+async def test_a_transaction_times_out_counting_from_when_it_began(
+    onceflow: InProcess, monkeypatch: pytest.MonkeyPatch, begins_with: str
+) -> None:
+    """A transaction's timeout runs from its own beginning, whether its first request is an append
+    or a group's offsets: not from the id's init or its previous transaction (found while making
+    one apply function for the coordinator's records: an offsets request that began a transaction
+    kept the time of the one before, and the sweep aborted it at once)."""
+    await make(onceflow, "in", "out")
+    clock = _Clock()
+    monkeypatch.setattr(onceflow.broker.coordinator, "clock", clock)
+    t = Txn(onceflow.client, "slow")
+    await t.init(timeout_ms=5000)
+    assert (await t.send("out", {"n": 1})).status_code == 200
+    assert (await t.end(commit=True)).status_code == 200
+    clock.now += 60  # long after the id's init and its first transaction
+    if begins_with == "append":
+        assert (await t.send("out", {"n": 2})).status_code == 200
+    else:
+        body = {"epoch": t.epoch, "group": "g", "offsets": {"in": "0000000000000000_0000000000000000"}}
+        assert (await onceflow.client.post(T + "slow/offsets", json=body)).status_code == 200
+    clock.now += 4  # within its 5 s
+    assert await onceflow.broker.coordinator.expire() == []
+    clock.now += 2  # past them
+    assert await onceflow.broker.coordinator.expire() == ["slow"]
+
+
 async def test_a_retried_init_gets_the_same_epoch_and_fences_nothing(onceflow: InProcess) -> None:
     """An init whose answer was lost is sent again; or the original arrives late, after its retry
     was answered and the producer began to work. Same request id: same epoch, nothing aborted."""

@@ -15,53 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-import onceflow.storage.log as storage_log
+from helpers.disk import Disk
 from helpers.servers import InProcess
 from helpers.txn import JSON, S, T, Txn, assert_settled, committed, kill, make, serve, status, uncommitted
 from onceflow.client.transactions import AsyncTransactionalProducer
-from onceflow.storage.fs import File
-from onceflow.storage.log import StreamLog
 
 pytestmark = pytest.mark.anyio
-
-
-class Disk:
-    """Fails every write (ENOSPC) to the files of the logs given to :meth:`fail`, until :meth:`heal`;
-    with ``times``, only that many writes, then it heals by itself."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.files: list[File] = []
-        self.left: int | None = None
-        self.failed = 0
-        real = storage_log._write_all
-
-        def write(f: File, data: bytes, at: int, sync: bool) -> None:
-            if any(f is failing for failing in self.files):
-                self.failed += 1
-                if self.left is not None:
-                    self.left -= 1
-                    if self.left <= 0:
-                        self.heal()
-                raise OSError(errno.ENOSPC, "No space left on device")
-            real(f, data, at, sync)
-
-        monkeypatch.setattr(storage_log, "_write_all", write)
-
-    def fail(self, log: StreamLog | None, times: int | None = None) -> None:
-        assert log is not None
-        self.files.append(log._segments[-1].file)
-        self.left = times
-
-    def heal(self) -> None:
-        self.files.clear()
-        self.left = None
 
 
 async def offsets_of(c: InProcess, name: str, n: int) -> list[str]:
@@ -698,4 +663,38 @@ async def test_a_retried_append_meeting_the_sweeps_unfinished_fenced_abort_is_to
         retry = await t.send("s", {"n": 2}, seq=1)
         assert retry.status_code == 403, retry.text
         assert await committed(c, "s") == []
+        await c.broker.close()
+
+
+@pytest.mark.parametrize("commit", [True, False])
+async def test_a_decision_whose_record_failed_leaves_the_transaction_open_for_its_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, commit: bool
+) -> None:
+    """The decision is applied to memory when its record is staged (requests after it see it), and
+    taken back when that record does not reach the log: the answer is a retriable 503, the id is
+    still open with its streams and offsets (as the disk has it), and the retry decides it; a
+    restart agrees. Before issue 29 this was TxnMeta.moving; now Coordinator._transition."""
+    data = tmp_path / "data"
+    disk = Disk(monkeypatch)
+    async with serve(data, recover=False) as c:
+        await make(c, "in", "a", "b")
+        offs = await offsets_of(c, "in", 1)
+        t = Txn(c.client, "w")
+        await t.init()
+        assert (await t.send("a", {"n": 1})).status_code == 200
+        assert (await t.send("b", {"n": 2})).status_code == 200
+        assert (await send_offsets(c, t, "g", {"in": offs[0]})).status_code == 200
+        before = state(await status(c, "w"))
+        disk.fail(c.broker.coordinator.log)
+        assert (await t.end(commit=commit)).status_code == 503
+        disk.heal()
+        assert state(await status(c, "w")) == before and before[2] == "ongoing"
+        assert (await t.end(commit=commit)).status_code == 200
+        assert await group_offsets(c, "g") == ({"in": offs[0]} if commit else {})
+        await kill(c.broker)
+    async with serve(data) as c:
+        expected = [[{"n": 1}], [{"n": 2}]] if commit else [[], []]
+        assert [await committed(c, "a"), await committed(c, "b")] == expected
+        assert (await status(c, "w"))["status"] == ("complete_commit" if commit else "complete_abort")
+        assert await group_offsets(c, "g") == ({"in": offs[0]} if commit else {})
         await c.broker.close()

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from helpers.disk import Disk
 from onceflow.core.broker import Broker
 from onceflow.server.app import App, AppConfig
 
@@ -22,7 +23,9 @@ pytestmark = pytest.mark.anyio
 S = "/v1/stream/"
 
 
-async def test_a_commit_whose_decision_was_not_logged_is_not_carried_out(tmp_path: Path) -> None:
+async def test_a_commit_whose_decision_was_not_logged_is_not_carried_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Chaos run `--duration 120 --seed 2`: on a full disk the copier's commit failed writing PREPARE_COMMIT;
     its output became visible anyway and, after the restart, its offsets were not, so it was copied twice."""
     data = tmp_path / "data"
@@ -51,15 +54,12 @@ async def test_a_commit_whose_decision_was_not_logged_is_not_carried_out(tmp_pat
         ).status_code == 200
 
         coord: Any = broker.coordinator
-        real_write = coord._write
-
-        async def disk_full(rec: dict[str, Any], *, durable: bool = True) -> None:
-            raise OSError(errno.EFBIG, "File too large")
-
-        coord._write = disk_full  # the decision record cannot be written
+        disk = Disk(monkeypatch)
+        disk.fail(coord.log)  # the decision record cannot be written
         r = await c.post("/v1/txn/copier/commit", json={"epoch": epoch, "txn": txn})
         assert r.status_code >= 500  # not acknowledged: the client must not believe it committed
-        coord._write = real_write  # space returns
+        assert disk.failed
+        disk.heal()  # space returns
         await coord.expire()  # the periodic sweep
         visible = (await c.get(S + "out", params={"offset": "-1"})).json()
         # a crash now: what does a restarted server make of it?
@@ -77,7 +77,9 @@ async def test_a_commit_whose_decision_was_not_logged_is_not_carried_out(tmp_pat
     assert (visible == [{"n": 1}]) == (out_after == [{"n": 1}]) == (offsets_after.get("in") == end_of_input)
 
 
-async def test_a_transaction_over_two_streams_is_never_half_committed(tmp_path: Path) -> None:
+async def test_a_transaction_over_two_streams_is_never_half_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`onceflow chaos --duration 45 --seed 1` (tests/tools/test_chaos.py) on a full disk: a transaction over tx/0
     and tx/1 whose commit failed ended with its tx/1 part committed and its tx/0 part aborted."""
     data = tmp_path / "data"
@@ -100,14 +102,12 @@ async def test_a_transaction_over_two_streams_is_never_half_committed(tmp_path: 
         assert (await c.post(S + "b", content=b'{"s":"b"}', headers=h)).status_code == 200
 
         coord: Any = broker.coordinator
-        real_write, real_marker = coord._write, coord.write_marker
-
-        async def disk_full(*args: Any, **kw: Any) -> None:
-            raise OSError(errno.EFBIG, "File too large")
-
-        coord._write = disk_full  # the decision record cannot be written
+        real_marker = coord.write_marker
+        disk = Disk(monkeypatch)
+        disk.fail(coord.log)  # the decision record cannot be written
         assert (await c.post("/v1/txn/t/commit", json={"epoch": epoch, "txn": txn})).status_code >= 500
-        coord._write = real_write
+        assert disk.failed
+        disk.heal()
 
         async def marker_b_fails(stream: str, *args: Any) -> None:
             if stream == "b":

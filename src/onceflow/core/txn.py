@@ -144,29 +144,13 @@ class TxnMeta:
         return TXN_PRODUCER_PREFIX + self.tid
 
     def check_move(self, new: TxnStatus) -> None:
-        """Refuse (``invalid_state``) a move the transitions table does not allow."""
+        """Refuse (``invalid_state``) a move the transitions table does not allow. Checked before a
+        record of the move is written; ``status`` itself changes only when a record is applied
+        (:meth:`Coordinator._apply_txn`), or when a move never stored is taken back."""
         if not self.status.can_become(new):
             raise TxnError(
                 Refusal.INVALID_STATE, f"transaction {self.tid!r} cannot go from {self.status.value} to {new.value}"
             )
-
-    def move(self, new: TxnStatus) -> None:
-        """The one way ``status`` changes: checked against the transitions table (``_TRANSITIONS``)."""
-        self.check_move(new)
-        self.status = new
-
-    @contextlib.contextmanager
-    def moving(self, new: TxnStatus) -> Iterator[None]:
-        """:meth:`move` to ``new`` while its record is written (the block): a write that fails
-        (OSError) did not reach the log, so neither does the move; the status goes back to the one
-        the disk still has. That is an undo of a move never stored, not a transition."""
-        before = self.status
-        self.move(new)
-        try:
-            yield
-        except OSError:
-            self.status = before
-            raise
 
     @property
     def completing(self) -> bool:
@@ -432,38 +416,33 @@ class Coordinator:
         """Apply one record of the log: the function of its kind (:data:`RECORDS`)."""
         getattr(self, RECORDS[rec["kind"]])(rec)
 
-    def _apply_txn(self, rec: dict[str, Any]) -> None:
-        """A ``txn`` record: a transactional id's whole state after a change (:meth:`_store`,
-        :meth:`_transition`). Live, the change is made in place once the record is durable (a
-        completion's, once staged); its other effects are mirrored here."""
-        meta = TxnMeta(
-            tid=rec["tid"],
-            epoch=rec["epoch"],
-            txn=rec["txn"],
-            status=TxnStatus(rec["status"]),
-            streams=set(rec["streams"]),
-            offsets=rec["offsets"],
-            timeout=rec["timeout"],
-            init_id=rec.get("init_id"),
-            inits=tuple(rec.get("inits", ())),
-            fence=rec.get("fence"),
-        )
-        prev = self.txns.get(meta.tid)
+    def _apply_txn(self, rec: dict[str, Any], meta: TxnMeta | None = None) -> TxnMeta:
+        """A ``txn`` record: a transactional id's whole state after a change. The one function
+        that gives it its meaning, in replay and live (:meth:`_store` once the record is durable,
+        :meth:`_transition` once it is staged): the id's :class:`TxnMeta` (``meta``, or the one
+        known) takes the record's state in place, so every holder of it sees the change."""
+        tid = rec["tid"]
+        prev = meta if meta is not None else self.txns.get(tid)
         if (
             prev is not None
             and prev.status is TxnStatus.PREPARE_COMMIT
-            and (prev.epoch, prev.txn) != (meta.epoch, meta.txn)
+            and (prev.epoch, prev.txn) != (rec["epoch"], rec["txn"])
         ):
             # The id moved past a commit decision, so that commit completed: no request of an
             # id gets through while its decision is unfinished. Its completion record may still
             # be missing (its write failed and was rolled back while later ones reached the
             # disk): its offsets take effect here, or a copier would copy its input again.
             self._apply_offsets(prev.offsets)
-        self.txns[meta.tid] = meta
+        meta = prev if prev is not None else TxnMeta(tid)
+        meta.epoch, meta.txn, meta.status = rec["epoch"], rec["txn"], TxnStatus(rec["status"])
+        meta.streams, meta.offsets, meta.timeout = set(rec["streams"]), rec["offsets"], rec["timeout"]
+        meta.init_id, meta.inits, meta.fence = rec.get("init_id"), tuple(rec.get("inits", ())), rec.get("fence")
+        self.txns[tid] = meta
         for group in meta.offsets:  # named by a transaction's offsets: it exists (add_offsets)
             self.groups.setdefault(group, {})
         if meta.status is TxnStatus.COMPLETE_COMMIT:
             self._apply_offsets(meta.offsets)
+        return meta
 
     def _apply_members(self, rec: dict[str, Any]) -> None:
         """A ``members`` record: one decision for several transactions (:meth:`commit_members`),
@@ -550,47 +529,71 @@ class Coordinator:
         before every later record, which is enough for a record recovery can redo)."""
         done = self._stage(rec)
         if durable:
-            # some callers change memory only once the record is durable (group offsets, a sink's
-            # batch): until they have, compaction must not take the state in memory for all of it
-            self._awaiting += 1
-            try:
-                await done
-            finally:
-                self._awaiting -= 1  # the caller's change follows at once, before anything else runs
+            await self._wait(done)
         else:
             done.add_done_callback(_log_failure)
 
-    async def _store(self, meta: TxnMeta, **changes: Any) -> None:
-        """Write the state ``meta`` has after ``changes`` as one durable record, and only then
-        apply them: a record that does not reach the disk leaves memory as the disk has it, so
-        neither a retry nor the sweep acts on a state that was never stored, and no answer names
-        one that a restart would take back. The caller holds the id's lock."""
-        status: TxnStatus | None = changes.pop("status", None)
+    async def _wait(self, done: asyncio.Future[None]) -> None:
+        """Wait for a staged record's fsync. Some callers change memory only once the record is
+        durable (group offsets, a sink's batch): until they have, compaction must not take the
+        state in memory for all of it."""
+        self._awaiting += 1
+        try:
+            await done
+        finally:
+            self._awaiting -= 1  # the caller's change follows at once, before anything else runs
+
+    def _record_of(self, meta: TxnMeta, status: TxnStatus | None, changes: dict[str, Any]) -> dict[str, Any]:
+        """The ``txn`` record of ``meta`` after ``changes`` and a move to ``status`` (checked
+        against the transitions table); ``meta`` itself is not changed."""
         if status is not None:
             meta.check_move(status)
-        new = dataclasses.replace(meta, **changes)
-        if status is not None:
-            new = dataclasses.replace(new, status=status)  # the record to write, not yet the state
-        forgets = len(self._forgotten)
-        await self._write(new.record())
-        gone = self._forgotten[forgets:]
-        if gone and "offsets" in changes:
-            # a stream forgotten while this record was written: it was dropped where the record
-            # stands in the log, so memory must not take it back from a dict built before
-            changes["offsets"] = {
-                g: {st: off for st, off in offsets.items() if st not in gone}
-                for g, offsets in changes["offsets"].items()
-            }
-        for name, value in changes.items():  # at once: nothing runs between the fsync and this
-            setattr(meta, name, value)
-        if status is not None:
-            meta.move(status)
+            changes = {**changes, "status": status}
+        return dataclasses.replace(meta, **changes).record()
 
-    async def _transition(self, meta: TxnMeta, status: TxnStatus, *, durable: bool = True) -> None:
-        # a record that does not reach the log (the log rolls a failed write back) takes the move
-        # back with it, or a retry or the sweep would act on a decision that was never stored
-        with meta.moving(status):
-            await self._write(meta.record(), durable=durable)
+    async def _store(self, meta: TxnMeta, *, status: TxnStatus | None = None, **changes: Any) -> None:
+        """Write the state ``meta`` has after ``changes`` (and a move to ``status``) as one durable
+        record, and only then apply it (:meth:`_apply_txn`): a record that does not reach the disk
+        leaves memory as the disk has it, so neither a retry nor the sweep acts on a state that
+        was never stored, and no answer names one that a restart would take back. The caller
+        holds the id's lock."""
+        started = changes.pop("started", None)  # when a transaction began: memory's, not the record's
+        rec = self._record_of(meta, status, changes)
+        forgets = len(self._forgotten)
+        await self._write(rec)
+        gone = set(self._forgotten[forgets:])
+        if gone:
+            # streams forgotten while the record was written: their forget record stands after it
+            # in the log, so memory drops them from it as replay will (a dict built before the
+            # forget ran still holds them)
+            rec = {
+                **rec,
+                "offsets": {
+                    g: {st: o for st, o in offs.items() if st not in gone} for g, offs in rec["offsets"].items()
+                },
+            }
+        self._apply_txn(rec, meta)  # at once: nothing runs between the fsync and this
+        if started is not None:
+            meta.started = started
+
+    async def _transition(self, meta: TxnMeta, status: TxnStatus, *, durable: bool = True, **changes: Any) -> None:
+        """Move ``meta`` to ``status`` (with ``changes``) as soon as its record is staged: every
+        later record, and every request after this one, sees the move, as the log will have it
+        (:meth:`_apply_txn`). A record that does not reach the log (the log rolls a failed write
+        back) takes the move back with it, or a retry or the sweep would act on a decision that
+        was never stored; a record not waited for (``durable`` False) is one recovery can redo."""
+        rec = self._record_of(meta, status, changes)
+        before = {name: getattr(meta, name) for name in ("status", *changes)}
+        done = self._stage(rec)
+        self._apply_txn(rec, meta)
+        if not durable:
+            done.add_done_callback(_log_failure)
+            return
+        try:
+            await self._wait(done)
+        except OSError:
+            _take_back(meta, before)
+            raise
 
     async def close(self) -> None:
         if self._log is not None:
@@ -694,8 +697,7 @@ class Coordinator:
             if meta is None:
                 with self._creating("transactional_ids", tid, len(self.txns)):
                     meta = TxnMeta(tid, epoch=self.epoch_floor - 1)
-                    await self._new_epoch(meta, txn_timeout, request_id, digest)
-                    self.txns[tid] = meta
+                    await self._new_epoch(meta, txn_timeout, request_id, digest)  # known once stored
                 return meta
             if meta.status is TxnStatus.ONGOING:
                 await self._finish_decided(meta, self._finish(meta, commit=False))
@@ -750,14 +752,12 @@ class Coordinator:
                         txn=meta.txn,
                     )
             if meta.status is not TxnStatus.ONGOING:
-                meta.txn += 1
-                meta.streams, meta.offsets = set(), {}
+                await self._transition(
+                    meta, TxnStatus.ONGOING, durable=False, txn=meta.txn + 1, streams={stream}, offsets={}
+                )
                 meta.started = self.clock.monotonic()
-                meta.streams.add(stream)
-                await self._transition(meta, TxnStatus.ONGOING, durable=False)
             elif stream not in meta.streams:
-                meta.streams.add(stream)
-                await self._write(meta.record(), durable=False)
+                await self._transition(meta, TxnStatus.ONGOING, durable=False, streams=meta.streams | {stream})
             return meta
 
     def holding(self, tid: str) -> AbstractAsyncContextManager[None]:
@@ -774,9 +774,9 @@ class Coordinator:
         """Record that ``meta``'s one-stream transaction committed: its commit marker is durable
         (the caller holds the id's lock and checked :meth:`one_stream` when it staged the marker).
         The record is not waited for: if it is lost, recovery learns the outcome from the marker."""
-        meta.move(TxnStatus.COMPLETE_COMMIT)
-        staged = self._stage(meta.record())
-        staged.add_done_callback(_log_failure)
+        rec = self._record_of(meta, TxnStatus.COMPLETE_COMMIT, {})
+        self._stage(rec).add_done_callback(_log_failure)
+        self._apply_txn(rec, meta)
 
     def still_open(self, tid: str, epoch: int, txn: int, stream: str) -> bool:
         """Whether transaction ``txn`` of ``tid`` at ``epoch`` is still open and holds ``stream``
@@ -893,9 +893,12 @@ class Coordinator:
                 txn=meta.txn,
             ) from exc
 
-    async def _finish(self, meta: TxnMeta, *, commit: bool) -> None:
-        # Step 2: the decision, one durable record.
-        await self._transition(meta, TxnStatus.PREPARE_COMMIT if commit else TxnStatus.PREPARE_ABORT)
+    async def _finish(self, meta: TxnMeta, *, commit: bool, fence: int | None = None) -> None:
+        # Step 2: the decision, one durable record (an abort's may carry a fence: TxnMeta.fence).
+        if fence is None:
+            await self._transition(meta, TxnStatus.PREPARE_COMMIT if commit else TxnStatus.PREPARE_ABORT)
+        else:
+            await self._transition(meta, TxnStatus.PREPARE_ABORT, fence=fence)
         await self._complete(meta)
 
     async def _complete(self, meta: TxnMeta, *, done: frozenset[str] = frozenset()) -> None:
@@ -1176,22 +1179,28 @@ class Coordinator:
                         raise
                     prepared.append(meta)
                 # Step 3: the commit point of every member.
-                # A write that fails leaves them undecided after all (``moving`` takes each move
-                # back): still open, a retry may commit them.
-                with contextlib.ExitStack() as moves:
+                # A write that fails leaves them undecided after all (each move is taken back):
+                # still open, a retry may commit them.
+                # The members move when the record is staged, as a decision does (_transition).
+                rec: dict[str, Any] = {
+                    "kind": "members",
+                    "sink": sink,
+                    "batch": batch,
+                    "members": [self._record_of(m, TxnStatus.PREPARE_COMMIT, {}) for m in prepared],
+                    "query": query,
+                    "fingerprint": fingerprint,
+                    "decision": [list(m) for m in decision],
+                    "rows": rows,
+                }
+                staged = self._stage(rec)
+                for meta, member in zip(prepared, rec["members"], strict=True):
+                    self._apply_txn(member, meta)
+                try:
+                    await self._wait(staged)
+                except OSError:
                     for meta in prepared:
-                        moves.enter_context(meta.moving(TxnStatus.PREPARE_COMMIT))
-                    rec: dict[str, Any] = {
-                        "kind": "members",
-                        "sink": sink,
-                        "batch": batch,
-                        "members": [m.record() for m in prepared],
-                        "query": query,
-                        "fingerprint": fingerprint,
-                        "decision": [list(m) for m in decision],
-                        "rows": rows,
-                    }
-                    await self._write(rec)
+                        _take_back(meta, {"status": TxnStatus.ONGOING})
+                    raise
                 self._replay_decision(rec)  # as replay applies it (a batch here is above the last)
                 # Step 4: markers, then the rest of the batch's tasks and the leftovers.
                 await asyncio.gather(*(self._complete(meta) for meta in prepared))
@@ -1397,12 +1406,15 @@ class Coordinator:
             if c.txn > meta.txn or (c.txn == meta.txn and meta.status is TxnStatus.ONGOING):
                 log.info("transaction %d of %r was committed by its marker in %r; recording it", c.txn, c.tid, c.stream)
                 # The log lost both records of that transaction (ONGOING and COMPLETE_COMMIT are not
-                # synced): replay both moves, the lost begin first unless the log has it.
+                # synced): both moves, the lost begin first unless the log has it, in one record.
                 if meta.status is not TxnStatus.ONGOING:
-                    meta.move(TxnStatus.ONGOING)
-                meta.txn, meta.streams, meta.offsets = c.txn, {c.stream}, {}
-                meta.move(TxnStatus.COMPLETE_COMMIT)
-                await self._write(meta.record())
+                    meta.check_move(TxnStatus.ONGOING)
+                assert TxnStatus.ONGOING.can_become(TxnStatus.COMPLETE_COMMIT)
+                rec = dataclasses.replace(
+                    meta, status=TxnStatus.COMPLETE_COMMIT, txn=c.txn, streams={c.stream}, offsets={}
+                ).record()
+                await self._write(rec)
+                self._apply_txn(rec, meta)
 
     async def _fence(self, meta: TxnMeta, epoch: int) -> None:
         """Abort ``meta``'s open transaction and move past ``epoch`` with a synced record, so a
@@ -1422,13 +1434,7 @@ class Coordinator:
             if meta.epoch > epoch:
                 return  # the decision carried the fence itself
         if meta.status is TxnStatus.ONGOING:
-            meta.fence = epoch
-            try:
-                await self._finish(meta, commit=False)  # its completion moves the epoch on
-            except OSError:
-                if meta.status is TxnStatus.ONGOING:
-                    meta.fence = None  # the decision itself was not stored
-                raise
+            await self._finish(meta, commit=False, fence=epoch)  # its completion moves the epoch on
             return
         await self._store(meta, **self._fenced(meta, epoch))
 
@@ -1737,6 +1743,14 @@ RECORDS: dict[str, str] = {
     "drop_txn": "_apply_drop_txn",
     "epoch_floor": "_apply_epoch_floor",
 }
+
+
+def _take_back(meta: TxnMeta, before: dict[str, Any]) -> None:
+    """Give ``meta`` back the fields ``before`` names: its record, applied when staged, did not
+    reach the log (the log rolled the failed write back). An undo of a move never stored, not a
+    transition."""
+    for name, value in before.items():
+        setattr(meta, name, value)
 
 
 def _count(counts: dict[str, int], names: list[str], by: int) -> None:
