@@ -100,10 +100,46 @@ async def test_boundaries_split_a_range_and_bound_a_trigger(onceflow: InProcess)
     assert one.json()["end"] == ends[1]  # at least one batch, even when it is bigger than the cap
 
 
+async def test_position_finds_the_first_batch_appended_at_or_after_a_time(onceflow: InProcess) -> None:
+    """``format=position&time_ms=T`` (the Spark source's ``startingTimestamp``): the offset of the first
+    batch stamped at or after T, by the lookup a group reset by time makes; the tail when none was."""
+
+    class Clock:
+        now = 1_800_000_000.0
+
+        def time(self) -> float:
+            return self.now
+
+        def monotonic(self) -> float:
+            return self.now
+
+    clock = Clock()
+    onceflow.broker.clock = clock
+    await make(onceflow, "t")
+    ends = []
+    for i in range(3):
+        ends.append(await append(onceflow, "t", [{"i": i}] * 2))
+        clock.now += 10
+    t0 = 1_800_000_000_000
+
+    async def at(time_ms: int) -> str:
+        r = await onceflow.client.get(S + "t", params={"format": "position", "time_ms": str(time_ms)})
+        assert r.status_code == 200, r.text
+        return str(r.json()["offset"])
+
+    assert record_offset(await at(0)) == 0
+    assert await at(t0 + 1) == ends[0]  # the second batch, stamped t0 + 10 s
+    assert await at(t0 + 10_000) == ends[0]
+    assert await at(t0 + 20_000) == ends[1]
+    assert await at(t0 + 20_001) == ends[2]  # none that late: the tail
+
+
 @pytest.mark.parametrize(
     "params,needle",
     [
-        ({"offset": "-1", "format": "xml"}, "format must be records or boundaries"),
+        ({"offset": "-1", "format": "xml"}, "format must be records, boundaries or position"),
+        ({"format": "position"}, "format=position needs time_ms"),
+        ({"format": "position", "time_ms": "-5"}, "format=position needs time_ms"),
         ({"offset": "-1", "format": "records", "until": "nonsense"}, "until must be an offset"),
         ({"offset": "-1", "format": "records", "until": "now"}, "until must be an offset"),
         ({"offset": "-1", "format": "boundaries", "every": "0"}, "every must be a positive integer"),

@@ -1336,7 +1336,20 @@ class App:
           read is (:meth:`_answer_coding`).
         - ``format=boundaries``: batch boundaries at least ``every`` records apart, and where a read of
           at most ``max_records`` records ends; no data.
+        - ``format=position``: where the first batch appended at or after ``time_ms`` starts, or the
+          tail when none was: the lookup of a group reset by time
+          (:meth:`~onceflow.core.broker.Broker.position_at_time`), for a reader that starts there.
         """
+        if fmt == "position":
+            raw_time = params.get("time_ms", [None])[0]
+            if raw_time is None or not _DIGITS.match(raw_time) or int(raw_time) > MAX_SAFE_INT:
+                raise BadRequest(f"format=position needs time_ms, milliseconds since the epoch, got {raw_time!r}")
+            try:
+                at = await self.broker.position_at_time(s, int(raw_time))
+            except InvalidPosition as exc:
+                raise BadRequest(str(exc), 404, "not_found") from None
+            status, jh, body = _json_response(200, {"offset": at.token(), "time_ms": int(raw_time)})
+            return status, [*jh, (b"cache-control", b"no-store")], body, None
         until: Position | None = None
         raw_until = params.get("until", [None])[0]
         if raw_until is not None:
@@ -1380,7 +1393,7 @@ class App:
             raise
         except InvalidPosition as exc:
             raise BadRequest(str(exc)) from None
-        raise BadRequest(f"format must be records or boundaries, got {fmt!r}")
+        raise BadRequest(f"format must be records, boundaries or position, got {fmt!r}")
 
     @staticmethod
     def _positive_param(params: dict[str, list[str]], key: str) -> int | None:
