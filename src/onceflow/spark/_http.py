@@ -21,7 +21,7 @@ from ..client import OffsetGoneError, OnceflowError, TransportError
 from ..client.lowlevel import Coding, accept_headers, error_from_response, http_client, request_url, stream_url
 from ..wire import iter_frames
 
-__all__ = ["Conn", "Frame", "StreamTail", "record_offset"]
+__all__ = ["Conn", "Frame", "StreamTail", "byte_offset", "record_offset"]
 
 log = logging.getLogger("onceflow.spark")
 
@@ -37,6 +37,16 @@ def record_offset(token: str) -> int:
     if not head.isdigit():
         raise ValueError(f"{token!r} is not an onceflow offset")
     return int(head)
+
+
+def byte_offset(token: str) -> int:
+    """The byte position an onceflow offset token stands for (``-1`` is the start: 0)."""
+    if token in ("-1", ""):
+        return 0
+    _, _, tail = token.partition("_")
+    if not tail.isdigit():
+        raise ValueError(f"{token!r} is not an onceflow offset")
+    return int(tail)
 
 
 @dataclass(frozen=True)
@@ -133,7 +143,7 @@ class Conn:
         if self.offset_reset != "earliest":
             raise OffsetGoneError(
                 f"{exc} (the query can go on from there, skipping what was deleted, with "
-                '.option("offsetReset", "earliest"))',
+                '.option("offsetReset", "earliest"), Kafka\'s failOnDataLoss=false)',
                 earliest_offset=exc.earliest_offset,
                 status=exc.status,
             )
@@ -194,6 +204,17 @@ class Conn:
             params["offset"] = on
             body = self.request("GET", stream_url(self._api, stream), f"boundaries of {stream}", params=params).json()
         return list(body["boundaries"]), str(body["end"])
+
+    def position_at(self, stream: str, time_ms: int) -> str:
+        """The offset of the first batch of ``stream`` appended at or after ``time_ms`` (ms since
+        the epoch), or its tail when none was: ``GET ...?format=position`` (docs/protocol.md)."""
+        resp = self.request(
+            "GET",
+            stream_url(self._api, stream),
+            f"find the offset of {stream} at time {time_ms}",
+            params={"format": "position", "time_ms": time_ms},
+        )
+        return str(resp.json()["offset"])
 
     def commit_group(self, group: str, offsets: dict[str, str]) -> None:
         """Record ``offsets`` as consumer group ``group``'s (they only move forward)."""

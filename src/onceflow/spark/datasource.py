@@ -11,7 +11,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from .options import OptionError, Options
+from .options import OptionError, Options, Role
 from .source import OnceflowBatchReader, OnceflowStreamReader, is_text_type, source_schema
 from .writer import OnceflowBatchWriter, OnceflowStreamWriter, check_sink_schema
 
@@ -30,8 +30,11 @@ class OnceflowDataSource(DataSource):
     def name(cls) -> str:
         return "onceflow"
 
-    def _opts(self) -> Options:
-        return Options.parse(self.options)
+    extra_options: tuple[str, ...] = ()  # names a subclass takes besides the connector's own
+
+    def _opts(self, role: Role) -> Options:
+        """The options, for the source or the sink: a name that side does not take is an error."""
+        return Options.parse(self.options, role, self.extra_options)
 
     def _text_values(self, opts: Options) -> bool:
         forced = {k.lower(): v for k, v in self.options.items()}.get("valuetype")
@@ -53,27 +56,27 @@ class OnceflowDataSource(DataSource):
         return bool(types) and all(is_text_type(t) for t in types)
 
     def schema(self) -> StructType:
-        opts = self._opts()
+        opts = self._opts("source")
         opts.check_source()
         return source_schema(self._text_values(opts))
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        opts = self._opts()
+        opts = self._opts("source")
         opts.check_source()
         return OnceflowBatchReader(opts, _value_is_text(schema))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802 (Spark's name)
-        opts = self._opts()
+        opts = self._opts("source")
         opts.check_source()
         return OnceflowStreamReader(opts, _value_is_text(schema))
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
-        opts = self._opts()
+        opts = self._opts("sink")
         check_sink_schema(schema, opts)
         return OnceflowBatchWriter(opts)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802
-        opts = self._opts()
+        opts = self._opts("sink")
         check_sink_schema(schema, opts)
         if opts.sink_id is None:
             raise OptionError(

@@ -2,22 +2,104 @@
 
 from __future__ import annotations
 
+import difflib
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..client.lowlevel import Coding, check_compression
 from ..errors import OnceflowError
 from ._http import Conn
 from .protocol import WriterSettings, attempt_timeout
 
-__all__ = ["OptionError", "Options"]
+__all__ = ["SINK_OPTIONS", "SOURCE_OPTIONS", "OptionError", "Options", "Role", "check_names"]
 
 DEFAULT_URL = "http://127.0.0.1:4437"
 
 
 class OptionError(OnceflowError, ValueError):
     """An option of ``format("onceflow")`` is missing or wrong."""
+
+
+Role = Literal["source", "sink"]
+
+# The options each side takes, as written in docs/spark.md. Spark hands a Python data source its
+# options with lowercased names (a case-insensitive map), so they are matched case-insensitively.
+_SHARED = ("url", "token", "requestTimeoutSeconds", "compression")
+SOURCE_OPTIONS = (
+    *_SHARED,
+    "streams",
+    "pattern",
+    "isolation",
+    "startingOffsets",
+    "startingTimestamp",
+    "startingOffsetsByTimestamp",
+    "endingOffsets",
+    "maxRecordsPerTrigger",
+    "maxOffsetsPerTrigger",
+    "maxBytesPerTrigger",
+    "minOffsetsPerTrigger",
+    "maxTriggerDelay",
+    "maxRecordsPerPartition",
+    "minPartitions",
+    "valueType",
+    "offsetReset",
+    "failOnDataLoss",
+    "group",
+)
+SINK_OPTIONS = (
+    *_SHARED,
+    "stream",
+    "sinkId",
+    "contentType",
+    "transactionTimeoutMs",
+    "batchId",
+    "verifyReplay",
+    "checkpointLocation",  # Spark's own: DataStreamWriter passes it (and queryName) to the sink
+    "queryName",
+)
+
+
+def check_names(raw: Mapping[str, str], role: Role, extra: Sequence[str] = ()) -> None:
+    """Refuse an option ``role`` does not take, naming the closest one it does: a misspelt limit
+    (``maxRecordPerTrigger``) would otherwise be ignored and the query run unbounded. ``extra``:
+    names a subclass of the data source takes besides (the demo's crash points)."""
+    known = (*(SOURCE_OPTIONS if role == "source" else SINK_OPTIONS), *extra)
+    other = SINK_OPTIONS if role == "source" else SOURCE_OPTIONS
+    by_lower = {k.lower(): k for k in known}
+    for name in raw:
+        if name.lower() in by_lower:
+            continue
+        if name.lower() == "path":
+            raise OptionError(
+                f'format("onceflow") takes no path (got {raw[name]!r}): name the '
+                + ('streams with .option("streams", ...)' if role == "source" else 'stream with .option("stream", ...)')
+            )
+        side = {k.lower() for k in other}
+        if name.lower() in side:
+            raise OptionError(
+                f"option {name} is an option of the {'sink' if role == 'source' else 'source'}, not the {role}"
+            )
+        close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
+        hint = f"; did you mean {by_lower[close[0]]}?" if close else ""
+        raise OptionError(f"unknown option {name} for the onceflow {role}{hint} (docs/spark.md lists the options)")
+
+
+_DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|min|h|d)?\s*$", re.IGNORECASE)
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def _duration_ms(opts: Mapping[str, str], key: str, name: str, default: int) -> int:
+    """A duration as Spark writes them: ``15m``, ``30s``, ``500ms``, ``1h``; a bare number is milliseconds."""
+    raw = opts.get(key)
+    if raw is None:
+        return default
+    m = _DURATION.match(raw)
+    if m is None:
+        raise OptionError(f"option {name} must be a duration like 15m, 30s or 500ms, got {raw!r}")
+    return int(m.group(1)) * _UNIT_MS[(m.group(2) or "ms").lower()]
 
 
 def _int(opts: Mapping[str, str], key: str, default: int | None, *, low: int = 1) -> int | None:
@@ -40,6 +122,24 @@ def _bool(opts: Mapping[str, str], key: str, default: bool) -> bool:
     if raw.strip().lower() not in ("true", "false"):
         raise OptionError(f"option {key} must be true or false, got {raw!r}")
     return raw.strip().lower() == "true"
+
+
+def _timestamps(raw: str | None) -> dict[str, int] | None:
+    """``startingOffsetsByTimestamp``: a JSON object of stream -> milliseconds since the epoch."""
+    if raw is None:
+        return None
+    try:
+        given = json.loads(raw)
+    except ValueError:
+        given = None
+    if not isinstance(given, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in given.values()
+    ):
+        raise OptionError(
+            "option startingOffsetsByTimestamp must be a JSON object of stream -> milliseconds since the epoch, "
+            f'like {{"orders": 1767225600000}}, got {raw!r}'
+        )
+    return given
 
 
 @dataclass(frozen=True)
@@ -66,9 +166,19 @@ class Options:
     offset_reset: str = "error"  # "earliest": read on from the earliest offset kept when retention overtook a read
     group: str | None = None  # a consumer group the source commits each finished micro-batch's end to
     compression: Coding | None = None  # gzip or zstd: the sink's appends and the source's reads (docs/spark.md)
+    max_bytes_per_trigger: int | None = None  # stored bytes a micro-batch reads, about (docs/spark.md)
+    min_records_per_trigger: int | None = None  # a micro-batch waits for this many rows...
+    max_trigger_delay_ms: int = 15 * 60_000  # ...or this long since the last one (Kafka's default 15m)
+    min_partitions: int | None = None  # split the ranges of a batch into at least this many tasks
+    starting_timestamp: int | None = None  # ms since the epoch: every stream from its first record then
+    starting_by_timestamp: Mapping[str, int] | None = None  # the same per stream
 
     @classmethod
-    def parse(cls, raw: Mapping[str, str]) -> Options:
+    def parse(cls, raw: Mapping[str, str], role: Role | None = None, extra: Sequence[str] = ()) -> Options:
+        """The options as Spark hands them over (names in any case). With ``role``, a name that
+        side does not take (nor ``extra``) is an error (:func:`check_names`)."""
+        if role is not None:
+            check_names(raw, role, extra)
         opts = {k.lower(): v for k, v in raw.items()}
         streams_raw = opts.get("streams", "").strip()
         streams: tuple[str, ...] = ()
@@ -91,6 +201,23 @@ class Options:
         offset_reset = opts.get("offsetreset", "error")
         if offset_reset not in ("error", "earliest"):
             raise OptionError(f"option offsetReset must be error or earliest, got {offset_reset!r}")
+        if "failondataloss" in opts:  # Kafka's spelling of the same choice
+            fail = _bool(opts, "failondataloss", True)
+            as_reset = "error" if fail else "earliest"
+            if "offsetreset" in opts and as_reset != offset_reset:
+                raise OptionError(
+                    f"options failOnDataLoss={opts['failondataloss']} and offsetReset={offset_reset} disagree: "
+                    f"failOnDataLoss=false is offsetReset=earliest, true is error; give one of them"
+                )
+            offset_reset = as_reset
+        max_records = _int(opts, "maxrecordspertrigger", None)
+        max_offsets = _int(opts, "maxoffsetspertrigger", None)
+        if max_records is not None and max_offsets is not None and max_records != max_offsets:
+            raise OptionError(
+                f"options maxRecordsPerTrigger ({max_records}) and maxOffsetsPerTrigger ({max_offsets}) are one "
+                "limit under two names; give one of them"
+            )
+        starting_by_timestamp = _timestamps(opts.get("startingoffsetsbytimestamp"))
         try:
             compression = check_compression(opts.get("compression") or None)
         except ValueError:
@@ -107,7 +234,7 @@ class Options:
             isolation=isolation,
             starting_offsets=opts.get("startingoffsets", "earliest"),
             ending_offsets=opts.get("endingoffsets", "latest"),
-            max_records_per_trigger=_int(opts, "maxrecordspertrigger", None),
+            max_records_per_trigger=max_records if max_records is not None else max_offsets,
             max_records_per_partition=_int(opts, "maxrecordsperpartition", 1_000_000) or 1_000_000,
             request_deadline=float(_int(opts, "requesttimeoutseconds", 120) or 120),
             token=opts.get("token") or None,
@@ -120,6 +247,12 @@ class Options:
             offset_reset=offset_reset,
             group=opts.get("group") or None,
             compression=compression,
+            max_bytes_per_trigger=_int(opts, "maxbytespertrigger", None),
+            min_records_per_trigger=_int(opts, "minoffsetspertrigger", None),
+            max_trigger_delay_ms=_duration_ms(opts, "maxtriggerdelay", "maxTriggerDelay", 15 * 60_000),
+            min_partitions=_int(opts, "minpartitions", None),
+            starting_timestamp=_int(opts, "startingtimestamp", None, low=0),
+            starting_by_timestamp=starting_by_timestamp,
         )
 
     def connect(self) -> Conn:

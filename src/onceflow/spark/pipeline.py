@@ -85,6 +85,8 @@ class CrashingWriter(OnceflowStreamWriter):
 class CrashingDataSource(OnceflowDataSource):
     """``format("onceflow")`` whose stream writer may crash (options ``crashAfterCommit``, ``crashInWrite``)."""
 
+    extra_options = ("crashAfterCommit", "crashInWrite")
+
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802
         base = super().streamWriter(schema, overwrite)
         assert isinstance(base, OnceflowStreamWriter)

@@ -1,6 +1,7 @@
 """Reading onceflow streams from Spark: batch and Structured Streaming.
 
-Spark offsets are ``{stream name: onceflow offset token}``. A micro-batch is the exact range between
+Spark offsets are ``{stream name: position}``: an onceflow offset token, or (where a limit cut an
+append's messages apart) a :class:`Cut` inside one batch. A micro-batch is the exact range between
 two such maps, and a ``format=records`` read with ``until`` returns exactly the batches in it, so a
 batch Spark replays after a crash reads the same rows. Under ``read_committed`` (the default) the end
 of a range is never past a stream's last stable offset, where every earlier transaction is decided,
@@ -10,7 +11,10 @@ so aborted data is left out the same way every time.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -18,13 +22,28 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
-from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxBytes,
+    ReadMaxRows,
+    ReadMinRows,
+    SupportsTriggerAvailableNow,
+)
 from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType, TimestampType
 
-from ._http import Conn, Frame, StreamTail, record_offset
-from .options import Options
+from ._http import Conn, Frame, StreamTail, byte_offset, record_offset
+from .options import OptionError, Options
 
-__all__ = ["OnceflowBatchReader", "OnceflowStreamReader", "RangePartition", "arrow_schema", "source_schema"]
+__all__ = [
+    "Cut",
+    "OnceflowBatchReader",
+    "OnceflowStreamReader",
+    "RangePartition",
+    "arrow_schema",
+    "find_cut",
+    "source_schema",
+]
 
 _raw_decode = json.JSONDecoder().raw_decode
 _split_array = msgspec.json.Decoder(list[msgspec.Raw]).decode
@@ -47,8 +66,70 @@ def is_text_type(content_type: str) -> bool:
     return media == "application/json" or media.startswith("text/")
 
 
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """A position in one stream, in the form the source's Spark offsets keep it.
+
+    ``record`` is the record offset of the position; ``lo`` an offset token at or before the batch
+    that holds it (a read from ``lo`` reaches it) and ``hi`` one after that record (a read up to
+    ``hi`` holds it). A position between two batches is a plain token (``lo == hi``, written as the
+    token alone: the offsets of earlier versions read as such). One inside a batch, where a
+    per-trigger limit cut an append of many JSON messages, is written ``<record>@<lo>..<hi>``: a
+    range ending there reads up to ``hi`` and keeps the rows before ``record``, the next one reads
+    from ``lo`` and keeps the rows from ``record`` on. Row offsets are record offsets, so the split
+    is exact whatever the batches around it hold (aborted ones included).
+    """
+
+    record: int
+    lo: str
+    hi: str
+
+    @classmethod
+    def at(cls, token: str) -> Cut:
+        return cls(record_offset(token), token, token)
+
+    @classmethod
+    def parse(cls, text: str) -> Cut:
+        if "@" not in text:
+            return cls.at(text)
+        record, _, span = text.partition("@")
+        lo, sep, hi = span.partition("..")
+        if not record.isdigit() or not sep:
+            raise ValueError(f"{text!r} is not a position of the onceflow source")
+        return cls(int(record), lo, hi)
+
+    @property
+    def inside(self) -> bool:
+        """Whether the position is inside a batch (not a batch boundary)."""
+        return self.lo != self.hi
+
+    def __str__(self) -> str:
+        return f"{self.record}@{self.lo}..{self.hi}" if self.inside else self.lo
+
+
+def find_cut(conn: Conn, opts: Options, stream: str, start: Cut, record: int, until: str) -> Cut:
+    """The position of ``record`` (``start.record < record < record_offset(until)``) of ``stream``:
+    the boundary there, or a :class:`Cut` inside the batch that holds it. Two ``format=boundaries``
+    scans at most: where a read of the records before ``record`` ends (the last boundary at or
+    before it), then where the batch after that ends (the first boundary past it)."""
+    lo = start.lo
+    _, end = conn.boundaries(
+        stream, lo, until, isolation=opts.isolation, max_records=max(1, record - record_offset(lo))
+    )
+    if record_offset(end) == record:
+        return Cut.at(end)
+    if record_offset(end) > record:  # the first batch from lo holds record (a read takes at least one batch)
+        return Cut(record, lo, end)
+    lo = end
+    _, hi = conn.boundaries(stream, lo, until, isolation=opts.isolation, max_records=record - record_offset(lo))
+    if record_offset(hi) <= record:  # not a batch that holds it (the range changed?): cut between batches
+        return Cut.at(hi)
+    return Cut(record, lo, hi)
+
+
 class RangePartition(InputPartition):
-    """The records of one stream from ``start`` (inclusive) to ``end`` (exclusive)."""
+    """The records of one stream from ``start`` (inclusive) to ``end`` (exclusive); each is an
+    offset token or a :class:`Cut` written as text."""
 
     def __init__(self, stream: str, start: str, end: str, content_type: str) -> None:
         super().__init__((stream, start, end))
@@ -171,24 +252,72 @@ def arrow_schema(text_values: bool) -> pa.Schema:
 
 
 def read_partition(opts: Options, part: RangePartition, text_values: bool) -> Iterator[pa.RecordBatch]:
+    """The rows of the partition: the batches from its start's ``lo`` to its end's ``hi``, less the
+    rows before the start's record and from the end's record on when either is inside a batch."""
+    start, end = Cut.parse(part.start), Cut.parse(part.end)
+    trim = start.inside or end.inside
     with opts.connect() as conn:
-        for frames, _ in conn.read_frames(part.stream, part.start, part.end, isolation=opts.isolation):
-            if frames:
-                yield frames_to_arrow(part.stream, part.content_type, frames, text_values)
+        for frames, _ in conn.read_frames(part.stream, start.lo, end.hi, isolation=opts.isolation):
+            if not frames:
+                continue
+            rows = frames_to_arrow(part.stream, part.content_type, frames, text_values)
+            if trim:  # row offsets rise within a read: keep [start.record, end.record)
+                offsets = rows.column(1).to_numpy()
+                a, b = np.searchsorted(offsets, [start.record, end.record])
+                rows = rows.slice(int(a), int(b - a))
+            if rows.num_rows:
+                yield rows
 
 
 def split_ranges(
     conn: Conn, opts: Options, stream: str, start: str, end: str, content_type: str
 ) -> list[RangePartition]:
-    """One partition per stream range, a long range split every ``maxRecordsPerPartition`` records."""
-    if start == end:
+    """One partition per stream range, a long range split every ``maxRecordsPerPartition`` records
+    (at batch boundaries)."""
+    first, last = Cut.parse(start), Cut.parse(end)
+    if first.record >= last.record:
         return []
-    span = record_offset(end) - record_offset(start)
-    if span <= opts.max_records_per_partition:
+    if last.record - first.record <= opts.max_records_per_partition:
         return [RangePartition(stream, start, end, content_type)]
-    marks, _ = conn.boundaries(stream, start, end, isolation=opts.isolation, every=opts.max_records_per_partition)
-    points = [start, *marks, end]
+    marks, _ = conn.boundaries(
+        stream, first.lo, last.hi, isolation=opts.isolation, every=opts.max_records_per_partition
+    )
+    inner = [m for m in marks if first.record < record_offset(m) < last.record]
+    points = [start, *inner, end]
     return [RangePartition(stream, a, b, content_type) for a, b in zip(points, points[1:], strict=False) if a != b]
+
+
+def plan(
+    conn: Conn, opts: Options, ranges: Mapping[str, tuple[str, str]], types: Mapping[str, str]
+) -> list[RangePartition]:
+    """The partitions of a batch: each stream's range split by :func:`split_ranges`; then, with
+    ``minPartitions``, the longest ones cut further (inside batches too, at exact records) until
+    there are at least that many, each range into pieces in proportion to its records."""
+    parts: list[RangePartition] = []
+    for name in sorted(ranges):
+        start, end = ranges[name]
+        parts += split_ranges(conn, opts, name, start, end, types[name])
+    want = opts.min_partitions
+    if want is None or len(parts) >= want:
+        return parts
+    sizes = [Cut.parse(p.end).record - Cut.parse(p.start).record for p in parts]
+    total = sum(sizes)
+    out: list[RangePartition] = []
+    for part, size in zip(parts, sizes, strict=True):
+        pieces = min(size, max(1, math.ceil(size * want / total)))
+        at = Cut.parse(part.start)
+        last = Cut.parse(part.end)
+        for i in range(1, pieces):
+            record = at.record + (last.record - at.record) // (pieces - i + 1)
+            if not at.record < record < last.record:
+                continue
+            nxt = find_cut(conn, opts, part.stream, at, record, last.hi)
+            if not at.record < nxt.record < last.record:
+                continue
+            out.append(RangePartition(part.stream, str(at), str(nxt), part.content_type))
+            at = nxt
+        out.append(RangePartition(part.stream, str(at), part.end, part.content_type))
+    return out
 
 
 class _Streams:
@@ -217,6 +346,26 @@ class _Streams:
             out[info.name] = info.stable_offset if committed else info.next_offset
         return out
 
+    def starts(self, conn: Conn, ends: Mapping[str, str]) -> dict[str, str]:
+        """Where a new query or a batch read starts: ``startingOffsets``, except the streams
+        ``startingTimestamp`` or ``startingOffsetsByTimestamp`` name, which start at their first
+        batch appended at or after that time (looked up by the server: ``format=position``), or at
+        their end when none was."""
+        out = self.opts.starting(ends)
+        times: Mapping[str, int]
+        if self.opts.starting_timestamp is not None:
+            times = dict.fromkeys(ends, self.opts.starting_timestamp)
+        else:
+            times = self.opts.starting_by_timestamp or {}
+            unknown = sorted(set(times) - set(ends))
+            if unknown:
+                raise OptionError(
+                    f"option startingOffsetsByTimestamp names streams this query does not read: {unknown}"
+                )
+        for name, time_ms in times.items():
+            out[name] = conn.position_at(name, time_ms)
+        return out
+
 
 class OnceflowBatchReader(DataSourceReader):
     """``spark.read.format("onceflow")``: the streams from ``startingOffsets`` to ``endingOffsets``."""
@@ -229,12 +378,10 @@ class OnceflowBatchReader(DataSourceReader):
         streams = _Streams(self.opts)
         with self.opts.connect() as conn:
             ends = streams.ends(conn)
-            starts = self.opts.starting(ends)
+            starts = streams.starts(conn, ends)
             limit = self.opts.ending(ends)
-            parts: list[RangePartition] = []
-            for name in sorted(ends):
-                parts += split_ranges(conn, self.opts, name, starts.get(name, "-1"), limit[name], streams.types[name])
-        return parts
+            ranges = {name: (starts.get(name, "-1"), limit[name]) for name in ends}
+            return plan(conn, self.opts, ranges, streams.types)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, RangePartition)
@@ -244,9 +391,15 @@ class OnceflowBatchReader(DataSourceReader):
 class OnceflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """``spark.readStream.format("onceflow")``.
 
-    Offsets are ``{stream: token}``; a stream that appears later (with ``pattern``) is read from its
-    start. ``maxRecordsPerTrigger`` bounds a micro-batch (shared fairly between the streams that have
-    data); ``Trigger.AvailableNow`` reads up to the ends seen when the query started, then stops.
+    Offsets are ``{stream: position}`` (:class:`Cut`); a stream that appears later (with
+    ``pattern``) is read from its start. The per-trigger limits count rows, the rows Spark gets:
+    ``maxRecordsPerTrigger`` (or ``maxOffsetsPerTrigger``) and ``maxBytesPerTrigger`` bound a
+    micro-batch, shared between the streams that have data, and cut an append of many JSON messages
+    where the limit falls; ``minOffsetsPerTrigger`` holds a micro-batch back until that many rows
+    wait or ``maxTriggerDelay`` passed since the last one. ``Trigger.AvailableNow`` reads up to the
+    ends seen when the query started in bounded micro-batches, then stops: it never waits for
+    ``minOffsetsPerTrigger``. Spark may ask for everything (``ReadAllAvailable``, as
+    ``Trigger.Once`` does): then no limit applies.
     """
 
     def __init__(self, opts: Options, text_values: bool) -> None:
@@ -255,6 +408,8 @@ class OnceflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.streams = _Streams(opts)
         self._conn: Conn | None = None
         self.target: dict[str, str] | None = None
+        self.clock: Callable[[], float] = time.monotonic  # maxTriggerDelay counts on it
+        self.last_batch = self.clock()  # when the last micro-batch was planned (or the reader made)
 
     @property
     def conn(self) -> Conn:
@@ -270,58 +425,96 @@ class OnceflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def initialOffset(self) -> dict[str, str]:
         ends = self.streams.ends(self.conn)
-        return self.opts.starting(ends)
+        return self.streams.starts(self.conn, ends)
 
     def prepareForTriggerAvailableNow(self) -> None:
         self.target = self.streams.ends(self.conn)
 
     def getDefaultReadLimit(self) -> ReadLimit:
+        """Spark takes one limit from a Python source (no composite limit): the first of
+        ``maxRecordsPerTrigger``, ``maxBytesPerTrigger``, ``minOffsetsPerTrigger`` set. The others
+        set apply all the same: :meth:`latestOffset` reads them from the options."""
         if self.opts.max_records_per_trigger is not None:
             return ReadMaxRows(self.opts.max_records_per_trigger)
+        if self.opts.max_bytes_per_trigger is not None:
+            return ReadMaxBytes(self.opts.max_bytes_per_trigger)
+        if self.opts.min_records_per_trigger is not None:
+            return ReadMinRows(self.opts.min_records_per_trigger)
         return ReadAllAvailable()
 
     def reportLatestOffset(self) -> dict[str, str]:
+        """Each stream's end now (its last stable offset under read_committed): the query's
+        progress shows it as the source's ``latestOffset``, beside the micro-batch's ``endOffset``."""
         return self.streams.ends(self.conn)
 
     def latestOffset(self, start: dict[str, str], limit: ReadLimit | None = None) -> dict[str, str]:
         ends = self.target if self.target is not None else self.streams.ends(self.conn)
         out = dict(start)
-        backlog = {}
+        backlog: dict[str, tuple[Cut, str]] = {}
         for name, end in ends.items():
             begin = start.get(name, "-1")
             if begin == "-1" and end == "-1":
                 continue
             out.setdefault(name, "-1")
-            if record_offset(end) > record_offset(begin):
-                backlog[name] = (begin, end)
-        if not isinstance(limit, ReadMaxRows):
-            for name, (_, end) in backlog.items():
-                out[name] = end
-            return out
-        budget = limit.max_rows
-        share = max(1, budget // max(1, len(backlog)))
-        for name in sorted(backlog):  # a fair share each, so one busy stream cannot starve the rest
-            begin, end = backlog[name]
-            want = min(share, budget)
-            if want <= 0:
+            first = Cut.parse(begin)
+            if record_offset(end) > first.record:
+                backlog[name] = (first, end)
+        everything = limit is None or isinstance(limit, ReadAllAvailable)
+        max_rows = None if everything else self.opts.max_records_per_trigger
+        max_bytes = None if everything else self.opts.max_bytes_per_trigger
+        min_rows = None if everything else self.opts.min_records_per_trigger
+        if isinstance(limit, ReadMaxRows):
+            max_rows = limit.max_rows
+        elif isinstance(limit, ReadMaxBytes):
+            max_bytes = limit.max_bytes
+        elif isinstance(limit, ReadMinRows):
+            min_rows = limit.min_rows
+        waiting = sum(record_offset(end) - first.record for first, end in backlog.values())
+        now = self.clock()
+        if (
+            min_rows is not None
+            and self.target is None  # Trigger.AvailableNow reads what is there, never waits
+            and waiting < min_rows
+            and now - self.last_batch < self.opts.max_trigger_delay_ms / 1000
+        ):
+            return dict(start)  # no new micro-batch yet
+        row_budget = math.inf if max_rows is None else max_rows
+        byte_budget = math.inf if max_bytes is None else max_bytes
+        order = sorted(backlog, key=lambda n: (record_offset(backlog[n][1]) - backlog[n][0].record, n))
+        for i, name in enumerate(order):  # the smallest backlogs first: what they leave goes to the rest
+            first, end = backlog[name]
+            left = len(order) - i
+            rows = record_offset(end) - first.record
+            want = rows
+            per_record = max(
+                1.0, (byte_offset(end) - byte_offset(first.lo)) / max(1, record_offset(end) - record_offset(first.lo))
+            )
+            if row_budget <= 0 or byte_budget <= 0:
                 break
-            if record_offset(end) - record_offset(begin) <= want:
-                out[name] = end
-            else:
-                _, out[name] = self.conn.boundaries(name, begin, end, isolation=self.opts.isolation, max_records=want)
-            budget -= record_offset(out[name]) - record_offset(begin)
+            if row_budget != math.inf:
+                want = min(want, max(1, int(row_budget // left)))
+            if byte_budget != math.inf:  # at least one row, however large
+                want = min(want, max(1, int(byte_budget // left // per_record)))
+            out[name] = (
+                end if want >= rows else str(find_cut(self.conn, self.opts, name, first, first.record + want, end))
+            )
+            took = Cut.parse(out[name]).record - first.record
+            row_budget -= took
+            byte_budget -= took * per_record
+        if out != start:
+            self.last_batch = now
         return out
 
     def partitions(self, start: dict[str, str], end: dict[str, str]) -> Sequence[InputPartition]:
-        parts: list[RangePartition] = []
+        ranges: dict[str, tuple[str, str]] = {}
         for name in sorted(end):
             content_type = self.streams.types.get(name)
             if content_type is None:
                 info = self.conn.head(name)
                 content_type = info.content_type if info is not None else "application/octet-stream"
                 self.streams.types[name] = content_type
-            parts += split_ranges(self.conn, self.opts, name, start.get(name, "-1"), end[name], content_type)
-        return parts
+            ranges[name] = (start.get(name, "-1"), end[name])
+        return plan(self.conn, self.opts, ranges, self.streams.types)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, RangePartition)
@@ -331,8 +524,10 @@ class OnceflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Spark keeps the offsets in its checkpoint. With option group, the server learns them too:
         # a stream that names the group (Stream-Retention-Keep-Groups) then keeps what the query
         # may still replay (a batch is replayed from the previous batch's end after a failure).
+        # A position inside a batch commits the batch's start: the group's offset stays where a
+        # read of the rest begins.
         if self.opts.group is not None:
-            self.conn.commit_group(self.opts.group, end)
+            self.conn.commit_group(self.opts.group, {name: Cut.parse(pos).lo for name, pos in end.items()})
 
     def stop(self) -> None:
         if self._conn is not None:
