@@ -88,6 +88,9 @@ def test_a_read_whose_start_was_deleted_fails_clearly_or_goes_on_as_told(registe
     assert earliest in str(failed.value) and "offsetReset" in str(failed.value)
     first = offsets.index(earliest) + 1
     assert ids(read(offsetReset="earliest")) == list(range(first, 40))
+    assert ids(read(failOnDataLoss="false")) == list(range(first, 40))  # Kafka's spelling of the same
+    with pytest.raises(Exception, match="failOnDataLoss=false"):  # noqa: PT011 - wrapped by Spark
+        read(failOnDataLoss="true").collect()
 
 
 def test_a_streaming_querys_group_keeps_what_it_may_replay(registered: Any, url: str, tmp_path: Path) -> None:
