@@ -190,6 +190,23 @@ class Conn:
         every: int | None = None,
         max_records: int | None = None,
     ) -> tuple[list[str], str]:
+        marks, end, _ = self.boundaries_from(
+            stream, start, until, isolation=isolation, every=every, max_records=max_records
+        )
+        return marks, end
+
+    def boundaries_from(
+        self,
+        stream: str,
+        start: str,
+        until: str,
+        *,
+        isolation: str,
+        every: int | None = None,
+        max_records: int | None = None,
+    ) -> tuple[list[str], str, str]:
+        """:meth:`boundaries`, and where the scan began: ``start``, or (``offsetReset`` = ``earliest``,
+        retention deleted ``start``) the earliest offset kept, or ``until`` when nothing before it is."""
         params: dict[str, str | int] = {"offset": start, "until": until, "format": "boundaries", "isolation": isolation}
         if every is not None:
             params["every"] = every
@@ -200,10 +217,11 @@ class Conn:
         except OffsetGoneError as exc:
             on = self._overtaken(exc, stream, start, until)
             if on is None:
-                return [], until
+                return [], until, until
             params["offset"] = on
             body = self.request("GET", stream_url(self._api, stream), f"boundaries of {stream}", params=params).json()
-        return list(body["boundaries"]), str(body["end"])
+            return list(body["boundaries"]), str(body["end"]), on
+        return list(body["boundaries"]), str(body["end"]), start
 
     def position_at(self, stream: str, time_ms: int) -> str:
         """The offset of the first batch of ``stream`` appended at or after ``time_ms`` (ms since

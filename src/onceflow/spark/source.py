@@ -111,11 +111,21 @@ def find_cut(conn: Conn, opts: Options, stream: str, start: Cut, record: int, un
     """The position of ``record`` (``start.record < record < record_offset(until)``) of ``stream``:
     the boundary there, or a :class:`Cut` inside the batch that holds it. Two ``format=boundaries``
     scans at most: where a read of the records before ``record`` ends (the last boundary at or
-    before it), then where the batch after that ends (the first boundary past it)."""
+    before it), then where the batch after that ends (the first boundary past it).
+
+    When retention deleted ``start`` (``offsetReset`` = ``earliest``), the records it deleted are
+    not counted: the position is as many records past the earliest offset kept as ``record`` is
+    past ``start`` (else a limited query would go through them in empty micro-batches)."""
     lo = start.lo
-    _, end = conn.boundaries(
+    _, end, began = conn.boundaries_from(
         stream, lo, until, isolation=opts.isolation, max_records=max(1, record - record_offset(lo))
     )
+    if began != lo:  # retention deleted lo: go on from the earliest offset kept
+        gap = max(0, record_offset(began) - start.record)  # records past start it deleted
+        if record + gap >= record_offset(until):
+            return Cut.at(until)
+        rest = Cut(start.record, began, start.hi) if record_offset(began) < start.record else Cut.at(began)
+        return find_cut(conn, opts, stream, rest, record + gap, until)
     if record_offset(end) == record:
         return Cut.at(end)
     if record_offset(end) > record:  # the first batch from lo holds record (a read takes at least one batch)
@@ -498,7 +508,7 @@ class OnceflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             out[name] = (
                 end if want >= rows else str(find_cut(self.conn, self.opts, name, first, first.record + want, end))
             )
-            took = Cut.parse(out[name]).record - first.record
+            took = min(want, Cut.parse(out[name]).record - first.record)  # not records retention deleted
             row_budget -= took
             byte_budget -= took * per_record
         if out != start:

@@ -1,0 +1,128 @@
+"""Review of issue 32 item 4: the stream reader's decisions on the driver, without a Spark session."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from helpers.servers import ServerProcess
+
+pytestmark = pytest.mark.slow
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("review-source") / "data",
+        "--segment-bytes",
+        "600",
+        "--retention-check-interval",
+        "0.2",
+    )
+    srv.start()
+    try:
+        yield srv.url
+    finally:
+        srv.kill()
+
+
+def fill(url: str, name: str, n: int, **headers: str) -> list[str]:
+    r = httpx.put(f"{url}/v1/stream/{name}", headers={**JSON, **headers})
+    assert r.status_code == 201, r.text
+    out = []
+    for i in range(n):
+        r = httpx.post(f"{url}/v1/stream/{name}", json=[{"id": i, "pad": "x" * 60}], headers=JSON)
+        assert r.status_code in (200, 204), r.text
+        out.append(r.headers["stream-next-offset"])
+    return out
+
+
+def earliest_after_retention(url: str, name: str) -> str:
+    give_up = time.monotonic() + 30
+    while time.monotonic() < give_up:
+        if "stream-earliest-offset" in httpx.head(f"{url}/v1/stream/{name}").headers:
+            time.sleep(1.5)
+            return httpx.head(f"{url}/v1/stream/{name}").headers["stream-earliest-offset"]
+        time.sleep(0.1)
+    raise AssertionError(f"retention never deleted the start of {name}")
+
+
+def rows(reader: Any, start: dict[str, str], end: dict[str, str]) -> list[int]:
+    out: list[int] = []
+    for part in reader.partitions(start, end):
+        for batch in reader.read(part):
+            out += [json.loads(v)["id"] for v in batch.column(3).to_pylist()]
+    return out
+
+
+def test_a_limited_query_goes_on_from_the_earliest_offset_kept_at_once(url: str) -> None:
+    """offsetReset=earliest (failOnDataLoss=false) with maxRecordsPerTrigger: the first micro-batch
+    after retention deleted the query's start reads the limit's rows from the earliest offset kept,
+    as before positions inside an append: not empty micro-batches through the deleted records."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from onceflow.spark.options import Options
+    from onceflow.spark.source import OnceflowStreamReader
+
+    offsets = fill(url, "rv/gone", 40, **{"Stream-Retention-Bytes": "1200"})
+    earliest = earliest_after_retention(url, "rv/gone")
+    first = offsets.index(earliest) + 1
+    opts = Options.parse(
+        {"url": url, "streams": "rv/gone", "failOnDataLoss": "false", "maxRecordsPerTrigger": "3"}, "source"
+    )
+    reader = OnceflowStreamReader(opts, text_values=True)
+    try:
+        start = {"rv/gone": offsets[1]}
+        end = reader.latestOffset(start, ReadMaxRows(3))
+        assert rows(reader, start, end) == list(range(first, first + 3))
+    finally:
+        reader.stop()
+
+
+def test_a_position_inside_an_append_retention_deleted_goes_on_from_the_earliest_offset_kept(url: str) -> None:
+    """A checkpoint whose offset is inside an append (``<record>@<lo>..<hi>``) that retention then
+    deleted: with failOnDataLoss=false the next micro-batch reads the limit's rows from the
+    earliest offset kept, each once; the group commit names an offset, never the text of a cut."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from onceflow.spark.options import Options
+    from onceflow.spark.source import OnceflowStreamReader
+
+    name = "rv/cut-gone"
+    r = httpx.put(f"{url}/v1/stream/{name}", headers={**JSON, "Stream-Retention-Bytes": "1200"})
+    assert r.status_code == 201, r.text
+    lo = httpx.post(f"{url}/v1/stream/{name}", json=[{"id": -1}], headers=JSON).headers["stream-next-offset"]
+    hi = httpx.post(
+        f"{url}/v1/stream/{name}", json=[{"id": 1000 + i, "pad": "x" * 60} for i in range(10)], headers=JSON
+    ).headers["stream-next-offset"]
+    for i in range(30):
+        r = httpx.post(f"{url}/v1/stream/{name}", json=[{"id": i, "pad": "x" * 60}], headers=JSON)
+        assert r.status_code in (200, 204), r.text
+    earliest = earliest_after_retention(url, name)
+    assert earliest > hi
+    opts = Options.parse(
+        {"url": url, "streams": name, "failOnDataLoss": "false", "maxOffsetsPerTrigger": "4", "group": "rv"}, "source"
+    )
+    reader = OnceflowStreamReader(opts, text_values=True)
+    try:
+        start = {name: f"6@{lo}..{hi}"}
+        seen: list[int] = []
+        for _ in range(20):
+            end = reader.latestOffset(start, ReadMaxRows(4))
+            if end == start:
+                break
+            got = rows(reader, start, end)
+            assert len(got) == 4 or end[name] == reader.streams.ends(reader.conn)[name]
+            seen += got
+            reader.commit(end)
+            start = end
+        kept = httpx.get(f"{url}/v1/stream/{name}", params={"offset": earliest}).json()
+        assert seen == [m["id"] for m in kept]
+    finally:
+        reader.stop()
