@@ -140,6 +140,11 @@ async def test_position_finds_the_first_batch_appended_at_or_after_a_time(oncefl
         ({"offset": "-1", "format": "xml"}, "format must be records, boundaries or position"),
         ({"format": "position"}, "format=position needs time_ms"),
         ({"format": "position", "time_ms": "-5"}, "format=position needs time_ms"),
+        # more digits than Python's int() takes from a string (4300) were a 500
+        ({"format": "position", "time_ms": "1" * 5000}, "format=position needs time_ms"),
+        ({"format": "position", "time_ms": "5\n"}, "format=position needs time_ms"),
+        ({"offset": "-1", "format": "boundaries", "every": "1" * 5000}, "every must be a positive integer"),
+        ({"offset": "-1", "format": "records", "max_bytes": "1" * 5000}, "max_bytes must be an integer"),
         ({"offset": "-1", "format": "records", "until": "nonsense"}, "until must be an offset"),
         ({"offset": "-1", "format": "records", "until": "now"}, "until must be an offset"),
         ({"offset": "-1", "format": "boundaries", "every": "0"}, "every must be a positive integer"),

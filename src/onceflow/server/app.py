@@ -85,7 +85,10 @@ METRICS_PATH = "/metrics"  # Prometheus metrics (docs/operations.md)
 # stream). Answers that show streams the request did not name (a group's positions, a
 # transaction's streams) show only those; docs/security.md.
 MAY_READ = "onceflow.may_read"
-_DIGITS = re.compile(r"^[0-9]+$")
+# A decimal integer as a query parameter or header gives it: bounded in length, as int() refuses
+# more than 4300 digits (a ValueError, a 500, where the bad parameter is a 400); \Z, not $ (which
+# takes a trailing newline).
+_DIGITS = re.compile(r"[0-9]{1,1000}\Z")
 _LINES = re.compile(r"\r\n|\r|\n")
 CURSOR_EPOCH = 1728432000.0  # 2024-10-09T00:00:00Z, the protocol's default cursor epoch
 CURSOR_INTERVAL = 20
