@@ -126,3 +126,36 @@ def test_a_position_inside_an_append_retention_deleted_goes_on_from_the_earliest
         assert seen == [m["id"] for m in kept]
     finally:
         reader.stop()
+
+
+def test_a_cut_in_the_first_append_of_a_fresh_query_does_not_hide_what_retention_deleted(url: str) -> None:
+    """A fresh query (startingOffsets earliest) whose first micro-batch ended inside the stream's
+    first append, then retention deleted that append: by default (failOnDataLoss=true) the next
+    micro-batch fails naming what was deleted, as for any other deleted start; it did not read on
+    silently from the earliest offset kept (the cut was written from "-1", which a read takes as
+    "wherever the stream begins now")."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from onceflow.client import OffsetGoneError
+    from onceflow.spark.options import Options
+    from onceflow.spark.source import Cut, OnceflowStreamReader
+
+    name = "rv/first-cut"
+    r = httpx.put(f"{url}/v1/stream/{name}", headers={**JSON, "Stream-Retention-Bytes": "1200"})
+    assert r.status_code == 201, r.text
+    httpx.post(f"{url}/v1/stream/{name}", json=[{"id": 1000 + i, "pad": "x" * 60} for i in range(10)], headers=JSON)
+    opts = Options.parse({"url": url, "streams": name, "maxRecordsPerTrigger": "4"}, "source")
+    reader = OnceflowStreamReader(opts, text_values=True)
+    try:
+        start = reader.initialOffset()
+        first = reader.latestOffset(start, ReadMaxRows(4))
+        assert Cut.parse(first[name]).inside
+        assert rows(reader, start, first) == [1000, 1001, 1002, 1003]
+        for i in range(30):
+            httpx.post(f"{url}/v1/stream/{name}", json=[{"id": i, "pad": "x" * 60}], headers=JSON)
+        earliest_after_retention(url, name)
+        with pytest.raises(OffsetGoneError):
+            nxt = reader.latestOffset(first, ReadMaxRows(4))
+            rows(reader, first, nxt)
+    finally:
+        reader.stop()

@@ -19,6 +19,7 @@ import httpx
 from .._backoff import backoff
 from ..client import OffsetGoneError, OnceflowError, TransportError
 from ..client.lowlevel import Coding, accept_headers, error_from_response, http_client, request_url, stream_url
+from ..storage.position import ZERO
 from ..wire import iter_frames
 
 __all__ = ["Conn", "Frame", "StreamTail", "byte_offset", "record_offset"]
@@ -135,6 +136,12 @@ class Conn:
         return StreamTail(
             stream, resp.headers.get("content-type", ""), nxt, resp.headers.get("stream-last-stable-offset", nxt)
         )
+
+    def earliest(self, stream: str) -> str:
+        """Where a read of ``stream`` from ``-1`` starts now, as an offset: the earliest offset
+        retention kept (``Stream-Earliest-Offset``), or the stream's first one."""
+        resp = self.request("HEAD", stream_url(self._api, stream), f"head {stream}")
+        return resp.headers.get("stream-earliest-offset") or ZERO.token()
 
     def _overtaken(self, exc: OffsetGoneError, stream: str, at: str, until: str) -> str | None:
         """Where a read of ``stream`` from ``at`` whose data retention deleted goes on: the earliest

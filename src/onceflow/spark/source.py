@@ -115,12 +115,19 @@ def find_cut(conn: Conn, opts: Options, stream: str, start: Cut, record: int, un
 
     When retention deleted ``start`` (``offsetReset`` = ``earliest``), the records it deleted are
     not counted: the position is as many records past the earliest offset kept as ``record`` is
-    past ``start`` (else a limited query would go through them in empty micro-batches)."""
+    past ``start`` (else a limited query would go through them in empty micro-batches).
+
+    A cut never starts at ``-1``: a read from there starts wherever the stream begins when it is
+    read, so a later read of the rest of the append would miss (without an error) what retention
+    deleted meanwhile. From ``-1``, the stream's earliest offset now is where the scan begins."""
     lo = start.lo
-    _, end, began = conn.boundaries_from(
-        stream, lo, until, isolation=opts.isolation, max_records=max(1, record - record_offset(lo))
-    )
-    if began != lo:  # retention deleted lo: go on from the earliest offset kept
+    if lo == "-1":
+        began = end = conn.earliest(stream)
+    else:
+        _, end, began = conn.boundaries_from(
+            stream, lo, until, isolation=opts.isolation, max_records=max(1, record - record_offset(lo))
+        )
+    if began != lo:  # from -1, or retention deleted lo: go on from the earliest offset kept
         gap = max(0, record_offset(began) - start.record)  # records past start it deleted
         if record + gap >= record_offset(until):
             return Cut.at(until)
