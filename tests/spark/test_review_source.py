@@ -159,3 +159,26 @@ def test_a_cut_in_the_first_append_of_a_fresh_query_does_not_hide_what_retention
             rows(reader, first, nxt)
     finally:
         reader.stop()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "5@..",  # read as the empty token, the stream's start: the query would read it all again
+        "5@-1..-1",
+        "5@0000000000000003_0000000000000300..0000000000000003_0000000000000300",
+        "2@0000000000000003_0000000000000300..0000000000000009_0000000000000900",  # record before lo
+        "9@0000000000000003_0000000000000300..0000000000000009_0000000000000900",  # record at hi
+        "5@x..0000000000000009_0000000000000900",
+        "5@0000000000000003_0000000000000300..y",
+        "05x@0000000000000003_0000000000000300..0000000000000009_0000000000000900",
+        "orders",
+    ],
+)
+def test_a_corrupt_position_is_refused_naming_it(text: str) -> None:
+    """An offset of the source's checkpoint that is no position it writes is an error that names
+    it, before any read: not a read of other rows than the offset stood for."""
+    from onceflow.spark.source import Cut
+
+    with pytest.raises(ValueError, match="not a position of the onceflow source|not an onceflow offset"):
+        Cut.parse(text)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 _raw_decode = json.JSONDecoder().raw_decode
+_DECIMAL = re.compile(r"[0-9]+")
+_TOKEN = re.compile(r"[0-9]+_[0-9]+")
 _split_array = msgspec.json.Decoder(list[msgspec.Raw]).decode
 
 
@@ -94,8 +97,19 @@ class Cut:
             return cls.at(text)
         record, _, span = text.partition("@")
         lo, sep, hi = span.partition("..")
-        if not record.isdigit() or not sep:
-            raise ValueError(f"{text!r} is not a position of the onceflow source")
+        # as written: lo ("-1" from earlier versions) < record < hi, both offsets; anything else
+        # (a corrupt checkpoint) would read other rows than the position stood for
+        if not (
+            sep
+            and _DECIMAL.fullmatch(record)
+            and (lo == "-1" or _TOKEN.fullmatch(lo))
+            and _TOKEN.fullmatch(hi)
+            and record_offset(lo) < int(record) < record_offset(hi)
+        ):
+            raise ValueError(
+                f"{text!r} is not a position of the onceflow source (<record>@<offset>..<offset>, the record "
+                "between the two): is the query's checkpoint damaged?"
+            )
         return cls(int(record), lo, hi)
 
     @property
