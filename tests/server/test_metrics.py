@@ -24,8 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import onceflow.storage.log as storage_log
 from helpers.servers import ServerProcess
 from onceflow.core.broker import Broker
+from onceflow.server import routes
 from onceflow.server.app import App, AppConfig
-from onceflow.server.guard import Guard, GuardConfig, GuardConfigError, route
+from onceflow.server.guard import ENDPOINTS, Guard, GuardConfig, GuardConfigError, route
 from onceflow.server.instrument import Instrumented, classify
 
 pytestmark = pytest.mark.anyio
@@ -193,18 +194,29 @@ async def test_request_latency_is_counted_by_route_status_and_error_code(make: C
 
 
 def test_the_route_label_is_the_guards_endpoint_key() -> None:
-    """The instrumentation classifies stream requests without the guard's router, but the same."""
+    """One router for the app, the guard and the metrics (server/routes.py): every key it gives is
+    an endpoint of the guard's table, and the label is that key (the name too)."""
+    assert routes.KEYS == {e.key for e in ENDPOINTS}
     paths = [
         "/v1/stream/a",
         "/v1/stream/a/b",
         "/v1/stream/__dsx",
         "/v1/stream/__ds",
         "/v1/stream/__ds/jwks.json",
+        "/v1/stream/__ds/subscriptions/x",
         "/v1/stream/__ds/subscriptions/x/claim",
+        "/v1/stream/__ds/subscriptions/x/ack",
+        "/v1/stream/__ds/subscriptions/x/streams",
+        "/v1/stream/__ds/subscriptions/x/streams/a/b",
+        "/v1/stream/__ds/subscriptions/x/other",
         "/v1/streams",
         "/v1/txn/t/init",
+        "/v1/txn/a/b/commit",
+        "/v1/txn/t/nope",
+        "/v1/txn/t/offsets",
         "/v1/groups/g/offsets",
         "/v1/sinks/s/commit",
+        "/v1/sinks/a/b",
         "/v1/txn",
         "/v1/groups",
         "/v1/sinks",
@@ -212,13 +224,24 @@ def test_the_route_label_is_the_guards_endpoint_key() -> None:
         "/v1/groups/g/reset",
         "/v1/sinks/s/reset",
         "/metrics",
+        "/ui",
         "/elsewhere",
     ]
+    seen = set()
     for method in ("GET", "HEAD", "PUT", "POST", "DELETE", "PATCH"):
         for path in paths:
             scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b""}
-            endpoint, name, _ = route(method, path, scope)
-            assert classify(method, scope) == (endpoint.key, name), (method, path)
+            r = routes.route(method, path, scope)
+            assert r.key in routes.KEYS, (method, path)
+            endpoint, name, _ = route(method, path, dict(scope))
+            assert (endpoint.key, name) == (r.key, r.name)
+            assert classify(method, dict(scope)) == (r.key, r.name), (method, path)
+            assert (r.refused is not None) == (r.key.endswith(".other") or r.key == "other") or r.key in (
+                "subs.jwks",
+                "subs.wake",
+            ), (method, path, r)
+            seen.add(r.key)
+    assert seen == routes.KEYS  # the sample reaches every endpoint
     live = {"type": "http", "method": "GET", "path": "/v1/stream/a", "query_string": b"offset=now&live=sse"}
     assert classify("GET", live) == ("stream.live", "a")
     assert classify("OPTIONS", live) == ("options", "")

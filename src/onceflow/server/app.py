@@ -37,7 +37,7 @@ from ..core.broker import (
 )
 from ..core.jsonmode import parse_control, wrap_payloads
 from ..core.refusal import Refusal
-from ..core.subscriptions import WebhookTargets
+from ..core.subscriptions import SubscriptionError, WebhookTargets
 from ..core.txn import SinkState, TxnError, TxnMeta, TxnStatus
 from ..errors import OnceflowError
 from ..storage.log import InvalidPosition, LogClosed, OffsetGone
@@ -46,7 +46,8 @@ from ..wire import CODINGS, COMPRESS_MIN, FRAME, MAX_SAFE_INT, RECORDS_MEDIA_TYP
 from .answers import SUCCESS, answer_for
 from .coding import BodyDecoder, DecodedTooLarge, Malformed, UnsupportedCoding, accepted_coding, content_coding
 from .metrics import Metrics
-from .subscriptions import SubscriptionAPI
+from .routes import FORCE_ABORT, GROUPS_LIST_PATH, METRICS_PATH, PREFIX, TXN_LIST_PATH, Route, routed
+from .subscriptions import SubscriptionAPI, subscription_error
 
 __all__ = [
     "AnswerWithdrawn",
@@ -58,7 +59,6 @@ __all__ = [
     "list_prefix",
     "request_headers",
     "request_path",
-    "sink_action",
 ]
 
 log = logging.getLogger("onceflow.server")
@@ -69,18 +69,6 @@ ASGIMessage = MutableMapping[str, Any]  # an ASGI event (not the client's Messag
 Receive = Callable[[], Awaitable[ASGIMessage]]
 Send = Callable[[ASGIMessage], Awaitable[None]]
 
-PREFIX = "/v1/stream/"
-LIST_PATH = "/v1/streams"  # extension: list streams by name prefix
-TXN_PREFIX = "/v1/txn/"  # extension: transactions (docs/transactions.md)
-GROUPS_PREFIX = "/v1/groups/"  # extension: consumer-group offsets
-SINKS_PREFIX = "/v1/sinks/"  # extension: many transactions committed as one (docs/transactions.md)
-# extension: what an operator lists (docs/operations.md): transactional ids, groups with lag, sinks
-TXN_LIST_PATH, GROUPS_LIST_PATH, SINKS_LIST_PATH = "/v1/txn", "/v1/groups", "/v1/sinks"
-UI_PATHS = ("/ui", "/ui/")  # the dashboard (docs/operations.md)
-ADMIN_LISTS = (TXN_LIST_PATH, GROUPS_LIST_PATH, SINKS_LIST_PATH)
-FORCE_ABORT = "force-abort"  # POST /v1/txn/<id>/force-abort: an operator's abort of a hanging transaction
-GROUP_RESET = "reset"  # POST /v1/groups/<group>/reset: rewind (or move) a group to earliest/latest/offsets/a time
-METRICS_PATH = "/metrics"  # Prometheus metrics (docs/operations.md)
 # An ASGI scope key: the guard's test of whether the request's token may read a stream (absent: any
 # stream). Answers that show streams the request did not name (a group's positions, a
 # transaction's streams) show only those; docs/security.md.
@@ -270,18 +258,6 @@ def list_prefix(scope: Scope) -> str:
     return parse_qs(query.decode("latin-1"), keep_blank_values=True).get("prefix", [""])[0]
 
 
-SINK_ACTIONS = ("", "commit", "abort", "begin", "alive", "reset")
-
-
-def sink_action(rest: str) -> tuple[str, str]:
-    """(sink id, action) of a ``POST /v1/sinks/<rest>``: the action is the last segment when it is
-    one, so a sink id may contain ``/`` (``/v1/sinks/pub/s1/commit`` commits sink ``pub/s1``)."""
-    sink, _, action = rest.rpartition("/")
-    if action in SINK_ACTIONS and action:
-        return sink, action
-    return rest, ""
-
-
 def _h(name: str, value: str | int) -> tuple[bytes, bytes]:
     return (name.encode(), str(value).encode())
 
@@ -386,20 +362,18 @@ class App:
                 b"",
             )
             return
-        if path.startswith(TXN_PREFIX) or path.startswith(GROUPS_PREFIX) or path.startswith(SINKS_PREFIX):
+        try:
+            r = routed(scope, path)  # the one router (server/routes.py), shared with the guard and the metrics
+        except SubscriptionError as exc:  # a control path that does not decode
+            status, h, body = subscription_error(exc)
+            await _send(send, status, h, b"" if method == "HEAD" else body)
+            return
+        area = r.key.partition(".")[0]
+        if area in ("txn", "group", "sink"):
             try:
-                if path.startswith(TXN_PREFIX):
-                    status, h, body = await self._txn(
-                        method, path[len(TXN_PREFIX) :], headers, receive, may_read(scope)
-                    )
-                elif path.startswith(SINKS_PREFIX):
-                    status, h, body = await self._sinks(method, path[len(SINKS_PREFIX) :], headers, receive)
-                else:
-                    status, h, body = await self._groups(
-                        method, path[len(GROUPS_PREFIX) :], headers, receive, may_read(scope)
-                    )
+                status, h, body = await self._coordinated(r, method, headers, receive, scope)
             except BadRequest as exc:
-                status, h, body = _error(exc.status, exc.code, str(exc))
+                status, h, body = _error(exc.status, exc.code, str(exc), list(exc.headers))
             except TxnError as exc:
                 status, h, body = _outcome_response(txn_outcome(exc))
             except OffsetGone as exc:  # a group reset whose scan retention overtook
@@ -416,32 +390,26 @@ class App:
                 )
             await _send(send, status, h, body)
             return
-        if path in ADMIN_LISTS and method in ("GET", "HEAD"):
+        if r.key in ("txns.list", "groups.list", "sinks.list", "streams.list", "ui", "metrics", "other"):
             try:
-                status, h, body = self._admin_list(path, scope)
+                if r.key == "streams.list":
+                    status, h, body = self._list(scope)
+                elif r.key == "ui":
+                    status, h, body = _dashboard(method)
+                elif r.key == "metrics":
+                    status, h, body = self._metrics(method, headers)
+                elif r.refused is not None:
+                    status, h, body = _error(r.refused[0], "not_found", r.refused[1])
+                else:
+                    status, h, body = self._admin_list(path, scope)
             except BadRequest as exc:
                 status, h, body = _error(exc.status, exc.code, str(exc))
             await _send(send, status, h, b"" if method == "HEAD" else body)
             return
-        if path == LIST_PATH and method in ("GET", "HEAD"):
-            status, h, body = self._list(scope)
-            await _send(send, status, h, b"" if method == "HEAD" else body)
-            return
-        if path in UI_PATHS:
-            status, h, body = _dashboard(method)
-            await _send(send, status, h, b"" if method == "HEAD" else body)
-            return
-        if not path.startswith(PREFIX):
-            if path == METRICS_PATH:
-                status, h, body = self._metrics(method, headers)
-            else:
-                status, h, body = _error(404, "not_found", f"no such resource: streams live under {PREFIX}<name>")
-            await _send(send, status, h, b"" if method == "HEAD" else body)
-            return
-        name = path[len(PREFIX) :]
+        name = r.name
         try:
-            if name == "__ds" or name.startswith("__ds/"):
-                status, h, body = await self.subscriptions.handle(scope, headers, receive)
+            if area == "subs":
+                status, h, body = await self.subscriptions.handle(scope, headers, receive, r)
                 await _send(send, status, h, b"" if method == "HEAD" else body)
                 return
             if method == "GET":
@@ -458,8 +426,9 @@ class App:
             elif method == "DELETE":
                 status, h, body = _outcome_response(self.broker.delete(name))
             else:
-                status, h, body = _error(405, "method_not_allowed", f"{method} is not supported on a stream")
-                h.append((b"allow", b"GET, HEAD, POST, PUT, DELETE, OPTIONS"))
+                assert r.refused is not None  # stream.other
+                status, h, body = _error(405, "method_not_allowed", r.refused[1])
+                h.append((b"allow", r.refused[2].encode()))
         except BadRequest as exc:
             status, h, body = _error(exc.status, exc.code, str(exc))
             if method == "HEAD":
@@ -591,27 +560,64 @@ class App:
             raise BadRequest(f"a group name is at most {MAX_NAME_BYTES} bytes, as every name is")
         return group
 
-    async def _txn(
-        self, method: str, rest: str, headers: dict[str, str], receive: Receive, readable: Readable
+    async def _coordinated(
+        self, r: Route, method: str, headers: dict[str, str], receive: Receive, scope: Scope
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        tid, _, action = rest.rpartition("/")
-        if method in ("GET", "DELETE"):  # GET or DELETE /v1/txn/<tid>: the id itself may contain '/'
-            tid, action = rest, ""
-        if not tid or validate_name(tid):
-            raise BadRequest("use /v1/txn/<transactional id>/(init|commit|abort|offsets)", 404, "not_found")
+        """``/v1/txn/``, ``/v1/groups/`` and ``/v1/sinks/``: transactional ids, consumer groups and
+        sinks (docs/transactions.md), each endpoint as the router named it."""
+        if r.refused is not None:  # txn.other, group.other, sink.other
+            status, message, allow = r.refused
+            code = "method_not_allowed" if status == 405 else "not_found"
+            raise BadRequest(message, status, code, ((b"allow", allow.encode()),) if allow else ())
         coord = self.broker.coordinator
-        if method == "DELETE":
-            if not await coord.drop_txn(tid):
-                raise BadRequest(f"transactional id {tid!r} was never initialised", 404, "unknown_transactional_id")
-            return 204, [], b""
-        if method == "GET" and action == "":
-            meta = coord.txns.get(tid)
-            if meta is None:
-                raise BadRequest(f"transactional id {tid!r} was never initialised", 404, "not_found")
-            return _json_response(200, self._txn_state(meta, readable))
-        if method != "POST":
-            raise BadRequest(f"{method} is not supported here; use POST", 405, "method_not_allowed")
-        body = await self._json_body(headers, receive)
+        readable = may_read(scope)
+        if r.key.startswith("txn."):
+            tid = r.name
+            if not tid or validate_name(tid):
+                raise BadRequest("use /v1/txn/<transactional id>/(init|commit|abort|offsets)", 404, "not_found")
+            if r.key == "txn.delete":
+                if not await coord.drop_txn(tid):
+                    raise BadRequest(f"transactional id {tid!r} was never initialised", 404, "unknown_transactional_id")
+                return 204, [], b""
+            if r.key == "txn.read":
+                meta = coord.txns.get(tid)
+                if meta is None:
+                    raise BadRequest(f"transactional id {tid!r} was never initialised", 404, "not_found")
+                return _json_response(200, self._txn_state(meta, readable))
+            return await self._txn_action(tid, r.action, await self._json_body(headers, receive), readable)
+        if r.key.startswith("group."):
+            if r.key == "group.delete":  # the group itself may contain '/'
+                if not r.name or not await coord.drop_group(self._group_name(r.name)):
+                    raise BadRequest(
+                        f"no group named {r.name!r} (it has no offsets and no member epoch)", 404, "not_found"
+                    )
+                return 204, [], b""
+            group = self._group_name(r.name)
+            if r.key == "group.reset":
+                return await self._reset_group(group, await self._json_body(headers, receive), readable)
+            if r.key == "group.commit":
+                body = await self._json_body(headers, receive)
+                member_epoch = body.get("member_epoch")
+                if member_epoch is not None:
+                    member_epoch = self._int_field(body, "member_epoch")
+                await coord.commit_offsets(
+                    group, self._offsets_field(body), member_epoch=member_epoch, reset=body.get("reset") is True
+                )
+            return _json_response(200, {"group": group, "offsets": _shown(coord.groups.get(group, {}), readable)})
+        sink = r.name  # the sink id may contain '/': a POST's action is the last segment of the path
+        if not sink or validate_name(sink):
+            raise BadRequest(
+                "use /v1/sinks/<sink id> or /v1/sinks/<sink id>/(begin|alive|commit|abort|reset)", 404, "not_found"
+            )
+        if r.key == "sink.read":
+            return _json_response(200, _sink_json(sink, coord.sinks.get(sink)))
+        return await self._sink_action(sink, r.action, await self._json_body(headers, receive))
+
+    async def _txn_action(
+        self, tid: str, action: str, body: dict[str, Any], readable: Readable
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """``POST /v1/txn/<tid>/<action>``."""
+        coord = self.broker.coordinator
         if action == FORCE_ABORT:
             return await self._force_abort(tid, body, readable)
         if action == "init":
@@ -645,64 +651,7 @@ class App:
                 tid, self._int_field(body, "epoch"), group, self._offsets_field(body), txn=txn
             )
             return _json_response(200, _txn_json(meta, readable))
-        raise BadRequest(
-            f"unknown transaction action {action!r}: use init, commit, abort, offsets or {FORCE_ABORT}",
-            404,
-            "not_found",
-        )
-
-    async def _groups(
-        self, method: str, rest: str, headers: dict[str, str], receive: Receive, readable: Readable
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        if method == "DELETE":  # DELETE /v1/groups/<group>: the group itself may contain '/'
-            if not rest or not await self.broker.coordinator.drop_group(self._group_name(rest)):
-                raise BadRequest(f"no group named {rest!r} (it has no offsets and no member epoch)", 404, "not_found")
-            return 204, [], b""
-        group, _, action = rest.rpartition("/")
-        if group and action == GROUP_RESET:
-            if method != "POST":
-                raise BadRequest(f"{method} is not supported here; use POST", 405, "method_not_allowed")
-            return await self._reset_group(self._group_name(group), await self._json_body(headers, receive), readable)
-        if not group or action != "offsets":
-            raise BadRequest(
-                f"use /v1/groups/<group>/offsets, POST /v1/groups/<group>/{GROUP_RESET} or DELETE /v1/groups/<group>",
-                404,
-                "not_found",
-            )
-        self._group_name(group)
-        coord = self.broker.coordinator
-        if method == "GET":
-            return _json_response(200, {"group": group, "offsets": _shown(coord.groups.get(group, {}), readable)})
-        if method != "POST":
-            raise BadRequest(f"{method} is not supported here; use GET or POST", 405, "method_not_allowed")
-        body = await self._json_body(headers, receive)
-        member_epoch = body.get("member_epoch")
-        if member_epoch is not None:
-            member_epoch = self._int_field(body, "member_epoch")
-        await coord.commit_offsets(
-            group, self._offsets_field(body), member_epoch=member_epoch, reset=body.get("reset") is True
-        )
-        return _json_response(200, {"group": group, "offsets": _shown(coord.groups.get(group, {}), readable)})
-
-    async def _sinks(
-        self, method: str, rest: str, headers: dict[str, str], receive: Receive
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        """``/v1/sinks/<sink>``: many transactions committed as one (docs/transactions.md). The
-        sink id may contain ``/``: a POST's action is the last segment of the path."""
-        sink, action = (rest, "") if method == "GET" else sink_action(rest)
-        if not sink or validate_name(sink) or action not in SINK_ACTIONS or (method == "POST" and not action):
-            raise BadRequest(
-                "use /v1/sinks/<sink id> or /v1/sinks/<sink id>/(begin|alive|commit|abort|reset)", 404, "not_found"
-            )
-        coord = self.broker.coordinator
-        if action == "":
-            if method != "GET":
-                raise BadRequest(f"{method} is not supported here; use GET", 405, "method_not_allowed")
-            return _json_response(200, _sink_json(sink, coord.sinks.get(sink)))
-        if method != "POST":
-            raise BadRequest(f"{method} is not supported here; use POST", 405, "method_not_allowed")
-        body = await self._json_body(headers, receive)
-        return await self._sink_action(sink, action, body)
+        raise AssertionError(f"the router gave txn action {action!r}")  # pragma: no cover
 
     async def _sink_action(
         self, sink: str, action: str, body: dict[str, Any]

@@ -70,22 +70,10 @@ from ..core.jsonmode import parse_control
 from ..core.subscriptions import Subscription, SubscriptionError, glob_prefix
 from ..core.txn import SINK_TASK_PREFIX
 from ..errors import OnceflowError
+from . import routes
 from .answers import answer_for
 from .app import (
-    ADMIN_LISTS,
-    FORCE_ABORT,
-    GROUP_RESET,
-    GROUPS_LIST_PATH,
-    GROUPS_PREFIX,
-    LIST_PATH,
     MAY_READ,
-    METRICS_PATH,
-    PREFIX,
-    SINKS_LIST_PATH,
-    SINKS_PREFIX,
-    TXN_LIST_PATH,
-    TXN_PREFIX,
-    UI_PATHS,
     App,
     ASGIMessage,
     BadRequest,
@@ -96,11 +84,14 @@ from .app import (
     list_prefix,
     request_headers,
     request_path,
-    sink_action,
 )
 from .app import Scope as ASGIScope
+from .routes import (
+    FORCE_ABORT,
+    GROUP_RESET,
+    routed,
+)
 from .subscriptions import MAX_BODY as CONTROL_MAX_BODY
-from .subscriptions import control_segments
 
 __all__ = [
     "ENDPOINTS",
@@ -617,87 +608,10 @@ def scope_table() -> str:
 
 
 def route(method: str, path: str, scope: ASGIScope) -> tuple[Endpoint, str, str]:
-    """(endpoint, name in the path, extra path part) of a request, dispatched as the app does."""
-    if path.startswith(TXN_PREFIX):
-        rest = path[len(TXN_PREFIX) :]
-        tid, _, action = rest.rpartition("/")
-        if method == "GET":
-            return _BY_KEY["txn.read"], rest, ""
-        if method == "DELETE":
-            return _BY_KEY["txn.delete"], rest, ""
-        if method == "POST" and action == "init":
-            return _BY_KEY["txn.init"], tid, ""
-        if method == "POST" and action in ("commit", "abort"):
-            return _BY_KEY["txn.end"], tid, ""
-        if method == "POST" and action == "offsets":
-            return _BY_KEY["txn.offsets"], tid, ""
-        if method == "POST" and action == FORCE_ABORT:
-            return _BY_KEY["txn.force_abort"], tid, ""
-        return _BY_KEY["txn.other"], rest, ""
-    if path.startswith(SINKS_PREFIX):
-        rest = path[len(SINKS_PREFIX) :]
-        if method == "GET":
-            return _BY_KEY["sink.read"], rest, ""
-        sink, action = sink_action(rest)
-        if method == "POST" and action == "reset":
-            return _BY_KEY["sink.reset"], sink, ""
-        if method == "POST" and action:
-            return _BY_KEY["sink.post"], sink, ""
-        return _BY_KEY["sink.other"], rest, ""
-    if path.startswith(GROUPS_PREFIX):
-        rest = path[len(GROUPS_PREFIX) :]
-        if method == "DELETE":
-            return _BY_KEY["group.delete"], rest, ""
-        group, _, action = rest.rpartition("/")
-        if action == "offsets" and method == "GET":
-            return _BY_KEY["group.read"], group, ""
-        if action == "offsets" and method == "POST":
-            return _BY_KEY["group.commit"], group, ""
-        if action == GROUP_RESET and method == "POST":
-            return _BY_KEY["group.reset"], group, ""
-        return _BY_KEY["group.other"], rest, ""
-    if path == LIST_PATH and method in ("GET", "HEAD"):
-        return _BY_KEY["streams.list"], "", ""
-    if path in ADMIN_LISTS and method in ("GET", "HEAD"):
-        key = {TXN_LIST_PATH: "txns.list", GROUPS_LIST_PATH: "groups.list", SINKS_LIST_PATH: "sinks.list"}[path]
-        return _BY_KEY[key], "", ""
-    if path in UI_PATHS:
-        return _BY_KEY["ui"], "", ""
-    if not path.startswith(PREFIX):
-        return _BY_KEY["metrics" if path == METRICS_PATH else "other"], "", ""
-    name = path[len(PREFIX) :]
-    if name == "__ds" or name.startswith("__ds/"):
-        return _control_route(method, control_segments(scope))
-    key = {
-        "GET": "stream.read",
-        "HEAD": "stream.head",
-        "PUT": "stream.create",
-        "POST": "stream.append",
-        "DELETE": "stream.delete",
-    }.get(method, "stream.other")
-    return _BY_KEY[key], name, ""
-
-
-def _control_route(method: str, seg: list[str]) -> tuple[Endpoint, str, str]:
-    if seg == ["jwks.json"]:
-        return _BY_KEY["subs.jwks"], "", ""
-    if len(seg) < 2 or seg[0] != "subscriptions":
-        return _BY_KEY["subs.other"], "", ""
-    sid, rest = seg[1], seg[2:]
-    if not rest:
-        key = {"PUT": "subs.create", "GET": "subs.read", "HEAD": "subs.read", "DELETE": "subs.delete"}.get(
-            method, "subs.other"
-        )
-        return _BY_KEY[key], sid, ""
-    if rest == ["streams"] and method == "POST":
-        return _BY_KEY["subs.add_streams"], sid, ""
-    if rest[0] == "streams" and len(rest) > 1 and method == "DELETE":
-        return _BY_KEY["subs.remove_stream"], sid, "/".join(rest[1:])
-    if rest == ["claim"] and method == "POST":
-        return _BY_KEY["subs.claim"], sid, ""
-    if len(rest) == 1 and rest[0] in ("callback", "ack", "release"):
-        return _BY_KEY["subs.wake"], sid, ""  # any method: the app answers 405 to all but POST
-    return _BY_KEY["subs.other"], sid, ""
+    """(endpoint, name in the path, extra path part) of a request: the one router's
+    (server/routes.py) answer, as this guard's table knows it."""
+    r = routed(scope, path) if scope.get("method") == method else routes.route(method, path, scope)
+    return _BY_KEY[r.key], r.name, r.extra
 
 
 # ---------------------------------------------------------------------- the middleware

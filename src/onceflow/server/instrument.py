@@ -1,12 +1,12 @@
 """The outermost ASGI layer: what ``/metrics`` counts of each request (server/metrics.py).
 
 It sits in front of the guard (so the guard's refusals are counted too) and changes nothing of a
-request or its answer. Per request it reads the route from the method and the path, with the
-guard's own router (so the ``route`` label is the endpoint key of docs/security.md's table, plus
-``stream.live`` for long-poll and SSE reads and ``options``), notes the status of the answer, and
-for an error the ``code`` of its JSON body. An idempotent producer's duplicate (an append answered
-``204`` with ``Producer-Epoch``, not a close) is code ``duplicate``.
-"""
+request or its answer. Per request it routes the method and the path with the router the guard
+and the app use (server/routes.py), which leaves the route in the scope for them: the ``route``
+label is the endpoint key of docs/security.md's table, plus ``stream.live`` for long-poll and SSE
+reads and ``options``. It notes the status of the answer, and for an error the ``code`` of its JSON
+body. An idempotent producer's duplicate (an append answered ``204`` with ``Producer-Epoch``, not a
+close) is code ``duplicate``."""
 
 from __future__ import annotations
 
@@ -16,44 +16,30 @@ from collections.abc import Awaitable, Callable
 from urllib.parse import parse_qs
 
 from ..errors import OnceflowError
-from .app import PREFIX, ASGIMessage, Receive, Scope, Send
-from .guard import route
+from .app import ASGIMessage, Receive, Scope, Send
 from .metrics import Metrics
+from .routes import routed
 
 __all__ = ["Instrumented", "classify"]
 
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 READS = ("stream.read", "stream.live")
-# a stream's own routes, as the guard's router names them (a test keeps the two equal): the hot
-# path, classified without the router's walk through the other prefixes
-_STREAM_KEYS = {
-    "GET": "stream.read",
-    "HEAD": "stream.head",
-    "PUT": "stream.create",
-    "POST": "stream.append",
-    "DELETE": "stream.delete",
-}
-_CONTROL = PREFIX + "__ds"
 
 
 def classify(method: str, scope: Scope) -> tuple[str, str]:
-    """(route label, name in the path) of a request."""
+    """(route label, name in the path) of a request: the one router's (server/routes.py), which
+    leaves its answer in the scope for the guard and the app."""
     if method == "OPTIONS":
         return "options", ""
-    path: str = scope["path"]
-    if path.startswith(PREFIX) and not (path == _CONTROL or path.startswith(_CONTROL + "/")):
-        key, name = _STREAM_KEYS.get(method, "stream.other"), path[len(PREFIX) :]
-    else:
-        try:
-            endpoint, name, _ = route(method, path, scope)
-        except OnceflowError:  # a subscription path that does not decode: the app answers 400
-            return "other", ""
-        key = endpoint.key
-    if key == "stream.read" and b"live=" in scope.get("query_string", b""):
+    try:
+        r = routed(scope, scope["path"])
+    except OnceflowError:  # a subscription path that does not decode: the app answers 400
+        return "other", ""
+    if r.key == "stream.read" and b"live=" in scope.get("query_string", b""):
         live = parse_qs(scope["query_string"].decode("latin-1")).get("live", [""])[0]
         if live in ("long-poll", "sse"):
-            return "stream.live", name
-    return key, name
+            return "stream.live", r.name
+    return r.key, r.name
 
 
 def _error_code(body: bytes) -> str:

@@ -28,7 +28,6 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
-from urllib.parse import unquote
 
 import httpx
 
@@ -44,23 +43,27 @@ from ..core.subscriptions import (
     parse_config,
 )
 from .answers import answer_for
+from .routes import STREAM_ROOT, Route
 
-__all__ = ["MAX_BODY", "SubscriptionAPI", "control_segments"]
+__all__ = ["MAX_BODY", "SubscriptionAPI", "subscription_error"]
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
 
-STREAM_ROOT = "/v1/stream"
 MAX_BODY = 1 << 20
 MAX_ANSWER = 64 << 10  # how much of a webhook's response body is read (for {"done": true})
 _HOST = re.compile(r"^[A-Za-z0-9.\-]+(:[0-9]{1,5})?$|^\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?$")
-_ACTIONS = ("callback", "claim", "ack", "release")
 
 
 def _json(status: int, value: object, extra: list[tuple[bytes, bytes]] | None = None) -> Response:
     headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-store"), *(extra or [])]
     return status, headers, json.dumps(value, separators=(",", ":")).encode()
+
+
+def subscription_error(exc: SubscriptionError) -> Response:
+    """The answer to a refusal of the control API, in the Durable Streams protocol's words."""
+    return _error(exc)
 
 
 def _error(exc: SubscriptionError) -> Response:
@@ -114,8 +117,8 @@ class SubscriptionAPI:
 
     # ------------------------------------------------------------------ requests
 
-    async def handle(self, scope: Scope, headers: dict[str, str], receive: Receive) -> Response:
-        """Answer a request whose path is ``/v1/stream/__ds`` or below it."""
+    async def handle(self, scope: Scope, headers: dict[str, str], receive: Receive, r: Route) -> Response:
+        """Answer a request whose path is ``/v1/stream/__ds`` or below it, routed to ``r``."""
         method: str = scope["method"]
         try:
             self.manager.start()
@@ -125,19 +128,20 @@ class SubscriptionAPI:
             refused = SubscriptionError(Refusal.SUBSCRIPTION_UNAVAILABLE, f"the subscriptions could not be read: {exc}")
             return _error(refused)
         try:
-            return await self._route(method, control_segments(scope), scope, headers, receive)
+            return await self._answer(method, r, scope, headers, receive)
         except SubscriptionError as exc:
             return _error(exc)
         except _BodyError as exc:
             return _json(exc.status, {"error": {"code": exc.code, "message": str(exc)}})
 
-    async def _route(
-        self, method: str, seg: list[str], scope: Scope, headers: dict[str, str], receive: Receive
-    ) -> Response:
-        m = self.manager
-        if seg == ["jwks.json"]:
-            if method not in ("GET", "HEAD"):
-                return _not_allowed(method, "GET")
+    async def _answer(self, method: str, r: Route, scope: Scope, headers: dict[str, str], receive: Receive) -> Response:
+        if r.refused is not None:  # subs.other, or a method the endpoint does not take
+            status, message, allow = r.refused
+            if status == 405:
+                return _not_allowed(method, allow)
+            raise SubscriptionError(Refusal.NO_CONTROL_API, message)
+        m, sid = self.manager, r.name
+        if r.key == "subs.jwks":
             try:
                 jwks = m.jwks()
             except (OSError, ValueError) as exc:
@@ -152,51 +156,31 @@ class SubscriptionAPI:
                 ],
                 json.dumps(jwks, separators=(",", ":")).encode(),
             )
-        if len(seg) < 2 or seg[0] != "subscriptions" or not seg[1]:
-            raise SubscriptionError(
-                Refusal.NO_CONTROL_API,
-                f"no control API at {STREAM_ROOT}/__ds/{'/'.join(seg)}: use __ds/jwks.json or __ds/subscriptions/<id>[/streams|/callback|/claim|/ack|/release]",
-            )
-        sid, rest = seg[1], seg[2:]
-        if not rest:
-            if method == "PUT":
-                config = parse_config(await _read_json(headers, receive), webhook_targets=self.webhook_targets)
-                sub, created = await m.create(sid, config, _base_url(scope, headers))
-                return _json(201 if created else 200, m.describe(sub, _jwks_url(scope, headers)))
-            if method in ("GET", "HEAD"):
-                return _json(200, m.describe(m.get(sid), _jwks_url(scope, headers)))
-            if method == "DELETE":
-                await m.delete(sid)
-                return 204, [], b""
-            return _not_allowed(method, "GET, PUT, DELETE")
-        if rest[0] == "streams":
-            if len(rest) == 1:
-                if method != "POST":
-                    return _not_allowed(method, "POST")
-                await m.add_streams(sid, await _read_json(headers, receive))
-                return 204, [], b""
-            if method != "DELETE":
-                return _not_allowed(method, "DELETE")
-            await m.remove_stream(sid, "/".join(rest[1:]))
+        if r.key == "subs.create":
+            config = parse_config(await _read_json(headers, receive), webhook_targets=self.webhook_targets)
+            sub, created = await m.create(sid, config, _base_url(scope, headers))
+            return _json(201 if created else 200, m.describe(sub, _jwks_url(scope, headers)))
+        if r.key == "subs.read":
+            return _json(200, m.describe(m.get(sid), _jwks_url(scope, headers)))
+        if r.key == "subs.delete":
+            await m.delete(sid)
             return 204, [], b""
-        if len(rest) == 1 and rest[0] in _ACTIONS:
-            if method != "POST":
-                return _not_allowed(method, "POST")
-            body = await _read_json(headers, receive)
-            action = rest[0]
-            if action == "claim":
-                return _json(200, await m.claim(sid, body))
-            token = _bearer(headers)
-            if action == "callback":
-                return _json(200, await m.callback(sid, token, body))
-            if action == "ack":
-                return _json(200, await m.ack(sid, token, body))
-            await m.release(sid, token, body)
+        if r.key == "subs.add_streams":
+            await m.add_streams(sid, await _read_json(headers, receive))
             return 204, [], b""
-        raise SubscriptionError(
-            Refusal.NO_CONTROL_API,
-            f"no control API {'/'.join(rest)!r} on a subscription: use streams, callback, claim, ack or release",
-        )
+        if r.key == "subs.remove_stream":
+            await m.remove_stream(sid, r.extra)
+            return 204, [], b""
+        body = await _read_json(headers, receive)
+        if r.key == "subs.claim":
+            return _json(200, await m.claim(sid, body))
+        token = _bearer(headers)  # subs.wake
+        if r.action == "callback":
+            return _json(200, await m.callback(sid, token, body))
+        if r.action == "ack":
+            return _json(200, await m.ack(sid, token, body))
+        await m.release(sid, token, body)
+        return 204, [], b""
 
     # ------------------------------------------------------------------ webhook delivery
 
@@ -276,25 +260,6 @@ _TARGETS = {"public": "public", "loopback": "public or loopback", "private": "pu
 
 
 # ---------------------------------------------------------------------- request helpers
-
-
-def control_segments(scope: Scope) -> list[str]:
-    """Path segments after ``/v1/stream/__ds/``, each percent-decoded (so ``a%2Fb`` stays one)."""
-    prefix = STREAM_ROOT + "/__ds/"
-    raw = scope.get("raw_path")
-    path = raw.decode("latin-1") if isinstance(raw, bytes | bytearray) else ""
-    encoded = path.startswith(prefix)
-    if not encoded:
-        path = scope["path"]  # already decoded by the server
-        if not path.startswith(prefix):
-            return []
-    segments = path[len(prefix) :].split("/")
-    if not encoded:
-        return segments
-    try:
-        return [unquote(s, errors="strict") for s in segments]
-    except UnicodeDecodeError:
-        raise SubscriptionError(Refusal.INVALID_REQUEST, "the path has percent-escapes that are not UTF-8") from None
 
 
 def _origin(scope: Scope, headers: dict[str, str]) -> str:
