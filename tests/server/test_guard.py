@@ -229,6 +229,25 @@ def limited(r: httpx.Response, what: str) -> bool:
     )
 
 
+@pytest.mark.parametrize("guarded", [{"limits": {"transactional_ids": 2}}], indirect=True)
+async def test_a_sinks_task_is_refused_an_id_past_the_transactional_ids_limit(guarded: httpx.AsyncClient) -> None:
+    """Found by test_tenants_bounded.py's property test: a sink's ``begin`` gives its task a
+    transactional id of its own (the server's to create, counted by the limit), and the guard let
+    it through at the limit, so one token held more ids than ``limits.transactional_ids``. Now a
+    begin that would create an id past the limit is a 429; one that reuses its id is not."""
+    c = guarded
+    for t in ("t1", "t2"):
+        assert (await c.post(f"/v1/txn/{t}/init", json={})).status_code == 200
+    begin = {"query": "q", "batch": 0, "partition": 0, "task": "a"}
+    assert limited(await c.post("/v1/sinks/k/begin", json=begin), "transactional ids")
+    assert len((await c.get("/v1/txn")).json()["transactions"]) == 2
+    assert (await c.delete("/v1/txn/t2")).status_code == 204
+    assert (await c.post("/v1/sinks/k/begin", json=begin)).status_code == 200
+    assert (await c.post("/v1/sinks/k/begin", json=begin)).status_code == 200  # a retry: the same id
+    assert limited(await c.post("/v1/sinks/k/begin", json={**begin, "task": "b"}), "transactional ids")
+    assert len((await c.get("/v1/txn")).json()["transactions"]) == 2
+
+
 @pytest.mark.parametrize("guarded", [{"limits": LIMITED}], indirect=True)
 async def test_groups_transactional_ids_sinks_and_subscriptions_have_limits(guarded: httpx.AsyncClient) -> None:
     """Issue 28, item 3: one token created 1,500 of each. Past the limit a new one is a 429; what
@@ -254,11 +273,12 @@ async def test_groups_transactional_ids_sinks_and_subscriptions_have_limits(guar
     assert (await c.post("/v1/txn/t1/init", json={})).status_code == 200  # an existing id inits again
     r = await c.post("/v1/txn/t2/offsets", json={"epoch": epochs["t2"], "group": "g3", "offsets": {"s": tail}})
     assert limited(r, "groups")
-    # sinks
+    # sinks (each task of a sink holds a transactional id of it: room for one)
+    assert (await c.delete("/v1/txn/t1")).status_code == 204
     begin = {"query": "q", "batch": 0, "partition": 0, "task": "a"}
     assert (await c.post("/v1/sinks/k1/begin", json=begin)).status_code == 200
     assert limited(await c.post("/v1/sinks/k2/begin", json=begin), "sinks")
-    assert (await c.post("/v1/sinks/k1/begin", json={**begin, "task": "b"})).status_code == 200
+    assert (await c.post("/v1/sinks/k1/begin", json=begin)).status_code == 200  # the same task: its own id
     # subscriptions
     sub = {"type": "pull-wake", "pattern": "subs/*", "wake_stream": "s"}
     assert (await c.put(f"{S}__ds/subscriptions/x1", json=sub)).status_code == 201
@@ -266,9 +286,8 @@ async def test_groups_transactional_ids_sinks_and_subscriptions_have_limits(guar
     # deleting one makes room for another
     assert (await c.delete("/v1/groups/g2")).status_code == 204
     assert (await c.post("/v1/groups/g3/offsets", json={"offsets": {"s": tail}})).status_code == 200
-    assert (await c.delete("/v1/txn/t2")).status_code == 204
-    assert limited(await c.post("/v1/txn/t3/init", json={}), "transactional ids")  # the sink's tasks' ids count
-    assert (await c.post("/v1/sinks/k1/reset", json={"owner": None})).status_code == 200  # they go with it
+    assert limited(await c.post("/v1/txn/t3/init", json={}), "transactional ids")  # the sink's task's id counts
+    assert (await c.post("/v1/sinks/k1/reset", json={"owner": None})).status_code == 200  # it goes with it
     assert (await c.post("/v1/txn/t3/init", json={})).status_code == 200
     assert (await c.delete(f"{S}__ds/subscriptions/x1")).status_code in (200, 204)
     assert (await c.put(f"{S}__ds/subscriptions/x2", json=sub)).status_code == 201

@@ -967,6 +967,19 @@ class Coordinator:
         """Whether ``group`` has offsets or a member epoch (what the groups limit counts)."""
         return group in self.groups or group in self.member_epochs
 
+    def task_id(self, sink: str, partition: int, task: str, query: str | None) -> str:
+        """The transactional id :meth:`begin_task` gives ``task``: the one it holds already (a
+        retry), else ``spark/<sink>/p<partition>/s<slot>`` with the lowest slot no other task of
+        the sink holds. The guard asks it too: a new id counts against its limit."""
+        tasks = self._enlisted.get(sink, {})
+        tid = next((t for t, e in tasks.items() if e.query == query and e.task == task), None)
+        if tid is not None:
+            return tid
+        slot = 0
+        while f"spark/{sink}/p{partition}/s{slot}" in tasks:
+            slot += 1
+        return f"spark/{sink}/p{partition}/s{slot}"
+
     def knows_sink(self, sink: str) -> bool:
         """Whether ``sink`` has a record or a task begun (what the sinks limit counts)."""
         return sink in self.sinks or bool(self._enlisted.get(sink))
@@ -1049,12 +1062,7 @@ class Coordinator:
         if batch is not None and state is not None and state.batch is not None and batch <= state.batch:
             return None, state
         tasks = self._enlisted.setdefault(sink, {})
-        tid = next((t for t, e in tasks.items() if e.query == query and e.task == task), None)
-        if tid is None:
-            slot = 0
-            while f"spark/{sink}/p{partition}/s{slot}" in tasks:
-                slot += 1
-            tid = f"spark/{sink}/p{partition}/s{slot}"
+        tid = self.task_id(sink, partition, task, query)
         meta = await self.init(tid, txn_timeout, request_id=f"sink-task\0{query}\0{task}")
         tasks[tid] = Enlisted(query, task, batch, meta.epoch)
         self.keep_alive(sink, query, batch)  # a task of the batch is at work from now on

@@ -654,15 +654,15 @@ class Guard:
         live = endpoint.key == "stream.read" and _live(scope)
         if live:
             self.live_reads += 1
-        if creating is not None:  # its place held until the app is done, so that requests at once count it
-            self._creating.setdefault(creating[0], set()).add(creating[1])
+        for kind, what in creating:  # its places held until the app is done, so that requests at once count them
+            self._creating.setdefault(kind, set()).add(what)
         try:  # Step 5
             await self.app(scope, receive if raw is None else _replay(raw, receive), send)
         finally:
             if live:
                 self.live_reads -= 1
-            if creating is not None:
-                self._creating[creating[0]].discard(creating[1])
+            for kind, what in creating:
+                self._creating[kind].discard(what)
 
     def _authenticate(self, headers: Mapping[str, str], endpoint: Endpoint, name: str) -> tuple[Grant, ...] | None:
         return _authenticate(
@@ -701,47 +701,50 @@ class Guard:
 
     def _limit_reads_body(self, endpoint: Endpoint) -> bool:
         """Whether a limit needs the body of ``endpoint``'s requests (the group a transaction's
-        offsets go to, whether a reset is a dry run) when no token is checked (a guard of limits
-        only)."""
+        offsets go to, whether a reset is a dry run, the task a sink's ``begin`` names) when no
+        token is checked (a guard of limits only)."""
+        if endpoint.key == "sink.post":
+            return self.config.max_transactional_ids is not None
         return endpoint.key in ("txn.offsets", "group.reset") and self.config.max_groups is not None
 
-    def _limit_state(self, endpoint: Endpoint, name: str, body: Any, scope: ASGIScope) -> tuple[str, str] | None:
+    def _limit_state(self, endpoint: Endpoint, name: str, body: Any, scope: ASGIScope) -> list[tuple[str, str]]:
         """The limits on what a request creates besides streams: a group (an offsets commit, a
-        reset that is not a dry run, a transaction's offsets), a transactional id (an init; a sink
-        task's id counts too, and is the server's to create), a sink (its first ``begin`` or
-        ``commit``) and a subscription. What exists already is never refused; what requests let
+        reset that is not a dry run, a transaction's offsets), a transactional id (an init, and a
+        sink's ``begin``, which gives its task an id of the sink's), a sink (its first ``begin``
+        or ``commit``) and a subscription. What exists already is never refused; what requests let
         through are creating at this moment counts. Returns the (kind, name) this one creates."""
         c = self.config
         coord = self.broker.coordinator
         key = endpoint.key
         fields = body if isinstance(body, dict) else {}
-        new: tuple[str, str, int, int | None, str] | None = None  # kind, name, count, limit, what
+        new: list[tuple[str, str, int, int | None, str]] = []  # kind, name, count, limit, what
         if key in ("group.commit", "group.reset", "txn.offsets"):
             group = name if key != "txn.offsets" else fields.get("group")
             creates = key != "group.reset" or fields.get("dry_run") is not True
             if isinstance(group, str) and creates and not coord.group_exists(group):
-                new = ("groups", group, len(coord.groups), c.max_groups, "consumer groups")
+                new.append(("groups", group, len(coord.groups), c.max_groups, "consumer groups"))
         elif key == "txn.init" and name not in coord.txns:
-            new = ("transactional_ids", name, len(coord.txns), c.max_transactional_ids, "transactional ids")
-        elif key == "sink.post" and scope["path"].rsplit("/", 1)[-1] in ("begin", "commit"):
+            new.append(("transactional_ids", name, len(coord.txns), c.max_transactional_ids, "transactional ids"))
+        elif key == "sink.post" and (action := routed(scope, request_path(scope)).action) in ("begin", "commit"):
             if not coord.knows_sink(name):
-                new = ("sinks", name, coord.sink_count(), c.max_sinks, "sinks")
+                new.append(("sinks", name, coord.sink_count(), c.max_sinks, "sinks"))
+            task, partition = fields.get("task"), fields.get("partition")
+            if action == "begin" and isinstance(task, str) and type(partition) is int:
+                query = fields.get("query")
+                tid = coord.task_id(name, partition, task, query if isinstance(query, str) else None)
+                if tid not in coord.txns:
+                    new.append(
+                        ("transactional_ids", tid, len(coord.txns), c.max_transactional_ids, "transactional ids")
+                    )
         elif key == "subs.create" and name not in self.app.subscriptions.manager.subs:
-            new = (
-                "subscriptions",
-                name,
-                len(self.app.subscriptions.manager.subs),
-                c.max_subscriptions,
-                "subscriptions",
-            )
-        if new is None:
-            return None
-        kind, what, count, limit, label = new
-        creating = self._creating.get(kind, set())
-        if limit is not None and what not in creating and count + len(creating) >= limit:
-            hint = "; an idle one can be deleted (onceflow txn delete)" if kind == "transactional_ids" else ""
-            raise _Refused(429, "limit_exceeded", f"too many {label} (limit {limit}){hint}", _RETRY)
-        return kind, what
+            subs = self.app.subscriptions.manager.subs
+            new.append(("subscriptions", name, len(subs), c.max_subscriptions, "subscriptions"))
+        for kind, what, count, limit, label in new:
+            creating = self._creating.get(kind, set())
+            if limit is not None and what not in creating and count + len(creating) >= limit:
+                hint = "; an idle one can be deleted (onceflow txn delete)" if kind == "transactional_ids" else ""
+                raise _Refused(429, "limit_exceeded", f"too many {label} (limit {limit}){hint}", _RETRY)
+        return [(kind, what) for kind, what, *_ in new]
 
 
 async def refused_before_body(config: GuardConfig, scope: ASGIScope, send: Send) -> bool:
