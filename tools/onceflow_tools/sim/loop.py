@@ -81,7 +81,10 @@ class SimLoop(asyncio.BaseEventLoop):
     ) -> None:
         super().__init__()
         self.pausable = pausable
-        self._frozen: dict[object, list[tuple[Callable[..., Any], tuple[Any, ...], contextvars.Context]]] = {}
+        # a paused process's callbacks that came due, each with its handle (one cancelled meanwhile never runs)
+        self._frozen: dict[
+            object, list[tuple[asyncio.Handle, Callable[..., Any], tuple[Any, ...], contextvars.Context]]
+        ] = {}
         self._now = START
         self._selector = _NoIO(self)
         self._clock_resolution = 1e-9
@@ -131,9 +134,15 @@ class SimLoop(asyncio.BaseEventLoop):
         self._frozen.setdefault(who, [])
 
     def thaw(self, who: object) -> None:
-        """Process ``who`` runs again: what came due meanwhile runs now, in the order it came due."""
-        for callback, args, ctx in self._frozen.pop(who, []):
-            super().call_soon(callback, *args, context=ctx)
+        """Process ``who`` runs again: what came due meanwhile runs now, in the order it came due,
+        but for what was cancelled before its turn (as a real loop skips a cancelled handle)."""
+        for handle, callback, args, ctx in self._frozen.pop(who, []):
+            super().call_soon(self._unless_cancelled, handle, callback, *args, context=ctx)
+
+    @staticmethod
+    def _unless_cancelled(handle: asyncio.Handle, callback: Callable[..., Any], *args: Any) -> None:
+        if not handle.cancelled():
+            callback(*args)
 
     def frozen(self, who: object) -> bool:
         return who in self._frozen
@@ -144,7 +153,10 @@ class SimLoop(asyncio.BaseEventLoop):
         if not self.pausable:
             return super().call_soon(callback, *args, context=context)
         ctx = context if context is not None else contextvars.copy_context()
-        return super().call_soon(self._gate, ctx, callback, *args, context=ctx)
+        cell: list[asyncio.Handle] = []
+        handle = super().call_soon(self._gate, ctx, cell, callback, *args, context=ctx)
+        cell.append(handle)
+        return handle
 
     def call_at(  # type: ignore[override]
         self, when: float, callback: Callable[..., Any], *args: Any, context: contextvars.Context | None = None
@@ -152,12 +164,17 @@ class SimLoop(asyncio.BaseEventLoop):
         if not self.pausable:
             return super().call_at(when, callback, *args, context=context)
         ctx = context if context is not None else contextvars.copy_context()
-        return super().call_at(when, self._gate, ctx, callback, *args, context=ctx)
+        cell: list[asyncio.Handle] = []
+        handle = super().call_at(when, self._gate, ctx, cell, callback, *args, context=ctx)
+        cell.append(handle)
+        return handle
 
-    def _gate(self, ctx: contextvars.Context, callback: Callable[..., Any], *args: Any) -> None:
+    def _gate(
+        self, ctx: contextvars.Context, cell: list[asyncio.Handle], callback: Callable[..., Any], *args: Any
+    ) -> None:
         held = self._frozen.get(ctx.get(owner)) if self._frozen else None
         if held is not None:
-            held.append((callback, args, ctx))
+            held.append((cell[0], callback, args, ctx))
             return
         callback(*args)
 
