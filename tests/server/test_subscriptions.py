@@ -1004,3 +1004,34 @@ def test_acknowledged_state_and_keys_survive_a_power_loss() -> None:
 
     asyncio.run(before())
     asyncio.run(after())
+
+
+class _FixedClock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+async def test_subscriptions_read_the_brokers_clock(tmp_path: Path) -> None:
+    """Issue 29, item 4: lease deadlines, retry times and wake timestamps come from the broker's
+    clock (simulated time in the simulator), not from ``time.time()``; jitter from a random the
+    simulator can seed."""
+    import random
+
+    from onceflow.core.subscriptions import Subscriptions
+
+    clock = _FixedClock(1_700_000_000.0)
+    broker = Broker(tmp_path / "data", clock=clock)
+    broker.open()
+    try:
+        manager = Subscriptions(broker, poster=None, rng=random.Random(1))  # type: ignore[arg-type]
+        assert manager.sign(b"{}").startswith("t=1700000000,")
+        clock.now += 60
+        assert manager.sign(b"{}").startswith("t=1700000060,")
+    finally:
+        await broker.close()

@@ -32,7 +32,6 @@ import json
 import logging
 import random
 import secrets
-import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -637,9 +636,13 @@ class Subscriptions:
     lease expiry) runs as tasks and timers.
     """
 
-    def __init__(self, broker: Broker, poster: Poster) -> None:
+    def __init__(self, broker: Broker, poster: Poster, *, rng: random.Random | None = None) -> None:
         self.broker = broker
         self.poster = poster
+        # the broker's clocks (wall clock: lease deadlines, retry times, wake timestamps) and a
+        # source of jitter: the simulator gives simulated time and a seeded random
+        self.clock = broker.clock
+        self.rng = rng if rng is not None else random.Random()  # noqa: S311 - jitter, not security
         self.fs = broker.fs  # every file of the state goes through it (see the module docstring)
         self.directory = broker.data_dir / "subscriptions"
         self.subs: dict[str, Subscription] = {}
@@ -843,7 +846,7 @@ class Subscriptions:
     def sign(self, body: bytes, now: float | None = None) -> str:
         """The ``Webhook-Signature`` header: Ed25519 over ``<unix seconds>.<body>``."""
         key = self.signing_key()
-        ts = int(time.time() if now is None else now)
+        ts = int(self.clock.time() if now is None else now)
         sig = key.sign(f"{ts}.".encode() + body)
         return f"t={ts},kid={self._jwk['kid']},ed25519={_b64url(sig)}"
 
@@ -1187,7 +1190,7 @@ class Subscriptions:
         deadlines = [d for d in (sub.lease_deadline, sub.next_attempt_at) if d is not None]
         if not deadlines or self.closing:
             return
-        delay = max(0.0, min(deadlines) - time.time())
+        delay = max(0.0, min(deadlines) - self.clock.time())
         sub.timer = asyncio.get_running_loop().call_later(delay, self._on_timer, sub.id, sub.uid)
 
     def _on_timer(self, sid: str, uid: str) -> None:
@@ -1195,7 +1198,7 @@ class Subscriptions:
         if sub is None or sub.uid != uid or self.closing:
             return
         sub.timer = None
-        now = time.time()
+        now = self.clock.time()
         if sub.lease_deadline is not None and now >= sub.lease_deadline:
             self._expire_lease(sub)
         elif sub.next_attempt_at is not None and now >= sub.next_attempt_at and sub.wake_id is not None:
@@ -1217,7 +1220,7 @@ class Subscriptions:
         self._maybe_wake(sub)
 
     def _expire_if_due(self, sub: Subscription) -> None:
-        if sub.lease_deadline is not None and time.time() >= sub.lease_deadline:
+        if sub.lease_deadline is not None and self.clock.time() >= sub.lease_deadline:
             self._expire_lease(sub)
 
     async def _announce(self, sid: str, uid: str, wake_id: str | None) -> None:
@@ -1253,7 +1256,7 @@ class Subscriptions:
             "subscription_id": sid,
             "stream": sub.trigger,
             "generation": sub.generation,
-            "ts": int(time.time() * 1000),
+            "ts": int(self.clock.time() * 1000),
         }
         data = json.dumps(event, separators=(",", ":")).encode()
         if not ws.is_json:
@@ -1314,9 +1317,9 @@ class Subscriptions:
         if error is not None:
             sub.attempts += 1
             delay = min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2 ** min(sub.attempts - 1, 16))
-            delay *= 1 + random.uniform(-RETRY_JITTER, RETRY_JITTER)  # noqa: S311 - jitter, not security
+            delay *= 1 + self.rng.uniform(-RETRY_JITTER, RETRY_JITTER)  # noqa: S311 - jitter, not security
             sub.status = "failed"
-            sub.next_attempt_at = time.time() + delay
+            sub.next_attempt_at = self.clock.time() + delay
             log.warning(
                 "subscription %r: webhook delivery %d failed (%s); retrying in %.1fs", sid, sub.attempts, error, delay
             )
@@ -1339,7 +1342,7 @@ class Subscriptions:
             self._end_wake(sub)
             self._maybe_wake(sub)
         else:
-            sub.lease_deadline = time.time() + sub.config.lease_ttl_ms / 1000
+            sub.lease_deadline = self.clock.time() + sub.config.lease_ttl_ms / 1000
             self._arm(sub)
             self._changed(sub)
 
@@ -1465,7 +1468,7 @@ class Subscriptions:
             self._new_wake(sub, pending[0])
             sub.announced = True  # claimed at once: no wake event needed
         sub.holder = worker
-        sub.lease_deadline = time.time() + sub.config.lease_ttl_ms / 1000
+        sub.lease_deadline = self.clock.time() + sub.config.lease_ttl_ms / 1000
         self._arm(sub)
         await self._commit(sub)
         return {
@@ -1514,7 +1517,7 @@ class Subscriptions:
         else:
             sub.announced = True
             sub.status, sub.attempts, sub.next_attempt_at = "active", 0, None
-            sub.lease_deadline = time.time() + sub.config.lease_ttl_ms / 1000
+            sub.lease_deadline = self.clock.time() + sub.config.lease_ttl_ms / 1000
             self._arm(sub)
         await self._commit(sub)
         return {"ok": True, "next_wake": next_wake}
