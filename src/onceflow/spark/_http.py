@@ -19,12 +19,12 @@ import httpx
 from .._backoff import backoff
 from ..client import OffsetGoneError, OnceflowError, TransportError
 from ..client.lowlevel import Coding, accept_headers, error_from_response, http_client, request_url, stream_url
-from ..storage.position import ZERO
 from ..wire import iter_frames
 
 __all__ = ["Conn", "Frame", "StreamTail", "byte_offset", "record_offset"]
 
 log = logging.getLogger("onceflow.spark")
+_ZERO = "0000000000000000_0000000000000000"  # a stream's first offset (a HEAD without Stream-Earliest-Offset)
 
 
 def record_offset(token: str) -> int:
@@ -141,7 +141,7 @@ class Conn:
         """Where a read of ``stream`` from ``-1`` starts now, as an offset: the earliest offset
         retention kept (``Stream-Earliest-Offset``), or the stream's first one."""
         resp = self.request("HEAD", stream_url(self._api, stream), f"head {stream}")
-        return resp.headers.get("stream-earliest-offset") or ZERO.token()
+        return resp.headers.get("stream-earliest-offset") or _ZERO
 
     def _overtaken(self, exc: OffsetGoneError, stream: str, at: str, until: str) -> str | None:
         """Where a read of ``stream`` from ``at`` whose data retention deleted goes on: the earliest
