@@ -71,21 +71,10 @@ from ..core.subscriptions import Subscription, SubscriptionError, glob_prefix
 from ..core.txn import SINK_TASK_PREFIX
 from ..errors import OnceflowError
 from . import routes
+from .answering import MAY_READ, ASGIMessage, BadRequest, Receive, Send, list_prefix
+from .answering import Scope as ASGIScope
 from .answers import answer_for
-from .app import (
-    MAY_READ,
-    App,
-    ASGIMessage,
-    BadRequest,
-    Receive,
-    Send,
-    body_coding,
-    fork_source,
-    list_prefix,
-    request_headers,
-    request_path,
-)
-from .app import Scope as ASGIScope
+from .app import App, body_coding, fork_source, request_headers, request_path
 from .routes import (
     FORCE_ABORT,
     GROUP_RESET,
@@ -853,7 +842,7 @@ def _authorise(grants: tuple[Grant, ...], endpoint: Endpoint, request: Request) 
 
 
 def _reader(grants: tuple[Grant, ...]) -> Callable[[str], bool]:
-    """The app's test (:data:`~onceflow.server.app.MAY_READ`) of whether these grants read a stream."""
+    """The app's test (:data:`~onceflow.server.answering.MAY_READ`) of whether these grants read a stream."""
     return lambda name: any(g.allows(name, "read") for g in grants)
 
 

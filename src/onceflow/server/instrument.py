@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from urllib.parse import parse_qs
 
 from ..errors import OnceflowError
-from .app import ASGIMessage, Receive, Scope, Send
+from .answering import ASGIMessage, Receive, Scope, Send
 from .metrics import Metrics
 from .routes import routed
 
