@@ -61,7 +61,9 @@ class Txn:
         r = await self.c.post(S + stream, json=[value], headers=headers)
         if r.status_code in (200, 204):
             self.seqs[stream] = max(self.seqs.get(stream, 0), seq + 1)
-            self.txn = int(r.headers["transaction-number"])
+            # every 200 names its transaction; a 204 duplicate of an ended transaction's append has none
+            if r.status_code == 200 or "transaction-number" in r.headers:
+                self.txn = int(r.headers["transaction-number"])
         return r
 
     async def end(self, commit: bool, *, txn: int | None = None, epoch: int | None = None) -> httpx.Response:
