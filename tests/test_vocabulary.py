@@ -116,7 +116,7 @@ def test_status_changes_only_where_a_record_is_applied() -> None:
     import onceflow.core.txn as txn
 
     source = inspect.getsource(txn)
-    body = inspect.getsource(txn.Coordinator._apply_txn)
+    body = inspect.getsource(txn.Transactions._apply_txn)
     assignments = [line.strip() for line in source.splitlines() if ".status = " in line or ".status, " in line]
     assert assignments and assignments == [
         line.strip() for line in body.splitlines() if ".status = " in line or ".status, " in line

@@ -12,7 +12,7 @@ import pytest
 
 from helpers.servers import InProcess
 from helpers.txn import JSON, S, T, Txn, after_restart
-from onceflow.core.txn import Coordinator
+from onceflow.core.coordinator import Coordinator
 from onceflow.server.app import App, AppConfig
 
 pytestmark = pytest.mark.anyio

@@ -326,7 +326,7 @@ async def test_the_sink_record_survives_a_restart_and_a_compaction(onceflow: InP
     # the reset sink's task ids went with it (issue 28, item 3: nothing a client makes outlives it)
     kept = {t for t in tasks if not t.startswith("spark/gone/")}
     assert {t for t in coord.txns if t.startswith("spark/")} == kept
-    from onceflow.core.txn import Coordinator
+    from onceflow.core.coordinator import Coordinator
 
     for compact in (False, True):
         again = Coordinator(

@@ -43,9 +43,10 @@ from ..storage.meta import META_NAME, StreamMeta, read_meta, write_meta
 from ..storage.position import Position, parse_token
 from ..wire import MAX_SAFE_INT
 from .clock import SYSTEM, Clock
+from .coordinator import Coordinator
 from .jsonmode import JsonError, encode_messages, first_messages
 from .refusal import Refusal
-from .txn import TXN_PRODUCER_PREFIX, CommitSeen, Coordinator, OpenTxn, StateLimits, TxnError, TxnMeta, TxnStatus
+from .txn import TXN_PRODUCER_PREFIX, CommitSeen, OpenTxn, StateLimits, TxnError, TxnMeta, TxnStatus
 
 __all__ = [
     "MAX_NAME_BYTES",

@@ -393,7 +393,7 @@ class Extensions:
         self, tid: str, body: dict[str, Any], readable: Readable
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """``POST /v1/txn/<id>/force-abort``: an operator aborts the id's open transaction and
-        fences its epoch (:meth:`~onceflow.core.txn.Coordinator.abort_open`)."""
+        fences its epoch (:meth:`~onceflow.core.coordinator.Coordinator.abort_open`)."""
         epoch = self._int_field(body, "epoch") if body.get("epoch") is not None else None
         txn = self._int_field(body, "txn") if body.get("txn") is not None else None
         aborted_epoch, aborted_txn = await self.broker.coordinator.abort_open(tid, epoch=epoch, txn=txn)
