@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import uuid
 from bisect import bisect_left
@@ -46,7 +47,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import add
-from typing import Any
+from typing import Any, assert_never
 
 import httpx
 
@@ -74,10 +75,45 @@ from .lowlevel import (
     stream_url,
 )
 
-__all__ = ["AsyncTransactionalProducer", "GroupOffsetStore", "TransactionalProducer"]
+__all__ = ["AsyncTransactionalProducer", "GroupOffsetStore", "TransactionalProducer", "TxnProducerState"]
 
 # transport errors raised before a byte of the request could have reached the server
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+class TxnProducerState(enum.Enum):
+    """Where an :class:`AsyncTransactionalProducer` stands (its ``state``). The producer moves from
+    one to another only as ``_MOVES`` allows (``AsyncTransactionalProducer._move``)."""
+
+    UNINITIALISED = "uninitialised"  # no epoch yet: init() (or resume()) first
+    READY = "ready"  # no transaction open: the next write begins one
+    IN_TXN = "in_txn"  # a transaction is open: something was added to it since the last end
+    ABORT_REQUIRED = "abort_required"  # a write was refused: only abort(), a request in this epoch
+    ABORT_BY_NEW_EPOCH = "abort_by_new_epoch"  # a write may be stored unseen: only abort(), by a new epoch
+    COMMIT_UNKNOWN = "commit_unknown"  # a commit had no definite answer: only commit() again
+    FENCED = "fenced"  # the id moved on past this epoch: only init() again
+
+    def can_become(self, new: TxnProducerState) -> bool:
+        return new in _MOVES[self]
+
+
+_S = TxnProducerState
+# Every state goes to READY on init() or resume() (a new epoch), and to FENCED on a 403 (an init's
+# too). ABORT_REQUIRED -> ABORT_BY_NEW_EPOCH: one of a flush's concurrent appends lost its answer
+# after another was refused. COMMIT_UNKNOWN -> IN_TXN: commit() again got an answer, which is then
+# taken as a first try's would be (READY, ABORT_REQUIRED or FENCED). A failed write that finds the
+# transaction already waiting for its abort keeps the first failure: no move.
+_MOVES: dict[TxnProducerState, frozenset[TxnProducerState]] = {
+    _S.UNINITIALISED: frozenset({_S.READY, _S.FENCED}),
+    _S.READY: frozenset({_S.READY, _S.IN_TXN, _S.FENCED}),
+    _S.IN_TXN: frozenset({_S.READY, _S.ABORT_REQUIRED, _S.ABORT_BY_NEW_EPOCH, _S.COMMIT_UNKNOWN, _S.FENCED}),
+    _S.ABORT_REQUIRED: frozenset({_S.READY, _S.ABORT_BY_NEW_EPOCH, _S.FENCED}),
+    _S.ABORT_BY_NEW_EPOCH: frozenset({_S.READY, _S.FENCED}),
+    _S.COMMIT_UNKNOWN: frozenset({_S.READY, _S.IN_TXN, _S.COMMIT_UNKNOWN, _S.FENCED}),
+    _S.FENCED: frozenset({_S.READY, _S.FENCED}),
+}
+_ABORTING = frozenset({_S.ABORT_REQUIRED, _S.ABORT_BY_NEW_EPOCH})  # waiting for abort()
+_FAILED = _ABORTING | {_S.FENCED}  # the states that hold the failure that led there
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +136,31 @@ class AsyncTransactionalProducer:
 
     ``compression`` (``"gzip"`` or ``"zstd"``): each append request of 1 KiB or more goes compressed;
     the server decodes it before the transaction sees it, so a commit, an abort or a retry is what
-    it would be uncompressed."""
+    it would be uncompressed.
+
+    ``state`` (:class:`TxnProducerState`) is one of these; ``_move`` changes it, and only along
+    ``_MOVES`` (any other move is a bug here, an ``AssertionError``). ``init()``, ``resume()`` and
+    ``close()`` are allowed in every state; ``init()`` and ``resume()`` lead to READY (a 403 on
+    ``init()`` to FENCED).
+
+    ==================  ===============================  ==============================================
+    state               entered when                     the other calls
+    ==================  ===============================  ==============================================
+    UNINITIALISED       constructed                      raise ``OnceflowError`` (``abort()``: no-op)
+    READY               init, commit, abort              allowed; a write moves to IN_TXN
+    IN_TXN              append, extend, offsets sent     allowed; commit/abort -> READY; a write that
+                                                         fails -> ABORT_*, a commit without answer
+                                                         -> COMMIT_UNKNOWN, a 403 -> FENCED
+    ABORT_REQUIRED      a write refused, an abort        ``abort()`` (a request) -> READY; the others
+                        failed                           raise ``AbortRequiredError``
+    ABORT_BY_NEW_EPOCH  a write without definite answer  ``abort()`` (a new epoch) -> READY or FENCED;
+                                                         the others raise ``AbortRequiredError``
+    COMMIT_UNKNOWN      a commit without definite        ``commit()`` (sent again); the others raise
+                        answer                           ``CommitOutcomeUnknownError``
+    FENCED              a 403; the id moved on           ``abort()`` drops the buffers; the others
+                                                         raise the fencing error
+    ==================  ===============================  ==============================================
+    """
 
     def __init__(
         self,
@@ -133,10 +193,10 @@ class AsyncTransactionalProducer:
         self._buffers: dict[str, list[bytes]] = {}
         self._buffer_bytes: dict[str, int] = {}
         self._types: dict[str, str] = {}
-        self._fenced: OnceflowError | None = None
-        self._doomed: BaseException | None = None  # why the open transaction can only be aborted
-        self._unknown = False  # a write of this epoch may have been stored unseen: abort takes a new epoch
-        self._commit: _Commit | None = None  # a commit whose outcome is unknown
+        self._state = TxnProducerState.UNINITIALISED  # changed by _move only
+        # set by _move with the state: FENCED's error, or the write that made the transaction ABORT_*
+        self._failure: BaseException | None = None
+        self._commit: _Commit | None = None  # COMMIT_UNKNOWN's request, to be sent again as it was
         self._bump_id: str | None = None  # the request id of the epoch bump under way (the same on every try)
 
     def _url(self, path: str) -> str:
@@ -181,25 +241,53 @@ class AsyncTransactionalProducer:
             attempt += 1
             await asyncio.sleep(backoff(attempt, *self.retry_backoff))
 
+    @property
+    def state(self) -> TxnProducerState:
+        """Where the producer stands: see the class docstring."""
+        return self._state
+
+    def _move(
+        self, new: TxnProducerState, *, failure: BaseException | None = None, commit: _Commit | None = None
+    ) -> None:
+        """The one place the state changes, and only as ``_MOVES`` allows: any other move is a bug
+        of this class (``AssertionError``). ``failure``: what FENCED raises, or the write that left
+        the transaction ABORT_*; ``commit``: COMMIT_UNKNOWN's request."""
+        old = self._state
+        if not old.can_become(new):
+            raise AssertionError(
+                f"transactional producer {self.transactional_id!r}: no move from {old.value} to {new.value}"
+            )
+        if (failure is not None) != (new in _FAILED) or (commit is not None) != (new is _S.COMMIT_UNKNOWN):
+            raise AssertionError(
+                f"transactional producer {self.transactional_id!r}: {new.value} with failure={failure!r}, commit={commit!r}"
+            )
+        self._state, self._failure, self._commit = new, failure, commit
+
     def _note(self, err: OnceflowError) -> OnceflowError:
         if err.status == 403:
-            self._fenced = err
+            self._move(_S.FENCED, failure=err)
         return err
 
     def _doom(self, exc: BaseException, *, unknown: bool) -> None:
         """A write of the open transaction failed (``unknown``: it may have been stored): the
-        transaction can only be aborted now."""
-        if self._doomed is None:
-            self._doomed = exc
-        self._unknown = self._unknown or unknown
+        transaction can only be aborted now (by a new epoch if ``unknown``). The first failure is
+        the one kept; fenced, nothing changes."""
+        state = self._state
+        if state is _S.FENCED or state is _S.ABORT_BY_NEW_EPOCH or (state is _S.ABORT_REQUIRED and not unknown):
+            return
+        self._move(
+            _S.ABORT_BY_NEW_EPOCH if unknown else _S.ABORT_REQUIRED,
+            failure=self._failure if state is _S.ABORT_REQUIRED else exc,
+        )
 
     def _failed_write(self, exc: BaseException) -> None:
         """Note a write that raised: no definite answer (an unknown outcome, or cancelled while
         under way) or a definite refusal (403 fences the producer)."""
         if isinstance(exc, OnceflowError):
             if exc.status == 403:
-                self._fenced = exc
-            self._doom(exc, unknown=isinstance(exc, OutcomeUnknownError))
+                self._move(_S.FENCED, failure=exc)
+            else:
+                self._doom(exc, unknown=isinstance(exc, OutcomeUnknownError))
         else:
             self._doom(exc, unknown=True)  # cancelled (or interrupted) while the request was out
 
@@ -208,32 +296,45 @@ class AsyncTransactionalProducer:
         """Whether the id moved on past this producer (a newer instance's ``init``, or the server
         fencing a transaction that outlived its timeout): it can do nothing more; ``init()`` again
         (which fences any other holder) or give way."""
-        return self._fenced is not None
+        return self._state is _S.FENCED
 
-    def _check(self) -> None:
-        """Raise unless the open transaction may take writes and commit."""
-        if self._fenced is not None:
-            raise self._fenced
-        if self.epoch < 0:
+    def _check_open(self) -> None:
+        """Raise, as the state says, unless the open transaction (or the next) may take writes and
+        commit: the one check of every call that writes or commits."""
+        state = self._state
+        if state is _S.READY or state is _S.IN_TXN:
+            return
+        if state is _S.FENCED:
+            assert self._failure is not None
+            raise self._failure
+        if state is _S.UNINITIALISED:
             raise OnceflowError("init() the transactional producer first")
-        if self._commit is not None:
+        if state is _S.COMMIT_UNKNOWN:
+            assert self._commit is not None
             raise CommitOutcomeUnknownError(
                 f"the outcome of the commit of transaction {self._commit.txn} of {self.transactional_id!r} is unknown: "
                 "call commit() again to learn it",
                 txn=self._commit.txn,
                 code="commit_outcome_unknown",
             )
-        if self._doomed is not None:
+        if state is _S.ABORT_REQUIRED or state is _S.ABORT_BY_NEW_EPOCH:
+            assert self._failure is not None
             raise AbortRequiredError(
                 f"the open transaction of {self.transactional_id!r} cannot commit, a write of it failed "
-                f"({self._doomed!r}): abort() it and begin again",
-                cause=self._doomed,
+                f"({self._failure!r}): abort() it and begin again",
+                cause=self._failure,
                 code="abort_required",
             )
+        assert_never(state)
+
+    def _open(self) -> None:
+        """Something is added to the transaction (after :meth:`_check_open`): it is open."""
+        if self._state is _S.READY:
+            self._move(_S.IN_TXN)
 
     def _owes_abort(self) -> bool:
         """Whether the open transaction failed and waits for ``abort()``."""
-        return self._doomed is not None and self._commit is None and self._fenced is None
+        return self._state in _ABORTING
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -244,25 +345,22 @@ class AsyncTransactionalProducer:
         # epoch back instead of fencing this very producer with a newer one
         request = {"timeout_ms": self.timeout_ms, "request_id": uuid.uuid4().hex}
         body = await self._post_json(self._url("init"), request, f"init {self.transactional_id}")
-        self._begin_epoch(body)
+        self._begin_epoch(body["producer_id"], body["epoch"], body["txn"])
 
-    def _begin_epoch(self, body: dict[str, Any]) -> None:
-        self.producer_id, self.epoch, self.txn, self._ended = body["producer_id"], body["epoch"], None, body["txn"]
+    def _begin_epoch(self, producer_id: str, epoch: int, ended: int) -> None:
+        """Write in a new epoch (READY): nothing of the old one is left."""
+        self.producer_id, self.epoch, self.txn, self._ended = producer_id, epoch, None, ended
         self._seqs.clear()
         self._buffers.clear()
         self._buffer_bytes.clear()
-        self._fenced = self._doomed = self._commit = self._bump_id = None
-        self._unknown = False
+        self._bump_id = None
+        self._move(_S.READY)
 
     def resume(self, producer_id: str, epoch: int, txn: int) -> None:
         """Write with an epoch that the server issued for this id by other means (the Spark
         sink's ``/v1/sinks/<sink>/begin`` initialises its tasks' ids itself), instead of
         :meth:`init`. ``txn``: the number of the id's last transaction, as the init answered."""
-        self.producer_id, self.epoch, self.txn, self._ended = producer_id, epoch, None, txn
-        self._seqs.clear()
-        self._buffers.clear()
-        self._buffer_bytes.clear()
-        self._fenced = None
+        self._begin_epoch(producer_id, epoch, txn)
 
     async def __aenter__(self) -> AsyncTransactionalProducer:
         await self.init()
@@ -296,8 +394,9 @@ class AsyncTransactionalProducer:
         """Add many messages to the open transaction at once. A request is sent each time the
         buffer reaches ``max_batch_bytes``, so however many are added in one call, each request
         holds about that much (a message larger than it goes with what was buffered before it)."""
-        self._check()
+        self._check_open()
         json_stream = is_json_type(await self._content_type(stream))
+        self._open()
         if type(values) is list and set(map(type, values)) == {bytes}:  # encoded messages (the Spark sink)
             await self._extend_encoded(stream, values)
             return
@@ -381,11 +480,12 @@ class AsyncTransactionalProducer:
         if number is not None and number.isdigit():
             if self.txn is not None and int(number) != self.txn:
                 # the server ended our transaction (a timeout) and this append began another one
-                self._fenced = OnceflowError(
+                err = OnceflowError(
                     f"transaction {self.txn} of {self.transactional_id!r} was aborted by the server; init() again",
                     code="transaction_aborted",
                 )
-                raise self._fenced
+                self._move(_S.FENCED, failure=err)
+                raise err
             self.txn = int(number)
 
     async def _send_all(self, streams: list[str]) -> None:
@@ -397,14 +497,15 @@ class AsyncTransactionalProducer:
 
     async def flush(self) -> None:
         """Send every buffered message (still inside the transaction)."""
-        self._check()
+        self._check_open()
         await self._send_all(list(self._buffers))
 
     async def send_offsets_to_transaction(self, group: str, offsets: Mapping[str, str]) -> None:
         """Commit ``group``'s ``offsets`` together with this transaction's output."""
-        self._check()
+        self._check_open()
         if not offsets:
             return
+        self._open()
         what = f"offsets of {group}"
         try:
             # the transaction the offsets are for (the open one, or the one they begin): a late
@@ -436,10 +537,11 @@ class AsyncTransactionalProducer:
         Raises :class:`AbortRequiredError` (and sends nothing) when a write of the transaction
         failed, and :class:`CommitOutcomeUnknownError` when the commit got no definite answer; then
         call ``commit()`` again, which resends that same request."""
-        if self._commit is not None and self._fenced is None:
+        if self._state is _S.COMMIT_UNKNOWN:
+            assert self._commit is not None
             await self._send_commit(self._commit)
             return
-        self._check()
+        self._check_open()
         pending = [stream for stream, msgs in self._buffers.items() if msgs]
         if pending:
             await self._send_all(pending[:-1])
@@ -448,6 +550,8 @@ class AsyncTransactionalProducer:
             await self._send_commit(req)
         elif self.txn is not None:
             await self._send_commit(self._commit_request(self.txn))
+        elif self._state is _S.IN_TXN:
+            self._move(_S.READY)  # nothing reached the server: nothing to commit
 
     def _commit_request(self, txn: int) -> _Commit:
         body = json.dumps({"epoch": self.epoch, "txn": txn}).encode()
@@ -466,13 +570,13 @@ class AsyncTransactionalProducer:
            by request, step 1 onwards.
         4. Committed."""
         what = f"commit transaction {req.txn} of {self.transactional_id!r}"
-        resend = self._commit is not None
+        resend = self._state is _S.COMMIT_UNKNOWN
         # Step 1
         try:
             resp = await self._request("POST", req.url, what, write=True, content=req.body, headers=req.headers)
         except OnceflowError as exc:
             if isinstance(exc, OutcomeUnknownError) or resend:
-                self._commit = req
+                self._move(_S.COMMIT_UNKNOWN, commit=req)
                 raise CommitOutcomeUnknownError(
                     f"{what}: no definite answer, it may or may not have committed; call commit() again to learn "
                     f"({exc.message})",
@@ -483,9 +587,10 @@ class AsyncTransactionalProducer:
             self._failed_write(exc)  # no attempt reached the server: not committed
             raise
         except BaseException:
-            self._commit = req  # cancelled while under way
+            self._move(_S.COMMIT_UNKNOWN, commit=req)  # cancelled while under way
             raise
-        self._commit = None
+        if resend:
+            self._move(_S.IN_TXN)  # an answer at last: taken as a first try's
         # Step 2
         if resp.status_code not in (200, 204):
             err = error_from_response(resp, what)
@@ -508,6 +613,7 @@ class AsyncTransactionalProducer:
                 return
         # Step 4
         self._ended, self.txn = req.txn, None
+        self._move(_S.READY)
 
     async def abort(self) -> None:
         """Drop what is buffered and abort what was sent.
@@ -516,14 +622,15 @@ class AsyncTransactionalProducer:
         module docstring); raises :class:`ProducerFencedError` if the id moved on to another
         holder meanwhile. Refused (:class:`CommitOutcomeUnknownError`) while a commit's outcome is
         unknown: call ``commit()`` again first."""
-        if self._commit is not None and self._fenced is None:
-            self._check()
+        state = self._state
+        if state is _S.COMMIT_UNKNOWN:
+            self._check_open()  # raises
         self._buffers.clear()
         self._buffer_bytes.clear()
-        if self._fenced is not None:
+        if state is _S.FENCED:
             self.txn = None  # the newer epoch aborted what this one left open
             return
-        if self._unknown:
+        if state is _S.ABORT_BY_NEW_EPOCH:
             await self._abort_by_new_epoch()
             return
         if self.txn is not None:
@@ -535,7 +642,8 @@ class AsyncTransactionalProducer:
                 self._doom(exc, unknown=False)  # no new writes may join it before the abort is through
                 raise
             self._ended, self.txn = self.txn, None
-        self._doomed = None
+        if state is not _S.UNINITIALISED:
+            self._move(_S.READY)
 
     async def _abort_by_new_epoch(self) -> None:
         """Abort after an unknown outcome: a new epoch, if the id is still this producer's.
@@ -559,7 +667,7 @@ class AsyncTransactionalProducer:
         body: dict[str, Any] = resp.json()
         if body["epoch"] != self.epoch + 1:
             raise self._fence(body["epoch"])
-        self._begin_epoch(body)
+        self._begin_epoch(body["producer_id"], body["epoch"], body["txn"])
 
     def _fence(self, current: int) -> ProducerFencedError:
         err = ProducerFencedError(
@@ -569,7 +677,7 @@ class AsyncTransactionalProducer:
             code="fenced",
             current_epoch=current,
         )
-        self._fenced = err
+        self._move(_S.FENCED, failure=err)
         self.txn = None
         return err
 
@@ -582,7 +690,7 @@ class AsyncTransactionalProducer:
         :class:`CommitOutcomeUnknownError` out of the block, not aborted."""
         if self._owes_abort():
             await self.abort()
-        self._check()
+        self._check_open()
         try:
             yield self
         except BaseException:
@@ -645,6 +753,11 @@ class TransactionalProducer:
         """See :attr:`AsyncTransactionalProducer.fenced`."""
         return self._core.fenced
 
+    @property
+    def state(self) -> TxnProducerState:
+        """See :attr:`AsyncTransactionalProducer.state`."""
+        return self._core.state
+
     def init(self) -> None:
         """Claim the transactional id again (the constructor did once): see the async twin."""
         run_sync(self._core.init())
@@ -672,7 +785,7 @@ class TransactionalProducer:
         """Commit when the block ends normally; abort (and re-raise) when it raises (see the async twin)."""
         if self._core._owes_abort():
             self.abort()
-        self._core._check()
+        self._core._check_open()
         try:
             yield self
         except BaseException:
