@@ -1193,7 +1193,7 @@ class Broker:
                     producer=producer,
                     stream_seq=stream_seq,
                     if_match=if_match,
-                    txn=txn_number is not None,
+                    transactional=txn_number is not None,
                 )
             if txn_number is not None and outcome.kind in ("appended", "duplicate"):
                 return replace(outcome, txn=txn_number)
@@ -1266,7 +1266,7 @@ class Broker:
                 producer=producer,
                 stream_seq=stream_seq,
                 if_match=if_match,
-                txn=True,
+                transactional=True,
                 after_stage=commit_too,
             )
             if outcome.kind == "appended" and marker:
@@ -1393,7 +1393,7 @@ class Broker:
         producer: ProducerHeaders | None,
         stream_seq: str | None,
         if_match: Position | None,
-        txn: bool = False,
+        transactional: bool = False,
         after_stage: Callable[[StreamState], None] | None = None,
     ) -> Outcome:
         found = self._live(name)
@@ -1417,7 +1417,7 @@ class Broker:
                 stream=s,
                 detail=f"Stream-Seq {stream_seq!r} is not greater than the last one",
             )
-        framed = self._frame_append(s, body, close=close, txn=txn)
+        framed = self._frame_append(s, body, close=close, transactional=transactional)
         if isinstance(framed, Outcome):
             return framed
         return await self._stage_append(
@@ -1506,8 +1506,11 @@ class Broker:
         return None
 
     @staticmethod
-    def _frame_append(s: StreamState, body: bytes, *, close: bool, txn: bool) -> tuple[bytes, int, int] | Outcome:
-        """Decides an append's payload, message count and flags (step 6); a malformed JSON body is refused."""
+    def _frame_append(
+        s: StreamState, body: bytes, *, close: bool, transactional: bool
+    ) -> tuple[bytes, int, int] | Outcome:
+        """Decides an append's payload, message count and flags (step 6; ``transactional``: the batch is a
+        transaction's, ``FLAG_TXN``); a malformed JSON body is refused."""
         payload, count, flags = body, (1 if body else 0), 0
         if s.is_json:
             flags |= FLAG_JSON
@@ -1518,7 +1521,7 @@ class Broker:
                     return Outcome(Refusal.BAD_REQUEST, stream=s, detail=str(exc))
         if close:
             flags |= FLAG_CLOSE
-        if txn:
+        if transactional:
             flags |= FLAG_TXN
         return payload, count, flags
 
