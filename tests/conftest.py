@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -180,3 +181,12 @@ def spark() -> Iterator[object]:
         yield session
     finally:
         session.stop()
+
+
+@pytest.fixture
+def registered(spark: Any) -> Any:
+    """The session Spark, with onceflow's data source registered."""
+    import onceflow.spark
+
+    onceflow.spark.register(spark)
+    return spark

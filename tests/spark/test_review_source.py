@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from helpers.servers import ServerProcess
+from helpers.spark import earliest_after_retention, fill, retention_server
 
 pytestmark = pytest.mark.slow
 JSON = {"content-type": "application/json"}
@@ -18,39 +17,8 @@ JSON = {"content-type": "application/json"}
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    srv = ServerProcess(
-        tmp_path_factory.mktemp("review-source") / "data",
-        "--segment-bytes",
-        "600",
-        "--retention-check-interval",
-        "0.2",
-    )
-    srv.start()
-    try:
-        yield srv.url
-    finally:
-        srv.kill()
-
-
-def fill(url: str, name: str, n: int, **headers: str) -> list[str]:
-    r = httpx.put(f"{url}/v1/stream/{name}", headers={**JSON, **headers})
-    assert r.status_code == 201, r.text
-    out = []
-    for i in range(n):
-        r = httpx.post(f"{url}/v1/stream/{name}", json=[{"id": i, "pad": "x" * 60}], headers=JSON)
-        assert r.status_code in (200, 204), r.text
-        out.append(r.headers["stream-next-offset"])
-    return out
-
-
-def earliest_after_retention(url: str, name: str) -> str:
-    give_up = time.monotonic() + 30
-    while time.monotonic() < give_up:
-        if "stream-earliest-offset" in httpx.head(f"{url}/v1/stream/{name}").headers:
-            time.sleep(1.5)
-            return httpx.head(f"{url}/v1/stream/{name}").headers["stream-earliest-offset"]
-        time.sleep(0.1)
-    raise AssertionError(f"retention never deleted the start of {name}")
+    with retention_server(tmp_path_factory.mktemp("review-source") / "data") as served:
+        yield served
 
 
 def rows(reader: Any, start: dict[str, str], end: dict[str, str]) -> list[int]:

@@ -31,14 +31,6 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         srv.kill()
 
 
-@pytest.fixture
-def registered(spark: Any) -> Any:
-    import onceflow.spark
-
-    onceflow.spark.register(spark)
-    return spark
-
-
 def create(url: str, name: str) -> None:
     r = httpx.put(f"{url}/v1/stream/{name}", headers=JSON)
     assert r.status_code == 201, r.text

@@ -42,14 +42,6 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Any:
     s.kill()
 
 
-@pytest.fixture
-def registered(spark: Any) -> Any:
-    import onceflow.spark
-
-    onceflow.spark.register(spark)
-    return spark
-
-
 def seed(url: str, name: str, n: int, per_append: int = 25) -> list[dict[str, int]]:
     put(url, name)
     rows = [{"id": i, "key": i % 7} for i in range(n)]

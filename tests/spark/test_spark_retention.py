@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers.servers import ServerProcess
+from helpers.spark import earliest_after_retention, fill, retention_server
 
 pytestmark = pytest.mark.slow
 JSON = {"content-type": "application/json"}
@@ -21,49 +21,8 @@ JSON = {"content-type": "application/json"}
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    srv = ServerProcess(
-        tmp_path_factory.mktemp("spark-retention") / "data",
-        "--segment-bytes",
-        "600",
-        "--retention-check-interval",
-        "0.2",
-    )
-    srv.start()
-    try:
-        yield srv.url
-    finally:
-        srv.kill()
-
-
-@pytest.fixture
-def registered(spark: Any) -> Any:
-    import onceflow.spark
-
-    onceflow.spark.register(spark)
-    return spark
-
-
-def fill(url: str, name: str, n: int, **headers: str) -> list[str]:
-    r = httpx.put(f"{url}/v1/stream/{name}", headers={**JSON, **headers})
-    assert r.status_code == 201, r.text
-    out = []
-    for i in range(n):
-        r = httpx.post(f"{url}/v1/stream/{name}", json=[{"id": i, "pad": "x" * 60}], headers=JSON)
-        assert r.status_code in (200, 204), r.text
-        out.append(r.headers["stream-next-offset"])
-    return out
-
-
-def earliest_after_retention(url: str, name: str) -> str:
-    """Wait until retention deleted the start of ``name``, then for one more sweep (each deletes all
-    it may, and nothing is appended any more): the earliest offset kept from then on."""
-    give_up = time.monotonic() + 30
-    while time.monotonic() < give_up:  # the server's sweep runs every ~1 s
-        if "stream-earliest-offset" in httpx.head(f"{url}/v1/stream/{name}").headers:
-            time.sleep(1.5)
-            return httpx.head(f"{url}/v1/stream/{name}").headers["stream-earliest-offset"]
-        time.sleep(0.1)
-    raise AssertionError(f"retention never deleted the start of {name}")
+    with retention_server(tmp_path_factory.mktemp("spark-retention") / "data") as served:
+        yield served
 
 
 def ids(df: Any) -> list[int]:
