@@ -166,3 +166,21 @@ async def test_the_states_of_a_producers_life(onceflow: InProcess) -> None:
             await producer.append("a", {"n": 4})
         assert producer.state is S.READY
     assert await committed(onceflow, "a") == [{"n": 1}, {"n": 4}]
+
+
+@pytest.mark.anyio
+async def test_a_closed_producer_says_so_instead_of_an_unknown_commit(server: Any) -> None:
+    """Found by the review of the states: a producer whose own HTTP client was closed sent its
+    next request through the closed client, and a commit then ended in COMMIT_UNKNOWN ("call
+    commit() again", which could never succeed). Every call after close() is refused, saying it is
+    closed, before anything is sent."""
+    httpx.put(f"{server.url}/v1/stream/a", headers={"content-type": "application/json"}).raise_for_status()
+    producer = AsyncTransactionalProducer(server.url, "t")
+    await producer.init()
+    await producer.append("a", {"n": 1})
+    await producer.close()
+    for call in (producer.commit, producer.flush, producer.abort, producer.init):
+        with pytest.raises(OnceflowError, match="closed") as refused:
+            await call()
+        assert refused.value.code == "closed" and not isinstance(refused.value, OutcomeUnknownError)
+    assert producer.state is not S.COMMIT_UNKNOWN

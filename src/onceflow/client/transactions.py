@@ -185,6 +185,7 @@ class AsyncTransactionalProducer:
         self.delivery_timeout = delivery_timeout
         self._own = client is None
         self._client = client or async_http_client(self.base_url, timeout=30.0, token=token)
+        self._closed = False  # its own client was closed: every call is refused (_refuse_closed)
         self.producer_id = ""
         self.epoch = -1
         self.txn: int | None = None  # the server's number of the open transaction, once known
@@ -214,6 +215,7 @@ class AsyncTransactionalProducer:
 
         Gives up after ``delivery_timeout`` with the last error or, for a ``write`` that may have
         reached the server on some attempt, :class:`OutcomeUnknownError`."""
+        self._refuse_closed()  # before anything is sent: a definite "not sent"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.delivery_timeout
         attempt = 0
@@ -301,6 +303,7 @@ class AsyncTransactionalProducer:
     def _check_open(self) -> None:
         """Raise, as the state says, unless the open transaction (or the next) may take writes and
         commit: the one check of every call that writes or commits."""
+        self._refuse_closed()
         state = self._state
         if state is _S.READY or state is _S.IN_TXN:
             return
@@ -371,9 +374,17 @@ class AsyncTransactionalProducer:
 
     async def close(self) -> None:
         """Release the HTTP client. An open transaction is left to the server's timeout (or the
-        next instance's init), never committed."""
+        next instance's init), never committed. A producer that made its own client refuses every
+        call after this (``closed``); one given a client leaves it to its owner."""
         if self._own:
+            self._closed = True
             await self._client.aclose()
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise OnceflowError(
+                f"the transactional producer of {self.transactional_id!r} is closed: make a new one", code="closed"
+            )
 
     # ------------------------------------------------------------------ writing
 
@@ -622,6 +633,7 @@ class AsyncTransactionalProducer:
         module docstring); raises :class:`ProducerFencedError` if the id moved on to another
         holder meanwhile. Refused (:class:`CommitOutcomeUnknownError`) while a commit's outcome is
         unknown: call ``commit()`` again first."""
+        self._refuse_closed()
         state = self._state
         if state is _S.COMMIT_UNKNOWN:
             self._check_open()  # raises
