@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from collections import Counter, OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import unquote_to_bytes
@@ -76,6 +76,7 @@ __all__ = [
     "Seal",
     "Switch",
     "serve_store",
+    "take_lease",
 ]
 
 log = logging.getLogger("onceflow")
@@ -854,6 +855,43 @@ def _step_down(why: str, switch: Switch, follower: NotLeader) -> NoReturn:
     os._exit(LEASE_LOST_EXIT)  # its memory may be behind the store: serve nothing more of it
 
 
+async def take_lease(
+    fs: PgFileSystem,
+    holder: str,
+    address: str,
+    term: float,
+    *,
+    clock: Callable[[], float],
+    call: Callable[..., Awaitable[Any]],
+    pause: Callable[[float], Awaitable[bool]],
+    unreachable: Callable[[OSError], None],
+) -> tuple[int, float] | None:
+    """Take the store's lease, trying again every quarter of a term (at most 1 s) while another
+    server holds it: its token and when the taking began by ``clock`` (the term counts from then),
+    or None when ``pause`` says to stop waiting. When the taking itself was slow (a database
+    failing over), most of its term is gone by this clock: it is renewed once at once, rather than
+    leading for a moment and stepping down. ``call(fn, *args)`` runs a call into the store (in a
+    thread; the simulator's at once); ``unreachable`` hears each failed attempt. The server and the
+    simulator (tools/onceflow_tools/sim/cluster.py) both take the lease here."""
+    while True:
+        began = clock()
+        try:
+            token: int | None = await call(fs.acquire, holder, address, term)
+        except OSError as exc:
+            unreachable(exc)
+            token = None
+        if token is not None:
+            break
+        if await pause(min(1.0, term / 4)):
+            return None
+    if clock() - began > term / 3:
+        again = clock()
+        with contextlib.suppress(OSError):
+            if await call(fs.renew, token, term):
+                began = again
+    return token, began
+
+
 async def _wait(stop: asyncio.Event, seconds: float) -> bool:
     """Sleep ``seconds`` unless told to stop; whether told to stop."""
     try:
@@ -952,26 +990,23 @@ async def serve_store(
     switch.target, switch.me, switch.leader = follower, me, follower.leader_url
     holder = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
     print(f"onceflow listening on http://{host}:{bound} (store: PostgreSQL, {me})", flush=True)
-    token: int | None = None
-    while token is None:
-        began = _clock()
-        try:
-            token = await _off_loop(fs.acquire, holder, me, lease_seconds)
-        except OSError as exc:
-            log.warning("could not reach the store: %s", exc)
-        if token is None and await _wait(stop, min(1.0, lease_seconds / 4)):
-            server.close()
-            await follower.close()
-            fs.close()
-            return
+    taken = await take_lease(
+        fs,
+        holder,
+        me,
+        lease_seconds,
+        clock=_clock,
+        call=_off_loop,
+        pause=functools.partial(_wait, stop),
+        unreachable=lambda exc: log.warning("could not reach the store: %s", exc),
+    )
+    if taken is None:
+        server.close()
+        await follower.close()
+        fs.close()
+        return
+    token, began = taken
     fs.token = token
-    if _clock() - began > lease_seconds / 3:
-        # the taking itself was slow (a database failing over): its term is mostly gone by this
-        # clock, so renew once at the start rather than lead for a moment and step down
-        again = _clock()
-        with contextlib.suppress(OSError):
-            if await _off_loop(fs.renew, token, lease_seconds):
-                began = again
     lease = Lease(token, lease_seconds, began)
     # a write whose COMMIT answer was lost is read back while the lease is valid; if it cannot be,
     # the store writes nothing more and this server steps down (its memory may disagree with it)

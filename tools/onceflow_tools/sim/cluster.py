@@ -34,7 +34,7 @@ import httpx
 from onceflow.client._failover import AsyncFailoverTransport, Servers
 from onceflow.core.broker import Broker
 from onceflow.server.app import App, AppConfig
-from onceflow.server.leader import ROOT, Leading, Lease, NotLeader, Renewals
+from onceflow.server.leader import ROOT, Leading, Lease, NotLeader, Renewals, take_lease
 from onceflow.storage.pgfs import PgFileSystem
 
 from . import actors
@@ -150,22 +150,27 @@ class ClusterNode(ServerNode):
         follower = NotLeader(fs, term, me=self.url, forward=False, max_body=1 << 20, long_poll_timeout=1.0)
         self.target = follower
         self.app = self._dispatch  # type: ignore[assignment] # listening
-        holder = f"{self.name}/{self.starts}"
-        lease_token: int | None = None
-        while lease_token is None:
-            began = self.clocks.monotonic()
-            try:
-                lease_token = fs.acquire(holder, self.url, term)
-            except OSError as exc:
-                self.trace(self.name, f"could not reach the store: {exc}")
-            if lease_token is None:
-                await asyncio.sleep(self.clocks.real(min(1.0, term / 4)))
+
+        async def call(fn: Callable[..., Any], *args: Any) -> Any:
+            return fn(*args)  # a call into the simulated database: at once, on the loop
+
+        async def pause(seconds: float) -> bool:
+            await asyncio.sleep(self.clocks.real(seconds))
+            return False  # a process waits for the lease until it is killed
+
+        taken = await take_lease(
+            fs,
+            f"{self.name}/{self.starts}",
+            self.url,
+            term,
+            clock=self.clocks.monotonic,
+            call=call,
+            pause=pause,
+            unreachable=lambda exc: self.trace(self.name, f"could not reach the store: {exc}"),
+        )
+        assert taken is not None
+        lease_token, began = taken
         fs.token = lease_token
-        if self.clocks.monotonic() - began > term / 3:
-            again = self.clocks.monotonic()
-            with contextlib.suppress(OSError):
-                if fs.renew(lease_token, term):
-                    began = again
         lease = Lease(lease_token, term, began, clock=self.clocks.monotonic)
         self.lease = lease
         fs.alive = lease.valid
