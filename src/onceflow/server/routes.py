@@ -2,8 +2,10 @@
 
 :func:`route` reads a request's method and path once and names its endpoint: the key of
 docs/security.md's table (the guard's :data:`~onceflow.server.guard.ENDPOINTS`, which says who may
-call it and which names it checks), the handler the app runs (``App._HANDLERS``) and the ``route``
-label of the metrics (server/instrument.py). Before, the app, the guard and the metrics each had a
+call it and which names it checks), what the app runs (``App._http`` dispatches on the key: the
+protocol's writes there, reads in server/reads.py, the extensions in server/extensions.py, the
+subscriptions' control API in server/subscriptions.py) and the ``route`` label of the metrics
+(server/instrument.py). Before, the app, the guard and the metrics each had a
 router of their own, kept equal by tests; a drift between them would have been an authorisation
 bug (the guard checking one endpoint's names while the app ran another's). The outermost layer
 routes and leaves the answer in the request's scope (:data:`ROUTE`); the layers within read it.
