@@ -419,7 +419,10 @@ def test_a_follower_that_holds_its_budget_of_bodies_answers_503_to_the_next_unti
             s.start()
         leader = wait_for_leader(*servers)
         follower = servers[1] if leader is servers[0] else servers[0]
-        assert httpx.put(f"{leader.url}/v1/stream/orders", headers={"content-type": "text/plain"}).status_code == 201
+        assert (
+            httpx.put(f"{leader.url}/v1/stream/orders", headers={"content-type": "text/plain"}, timeout=30).status_code
+            == 201
+        )
         with socket.create_connection(("127.0.0.1", follower.port), timeout=30) as slow:
             slow.sendall(
                 b"POST /v1/stream/orders HTTP/1.1\r\nhost: x\r\ncontent-type: text/plain\r\n"
@@ -427,7 +430,10 @@ def test_a_follower_that_holds_its_budget_of_bodies_answers_503_to_the_next_unti
             )
             time.sleep(0.5)  # the follower took room for its 1000 bytes
             r = httpx.post(
-                f"{follower.url}/v1/stream/orders", content=b"b" * 1000, headers={"content-type": "text/plain"}
+                f"{follower.url}/v1/stream/orders",
+                content=b"b" * 1000,
+                headers={"content-type": "text/plain"},
+                timeout=30,  # the follower waits 5 s for room, then answers: httpx's 5 s default raced it
             )
             assert (r.status_code, r.json()["error"]["code"], r.headers["retry-after"]) == (
                 503,
@@ -436,7 +442,9 @@ def test_a_follower_that_holds_its_budget_of_bodies_answers_503_to_the_next_unti
             )
             slow.sendall(b"a" * 990)
             assert slow.recv(4096).startswith(b"HTTP/1.1 204 ")
-        r = httpx.post(f"{follower.url}/v1/stream/orders", content=b"b" * 1000, headers={"content-type": "text/plain"})
+        r = httpx.post(
+            f"{follower.url}/v1/stream/orders", content=b"b" * 1000, headers={"content-type": "text/plain"}, timeout=30
+        )
         assert r.status_code == 204
         assert httpx.get(f"{leader.url}/v1/stream/orders", params={"offset": "-1"}).content == b"a" * 1000 + b"b" * 1000
     finally:
